@@ -1,0 +1,17 @@
+"""spmdzero: DeepSpeed ZeRO-1/2 on TPUs, the GSPMD way.
+
+Importing spmdzero starts the XLA runtime in SPMD mode (see ``spmdzero.runtime``), so
+import it before creating any XLA tensor or running any backward pass.
+"""
+
+from . import runtime as _runtime
+
+_runtime.bootstrap()
+
+from .config import ConfigError  # noqa: E402
+from .engine import SpmdZeroEngine  # noqa: E402
+from .initialize import initialize  # noqa: E402
+from .plan import ShardingPlan, make_plan  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["initialize", "SpmdZeroEngine", "ShardingPlan", "make_plan", "ConfigError", "__version__"]

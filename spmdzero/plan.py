@@ -1,0 +1,116 @@
+"""The sharding plan: which tensor is split how, as pure data.
+
+``make_plan(named shapes, mesh shape, ZeRO stage)`` returns a frozen ``ShardingPlan``
+that gives, for every trainable parameter, the partition spec of the parameter, its
+gradient buffer and its optimizer states. It needs no device, prints as a table, and
+the engine applies it without re-deciding anything.
+
+The rule, per tensor:
+
+* parameters are replicated at every stage;
+* a tensor's *ZeRO spec* splits its largest dimension (the first one on ties) across
+  the ``fsdp`` axis; a dimension that does not divide evenly is padded by XLA;
+* tensors whose largest dimension is smaller than the ``fsdp`` size (scalars, tiny
+  vectors) stay replicated: some devices would otherwise hold only padding;
+* stage 0: everything replicated. Stage 1: optimizer states use the ZeRO spec,
+  gradients replicated. Stage 2: gradients and optimizer states use the ZeRO spec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Iterable, Mapping, Optional, Sequence
+
+from .mesh import FSDP_AXIS, data_parallel_axes
+
+PartitionSpec = tuple  # one entry per dim: None (replicated) or a mesh axis name / tuple of names
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    name: str
+    shape: tuple[int, ...]
+    param: PartitionSpec
+    grad: PartitionSpec
+    optimizer_state: PartitionSpec
+    shard_dim: Optional[int]  # the dim the ZeRO spec splits, None if the tensor stays replicated
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    stage: int
+    mesh_shape: tuple[tuple[str, int], ...]
+    tensors: tuple[TensorPlan, ...]
+
+    @cached_property
+    def _by_name(self) -> dict[str, TensorPlan]:
+        return {t.name: t for t in self.tensors}
+
+    def get(self, name: str) -> Optional[TensorPlan]:
+        return self._by_name.get(name)
+
+    def __getitem__(self, name: str) -> TensorPlan:
+        if name not in self._by_name:
+            raise KeyError(f"no parameter named {name!r} in the sharding plan")
+        return self._by_name[name]
+
+    def batch_spec(self, ndim: int) -> PartitionSpec:
+        """Split dim 0 (the batch) across every data-parallel axis."""
+        return batch_spec(dict(self.mesh_shape), ndim)
+
+    def table(self) -> str:
+        rows = [("parameter", "shape", "param", "grad", "optimizer state")]
+        rows += [(t.name, "x".join(map(str, t.shape)) or "scalar", _fmt(t.param), _fmt(t.grad),
+                  _fmt(t.optimizer_state)) for t in self.tensors]
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        mesh = " x ".join(f"{n}={s}" for n, s in self.mesh_shape)
+        lines = [f"ZeRO stage {self.stage} on mesh {mesh}"]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        return "\n".join(lines)
+
+    __str__ = table
+
+
+def _fmt(spec: PartitionSpec) -> str:
+    return "(" + ", ".join("-" if s is None else str(s) for s in spec) + ")" if spec else "()"
+
+
+def replicated(ndim: int) -> PartitionSpec:
+    return (None,) * ndim
+
+
+def zero_spec(shape: Sequence[int], fsdp_size: int) -> tuple[PartitionSpec, Optional[int]]:
+    """Split the largest dim across ``fsdp``; replicate tensors too small to split."""
+    if not shape or fsdp_size <= 1 or max(shape) < fsdp_size:
+        return replicated(len(shape)), None
+    dim = max(range(len(shape)), key=lambda d: (shape[d], -d))
+    spec = tuple(FSDP_AXIS if d == dim else None for d in range(len(shape)))
+    return spec, dim
+
+
+def batch_spec(mesh_shape: Mapping[str, int], ndim: int) -> PartitionSpec:
+    axes = data_parallel_axes(mesh_shape)
+    first = axes[0] if len(axes) == 1 else axes
+    return (first,) + (None,) * (ndim - 1)
+
+
+def make_plan(named_shapes: Iterable[tuple[str, Sequence[int]]], mesh_shape: Mapping[str, int],
+              stage: int) -> ShardingPlan:
+    if stage not in (0, 1, 2):
+        raise ValueError(f"ZeRO stage must be 0, 1 or 2, got {stage!r}")
+    if FSDP_AXIS not in mesh_shape:
+        raise ValueError(f"mesh axes {tuple(mesh_shape)} have no {FSDP_AXIS!r} axis")
+    fsdp = mesh_shape[FSDP_AXIS]
+    tensors = []
+    for name, shape in named_shapes:
+        shape = tuple(int(s) for s in shape)
+        rep = replicated(len(shape))
+        sharded, dim = zero_spec(shape, fsdp)
+        tensors.append(TensorPlan(
+            name=name, shape=shape, param=rep,
+            grad=sharded if stage >= 2 else rep,
+            optimizer_state=sharded if stage >= 1 else rep,
+            shard_dim=dim if stage >= 1 else None,
+        ))
+    return ShardingPlan(stage, tuple(mesh_shape.items()), tuple(tensors))

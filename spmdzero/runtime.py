@@ -1,0 +1,85 @@
+"""Process-wide XLA bootstrap: SPMD mode, one process per host.
+
+Everything here runs once, on ``import spmdzero``, before any XLA tensor exists:
+
+* pick the PJRT device: every TPU chip on a TPU VM, else the CPU client with
+  ``CPU_NUM_DEVICES`` virtual devices (8 when unset), the embedded default;
+* switch torch_xla into SPMD mode (it must precede the first XLA tensor);
+* start the runtime now. PyTorch's autograd engine sizes its per-device queues
+  at the first ``backward()`` of the process. If that backward runs on CPU before
+  the XLA runtime has started, the XLA queues are never created and every later
+  XLA backward dies with a ``device_ready_queues_`` assert. Starting the runtime
+  at import makes that ordering impossible.
+"""
+
+from __future__ import annotations
+
+import os
+
+DEFAULT_CPU_DEVICES = 8
+
+
+TPU_PCI_VENDOR = "0x1ae0"  # Google; how torch_xla itself counts TPU chips
+
+
+def _select_device_type() -> str:
+    """Decided before torch_xla is imported, which would otherwise pick (and log) its own."""
+    if "PJRT_DEVICE" in os.environ:
+        return os.environ["PJRT_DEVICE"]
+    import glob
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is not None:
+        for vendor_file in glob.glob("/sys/bus/pci/devices/*/vendor"):
+            with open(vendor_file) as f:
+                if f.read().strip() == TPU_PCI_VENDOR:
+                    return "TPU"
+    return "CPU"
+
+
+def bootstrap() -> None:
+    """Configure and start the XLA runtime in SPMD mode. Idempotent."""
+    device_type = _select_device_type()
+    os.environ["PJRT_DEVICE"] = device_type
+    if device_type == "CPU":
+        os.environ.setdefault("CPU_NUM_DEVICES", str(DEFAULT_CPU_DEVICES))
+
+    import torch_xla.runtime as xr
+
+    if not xr.is_spmd():
+        try:
+            xr.use_spmd()
+        except Exception as err:  # torch_xla refuses once XLA tensors exist
+            raise RuntimeError(
+                "spmdzero could not switch torch_xla into SPMD mode: XLA tensors were "
+                "created before `import spmdzero`. Import spmdzero first (in a notebook: "
+                "restart the kernel and import it in the first cell)."
+            ) from err
+    xr.global_runtime_device_count()  # starts the runtime; see the module docstring
+
+
+def device_count() -> int:
+    import torch_xla.runtime as xr
+
+    return xr.global_runtime_device_count()
+
+
+def device():
+    import torch_xla
+
+    return torch_xla.device()
+
+
+BACKWARD_TRAP_MARKER = "device_ready_queues_"
+
+
+def explain_backward_trap(err: RuntimeError) -> RuntimeError | None:
+    """A clear error for the autograd queue trap, or None if ``err`` is something else."""
+    if BACKWARD_TRAP_MARKER not in str(err):
+        return None
+    return RuntimeError(
+        "XLA backward failed because a backward pass ran on CPU tensors before the XLA "
+        "runtime started in this process (PyTorch's autograd engine then never creates "
+        "its XLA device queues). Import spmdzero before running any backward pass; in a "
+        "notebook, restart the kernel and `import spmdzero` in the first cell."
+    )
