@@ -43,12 +43,13 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     shape = mesh_shape(mesh)
     batch = resolve_batch(cfg, data_parallel_size(shape))
 
-    module = model.to(runtime.device())
+    module = _move_in_place(model, runtime.device())
     trainable = [(n, p.shape) for n, p in module.named_parameters() if p.requires_grad]
     plan = make_plan(trainable, shape, cfg.zero_stage)
 
     opt = _build_optimizer(optimizer, model_parameters, module, cfg)
     if opt is not None:
+        _move_state_to(opt, runtime.device())
         materialize_state(opt)
     scheduler = _build_scheduler(lr_scheduler, opt, cfg)
 
@@ -59,6 +60,26 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     engine = SpmdZeroEngine(module=module, optimizer=opt, lr_scheduler=scheduler, config=cfg, batch=batch,
                             mesh=mesh, plan=plan, training_dataloader=loader)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _move_in_place(module: torch.nn.Module, device) -> torch.nn.Module:
+    """``module.to(device)`` that keeps every Parameter object. CPU and XLA tensors cannot
+    share storage, so a plain ``.to`` makes new Parameters and an optimizer built on the
+    old ones would silently update nothing; swapping contents keeps the references live."""
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        return module.to(device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+
+
+def _move_state_to(optimizer, device) -> None:
+    """State a client optimizer already holds (e.g. loaded) follows its params to the device."""
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device != p.device and value.shape == p.shape:
+                state[key] = value.to(device)
 
 
 def _build_optimizer(client, model_parameters, module, cfg):

@@ -191,9 +191,9 @@ def build_optimizer(opt_cfg: OptimizerConfig, params: Iterable) -> torch.optim.O
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         import difflib
 
-        known = sorted(_DEEPSPEED_NAMES | {n for n in dir(torch.optim) if n[0].isupper()})
-        close = difflib.get_close_matches(opt_cfg.type, known, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        known = {n.lower(): n for n in sorted({n for n in dir(torch.optim) if n[0].isupper()} | _DEEPSPEED_NAMES)}
+        close = difflib.get_close_matches(opt_cfg.type.lower(), list(known), n=1)
+        hint = f" (did you mean {known[close[0]]!r}?)" if close else ""
         raise ConfigError(f"optimizer.type {opt_cfg.type!r} is neither a DeepSpeed optimizer nor a "
                           f"torch.optim class{hint}")
     return _construct(cls, params, kwargs, opt_cfg.type)

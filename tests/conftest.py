@@ -1,0 +1,34 @@
+"""Shared helpers. Importing spmdzero starts an 8-device CPU SPMD runtime for this process;
+tests needing another device count run in a subprocess (``run_python``)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import spmdzero  # noqa: F401  (bootstraps the runtime before any test creates tensors)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_mlp(seed: int = 0, d_in: int = 16, d_hidden: int = 64, d_out: int = 8) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(d_in, d_hidden), torch.nn.Tanh(), torch.nn.Linear(d_hidden, d_out))
+
+
+def batches(n: int, batch: int, d_in: int = 16, d_out: int = 8, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, d_in, generator=g), torch.randn(batch, d_out, generator=g)) for _ in range(n)]
+
+
+def run_python(code: str, env: dict | None = None, timeout: int = 600) -> str:
+    """Run ``code`` in a fresh interpreter (its own device count); return stdout, fail on error."""
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}")
+    return proc.stdout

@@ -1,0 +1,236 @@
+"""The engine on 8 CPU devices against a plain single-device PyTorch loop."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch_xla.debug.metrics as met
+import torch_xla.distributed.spmd as xs
+
+import spmdzero
+from spmdzero.inspect import model_state_bytes, sharding_spec
+from spmdzero.schedules import WarmupLR
+
+from conftest import batches, tiny_mlp
+
+GAS, MICRO_PER_DEVICE, N = 2, 2, 8
+CLIP = 0.3
+
+
+def config(stage, **extra):
+    return {"train_micro_batch_size_per_gpu": MICRO_PER_DEVICE, "gradient_accumulation_steps": GAS,
+            "gradient_clipping": CLIP, "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}, **extra}
+
+
+def reference_run(model, data):
+    """Single-device PyTorch: the same model, batches, accumulation, clipping and schedule."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
+    sched = WarmupLR(opt, warmup_num_steps=3)
+    losses = []
+    for i, (x, y) in enumerate(data):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        losses.append(loss.item())
+        (loss / GAS).backward()
+        if (i + 1) % GAS == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def engine_run(engine, data):
+    losses = []
+    for x, y in data:
+        loss = torch.nn.functional.mse_loss(engine(x), y.to(engine.device))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss)
+    return [l.item() for l in losses], {n: p.detach().cpu() for n, p in engine.module.named_parameters()}
+
+
+@pytest.fixture(scope="module", params=[0, 1, 2])
+def trained(request):
+    """One short run per stage, shared by the tests below (compile once, reuse)."""
+    stage = request.param
+    model = tiny_mlp()
+    data = batches(12, MICRO_PER_DEVICE * N)
+    ref = reference_run(model, data)
+    engine, _, _, _ = spmdzero.initialize(model=copy.deepcopy(model), config=config(stage))
+    inputs = []
+    engine.module.register_forward_pre_hook(lambda m, args: inputs.append(sharding_spec(args[0])))
+    out = engine_run(engine, data)
+    return stage, engine, ref, out, inputs
+
+
+def test_stage_trains_like_single_device_pytorch(trained):
+    stage, engine, (ref_losses, ref_params), (losses, params), _ = trained
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-5, msg=f"stage {stage}: {name}")
+    assert engine.global_steps == 6 and engine.micro_steps == 12
+    assert engine.global_samples == 6 * engine.train_batch_size()
+
+
+def test_clipping_was_active(trained):
+    _, engine, *_ = trained
+    assert engine.get_global_grad_norm() > CLIP
+
+
+def test_partition_specs_follow_the_stage(trained):
+    stage, engine, _, _, inputs = trained
+    sharded = "{devices=[8,1]0,1,2,3,4,5,6,7}"
+    w = engine.module[0].weight  # 64x16: the largest dim is 0
+    assert all(sharding_spec(p) == "{replicated}" for p in engine.module.parameters())
+    states = engine.optimizer.state[w]
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert sharding_spec(states[key]) == (sharded if stage >= 1 else "{replicated}")
+    assert sharding_spec(engine.grad_buffers()["0.weight"]) == (sharded if stage == 2 else "{replicated}")
+    assert inputs and all(spec == sharded for spec in inputs)
+
+
+def test_model_state_bytes_match_zero_accounting():
+    torch.manual_seed(0)
+    make = lambda: torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64))  # noqa: E731
+    P = sum(p.numel() for p in make().parameters())
+    expected = {0: 16 * P, 1: 8 * P + 8 * P / N, 2: 4 * P + 12 * P / N}
+    for stage, want in expected.items():
+        engine, *_ = spmdzero.initialize(model=make(), config=config(stage))
+        got = model_state_bytes(engine)
+        assert got.params == 4 * P
+        assert abs(got.total - want) / want < 0.03, (stage, got, want)
+
+
+def test_no_recompiles_or_device_reads_after_warmup():
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(), config=config(2))
+    data = batches(20, MICRO_PER_DEVICE * N)
+
+    def micro_step(i, x, y):
+        if i == 15:
+            engine.optimizer.param_groups[0]["lr"] = 0.0  # an lr of exactly 0 must not change the graph
+        loss = torch.nn.functional.mse_loss(engine(x), y.to(engine.device))
+        engine.backward(loss)
+        engine.step()
+
+    for i, (x, y) in enumerate(data[:4]):
+        micro_step(i, x, y)
+    compiles = met.metric_data("CompileTime")[0]
+    transfers = (met.metric_data("TransferFromDeviceTime") or [0])[0]
+    for i, (x, y) in enumerate(data[4:], start=4):
+        micro_step(i, x, y)
+    assert met.metric_data("CompileTime")[0] == compiles
+    assert (met.metric_data("TransferFromDeviceTime") or [0])[0] == transfers
+    assert engine.global_steps == 10
+
+
+def test_two_d_mesh_shards_states_on_fsdp_and_batch_on_both():
+    model = tiny_mlp()
+    data = batches(4, MICRO_PER_DEVICE * N)
+    engine, *_ = spmdzero.initialize(model=copy.deepcopy(model), config=config(2, spmd={"mesh": {"data": 2, "fsdp": -1}}))
+    assert dict(zip(engine.mesh.axis_names, engine.mesh.mesh_shape)) == {"data": 2, "fsdp": 4}
+    assert engine.dp_world_size == 8 and engine.train_batch_size() == 32
+    inputs = []
+    engine.module.register_forward_pre_hook(lambda m, args: inputs.append(sharding_spec(args[0])))
+    losses, params = engine_run(engine, data)
+    assert inputs[0].startswith("{devices=[8,1]")
+    state = engine.optimizer.state[engine.module[0].weight]["exp_avg"]
+    assert sharding_spec(state).startswith("{devices=[4,1,2]") and "last_tile_dim_replicate" in sharding_spec(state)
+    ref_losses, ref_params = reference_run(model, data)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(params["0.weight"], ref_params["0.weight"], rtol=1e-5, atol=1e-5)
+
+
+def test_user_mesh_and_client_optimizer():
+    mesh = xs.Mesh(np.arange(N), (4, 2), ("data", "fsdp"))
+    model = tiny_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
+    cfg = {k: v for k, v in config(1).items() if k != "optimizer"}
+    engine, returned_opt, _, _ = spmdzero.initialize(model=model, optimizer=opt, mesh=mesh, config=cfg)
+    assert returned_opt is opt and engine.dp_world_size == 8
+    w = model[0].weight
+    # state exists and is sharded before the first step
+    assert sharding_spec(opt.state[w]["exp_avg"]).startswith("{devices=[2,1,4]")
+    ref_losses, _ = reference_run(tiny_mlp(), batches(4, 16))
+    losses, _ = engine_run(engine, batches(4, 16))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+
+
+def test_client_optimizer_callable_and_scheduler_callable():
+    engine, opt, _, sched = spmdzero.initialize(
+        model=tiny_mlp(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
+        config={"train_batch_size": 16})
+    assert isinstance(opt, torch.optim.SGD) and isinstance(sched, torch.optim.lr_scheduler.StepLR)
+    assert engine.get_mom() == [0.9]
+    x, y = batches(1, 16)[0]
+    engine.backward(torch.nn.functional.mse_loss(engine(x), y.to(engine.device)))
+    engine.step()
+    assert engine.get_lr() == [0.05]
+
+
+def test_engine_counters_and_boundary_follow_deepspeed():
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(), config=config(2))
+    assert engine.get_global_grad_norm() is None and not engine.was_step_applied()
+    assert engine.get_lr() == [0.0]  # WarmupLR writes its t = -1 lr: the first step uses it
+    assert engine.get_mom() == [(0.9, 0.999)]
+    assert engine.gradient_accumulation_steps() == GAS and engine.train_micro_batch_size_per_gpu() == 2
+    x, y = batches(1, 16)[0]
+    loss = torch.nn.functional.mse_loss(engine(x), y.to(engine.device))
+    scaled = engine.backward(loss)
+    torch.testing.assert_close(scaled.cpu(), loss.cpu() / GAS)
+    assert not engine.is_gradient_accumulation_boundary()
+    engine.step()
+    assert (engine.micro_steps, engine.global_steps) == (1, 0)
+    assert engine.is_gradient_accumulation_boundary()
+    engine.set_gradient_accumulation_boundary(False)
+    engine.backward(torch.nn.functional.mse_loss(engine(x), y.to(engine.device)))
+    engine.step()
+    assert (engine.micro_steps, engine.global_steps) == (2, 0)
+    engine.set_gradient_accumulation_boundary(True)
+    engine.backward(torch.nn.functional.mse_loss(engine(x), y.to(engine.device)))
+    engine.step()
+    assert (engine.micro_steps, engine.global_steps) == (3, 1) and engine.was_step_applied()
+    assert engine.get_lr() == [pytest.approx(0.0)]  # t = 0 of a log warmup is still 0
+    with pytest.raises(AssertionError, match="ZeRO stage 2"):
+        with engine.no_sync():
+            pass
+
+
+def test_training_data_gives_sharded_batches_in_deepspeed_rank_order():
+    from torch.utils.data import DistributedSampler, TensorDataset
+
+    xs_, ys_ = torch.arange(64.0).reshape(32, 2).repeat(1, 8), torch.zeros(32, 8)
+    dataset = TensorDataset(xs_, ys_)
+    engine, _, loader, _ = spmdzero.initialize(model=tiny_mlp(), training_data=dataset, config=config(2))
+    assert len(loader) == 2  # 32 samples / (2 per device x 8 devices)
+    first_x, _ = next(iter(loader))
+    assert sharding_spec(first_x) == "{devices=[8,1]0,1,2,3,4,5,6,7}" and first_x.shape == (16, 16)
+    expected = torch.cat([xs_[list(DistributedSampler(dataset, num_replicas=8, rank=r))[:2]] for r in range(8)])
+    torch.testing.assert_close(first_x.cpu(), expected)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(config={"train_batch_size": 16}), ValueError, "model is required"),
+    (dict(model="not a module", config={"train_batch_size": 16}), TypeError, "torch.nn.Module"),
+    (dict(model=tiny_mlp()), ValueError, "no DeepSpeed config"),
+    (dict(model=tiny_mlp(), config={"train_batch_size": 16}, config_params={"train_batch_size": 16}),
+     ValueError, "not both"),
+    (dict(model=tiny_mlp(), config={"train_batch_size": 16},
+          mesh=xs.Mesh(np.arange(8), (8,), ("data",))), ValueError, "no 'fsdp' axis"),
+    (dict(model=tiny_mlp(), config={"train_batch_size": 16}, mesh="fsdp"), TypeError, "Mesh"),
+    (dict(model=tiny_mlp(), config={"train_batch_size": 16, "spmd": {"mesh": {"data": 3}}}),
+     ValueError, "does not cover the 8 devices"),
+])
+def test_bad_input_is_a_clear_error(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        spmdzero.initialize(**kwargs)
+
+
+def test_batch_that_does_not_divide_over_devices_is_refused():
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(), config=config(2))
+    with pytest.raises(ValueError, match="batch dimension 12 .* 8 data-parallel devices"):
+        engine(torch.randn(12, 16))

@@ -1,0 +1,84 @@
+"""spmdzero's optimizers against torch.optim on CPU, step for step."""
+
+import pytest
+import torch
+
+from spmdzero.config import ConfigError, OptimizerConfig
+from spmdzero.optim import SGD, Adagrad, AdamW, build_optimizer, materialize_state
+
+
+def run(opt_factory, steps=6, seed=0):
+    torch.manual_seed(seed)
+    p = torch.nn.Parameter(torch.randn(5, 3))
+    opt = opt_factory([p])
+    g = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        p.grad = torch.randn(5, 3, generator=g)
+        opt.step()
+    return p.detach()
+
+
+@pytest.mark.parametrize("ours,theirs", [
+    (lambda ps: AdamW(ps, lr=0.01, weight_decay=0.1), lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1)),
+    (lambda ps: AdamW(ps, lr=0.01, weight_decay=0.1, adam_w_mode=False),
+     lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=0.1)),
+    (lambda ps: SGD(ps, lr=0.1), lambda ps: torch.optim.SGD(ps, lr=0.1)),
+    (lambda ps: SGD(ps, lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.01),
+     lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.01)),
+    (lambda ps: SGD(ps, lr=0.1, momentum=0.9, nesterov=True), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True)),
+    (lambda ps: Adagrad(ps, lr=0.1, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1),
+     lambda ps: torch.optim.Adagrad(ps, lr=0.1, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1)),
+])
+def test_matches_torch_optim(ours, theirs):
+    torch.testing.assert_close(run(ours), run(theirs), rtol=1e-5, atol=1e-6)
+
+
+def test_state_exists_before_the_first_step():
+    p = torch.nn.Parameter(torch.randn(4, 2))
+    opt = AdamW([p])
+    materialize_state(opt)
+    assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_client_optimizer_state_is_primed_without_changing_anything():
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(4, 2))
+    before = p.detach().clone()
+    opt = torch.optim.AdamW([p], lr=0.1, weight_decay=0.5)
+    materialize_state(opt)
+    assert torch.equal(p.detach(), before) and p.grad is None
+    assert float(opt.state[p]["step"]) == 0 and not opt.state[p]["exp_avg"].any()
+    # and it then trains exactly like a fresh optimizer
+    fresh = run(lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.5))
+    primed = run(lambda ps: _primed(torch.optim.AdamW(ps, lr=0.1, weight_decay=0.5)))
+    torch.testing.assert_close(primed, fresh)
+
+
+def _primed(opt):
+    materialize_state(opt)
+    return opt
+
+
+@pytest.mark.parametrize("type_name,cls", [("Adam", AdamW), ("adamw", AdamW), ("AdaGrad", Adagrad), ("SGD", SGD),
+                                           ("RMSprop", torch.optim.RMSprop)])
+def test_build_optimizer_by_deepspeed_name(type_name, cls):
+    opt = build_optimizer(OptimizerConfig(type=type_name, params={"lr": 0.1}), [torch.nn.Parameter(torch.ones(2))])
+    assert type(opt) is cls
+
+
+def test_adam_means_adamw_unless_adam_w_mode_false():
+    ps = [torch.nn.Parameter(torch.ones(2))]
+    assert build_optimizer(OptimizerConfig(type="Adam", params={}), ps).param_groups[0]["adam_w_mode"] is True
+    opt = build_optimizer(OptimizerConfig(type="Adam", params={"adam_w_mode": False}), ps)
+    assert opt.param_groups[0]["adam_w_mode"] is False
+    assert type(build_optimizer(OptimizerConfig(type="Adam", params={"torch_adam": True}), ps)) is torch.optim.AdamW
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (OptimizerConfig(type="Adam", params={"max_grad_norm": 1.0}), "max_grad_norm"),
+    (OptimizerConfig(type="sgd", params={}), "did you mean 'SGD'"),
+    (OptimizerConfig(type="Adam", params={"lrr": 0.1}), "optimizer.params for 'Adam'.*lrr"),
+])
+def test_bad_optimizer_configs_name_the_problem(cfg, match):
+    with pytest.raises(ConfigError, match=match):
+        build_optimizer(cfg, [torch.nn.Parameter(torch.ones(2))])
