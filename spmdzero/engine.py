@@ -18,12 +18,12 @@ from typing import Any, Optional
 import torch
 
 from . import runtime
-from .annotate import annotate_grad_buffers, annotate_optimizer_state, annotate_params
+from .annotate import annotate_grad_buffers, annotate_optimizer_state, annotate_params, shard
 from .config import BatchSizes, DeepSpeedConfig
 from .data import to_device_sharded
 from .mesh import data_parallel_size, mesh_shape
 from .optim import momentum_of
-from .plan import ShardingPlan
+from .plan import ShardingPlan, replicated
 
 CLIP_EPS = 1e-6  # DeepSpeed's: clip coefficient = max_norm / (norm + 1e-6)
 
@@ -104,6 +104,11 @@ class SpmdZeroEngine(torch.nn.Module):
         with torch.no_grad():
             for p, buf in self._params_with_buffers:
                 if p.grad is not None:
+                    # Pin the freshly reduced gradient replicated: otherwise GSPMD pushes the
+                    # buffer's ZeRO-2 sharding back into the backward pass (activations get
+                    # odd shardings and are rematerialized). The compiler still turns
+                    # all-reduce + slice into a reduce-scatter.
+                    shard(p.grad, self.mesh, replicated(p.dim()))
                     buf.add_(p.grad)
                     p.grad = None
         annotate_grad_buffers(self._grad_buffers, self.plan, self.mesh)

@@ -139,3 +139,14 @@ def _feeds_only_partition_slices(comps, entry: list[Instruction], ins: Instructi
         else:
             return False
     return bool(seen)
+
+
+def dumped_modules(dump_dir: str) -> dict[str, str]:
+    """Post-optimization HLO text of every module XLA dumped to ``dump_dir`` (run with
+    ``XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text``), by file name, in compile order."""
+    import glob
+    import os
+
+    files = sorted(glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")))
+    files = [f for f in files if not f.endswith(("buffer-assignment.txt", "memory-usage-report.txt"))]
+    return {os.path.basename(f): open(f).read() for f in files}

@@ -24,10 +24,12 @@ def batches(n: int, batch: int, d_in: int = 16, d_out: int = 8, seed: int = 1):
     return [(torch.randn(batch, d_in, generator=g), torch.randn(batch, d_out, generator=g)) for _ in range(n)]
 
 
-def run_python(code: str, env: dict | None = None, timeout: int = 600) -> str:
-    """Run ``code`` in a fresh interpreter (its own device count); return stdout, fail on error."""
+def run_python(*code: str, env: dict | None = None, timeout: int = 600) -> str:
+    """Run the code snippets, in order, in a fresh interpreter (its own device count);
+    return stdout, fail on error."""
     full_env = {**os.environ, **(env or {})}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=full_env,
+    source = "\n".join(textwrap.dedent(c) for c in code)
+    proc = subprocess.run([sys.executable, "-c", source], cwd=REPO, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         pytest.fail(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}")

@@ -1,0 +1,49 @@
+"""What the compiler made of the annotations, read from post-optimization HLO."""
+
+import pytest
+
+from spmdzero.inspect import collective_counts, collectives, dumped_modules
+
+from conftest import run_python
+
+pytestmark = pytest.mark.slow
+
+STEP = """
+    import sys, torch, spmdzero
+    stage = int(sys.argv[1]) if len(sys.argv) > 1 else {stage}
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 24))
+    engine, *_ = spmdzero.initialize(model=model, config={{"train_batch_size": 32, "gradient_accumulation_steps": 2,
+        "zero_optimization": {{"stage": stage}}, "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01}}}}}})
+    for _ in range(2):
+        loss = engine(torch.randn(16, 16)).pow(2).mean()
+        engine.backward(loss); engine.step()
+    loss.item()
+"""
+PARAM_SHAPES = {"f32[64,16]", "f32[64]", "f32[24,64]", "f32[24]"}
+
+
+def compiled_steps(tmp_path, stage):
+    dump = tmp_path / f"stage{stage}"
+    run_python(STEP.format(stage=stage), env={"XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"})
+    modules = [(name, collective_counts(text), text) for name, text in dumped_modules(str(dump)).items()]
+    with_grads = [m for m in modules if m[1].get("all-reduce", 0) >= 4]
+    micro = next(m for m in with_grads if "all-gather" not in m[1])
+    boundary = next(m for m in with_grads if "all-gather" in m[1])
+    return micro, boundary
+
+
+def test_stage2_reduce_scatters_grads_and_all_gathers_only_params(tmp_path):
+    (_, micro, _), (_, boundary, text) = compiled_steps(tmp_path, 2)
+    assert micro["reduce-scatter-pattern"] == 4 and "all-gather" not in micro
+    assert boundary["reduce-scatter-pattern"] == 4
+    gathered = [i.shape.split("{")[0] for i in collectives(text, "all-gather")]
+    # one all-gather per parameter (its update, shaped like it); nothing else is gathered,
+    # in particular no optimizer state (exp_avg/exp_avg_sq would add 8 more)
+    assert len(gathered) == 4 and set(gathered) == PARAM_SHAPES, gathered
+
+
+def test_stage1_all_reduces_grads_without_scattering(tmp_path):
+    (_, micro, _), (_, boundary, _) = compiled_steps(tmp_path, 1)
+    assert "reduce-scatter-pattern" not in micro
+    assert boundary.get("all-gather", 0) == 4

@@ -1,0 +1,78 @@
+"""Process-level behaviour: each test runs a fresh interpreter with its own device count."""
+
+import pytest
+
+from conftest import run_python
+
+pytestmark = pytest.mark.slow
+
+TRAIN_ONE_STEP = """
+    import torch, spmdzero
+    model = torch.nn.Linear(8, 8)
+    engine, *_ = spmdzero.initialize(model=model, config={"train_batch_size": 8,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    loss = engine(torch.randn(8, 8)).pow(2).mean()
+    engine.backward(loss); engine.step()
+    print("world", engine.dp_world_size, "loss", round(loss.item(), 3) == round(loss.item(), 3))
+"""
+
+
+def test_cpu_backward_after_import_does_not_break_xla_backward():
+    out = run_python("""
+        import torch, spmdzero
+        w = torch.randn(3, requires_grad=True)
+        (w * 2).sum().backward()   # a CPU backward first: harmless once spmdzero is imported
+    """, TRAIN_ONE_STEP)
+    assert "world 8" in out
+
+
+def test_device_count_comes_from_cpu_num_devices():
+    out = run_python(TRAIN_ONE_STEP, env={"CPU_NUM_DEVICES": "4", "PJRT_DEVICE": "CPU"})
+    assert "world 4" in out
+
+
+def test_default_is_eight_cpu_devices():
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("CPU_NUM_DEVICES", "PJRT_DEVICE")}
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-c", "import spmdzero, os; from spmdzero import runtime; "
+                           "print(os.environ['PJRT_DEVICE'], runtime.device_count())"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.stdout.split() == ["CPU", "8"], proc.stderr[-2000:]
+
+
+def test_backward_trap_before_import_is_explained():
+    out = run_python("""
+        import torch
+        w = torch.randn(3, requires_grad=True)
+        (w * 2).sum().backward()   # CPU backward before the XLA runtime exists: the trap
+        import spmdzero
+        model = torch.nn.Linear(8, 8)
+        engine, *_ = spmdzero.initialize(model=model, config={"train_batch_size": 8})
+        try:
+            engine.backward(engine(torch.randn(8, 8)).sum())
+        except RuntimeError as err:
+            print("ERR", err)
+    """)
+    assert "ERR XLA backward failed because a backward pass ran on CPU" in out
+    assert "import spmdzero" in out
+
+
+def test_reinitializing_in_the_same_process_works():
+    out = run_python("""
+        import torch, spmdzero
+        import torch_xla.debug.metrics as met
+        model = torch.nn.Linear(8, 8)
+        for run in range(2):   # a notebook cell run twice
+            engine, *_ = spmdzero.initialize(model=model, config={"train_batch_size": 8,
+                "zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam", "params": {"lr": 0.1}}})
+            for _ in range(2):
+                engine.backward(engine(torch.randn(8, 8)).pow(2).mean()); engine.step()
+            print("run", run, engine.global_steps)
+    """)
+    assert "run 0 2" in out and "run 1 2" in out
