@@ -13,6 +13,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from .annotate import shard
+
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(obj, torch.Tensor):
@@ -47,7 +49,7 @@ def to_device_sharded(batch: Any, mesh, batch_spec: Callable[[int], tuple], dp_s
             )
         spec = batch_spec(t.dim())
         if t.device.type == "xla":
-            xs.mark_sharding(t, mesh, spec)
+            shard(t, mesh, spec)
             return t
         return xm.send_cpu_data_to_device([t], device, xs.ShardingSpec(mesh, spec))[0]
 
