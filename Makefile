@@ -1,0 +1,28 @@
+# Every target sets up its own virtual environment first (a fresh machine needs nothing else
+# than python3 with venv). The environment is rebuilt when pyproject.toml changes.
+PYTHON ?= python3
+VENV   ?= .venv
+STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+
+.PHONY: setup train test test-fast bench
+
+$(STAMP): pyproject.toml
+	rm -rf $(VENV)
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+setup: $(STAMP)
+
+train: setup  ## the main job: a small GPT-style LM, ZeRO-2, 8 CPU devices unless a TPU is present
+	$(VENV)/bin/python examples/train.py --deepspeed_config examples/configs/zero2.json
+
+test: setup  ## the full suite (what CI runs)
+	$(VENV)/bin/python -m pytest
+
+test-fast: setup  ## the quick subset for iterating
+	$(VENV)/bin/python -m pytest -m "not slow"
+
+bench: setup
+	$(VENV)/bin/python benchmarks/step_time.py

@@ -1,0 +1,32 @@
+"""The docs say what the code does."""
+
+import pathlib
+import re
+
+import pytest
+
+from spmdzero.config import NOOP_KEYS
+
+from conftest import REPO, run_python
+
+
+def test_every_noop_key_is_in_the_docs_table():
+    table = pathlib.Path(REPO, "docs", "config.md").read_text()
+    for key in NOOP_KEYS:
+        section, name = key.split(".")
+        assert name in table, key
+
+
+def test_readme_test_command_is_what_ci_runs():
+    readme = pathlib.Path(REPO, "README.md").read_text()
+    ci = pathlib.Path(REPO, ".ci", "run").read_text()
+    assert "make test" in readme and re.search(r"^make test$", ci, re.M)
+
+
+@pytest.mark.slow
+def test_readme_quickstart_runs():
+    readme = pathlib.Path(REPO, "README.md").read_text()
+    quickstart = readme.split("## Quickstart", 1)[1]
+    code = re.search(r"```python\n(.*?)```", quickstart, re.S).group(1)
+    out = run_python(code, "print('steps', engine.global_steps)")
+    assert "steps 16" in out  # 1024 samples / 64 per optimizer step
