@@ -27,26 +27,32 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     return obj
 
 
-def to_device_sharded(batch: Any, mesh, batch_spec: Callable[[int], tuple], dp_size: int) -> Any:
-    """Move every tensor with a leading batch dim to the device, split across the batch axes.
+def _first_batch_size(obj: Any) -> Optional[int]:
+    found: list[int] = []
+    _map_tensors(obj, lambda t: found.append(t.shape[0]) if t.dim() and not found else None)
+    return found[0] if found else None
 
-    0-dim tensors and tensors already on the XLA device are moved/annotated as they are;
-    a leading dim that does not divide over ``dp_size`` devices is refused.
-    """
+
+def to_device_sharded(batch: Any, mesh, batch_spec: Callable[[int], tuple], dp_size: int) -> Any:
+    """Move every tensor in ``batch`` to the device. The first tensor's leading dim is the
+    batch: tensors with that leading dim are split across the batch axes, the rest (masks,
+    lookup tables, scalars) are replicated. A batch that does not divide over ``dp_size``
+    devices is refused."""
     import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.distributed.spmd as xs
 
     device = torch_xla.device()
+    batch_size = _first_batch_size(batch)
+    if batch_size is not None and batch_size % dp_size:
+        raise ValueError(
+            f"batch dimension {batch_size} does not divide over the {dp_size} data-parallel devices; "
+            f"use a batch size that is a multiple of {dp_size}"
+        )
 
     def move(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() == 0:
-            return t.to(device)
-        if t.shape[0] % dp_size:
-            raise ValueError(
-                f"batch dimension {t.shape[0]} (tensor of shape {tuple(t.shape)}) does not divide over the "
-                f"{dp_size} data-parallel devices; use a batch size that is a multiple of {dp_size}"
-            )
+        if t.dim() == 0 or t.shape[0] != batch_size:
+            return t if t.device.type == "xla" else t.to(device)
         spec = batch_spec(t.dim())
         if t.device.type == "xla":
             shard(t, mesh, spec)

@@ -234,3 +234,12 @@ def test_batch_that_does_not_divide_over_devices_is_refused():
     engine, *_ = spmdzero.initialize(model=tiny_mlp(), config=config(2))
     with pytest.raises(ValueError, match="batch dimension 12 .* 8 data-parallel devices"):
         engine(torch.randn(12, 16))
+
+
+def test_only_tensors_with_the_batch_dim_are_split():
+    from spmdzero.data import to_device_sharded
+
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(), config=config(2))
+    x, mask = to_device_sharded((torch.randn(16, 4), torch.ones(4, 4)), engine.mesh, engine.plan.batch_spec, 8)
+    assert sharding_spec(x) == "{devices=[8,1]0,1,2,3,4,5,6,7}"
+    assert sharding_spec(mask) in ("", "{replicated}")
