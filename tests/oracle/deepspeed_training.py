@@ -1,0 +1,44 @@
+"""Record DeepSpeed's own ZeRO run of the shared training case (the test oracle).
+
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node=4 tests/oracle/deepspeed_training.py OUT.json
+
+Needs deepspeed==0.19.8 (not a dependency of spmdzero). Writes per-micro-step global losses
+(the mean over ranks), the lr after each step, and the final parameters.
+"""
+
+import json
+import os
+import sys
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from training_case import CONFIG, MICRO_BATCH, global_micro_batches, loss_fn, make_model  # noqa: E402
+
+
+def main(out_path: str) -> None:
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    model = make_model()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=CONFIG)
+    losses, lrs = [], []
+    for x, y in global_micro_batches():
+        rows = slice(rank * MICRO_BATCH, (rank + 1) * MICRO_BATCH)
+        loss = loss_fn(engine(x[rows]), y[rows])
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+        lrs.append(engine.get_lr()[0])
+    params = {n: p.detach().tolist() for n, p in engine.module.named_parameters()}
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"deepspeed_version": deepspeed.__version__, "config": CONFIG, "losses": losses, "lrs": lrs,
+                       "global_steps": engine.global_steps, "params": params}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
