@@ -183,6 +183,25 @@ def resolve_batch(cfg: DeepSpeedConfig, world_size: int) -> BatchSizes:
     return BatchSizes(tb, mb, gas, ws)
 
 
+def check_params(cls, params: Mapping[str, Any], where: str, skip: tuple[str, ...] = ()) -> None:
+    """Refuse keys that ``cls``'s constructor does not take, suggesting the closest one."""
+    import inspect
+
+    try:
+        signature = inspect.signature(cls.__init__)
+    except (TypeError, ValueError):
+        return
+    accepted = [n for n, p in signature.parameters.items()
+                if n != "self" and n not in skip and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values()):
+        return
+    for key in params:
+        if key not in accepted:
+            close = difflib.get_close_matches(key, accepted, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"accepted: {', '.join(accepted)}"
+            raise ConfigError(f"{where}: unknown key {key!r} ({hint})")
+
+
 def _no_duplicate_keys(pairs: list[tuple[str, Any]], source: str) -> dict:
     seen: dict[str, Any] = {}
     for key, value in pairs:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .config import ConfigError, OptimizerConfig
+from .config import ConfigError, OptimizerConfig, check_params
 
 
 def _as_host_float(value: Any, key: str) -> float:
@@ -204,6 +204,7 @@ def build_optimizer(opt_cfg: OptimizerConfig, params: Iterable) -> torch.optim.O
 
 
 def _construct(cls, params, kwargs: dict, type_name: str):
+    check_params(cls, kwargs, f"optimizer.params for {type_name!r}", skip=("params",))
     try:
         return cls(params, **kwargs)
     except TypeError as err:

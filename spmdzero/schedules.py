@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .config import ConfigError, SchedulerConfig
+from .config import ConfigError, SchedulerConfig, check_params
 
 LOG, LINEAR = "log", "linear"
 
@@ -167,7 +167,105 @@ class LRRangeTest(LRSchedule):
         return [lr * (1 + self.step_rate * interval) for lr in self.min_lrs]
 
 
-SCHEDULES = {cls.__name__: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, LRRangeTest)}
+class OneCycle(LRSchedule):
+    """1cycle: lr climbs min -> max over cycle_first_step_size steps and back over
+    cycle_second_step_size (optionally in stairs), then decays. When the optimizer has
+    ``betas`` the first beta cycles the opposite way (max -> min -> max) and, as in
+    DeepSpeed, the second beta is written as 0.99."""
+
+    SECOND_BETA = 0.99  # DeepSpeed's fixed value
+
+    def __init__(self, optimizer, cycle_min_lr, cycle_max_lr, decay_lr_rate=0.0, cycle_first_step_size=2000,
+                 cycle_second_step_size=None, cycle_first_stair_count=0, cycle_second_stair_count=None,
+                 decay_step_size=0, cycle_momentum=True, cycle_min_mom=0.8, cycle_max_mom=0.9, decay_mom_rate=0.0,
+                 last_batch_iteration=-1):
+        first = float(cycle_first_step_size)
+        second = float(cycle_second_step_size) if cycle_second_step_size is not None else first
+        if first <= 0:
+            raise ConfigError(f"scheduler.params.cycle_first_step_size must be positive, got {cycle_first_step_size!r}")
+        if second < 0:
+            raise ConfigError(f"scheduler.params.cycle_second_step_size must be >= 0, got {cycle_second_step_size!r}")
+        self.first_step_size, self.second_step_size = first, second
+        self.total_size = first + second
+        self.step_ratio = first / self.total_size
+        self.first_stair_count = cycle_first_stair_count
+        self.second_stair_count = cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
+        self.decay_step_size = decay_step_size
+        self.min_lrs = _per_group(optimizer, cycle_min_lr, "cycle_min_lr")
+        self.max_lrs = _per_group(optimizer, cycle_max_lr, "cycle_max_lr")
+        self.decay_lr_rate = decay_lr_rate
+        self.skip_lr_decay = math.isclose(decay_step_size, 0) or math.isclose(decay_lr_rate, 0)
+        self.cycle_momentum = cycle_momentum and "betas" in optimizer.defaults
+        if cycle_momentum and not self.cycle_momentum:
+            import warnings
+
+            warnings.warn(f"OneCycle: cycle_momentum is disabled because {type(optimizer).__name__} has no betas",
+                          stacklevel=2)
+        if self.cycle_momentum:
+            self.min_moms = _per_group(optimizer, cycle_min_mom, "cycle_min_mom")
+            self.max_moms = _per_group(optimizer, cycle_max_mom, "cycle_max_mom")
+            self.decay_mom_rate = decay_mom_rate
+            self.skip_mom_decay = math.isclose(decay_step_size, 0) or math.isclose(decay_mom_rate, 0)
+        self.optimizer = optimizer
+        self.last_batch_iteration = last_batch_iteration
+        self._last_lr = None
+        if last_batch_iteration == -1:  # DeepSpeed writes the minima without recording a last lr
+            for group, lr in zip(optimizer.param_groups, self.min_lrs):
+                group["lr"] = lr
+            if self.cycle_momentum:
+                self._write_momentum(self.min_moms)
+
+    def _scale(self, t: int) -> float:
+        iteration = t + 1
+        cycle = math.floor(1 + iteration / self.total_size)
+        x = 1.0 + iteration / self.total_size - cycle
+        if x <= self.step_ratio:
+            scale, stairs = x / self.step_ratio, self.first_stair_count
+        else:
+            scale, stairs = (x - 1) / (self.step_ratio - 1), self.second_stair_count
+        if stairs > 0:  # quantise from the integer offset, as DeepSpeed does
+            in_cycle = iteration % self.total_size
+            if in_cycle <= self.first_step_size:
+                position = in_cycle * stairs / self.first_step_size
+            else:
+                position = (self.total_size - in_cycle) * stairs / self.second_step_size
+            scale = math.floor(position) / stairs
+        return scale
+
+    def lr_at(self, t):
+        if t < self.total_size:
+            scale = self._scale(t)
+            return [lo + (hi - lo) * scale for lo, hi in zip(self.min_lrs, self.max_lrs)]
+        if self.skip_lr_decay:
+            return list(self.min_lrs)
+        interval = (t - self.total_size + 1) / self.decay_step_size
+        factor = 1 + self.decay_lr_rate * interval
+        return [lo / factor for lo in self.min_lrs]
+
+    def momentum_at(self, t) -> list[float]:
+        if t < self.total_size:
+            scale = self._scale(t)
+            return [hi - (hi - lo) * scale for lo, hi in zip(self.min_moms, self.max_moms)]
+        if self.skip_mom_decay:
+            return list(self.max_moms)
+        interval = (t - self.total_size + 1) / self.decay_step_size
+        factor = 1 + self.decay_mom_rate * interval
+        return [hi * factor for hi in self.max_moms]
+
+    def get_mom(self):
+        return [(m, self.SECOND_BETA) for m in self.momentum_at(self.last_batch_iteration)] if self.cycle_momentum else None
+
+    def _write_momentum(self, moms) -> None:
+        for group, mom in zip(self.optimizer.param_groups, moms):
+            group["betas"] = (mom, self.SECOND_BETA)
+
+    def step(self, last_batch_iteration=None):
+        super().step(last_batch_iteration)
+        if self.cycle_momentum:
+            self._write_momentum(self.momentum_at(self.last_batch_iteration))
+
+
+SCHEDULES = {cls.__name__: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)}
 
 
 def build_scheduler(sched_cfg: SchedulerConfig, optimizer) -> Any:
@@ -180,6 +278,7 @@ def build_scheduler(sched_cfg: SchedulerConfig, optimizer) -> Any:
         close = difflib.get_close_matches(sched_cfg.type, known, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(SCHEDULES))})"
         raise ConfigError(f"scheduler.type {sched_cfg.type!r} is not a known schedule{hint}")
+    check_params(cls, sched_cfg.params, f"scheduler.params for {sched_cfg.type!r}", skip=("optimizer",))
     try:
         return cls(optimizer, **sched_cfg.params)
     except TypeError as err:

@@ -1,0 +1,73 @@
+"""DeepSpeed's LR schedules, step for step against values recorded from DeepSpeed 0.19.8."""
+
+import json
+import pathlib
+import sys
+
+import pytest
+import torch
+
+from spmdzero.config import ConfigError, SchedulerConfig
+from spmdzero.optim import SGD, AdamW
+from spmdzero.schedules import WarmupLR, build_scheduler
+
+from conftest import REPO
+
+sys.path.insert(0, str(pathlib.Path(REPO, "tests", "oracle")))
+from schedule_cases import CASES, STEPS, make_optimizer  # noqa: E402
+
+RECORDED = json.loads(pathlib.Path(REPO, "tests", "fixtures", "deepspeed_schedules.json").read_text())
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_schedule_matches_deepspeed_at_every_step(case):
+    name, params, kind, base_lrs = CASES[case]
+    opt = make_optimizer(kind, base_lrs, sgd_cls=SGD, adam_cls=AdamW)
+    sched = build_scheduler(SchedulerConfig(type=name, params=params), opt)
+    want = RECORDED["cases"][case]
+    assert len(want["lrs"]) == STEPS + 1 >= 1001
+    for t in range(STEPS + 1):
+        if t:
+            sched.step()
+        assert [g["lr"] for g in opt.param_groups] == pytest.approx(want["lrs"][t], rel=1e-12, abs=1e-18), t
+        betas = [list(g["betas"]) if "betas" in g else None for g in opt.param_groups]
+        assert betas == want["betas"][t], t
+
+
+def test_first_optimizer_step_uses_the_t_minus_one_lr():
+    opt = make_optimizer("adam", [0.01], adam_cls=AdamW)
+    sched = WarmupLR(opt, warmup_min_lr=1e-5, warmup_num_steps=10)
+    assert opt.param_groups[0]["lr"] == 1e-5 and sched.last_batch_iteration == -1
+
+
+def test_state_dict_round_trip_and_get_last_lr():
+    opt = make_optimizer("adam", [0.01], adam_cls=AdamW)
+    sched = build_scheduler(SchedulerConfig(type="WarmupDecayLR", params={"total_num_steps": 50}), opt)
+    for _ in range(7):
+        sched.step()
+    state = sched.state_dict()
+    other = build_scheduler(SchedulerConfig(type="WarmupDecayLR", params={"total_num_steps": 50}),
+                            make_optimizer("adam", [0.01], adam_cls=AdamW))
+    other.load_state_dict(state)
+    assert other.get_lr() == sched.get_lr() == sched.get_last_lr()
+
+
+def test_torch_lr_scheduler_by_exact_name():
+    opt = make_optimizer("sgd", [0.1], sgd_cls=SGD)
+    sched = build_scheduler(SchedulerConfig(type="StepLR", params={"step_size": 2, "gamma": 0.5}), opt)
+    assert isinstance(sched, torch.optim.lr_scheduler.StepLR)
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (SchedulerConfig(type="WarmupLr", params={}), "did you mean 'WarmupLR'"),
+    (SchedulerConfig(type="WarmupLR", params={"warmup_steps": 10}), "warmup_steps.*did you mean 'warmup_num_steps'"),
+    (SchedulerConfig(type="WarmupLR", params={"warmup_num_steps": 0}), "warmup_num_steps must be a positive integer"),
+    (SchedulerConfig(type="WarmupLR", params={"warmup_type": "cosine"}), "warmup_type must be 'log' or 'linear'"),
+    (SchedulerConfig(type="WarmupDecayLR", params={}), "missing.*total_num_steps"),
+    (SchedulerConfig(type="OneCycle", params={"cycle_min_lr": 0.1, "cycle_max_lr": 1, "cycle_first_step_size": 0}),
+     "cycle_first_step_size must be positive"),
+    (SchedulerConfig(type="WarmupLR", params={"warmup_min_lr": [0.1, 0.2]}), "expected 1 values"),
+])
+def test_bad_schedule_configs_name_the_problem(cfg, match):
+    with pytest.raises(ConfigError, match=match):
+        build_scheduler(cfg, make_optimizer("adam", [0.01], adam_cls=AdamW))
