@@ -17,7 +17,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -46,7 +46,17 @@ NOOP_KEYS: dict[str, str] = {
 
 
 class Section(BaseModel):
+    """A config section: unknown keys refused; ``"auto"`` dropped so the default applies
+    (DeepSpeed's rule for its pydantic sections)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_auto(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            return {k: v for k, v in data.items() if v != "auto"}
+        return data
 
 
 class ZeroConfig(Section):
@@ -81,21 +91,75 @@ class ZeroConfig(Section):
         return [f"zero_optimization.{k}" for k in sorted(self.model_fields_set) if f"zero_optimization.{k}" in NOOP_KEYS]
 
 
-class PrecisionConfig(Section):
-    """fp16/bf16 sections. Mixed precision is not implemented yet: enabling it is refused."""
-
+class Fp16Config(Section):
     enabled: bool = False
-    model_config = ConfigDict(extra="allow", frozen=True)
+    auto_cast: bool = False
+    loss_scale: float = Field(0, ge=0)
+    initial_scale_power: int = Field(16, ge=0)
+    loss_scale_window: int = Field(1000, gt=0)
+    hysteresis: int = Field(2, gt=0)
+    consecutive_hysteresis: bool = False
+    min_loss_scale: int = Field(1, gt=0)
+    fp16_master_weights_and_grads: bool = False
 
 
-class OptimizerConfig(Section):
+class Bf16Config(Section):
+    enabled: bool = False
+    immediate_grad_update: bool = False
+    check_grad_overflow: bool = True
+
+
+class TensorBoardConfig(Section):
+    enabled: bool = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+class CsvMonitorConfig(Section):
+    enabled: bool = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+class WandbConfig(Section):
+    enabled: bool = False
+    group: Optional[str] = None
+    team: Optional[str] = None
+    project: str = "deepspeed"
+
+
+class CometConfig(Section):
+    enabled: bool = False
+    samples_log_interval: int = Field(100, gt=0)
+    project: Optional[str] = None
+    workspace: Optional[str] = None
+    api_key: Optional[str] = None
+    experiment_name: Optional[str] = None
+    experiment_key: Optional[str] = None
+    online: Optional[bool] = None
+    mode: Optional[str] = None
+
+
+class _TypedParams(Section):
     type: str
     params: dict[str, Any] = Field(default_factory=dict)
 
+    @field_validator("params")
+    @classmethod
+    def _no_auto(cls, params: dict) -> dict:
+        for key, value in params.items():
+            if value == "auto":
+                raise ValueError(f"{key!r} is 'auto', which only an integration such as the HF Trainer can "
+                                 "fill in; set a value")
+        return params
 
-class SchedulerConfig(Section):
-    type: str
-    params: dict[str, Any] = Field(default_factory=dict)
+
+class OptimizerConfig(_TypedParams):
+    pass
+
+
+class SchedulerConfig(_TypedParams):
+    pass
 
 
 class MeshConfig(Section):
@@ -119,6 +183,15 @@ class DeepSpeedConfig(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_auto(cls, data: Any) -> Any:
+        """Top-level "auto" means "infer it": batch numbers from the others and the mesh
+        (``resolve_batch``), everything else from its default."""
+        if isinstance(data, Mapping):
+            return {k: v for k, v in data.items() if v != "auto"}
+        return data
+
     train_batch_size: Optional[int] = Field(None, gt=0)
     train_micro_batch_size_per_gpu: Optional[int] = Field(None, gt=0)
     gradient_accumulation_steps: Optional[int] = Field(None, gt=0)
@@ -129,8 +202,12 @@ class DeepSpeedConfig(BaseModel):
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     optimizer: Optional[OptimizerConfig] = None
     scheduler: Optional[SchedulerConfig] = None
-    fp16: PrecisionConfig = Field(default_factory=PrecisionConfig)
-    bf16: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    fp16: Fp16Config = Field(default_factory=Fp16Config)
+    bf16: Bf16Config = Field(default_factory=Bf16Config)
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    comet: CometConfig = Field(default_factory=CometConfig)
     spmd: SpmdConfig = Field(default_factory=SpmdConfig)
 
     @property
@@ -260,6 +337,8 @@ def parse_config(raw: Mapping[str, Any], source: str = "config") -> DeepSpeedCon
         cfg = DeepSpeedConfig.model_validate(dict(raw))
     except ValidationError as err:
         raise ConfigError(f"{source}: {_format_errors(err)}") from None
+    if cfg.fp16.enabled and cfg.bf16.enabled:
+        raise ConfigError(f"{source}: fp16 and bf16 cannot both be enabled")
     for name in ("fp16", "bf16"):
         if getattr(cfg, name).enabled:
             raise ConfigError(f"{source}: {name}.enabled=true: mixed precision is not supported yet; train in fp32")

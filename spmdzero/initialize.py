@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import runtime
-from .config import load_config, resolve_batch
+from .config import ConfigError, load_config, resolve_batch
 from .data import ShardedDataLoader
 from .engine import SpmdZeroEngine
 from .mesh import build_mesh, check_user_mesh, data_parallel_size, mesh_shape
@@ -108,5 +108,5 @@ def _build_scheduler(client, optimizer, cfg):
     if cfg.scheduler is None:
         return None
     if optimizer is None:
-        raise ValueError("the config has a 'scheduler' section but there is no optimizer to schedule")
+        raise ConfigError("the config has a 'scheduler' section but there is no optimizer to schedule")
     return build_scheduler(cfg.scheduler, optimizer)

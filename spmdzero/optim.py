@@ -30,6 +30,21 @@ def _as_host_float(value: Any, key: str) -> float:
     return float(value)
 
 
+def _check_hyper(lr=0.0, betas=(0.0, 0.0), eps=1.0, weight_decay=0.0, **ranged) -> None:
+    """Range checks shared by the optimizers; the message names the offending key."""
+    if not (isinstance(lr, (int, float)) and lr >= 0):
+        raise ValueError(f"lr must be a number >= 0, got {lr!r}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps!r}")
+    if not weight_decay >= 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+    for key, (value, low, high) in ranged.items():
+        if not low <= value <= high:
+            raise ValueError(f"{key} must be in [{low}, {high}], got {value!r}")
+
+
 class SpmdOptimizer(torch.optim.Optimizer):
     """Shared machinery: hyperparameters as one device tensor per group, eager state."""
 
@@ -82,7 +97,10 @@ class AdamW(SpmdOptimizer):
     in which case weight decay is L2 added to the gradient (classic Adam)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 bias_correction=True, adam_w_mode=True):
+                 bias_correction=True, adam_w_mode=True, amsgrad=False):
+        if amsgrad:
+            raise ValueError("amsgrad is not supported (DeepSpeed's FusedAdam refuses it too)")
+        _check_hyper(lr, betas, eps, weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       bias_correction=bias_correction, adam_w_mode=adam_w_mode))
 
@@ -121,6 +139,7 @@ class SGD(SpmdOptimizer):
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False):
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        _check_hyper(lr, weight_decay=weight_decay, momentum=(momentum, 0.0, 1.0), dampening=(dampening, 0.0, 1.0))
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
                                       weight_decay=weight_decay, nesterov=nesterov))
 
@@ -148,6 +167,7 @@ class Adagrad(SpmdOptimizer):
     """torch.optim.Adagrad's math (dense gradients)."""
 
     def __init__(self, params, lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-10):
+        _check_hyper(lr, eps=eps, weight_decay=weight_decay)
         super().__init__(params, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                                       initial_accumulator_value=initial_accumulator_value, eps=eps))
 
@@ -166,9 +186,75 @@ class Adagrad(SpmdOptimizer):
         p.sub_(clr * grad / (state["sum"].sqrt() + hp["eps"]))
 
 
+class Lamb(SpmdOptimizer):
+    """DeepSpeed's FusedLamb: Adam moments without bias correction inside the update,
+    a per-tensor trust ratio ||p|| / ||update|| clamped to [min_coeff, max_coeff] (1 when
+    either norm is 0), and the bias corrections folded into the step size."""
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
+                 eps_inside_sqrt=False, weight_decay=0.0, max_coeff=10.0, min_coeff=0.01, amsgrad=False):
+        if amsgrad:
+            raise ValueError("amsgrad is not supported by Lamb (nor by DeepSpeed's FusedLamb)")
+        _check_hyper(lr, betas, eps, weight_decay)
+        if not 0 <= min_coeff <= max_coeff:
+            raise ValueError(f"min_coeff/max_coeff must satisfy 0 <= min_coeff <= max_coeff, got {min_coeff}/{max_coeff}")
+        super().__init__(params, dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+                                      eps_inside_sqrt=eps_inside_sqrt, weight_decay=weight_decay,
+                                      max_coeff=max_coeff, min_coeff=min_coeff))
+
+    def _hyper_values(self, group):
+        b1, b2 = group["betas"]
+        return dict(lr=group["lr"], beta1=b1, beta2=b2, one_minus_beta1=1.0 - b1, one_minus_beta2=1.0 - b2,
+                    eps=group["eps"], weight_decay=group["weight_decay"], max_coeff=group["max_coeff"],
+                    min_coeff=group["min_coeff"])
+
+    def _initial_state(self, p, group):
+        return dict(step=_step_counter(p), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+
+    def _update(self, p, grad, state, hp, group):
+        step = state["step"].add_(1)
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m.mul_(hp["beta1"]).add_(grad * hp["one_minus_beta1"])
+        v.mul_(hp["beta2"]).add_(grad * grad * hp["one_minus_beta2"])
+        denom = (v + hp["eps"]).sqrt() if group["eps_inside_sqrt"] else v.sqrt() + hp["eps"]
+        update = m / denom + hp["weight_decay"] * p
+        w_norm, u_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(update)
+        ratio = torch.clamp(w_norm / u_norm, min=hp["min_coeff"], max=hp["max_coeff"])
+        coeff = torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
+        step_size = hp["lr"]
+        if group["bias_correction"]:
+            step_size = step_size * torch.sqrt(1 - hp["beta2"] ** step) / (1 - hp["beta1"] ** step)
+        p.sub_(step_size * coeff * update)
+
+
+class Lion(SpmdOptimizer):
+    """DeepSpeed's FusedLion: p <- p * (1 - lr * wd) - lr * sign(b1 * m + (1 - b1) * g),
+    then m <- b2 * m + (1 - b2) * g."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0):
+        _check_hyper(lr, betas, weight_decay=weight_decay)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+
+    def _hyper_values(self, group):
+        b1, b2 = group["betas"]
+        return dict(lr=group["lr"], beta1=b1, beta2=b2, one_minus_beta1=1.0 - b1, one_minus_beta2=1.0 - b2,
+                    decay_factor=1.0 - group["lr"] * group["weight_decay"])
+
+    def _initial_state(self, p, group):
+        return dict(exp_avg=torch.zeros_like(p))
+
+    def _update(self, p, grad, state, hp, group):
+        m = state["exp_avg"]
+        direction = torch.sign(m * hp["beta1"] + grad * hp["one_minus_beta1"])
+        p.mul_(hp["decay_factor"]).sub_(hp["lr"] * direction)
+        m.mul_(hp["beta2"]).add_(grad * hp["one_minus_beta2"])
+
+
 # DeepSpeed lowercases these names; any other type must be an exact torch.optim class name.
 _DEEPSPEED_NAMES = {"adam", "adamw", "adagrad", "lamb", "lion", "onebitadam", "zerooneadam", "onebitlamb",
                     "muadam", "muadamw", "musgd", "muon"}
+_COMPRESSED_COMMUNICATION = {"onebitadam", "zerooneadam", "onebitlamb"}
+_SPMD_BY_DEEPSPEED_NAME = {"adagrad": Adagrad, "lamb": Lamb, "lion": Lion}
 _SPMD_CLASSES = {"SGD": SGD}
 
 
@@ -185,17 +271,24 @@ def build_optimizer(opt_cfg: OptimizerConfig, params: Iterable) -> torch.optim.O
             cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
             return _construct(cls, params, kwargs, opt_cfg.type)
         return _construct(AdamW, params, dict(kwargs, adam_w_mode=adam_w_mode), opt_cfg.type)
-    if name == "adagrad":
-        return _construct(Adagrad, params, kwargs, opt_cfg.type)
+    if name in _SPMD_BY_DEEPSPEED_NAME:
+        return _construct(_SPMD_BY_DEEPSPEED_NAME[name], params, kwargs, opt_cfg.type)
+    if name in _COMPRESSED_COMMUNICATION:
+        raise ConfigError(
+            f"optimizer.type {opt_cfg.type!r} compresses DeepSpeed's hand-made gradient all-reduce (1-bit/0-1 "
+            "communication). Under GSPMD the compiler emits the collectives, so there is no all-reduce for it to "
+            "compress; use 'Adam' or 'Lamb' instead")
     if name in _DEEPSPEED_NAMES:
-        raise ConfigError(f"optimizer.type {opt_cfg.type!r} is not supported by spmdzero yet")
+        raise ConfigError(f"optimizer.type {opt_cfg.type!r} is not supported by spmdzero")
     if name in _SPMD_CLASSES:
         return _construct(_SPMD_CLASSES[name], params, kwargs, opt_cfg.type)
     cls = getattr(torch.optim, name, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         import difflib
 
-        known = {n.lower(): n for n in sorted({n for n in dir(torch.optim) if n[0].isupper()} | _DEEPSPEED_NAMES)}
+        shown = {"adam": "Adam", "adamw": "AdamW", "adagrad": "AdaGrad", "lamb": "Lamb", "lion": "Lion"}
+        known = {n.lower(): shown.get(n, n) for n in sorted({n for n in dir(torch.optim) if n[0].isupper()}
+                                                              | set(shown))}
         close = difflib.get_close_matches(opt_cfg.type.lower(), list(known), n=1)
         hint = f" (did you mean {known[close[0]]!r}?)" if close else ""
         raise ConfigError(f"optimizer.type {opt_cfg.type!r} is neither a DeepSpeed optimizer nor a "
@@ -207,7 +300,7 @@ def _construct(cls, params, kwargs: dict, type_name: str):
     check_params(cls, kwargs, f"optimizer.params for {type_name!r}", skip=("params",))
     try:
         return cls(params, **kwargs)
-    except TypeError as err:
+    except (TypeError, ValueError) as err:
         raise ConfigError(f"optimizer.params for {type_name!r}: {err}") from None
 
 

@@ -82,3 +82,54 @@ def test_adam_means_adamw_unless_adam_w_mode_false():
 def test_bad_optimizer_configs_name_the_problem(cfg, match):
     with pytest.raises(ConfigError, match=match):
         build_optimizer(cfg, [torch.nn.Parameter(torch.ones(2))])
+
+
+def lamb_reference(p, grads, lr=0.01, betas=(0.9, 0.99), eps=1e-6, wd=0.01, max_coeff=10.0, min_coeff=0.01):
+    """DeepSpeed's fused_lamb_cuda_kernel.cu, transcribed element by element (eps outside sqrt)."""
+    p = p.clone().double()
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    for step, g in enumerate(grads, start=1):
+        g = g.double()
+        m = betas[0] * m + (1 - betas[0]) * g
+        v = betas[1] * v + (1 - betas[1]) * g * g
+        update = m / (v.sqrt() + eps) + wd * p
+        w, u = p.norm(), update.norm()
+        coeff = min(max(float(w / u), min_coeff), max_coeff) if w > 0 and u > 0 else 1.0
+        step_size = lr * (1 - betas[1] ** step) ** 0.5 / (1 - betas[0] ** step)
+        p = p - step_size * coeff * update
+    return p.float()
+
+
+def lion_reference(p, grads, lr=0.01, betas=(0.9, 0.99), wd=0.1):
+    """DeepSpeed's multi_tensor_lion.cu, transcribed."""
+    p, m = p.clone(), torch.zeros_like(p)
+    for g in grads:
+        c = betas[0] * m + (1 - betas[0]) * g
+        p = p * (1 - lr * wd) + torch.where(c > 0, -lr, lr)
+        m = betas[1] * m + (1 - betas[1]) * g
+    return p
+
+
+@pytest.mark.parametrize("ours,reference", [
+    (lambda ps: build_optimizer(OptimizerConfig(type="Lamb", params={"lr": 0.01, "betas": [0.9, 0.99], "eps": 1e-6,
+                                                                      "weight_decay": 0.01}), ps), lamb_reference),
+    (lambda ps: build_optimizer(OptimizerConfig(type="Lion", params={"lr": 0.01, "betas": [0.9, 0.99],
+                                                                      "weight_decay": 0.1}), ps), lion_reference),
+])
+def test_lamb_and_lion_follow_deepspeed_kernels(ours, reference):
+    torch.manual_seed(0)
+    start = torch.randn(5, 3)
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(5, 3, generator=g) for _ in range(6)]
+    p = torch.nn.Parameter(start.clone())
+    opt = ours([p])
+    for grad in grads:
+        p.grad = grad
+        opt.step()
+    torch.testing.assert_close(p.detach(), reference(start, grads), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("type_name", ["OneBitAdam", "ZeroOneAdam", "OneBitLamb"])
+def test_communication_compressing_optimizers_are_refused_with_the_reason(type_name):
+    with pytest.raises(ConfigError, match="compiler emits the collectives"):
+        build_optimizer(OptimizerConfig(type=type_name, params={}), [torch.nn.Parameter(torch.ones(2))])
