@@ -4,9 +4,12 @@ Importing spmdzero starts the XLA runtime in SPMD mode (see ``spmdzero.runtime``
 import it before creating any XLA tensor or running any backward pass.
 """
 
+import os as _os
+
 from . import runtime as _runtime
 
-_runtime.bootstrap()
+if _os.environ.get("SPMDZERO_NO_RUNTIME") != "1":  # set by the CLI, which needs no devices
+    _runtime.bootstrap()
 
 from .config import ConfigError  # noqa: E402
 from .engine import SpmdZeroEngine  # noqa: E402

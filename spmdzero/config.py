@@ -346,14 +346,23 @@ def parse_config(raw: Mapping[str, Any], source: str = "config") -> DeepSpeedCon
     return cfg
 
 
-_warned_noop: set[str] = set()
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"spmdzero: {key} {message}", stacklevel=4)
 
 
 def _warn_noop_keys(cfg: DeepSpeedConfig) -> None:
     for key in cfg.zero_optimization.set_noop_keys():
-        if key not in _warned_noop:
-            _warned_noop.add(key)
-            warnings.warn(f"spmdzero: {key} has no effect under GSPMD: {NOOP_KEYS[key]}", stacklevel=3)
+        _warn_once(key, f"has no effect under GSPMD: {NOOP_KEYS[key]}")
+    for name in ("tensorboard", "csv_monitor", "wandb", "comet"):
+        if getattr(cfg, name).enabled:
+            _warn_once(f"{name}.enabled", "is accepted but spmdzero does not write monitor output yet")
+    if cfg.wall_clock_breakdown:
+        _warn_once("wall_clock_breakdown", "is accepted but spmdzero does not time forward/backward/step yet")
 
 
 def load_config(args: Any = None, config: Any = None, config_params: Any = None) -> DeepSpeedConfig:

@@ -37,6 +37,21 @@ def _select_device_type() -> str:
     return "CPU"
 
 
+def visible_device_count() -> int:
+    """Devices the runtime would use, found without starting it (the CLI must not claim a
+    TPU another process is training on): TPU chips on the PCI bus, else CPU_NUM_DEVICES."""
+    device_type = _select_device_type()
+    if device_type == "TPU":
+        import glob
+
+        count = 0
+        for vendor_file in glob.glob("/sys/bus/pci/devices/*/vendor"):
+            with open(vendor_file) as f:
+                count += f.read().strip() == TPU_PCI_VENDOR
+        return count
+    return int(os.environ.get("CPU_NUM_DEVICES", DEFAULT_CPU_DEVICES))
+
+
 def bootstrap() -> None:
     """Configure and start the XLA runtime in SPMD mode. Idempotent."""
     device_type = _select_device_type()

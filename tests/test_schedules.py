@@ -71,3 +71,34 @@ def test_torch_lr_scheduler_by_exact_name():
 def test_bad_schedule_configs_name_the_problem(cfg, match):
     with pytest.raises(ConfigError, match=match):
         build_scheduler(cfg, make_optimizer("adam", [0.01], adam_cls=AdamW))
+
+
+TRAINING_SCHEDULES = {
+    "WarmupLR": {"warmup_num_steps": 4},
+    "WarmupDecayLR": {"total_num_steps": 8, "warmup_num_steps": 3},
+    "WarmupCosineLR": {"total_num_steps": 8, "warmup_num_steps": 3},
+    "OneCycle": {"cycle_min_lr": 1e-3, "cycle_max_lr": 1e-2, "cycle_first_step_size": 3, "decay_lr_rate": 0.5,
+                 "decay_step_size": 2, "decay_mom_rate": 0.1},
+    "LRRangeTest": {"lr_range_test_min_lr": 1e-3, "lr_range_test_step_size": 2},
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRAINING_SCHEDULES))
+def test_training_under_each_schedule_never_recompiles_after_warmup(name):
+    import torch_xla.debug.metrics as met
+
+    import spmdzero
+    from conftest import batches, tiny_mlp
+
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(), config={
+        "train_batch_size": 16, "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+        "scheduler": {"type": name, "params": TRAINING_SCHEDULES[name]}})
+    lrs, compiles = [], []
+    for x, y in batches(10, 16):
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y.to(engine.device)))
+        engine.step()
+        lrs.append(engine.get_lr()[0])
+        compiles.append(met.metric_data("CompileTime")[0])
+    assert len(set(lrs)) >= 4  # the lr really moved
+    assert compiles[2:] == [compiles[1]] * 8, compiles

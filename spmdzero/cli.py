@@ -1,0 +1,104 @@
+"""``spmdzero config check ds_config.json [--devices N] [--params P]``: what a DeepSpeed
+config means to spmdzero, before anything runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from .config import NOOP_KEYS, ConfigError, DeepSpeedConfig, load_config, resolve_batch
+from .mesh import FSDP_AXIS, data_parallel_size, resolve_mesh_shape
+
+# Optimizer state bytes per fp32 parameter, by config name (None: unknown torch.optim class).
+STATE_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "lion": 4, "adagrad": 4}
+
+
+def optimizer_state_bytes(cfg: DeepSpeedConfig) -> Optional[int]:
+    if cfg.optimizer is None:
+        return 0
+    name = cfg.optimizer.type.lower()
+    if name == "sgd":
+        return 4 if cfg.optimizer.params.get("momentum", 0) else 0
+    return STATE_BYTES.get(name)
+
+
+def model_state_estimate(params: int, stage: int, fsdp: int, state_bytes: int) -> dict[str, float]:
+    """ZeRO's accounting for fp32 training: bytes per device by category."""
+    grads = 4 * params / (fsdp if stage >= 2 else 1)
+    states = state_bytes * params / (fsdp if stage >= 1 else 1)
+    return {"params": 4 * params, "grads": grads, "optimizer states": states, "total": 4 * params + grads + states}
+
+
+def _validate_optimizer_and_scheduler(cfg: DeepSpeedConfig) -> None:
+    """Build them on a stand-in parameter: their params are checked by their constructors."""
+    import torch
+
+    from .optim import build_optimizer
+    from .schedules import build_scheduler
+
+    if cfg.optimizer is None:
+        return
+    optimizer = build_optimizer(cfg.optimizer, [torch.nn.Parameter(torch.zeros(1))])
+    if cfg.scheduler is not None:
+        build_scheduler(cfg.scheduler, optimizer)
+
+
+def config_check(path: str, devices: int, params: Optional[int]) -> str:
+    cfg = load_config(config=path)
+    shape = resolve_mesh_shape(cfg.spmd.mesh, devices)
+    batch = resolve_batch(cfg, data_parallel_size(shape))
+    _validate_optimizer_and_scheduler(cfg)
+    lines = [f"config {path}: OK", ""]
+    mesh = " x ".join(f"{axis}={size}" for axis, size in shape.items())
+    lines += [
+        f"  mesh                      {mesh} ({devices} devices, data-parallel size {batch.world_size})",
+        f"  ZeRO stage                {cfg.zero_stage}",
+        f"  train_batch_size          {batch.train_batch_size}",
+        f"  micro batch per device    {batch.micro_batch_per_device}",
+        f"  gradient accumulation     {batch.gradient_accumulation_steps}",
+        f"  gradient clipping         {cfg.gradient_clipping or 'off'}",
+        f"  optimizer                 {_describe(cfg.optimizer)}",
+        f"  scheduler                 {_describe(cfg.scheduler)}",
+    ]
+    noop = cfg.zero_optimization.set_noop_keys()
+    lines += ["", "no-op keys under GSPMD:" if noop else "no-op keys under GSPMD: none"]
+    lines += [f"  {key}: {NOOP_KEYS[key]}" for key in noop]
+    if params is not None:
+        state_bytes = optimizer_state_bytes(cfg)
+        lines += ["", f"per-device bytes of model states for {params:,} fp32 params (ZeRO accounting):"]
+        if state_bytes is None:
+            lines.append(f"  unknown state size for optimizer {cfg.optimizer.type!r}; assuming 8 bytes/param")
+            state_bytes = 8
+        estimate = model_state_estimate(params, cfg.zero_stage, shape[FSDP_AXIS], state_bytes)
+        for name, value in estimate.items():
+            lines.append(f"  {name:<17}{value:>18,.0f} B  ({value / params:5.2f} bytes/param)")
+    return "\n".join(lines)
+
+
+def _describe(section) -> str:
+    if section is None:
+        return "none"
+    params = ", ".join(f"{k}={v}" for k, v in section.params.items())
+    return f"{section.type}({params})"
+
+
+def main(argv=None) -> int:
+    from . import runtime
+
+    parser = argparse.ArgumentParser(prog="spmdzero", description="spmdzero tools")
+    commands = parser.add_subparsers(dest="command", required=True)
+    config = commands.add_parser("config", help="inspect a DeepSpeed config").add_subparsers(dest="action",
+                                                                                              required=True)
+    check = config.add_parser("check", help="resolve and validate a DeepSpeed config")
+    check.add_argument("path", help="ds_config.json")
+    check.add_argument("--devices", type=int, default=None, help="device count (default: this machine's)")
+    check.add_argument("--params", type=int, default=None, help="model parameters, for the memory estimate")
+    args = parser.parse_args(argv)
+    devices = args.devices if args.devices is not None else runtime.visible_device_count()
+    try:
+        print(config_check(args.path, devices, args.params))
+    except ConfigError as err:
+        print(f"config {args.path}: {err}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,54 @@
+"""``spmdzero config check``."""
+
+import json
+
+import pytest
+
+from spmdzero.cli import main
+
+from conftest import run_python
+
+
+def write(tmp_path, cfg):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_config_check_prints_the_resolved_config_noop_keys_and_memory(tmp_path, capsys):
+    path = write(tmp_path, {"train_batch_size": 64, "gradient_accumulation_steps": 2,
+                            "zero_optimization": {"stage": 2, "overlap_comm": True},
+                            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
+                            "spmd": {"mesh": {"data": 2, "fsdp": -1}}})
+    assert main(["config", "check", path, "--devices", "8", "--params", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "data=2 x fsdp=4" in out and "data-parallel size 8" in out
+    assert "micro batch per device    4" in out and "gradient accumulation     2" in out
+    assert "Adam(lr=0.001)" in out and "WarmupLR(warmup_num_steps=10)" in out
+    assert "zero_optimization.overlap_comm" in out
+    # ZeRO-2, Adam, fsdp=4: 4P params + 4P/4 grads + 8P/4 states = 7 bytes/param
+    assert "total                         7,000 B" in out
+
+
+@pytest.mark.parametrize("cfg,devices,message", [
+    ({"train_batch_size": 64}, 6, "64 != 10 \\* 1 \\* 6|train_batch_size"),
+    ({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": -1}}}, 8, "lr must be"),
+    ({"train_batch_size": 8, "zero_optimization": {"stag": 1}}, 8, "did you mean 'stage'"),
+])
+def test_config_check_reports_errors_with_exit_code_1(tmp_path, capsys, cfg, devices, message):
+    import re
+
+    assert main(["config", "check", write(tmp_path, cfg), "--devices", str(devices)]) == 1
+    assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.slow
+def test_console_entry_point_does_not_start_the_runtime(tmp_path):
+    path = write(tmp_path, {"train_batch_size": 16})
+    out = run_python(f"""
+        import sys, spmdzero_cli
+        code = spmdzero_cli.main(["config", "check", {path!r}])
+        print("exit", code, "torch_xla loaded:", "torch_xla" in sys.modules)
+    """, env={"CPU_NUM_DEVICES": "4"})
+    assert "fsdp=4" in out and "exit 0 torch_xla loaded: False" in out
