@@ -21,12 +21,13 @@ LOG, LINEAR = "log", "linear"
 
 def _per_group(optimizer, value, name: str) -> list[float]:
     groups = optimizer.param_groups
-    if isinstance(value, (list, tuple)):
-        if len(value) != len(groups):
-            raise ConfigError(f"scheduler.params.{name}: expected {len(groups)} values (one per param group), "
-                              f"got {len(value)}")
-        return [float(v) for v in value]
-    return [float(value)] * len(groups)
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * len(groups)
+    if len(values) != len(groups):
+        raise ConfigError(f"scheduler.params.{name}: expected {len(groups)} values (one per param group), "
+                          f"got {len(values)}")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        raise ConfigError(f"scheduler.params.{name} must be a number or one number per param group, got {value!r}")
+    return [float(v) for v in values]
 
 
 def _warmup_fraction(t: int, warmup_steps: int, warmup_type: str) -> float:
@@ -281,5 +282,7 @@ def build_scheduler(sched_cfg: SchedulerConfig, optimizer) -> Any:
     check_params(cls, sched_cfg.params, f"scheduler.params for {sched_cfg.type!r}", skip=("optimizer",))
     try:
         return cls(optimizer, **sched_cfg.params)
-    except TypeError as err:
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as err:
         raise ConfigError(f"scheduler.params for {sched_cfg.type!r}: {err}") from None

@@ -101,3 +101,10 @@ def test_hjson_files_are_read(tmp_path):
     path = tmp_path / "ds.hjson"
     path.write_text("{\n  # a comment\n  train_batch_size: 8\n}\n")
     assert load_config(config=str(path)).train_batch_size == 8
+
+
+def test_duplicate_keys_in_an_hjson_file_are_refused(tmp_path):
+    path = tmp_path / "dup.hjson"
+    path.write_text("{\n  # comment\n  zero_optimization: {stage: 1, stage: 2}\n}\n")
+    with pytest.raises(ConfigError, match="duplicate key 'stage'"):
+        read_config_file(path)

@@ -61,6 +61,14 @@ MALFORMED = [
     ({**BASE, "optimizer": ADAM, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}},
      "'warmup_max_lr' is 'auto'"),
     ({**BASE, "scheduler": {"type": "WarmupLR", "params": {}}}, "no optimizer to schedule"),
+    ({**BASE, "optimizer": "Adam"}, "optimizer.*valid dictionary"),
+    ({**BASE, "optimizer": {"type": "Adam", "params": {"weight_decay": "lots"}}}, "optimizer.params for 'Adam'"),
+    ({**BASE, "optimizer": {"type": "Adam", "params": {"betas": 0.9}}}, "betas must be two numbers"),
+    ({**BASE, "optimizer": ADAM, "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "low"}}},
+     "scheduler.params.warmup_min_lr must be a number.*'low'"),
+    ({**BASE, "optimizer": ADAM, "scheduler": {"type": "WarmupLR", "params": []}}, "scheduler.params"),
+    ({**BASE, "optimizer": ADAM, "scheduler": {"type": "StepLR", "params": {"step_size": 2, "gama": 0.5}}},
+     "unknown key 'gama'.*did you mean 'gamma'"),
 ]
 
 
