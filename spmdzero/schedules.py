@@ -5,6 +5,11 @@ t = -1 and writes that lr into the optimizer when it is built, so the first opti
 step uses the t = -1 lr; every ``step()`` increments t and writes the new lr. The lr is
 a Python float in ``param_group['lr']``; spmdzero's optimizers move it to the device as
 data, so changing it never recompiles.
+
+When a step can be skipped inside the graph (mixed precision overflow), the engine calls
+``step_if(applied)`` instead: t becomes a device counter and the same formulas run as
+graph ops (``DeviceMath``), so the schedule does not advance on skipped steps, as in
+DeepSpeed, without reading the overflow flag on the host.
 """
 
 from __future__ import annotations
@@ -30,32 +35,61 @@ def _per_group(optimizer, value, name: str) -> list[float]:
     return [float(v) for v in values]
 
 
-def _warmup_fraction(t: int, warmup_steps: int, warmup_type: str) -> float:
+class HostMath:
+    """Python float64 arithmetic: DeepSpeed's exact values, on the host."""
+
+    where = staticmethod(lambda cond, a, b: a if cond else b)
+    log, cos, floor = math.log, math.cos, math.floor
+    maximum, minimum = max, min
+    remainder = staticmethod(lambda a, b: a % b)
+
+
+class DeviceMath:
+    """The same formulas as graph ops on a device step counter (float32), for steps that
+    may be skipped in the graph: the counter advances only when the update was applied."""
+
+    where = staticmethod(torch.where)
+    log, cos, floor, remainder = torch.log, torch.cos, torch.floor, torch.remainder
+    maximum = staticmethod(lambda a, b: torch.clamp(a, min=b) if isinstance(a, torch.Tensor) else torch.clamp(b, min=a))
+    minimum = staticmethod(lambda a, b: torch.clamp(a, max=b) if isinstance(a, torch.Tensor) else torch.clamp(b, max=a))
+
+
+# The formulas below are written branch-free (both sides of a `where` are evaluated), with
+# guards so that the side not taken stays finite, so one formula serves both backends.
+
+
+def _warmup_fraction(t, warmup_steps: int, warmup_type: str, M):
+    t_seen = M.maximum(t, 0)
     if warmup_type == LOG:
-        return math.log(t + 1) / math.log(warmup_steps)
-    return t / warmup_steps
+        return M.log(t_seen + 1) / math.log(warmup_steps)
+    return t_seen / warmup_steps
 
 
 class LRSchedule:
-    """Base: DeepSpeed's scheduler interface over a per-group ``lr_at(t)``."""
+    """Base: DeepSpeed's scheduler interface over a per-group ``lr_at(t, M)``.
+
+    ``t`` is a Python int, or (after ``step_if``) a device tensor counting applied steps."""
 
     def __init__(self, optimizer, last_batch_iteration: int = -1):
         self.optimizer = optimizer
         self.last_batch_iteration = last_batch_iteration
-        self._last_lr: list[float] | None = None
+        self._last_lr = None
         if last_batch_iteration == -1:
             self._write(self.get_lr())
 
-    def lr_at(self, t: int) -> list[float]:
+    def lr_at(self, t, M=HostMath) -> list:
         raise NotImplementedError
 
-    def get_lr(self) -> list[float]:
-        return self.lr_at(self.last_batch_iteration)
+    def _math(self):
+        return DeviceMath if isinstance(self.last_batch_iteration, torch.Tensor) else HostMath
+
+    def get_lr(self) -> list:
+        return self.lr_at(self.last_batch_iteration, self._math())
 
     def get_last_lr(self) -> list[float]:
         if self._last_lr is None:
             raise RuntimeError("need to call step() first")
-        return self._last_lr
+        return [float(lr) for lr in self._last_lr]  # reads the device in device mode
 
     def step(self, last_batch_iteration: int | None = None) -> None:
         if last_batch_iteration is None:
@@ -63,13 +97,22 @@ class LRSchedule:
         self.last_batch_iteration = last_batch_iteration
         self._write(self.get_lr())
 
-    def _write(self, lrs: Sequence[float]) -> None:
+    def step_if(self, applied: torch.Tensor) -> None:
+        """Advance only where ``applied`` (a device bool) holds, inside the graph: DeepSpeed
+        does not step the schedule on a skipped (overflow) step."""
+        t = self.last_batch_iteration
+        if not isinstance(t, torch.Tensor):
+            t = torch.tensor(float(t), dtype=torch.float32).to(applied.device)
+        self.last_batch_iteration = t + applied.to(torch.float32)
+        self._write(self.get_lr())
+
+    def _write(self, lrs: Sequence) -> None:
         for group, lr in zip(self.optimizer.param_groups, lrs):
             group["lr"] = lr
         self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
     def state_dict(self) -> dict:
-        return {"last_batch_iteration": self.last_batch_iteration}
+        return {"last_batch_iteration": int(self.last_batch_iteration)}
 
     def load_state_dict(self, sd: dict) -> None:
         self.last_batch_iteration = sd["last_batch_iteration"]
@@ -95,16 +138,13 @@ class WarmupLR(LRSchedule):
         self.warmup_num_steps, self.warmup_type = _check_warmup(warmup_num_steps, warmup_type)
         super().__init__(optimizer, last_batch_iteration)
 
-    def _gamma(self, t: int) -> float:
-        if t < self.warmup_num_steps:
-            return _warmup_fraction(t, self.warmup_num_steps, self.warmup_type)
+    def _after_warmup(self, t, M):
         return 1.0
 
-    def lr_at(self, t):
-        if t < 0:
-            return list(self.min_lrs)
-        gamma = self._gamma(t)
-        return [lo + (hi - lo) * gamma for lo, hi in zip(self.min_lrs, self.max_lrs)]
+    def lr_at(self, t, M=HostMath):
+        warm = _warmup_fraction(t, self.warmup_num_steps, self.warmup_type, M)
+        gamma = M.where(t < self.warmup_num_steps, warm, self._after_warmup(t, M))
+        return [M.where(t < 0, lo, lo + (hi - lo) * gamma) for lo, hi in zip(self.min_lrs, self.max_lrs)]
 
 
 class WarmupDecayLR(WarmupLR):
@@ -116,10 +156,8 @@ class WarmupDecayLR(WarmupLR):
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
                          last_batch_iteration)
 
-    def _gamma(self, t):
-        if t < self.warmup_num_steps:
-            return _warmup_fraction(t, self.warmup_num_steps, self.warmup_type)
-        return max(0.0, (self.total_num_steps - t) / max(1.0, self.total_num_steps - self.warmup_num_steps))
+    def _after_warmup(self, t, M):
+        return M.maximum(0.0, (self.total_num_steps - t) / max(1.0, self.total_num_steps - self.warmup_num_steps))
 
 
 class WarmupCosineLR(LRSchedule):
@@ -135,18 +173,16 @@ class WarmupCosineLR(LRSchedule):
         self.base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
         super().__init__(optimizer, last_batch_iteration)
 
-    def ratio_at(self, t: int) -> float:
-        if t < 0:
-            return 0.0
-        if t < self.warmup_num_steps:
-            frac = _warmup_fraction(t, self.warmup_num_steps, self.warmup_type)
-            return self.warmup_min_ratio + frac * (1.0 - self.warmup_min_ratio)
-        progress = min(1.0, (t - self.warmup_num_steps + 1) / max(1, self.total_num_steps - self.warmup_num_steps))
-        cosine = (1 + math.cos(math.pi * progress)) / 2
-        return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
+    def ratio_at(self, t, M=HostMath):
+        frac = _warmup_fraction(t, self.warmup_num_steps, self.warmup_type, M)
+        warm = self.warmup_min_ratio + frac * (1.0 - self.warmup_min_ratio)
+        progress = M.minimum(1.0, (t - self.warmup_num_steps + 1) / max(1, self.total_num_steps - self.warmup_num_steps))
+        cosine = (1 + M.cos(math.pi * progress)) / 2
+        after = M.maximum(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
+        return M.where(t < 0, 0.0, M.where(t < self.warmup_num_steps, warm, after))
 
-    def lr_at(self, t):
-        ratio = self.ratio_at(t)
+    def lr_at(self, t, M=HostMath):
+        ratio = self.ratio_at(t, M)
         return [lr * ratio for lr in self.base_lrs]
 
 
@@ -161,10 +197,10 @@ class LRRangeTest(LRSchedule):
         self.staircase = lr_range_test_staircase
         super().__init__(optimizer, last_batch_iteration)
 
-    def lr_at(self, t):
+    def lr_at(self, t, M=HostMath):
         interval = (t + 1) / self.step_size
         if self.staircase:
-            interval = math.floor(interval)
+            interval = M.floor(interval)
         return [lr * (1 + self.step_rate * interval) for lr in self.min_lrs]
 
 
@@ -216,54 +252,59 @@ class OneCycle(LRSchedule):
             if self.cycle_momentum:
                 self._write_momentum(self.min_moms)
 
-    def _scale(self, t: int) -> float:
+    def _scale(self, t, M):
         iteration = t + 1
-        cycle = math.floor(1 + iteration / self.total_size)
+        cycle = M.floor(1 + iteration / self.total_size)
         x = 1.0 + iteration / self.total_size - cycle
-        if x <= self.step_ratio:
-            scale, stairs = x / self.step_ratio, self.first_stair_count
-        else:
-            scale, stairs = (x - 1) / (self.step_ratio - 1), self.second_stair_count
-        if stairs > 0:  # quantise from the integer offset, as DeepSpeed does
-            in_cycle = iteration % self.total_size
-            if in_cycle <= self.first_step_size:
-                position = in_cycle * stairs / self.first_step_size
-            else:
-                position = (self.total_size - in_cycle) * stairs / self.second_step_size
-            scale = math.floor(position) / stairs
-        return scale
+        in_first_half = x <= self.step_ratio
+        rising = x / self.step_ratio
+        falling = (x - 1) / ((self.step_ratio - 1) or 1.0)  # a zero-length second half never falls
+        scale = M.where(in_first_half, rising, falling)
+        if not (self.first_stair_count or self.second_stair_count):
+            return scale
+        # Stairs: quantise from the integer offset in the cycle, as DeepSpeed does.
+        stairs = M.where(in_first_half, float(self.first_stair_count), float(self.second_stair_count))
+        in_cycle = M.remainder(iteration, self.total_size)
+        position = M.where(in_cycle <= self.first_step_size, in_cycle * stairs / self.first_step_size,
+                           (self.total_size - in_cycle) * stairs / (self.second_step_size or 1.0))
+        quantised = M.floor(position) / M.maximum(stairs, 1.0)
+        return M.where(stairs > 0, quantised, scale)
 
-    def lr_at(self, t):
-        if t < self.total_size:
-            scale = self._scale(t)
-            return [lo + (hi - lo) * scale for lo, hi in zip(self.min_lrs, self.max_lrs)]
-        if self.skip_lr_decay:
-            return list(self.min_lrs)
-        interval = (t - self.total_size + 1) / self.decay_step_size
-        factor = 1 + self.decay_lr_rate * interval
-        return [lo / factor for lo in self.min_lrs]
+    def _decay_factor(self, t, rate, M):
+        interval = M.maximum(t - self.total_size + 1, 0) / self.decay_step_size
+        return 1 + rate * interval
 
-    def momentum_at(self, t) -> list[float]:
-        if t < self.total_size:
-            scale = self._scale(t)
-            return [hi - (hi - lo) * scale for lo, hi in zip(self.min_moms, self.max_moms)]
-        if self.skip_mom_decay:
-            return list(self.max_moms)
-        interval = (t - self.total_size + 1) / self.decay_step_size
-        factor = 1 + self.decay_mom_rate * interval
-        return [hi * factor for hi in self.max_moms]
+    def lr_at(self, t, M=HostMath):
+        scale = self._scale(t, M)
+        in_cycle = t < self.total_size
+        lrs = []
+        for lo, hi in zip(self.min_lrs, self.max_lrs):
+            decayed = lo if self.skip_lr_decay else lo / self._decay_factor(t, self.decay_lr_rate, M)
+            lrs.append(M.where(in_cycle, lo + (hi - lo) * scale, decayed))
+        return lrs
+
+    def momentum_at(self, t, M=HostMath) -> list:
+        scale = self._scale(t, M)
+        in_cycle = t < self.total_size
+        moms = []
+        for lo, hi in zip(self.min_moms, self.max_moms):
+            decayed = hi if self.skip_mom_decay else hi * self._decay_factor(t, self.decay_mom_rate, M)
+            moms.append(M.where(in_cycle, hi - (hi - lo) * scale, decayed))
+        return moms
 
     def get_mom(self):
-        return [(m, self.SECOND_BETA) for m in self.momentum_at(self.last_batch_iteration)] if self.cycle_momentum else None
+        if not self.cycle_momentum:
+            return None
+        return [(m, self.SECOND_BETA) for m in self.momentum_at(self.last_batch_iteration, self._math())]
 
     def _write_momentum(self, moms) -> None:
         for group, mom in zip(self.optimizer.param_groups, moms):
             group["betas"] = (mom, self.SECOND_BETA)
 
-    def step(self, last_batch_iteration=None):
-        super().step(last_batch_iteration)
+    def _write(self, lrs) -> None:  # only step() and step_if() write: the constructor sets the minima
+        super()._write(lrs)
         if self.cycle_momentum:
-            self._write_momentum(self.momentum_at(self.last_batch_iteration))
+            self._write_momentum(self.momentum_at(self.last_batch_iteration, self._math()))
 
 
 SCHEDULES = {cls.__name__: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)}

@@ -34,6 +34,38 @@ def test_schedule_matches_deepspeed_at_every_step(case):
         assert betas == want["betas"][t], t
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_device_formulas_match_deepspeed_in_float32(case):
+    """The in-graph form of each schedule (used when steps can be skipped) on a vector of t."""
+    from spmdzero.schedules import DeviceMath
+
+    name, params, kind, base_lrs = CASES[case]
+    opt = make_optimizer(kind, base_lrs, sgd_cls=SGD, adam_cls=AdamW)
+    sched = build_scheduler(SchedulerConfig(type=name, params=params), opt)
+    t = torch.arange(-1, STEPS, dtype=torch.float32)
+    want = torch.tensor(RECORDED["cases"][case]["lrs"][:STEPS + 1], dtype=torch.float64)
+    got = torch.stack([lr.double() for lr in sched.lr_at(t, DeviceMath)], dim=1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)  # float32 cancellation near cycle ends
+    if getattr(sched, "cycle_momentum", False):
+        moms = torch.stack([m.double() for m in sched.momentum_at(t, DeviceMath)], dim=1)
+        want_moms = torch.tensor([[b[0] for b in row] for row in RECORDED["cases"][case]["betas"][:STEPS + 1]],
+                                 dtype=torch.float64)
+        torch.testing.assert_close(moms[1:], want_moms[1:], rtol=1e-5, atol=1e-7)
+
+
+def test_step_if_does_not_advance_on_skipped_steps():
+    import torch_xla
+
+    opt = make_optimizer("adam", [0.01], adam_cls=AdamW)
+    sched = build_scheduler(SchedulerConfig(type="WarmupLR", params={"warmup_num_steps": 10,
+                                                                     "warmup_type": "linear"}), opt)
+    device = torch_xla.device()
+    for applied in [True, False, False, True, True]:
+        sched.step_if(torch.tensor(applied).to(device))
+    assert sched.state_dict() == {"last_batch_iteration": 2}
+    assert sched.get_last_lr() == pytest.approx([0.01 * 2 / 10])
+
+
 def test_first_optimizer_step_uses_the_t_minus_one_lr():
     opt = make_optimizer("adam", [0.01], adam_cls=AdamW)
     sched = WarmupLR(opt, warmup_min_lr=1e-5, warmup_num_steps=10)
