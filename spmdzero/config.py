@@ -109,6 +109,21 @@ class Bf16Config(Section):
     check_grad_overflow: bool = True
 
 
+DTYPE_NAMES = ("fp32", "float32", "float", "fp16", "float16", "half", "bf16", "bfloat16", "bfloat")
+
+
+def _check_dtype_name(value: Optional[str]) -> Optional[str]:
+    if value is not None and value not in DTYPE_NAMES:
+        raise ValueError(f"must be one of {', '.join(DTYPE_NAMES)}")
+    return value
+
+
+class DataTypesConfig(Section):
+    grad_accum_dtype: Optional[str] = None
+
+    _dtype = field_validator("grad_accum_dtype")(classmethod(lambda cls, v: _check_dtype_name(v)))
+
+
 class TensorBoardConfig(Section):
     enabled: bool = False
     output_path: str = ""
@@ -202,6 +217,8 @@ class DeepSpeedConfig(BaseModel):
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     optimizer: Optional[OptimizerConfig] = None
     scheduler: Optional[SchedulerConfig] = None
+    communication_data_type: Optional[str] = None
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     fp16: Fp16Config = Field(default_factory=Fp16Config)
     bf16: Bf16Config = Field(default_factory=Bf16Config)
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
@@ -209,6 +226,8 @@ class DeepSpeedConfig(BaseModel):
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     comet: CometConfig = Field(default_factory=CometConfig)
     spmd: SpmdConfig = Field(default_factory=SpmdConfig)
+
+    _dtype = field_validator("communication_data_type")(classmethod(lambda cls, v: _check_dtype_name(v)))
 
     @property
     def zero_stage(self) -> int:
@@ -339,9 +358,6 @@ def parse_config(raw: Mapping[str, Any], source: str = "config") -> DeepSpeedCon
         raise ConfigError(f"{source}: {_format_errors(err)}") from None
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError(f"{source}: fp16 and bf16 cannot both be enabled")
-    for name in ("fp16", "bf16"):
-        if getattr(cfg, name).enabled:
-            raise ConfigError(f"{source}: {name}.enabled=true: mixed precision is not supported yet; train in fp32")
     _warn_noop_keys(cfg)
     return cfg
 

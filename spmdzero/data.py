@@ -16,20 +16,20 @@ from torch.utils.data import DataLoader, DistributedSampler
 from .annotate import shard
 
 
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, (list, tuple)):
-        mapped = [_map_tensors(o, fn) for o in obj]
+        mapped = [map_tensors(o, fn) for o in obj]
         return type(obj)(*mapped) if hasattr(obj, "_fields") else type(obj)(mapped)
     if isinstance(obj, dict):
-        return type(obj)((k, _map_tensors(v, fn)) for k, v in obj.items())
+        return type(obj)((k, map_tensors(v, fn)) for k, v in obj.items())
     return obj
 
 
 def _first_batch_size(obj: Any) -> Optional[int]:
     found: list[int] = []
-    _map_tensors(obj, lambda t: found.append(t.shape[0]) if t.dim() and not found else None)
+    map_tensors(obj, lambda t: found.append(t.shape[0]) if t.dim() and not found else None)
     return found[0] if found else None
 
 
@@ -59,7 +59,7 @@ def to_device_sharded(batch: Any, mesh, batch_spec: Callable[[int], tuple], dp_s
             return t
         return xm.send_cpu_data_to_device([t], device, xs.ShardingSpec(mesh, spec))[0]
 
-    return _map_tensors(batch, move)
+    return map_tensors(batch, move)
 
 
 class ShardedDataLoader:

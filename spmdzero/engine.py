@@ -3,43 +3,58 @@
 Each ``engine.step()`` call ends the trace with ``torch_xla.sync()``, so a run compiles
 two programs: a micro-step (forward, backward, gradient accumulation) and a boundary
 step (the same plus clipping, the optimizer update and the re-annotation of every
-state). Nothing inside a step reads a device value on the host.
+state). Nothing inside a step reads a device value on the host: overflow skipping, loss
+scaling and the schedule's step count live on the device (see ``precision``).
 
-Gradients live in persistent accumulation buffers, one per trainable parameter, laid
-out by the plan (sharded at ZeRO-2). ``backward`` folds ``p.grad`` into them and drops
-``p.grad``, as DeepSpeed's ZeRO does with its partitioned gradient buffers.
+Every trainable parameter has a slot: its gradient accumulation buffer, laid out by the
+plan (sharded at ZeRO-2), and the tensor the optimizer updates (the parameter itself in
+fp32, its fp32 master weight under mixed precision). ``backward`` folds ``p.grad`` into
+the buffer and drops it, as DeepSpeed's ZeRO does with its partitioned gradients.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from . import runtime
-from .annotate import annotate_grad_buffers, annotate_optimizer_state, annotate_params, shard
+from .annotate import annotate_optimizer_state, shard
 from .config import BatchSizes, DeepSpeedConfig
-from .data import to_device_sharded
+from .data import map_tensors, to_device_sharded
 from .mesh import data_parallel_size, mesh_shape
-from .optim import momentum_of
+from .optim import ZeroOptimizer
 from .plan import ShardingPlan, replicated
+from .precision import PrecisionPolicy, init_loss_scale, is_overflow, keep_unless, update_loss_scale
+from .schedules import LRSchedule
 
-CLIP_EPS = 1e-6  # DeepSpeed's: clip coefficient = max_norm / (norm + 1e-6)
+CLIP_EPS = 1e-6  # DeepSpeed's: clip = (norm + 1e-6) / max_norm
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    param: torch.Tensor  # the module's parameter (replicated, model dtype)
+    grad_buffer: torch.Tensor  # accumulated gradients (plan's grad spec, grad_accum dtype)
+    target: torch.Tensor  # what the optimizer updates: the param, or its fp32 master weight
 
 
 class SpmdZeroEngine(torch.nn.Module):
     def __init__(self, *, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], lr_scheduler: Any,
-                 config: DeepSpeedConfig, batch: BatchSizes, mesh, plan: ShardingPlan,
-                 training_dataloader: Any = None):
+                 config: DeepSpeedConfig, batch: BatchSizes, mesh, plan: ShardingPlan, precision: PrecisionPolicy,
+                 master_weights: Optional[dict] = None, training_dataloader: Any = None):
         super().__init__()
         self.module = module
-        self.optimizer = optimizer
+        self.basic_optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
         self.mesh = mesh
         self.plan = plan
         self.config = config
+        self.precision = precision
         self._batch = batch
         self.device = runtime.device()
         self.dp_world_size = batch.world_size
@@ -47,22 +62,27 @@ class SpmdZeroEngine(torch.nn.Module):
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
-        self.skipped_steps = 0
+        self._skipped_on_host = 0
+        self._skipped_on_device: Optional[torch.Tensor] = None
         self._boundary_override: Optional[bool] = None
         self._global_grad_norm: Optional[torch.Tensor] = None
-        self._step_applied = False
+        self._step_applied: Any = False
+        self._last_overflow: Any = False
+        self._loss_scale = init_loss_scale(precision, self.device) if precision.scales_loss else None
 
-        self._names = {p: name for name, p in module.named_parameters()}
-        optimized = {p for g in optimizer.param_groups for p in g["params"]} if optimizer else set()
-        self._grad_buffers: dict[str, torch.Tensor] = {
-            name: torch.zeros_like(p) for name, p in module.named_parameters() if p.requires_grad and p in optimized
-        }
-        self._params_with_buffers = [(p, self._grad_buffers[self._names[p]]) for p in optimized
-                                     if self._names.get(p) in self._grad_buffers]
+        masters = master_weights or {}
+        optimized = {id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer else set()
+        self._slots = [
+            Slot(name, p, torch.zeros_like(p, dtype=precision.grad_accum_dtype), masters.get(p, p))
+            for name, p in module.named_parameters()
+            if p.requires_grad and id(masters.get(p, p)) in optimized
+        ]
+        self._target_names = {s.target: s.name for s in self._slots}
+        self.optimizer = ZeroOptimizer(optimizer, self) if optimizer is not None else None
         self._reannotate()
         import torch_xla
 
-        torch_xla.sync()  # materialize sharded states and buffers before the first step
+        torch_xla.sync()  # materialize sharded states, masters and buffers before the first step
 
     # ---- DeepSpeed batch numbers -------------------------------------------------
     def train_batch_size(self) -> int:
@@ -80,38 +100,58 @@ class SpmdZeroEngine(torch.nn.Module):
     def gradient_clipping(self) -> float:
         return self.config.gradient_clipping
 
+    def bfloat16_enabled(self) -> bool:
+        return self.precision.param_dtype == torch.bfloat16
+
+    def fp16_enabled(self) -> bool:
+        return self.precision.param_dtype == torch.float16
+
     # ---- the training step -----------------------------------------------------------
     def forward(self, *inputs, **kwargs):
-        """Move batch tensors to the device, split along the batch axes, and run the module."""
-        shape = mesh_shape(self.mesh)
-        move = lambda x: to_device_sharded(x, self.mesh, self.plan.batch_spec, data_parallel_size(shape))  # noqa: E731
-        return self.module(*move(inputs), **move(kwargs))
+        """Move batch tensors to the device, split along the batch axes, cast floating
+        inputs to the model dtype, and run the module."""
+        dp = data_parallel_size(mesh_shape(self.mesh))
+        dtype = self.precision.param_dtype
+
+        def prepare(x):
+            x = to_device_sharded(x, self.mesh, self.plan.batch_spec, dp)
+            if dtype == torch.float32:
+                return x
+            return map_tensors(x, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+        return self.module(*prepare(inputs), **prepare(kwargs))
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
-        """Backprop ``loss / gradient_accumulation_steps`` and accumulate into the ZeRO buffers."""
+        """Backprop ``loss / gradient_accumulation_steps`` (times the loss scale) and
+        accumulate into the ZeRO buffers. Returns the gas-scaled loss, as DeepSpeed does."""
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"engine.backward expects the loss tensor, got {type(loss).__name__}")
         gas = self.gradient_accumulation_steps()
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
+        scaled = loss * self._loss_scale.scale if self._loss_scale is not None else loss
         try:
-            loss.backward(retain_graph=retain_graph)
+            scaled.backward(retain_graph=retain_graph)
         except RuntimeError as err:
             explained = runtime.explain_backward_trap(err)
             if explained is None:
                 raise
             raise explained from err
+        comm = self.precision.communication_dtype
         with torch.no_grad():
-            for p, buf in self._params_with_buffers:
-                if p.grad is not None:
-                    # Pin the freshly reduced gradient replicated: otherwise GSPMD pushes the
-                    # buffer's ZeRO-2 sharding back into the backward pass (activations get
-                    # odd shardings and are rematerialized). The compiler still turns
-                    # all-reduce + slice into a reduce-scatter.
-                    shard(p.grad, self.mesh, replicated(p.dim()))
-                    buf.add_(p.grad)
-                    p.grad = None
-        annotate_grad_buffers(self._grad_buffers, self.plan, self.mesh)
+            for slot in self._slots:
+                grad = slot.param.grad
+                if grad is None:
+                    continue
+                grad = grad.to(comm)
+                # Pin the freshly reduced gradient replicated: otherwise GSPMD pushes the
+                # buffer's ZeRO-2 sharding back into the backward pass (activations get odd
+                # shardings and are rematerialized). The compiler still turns all-reduce +
+                # slice into a reduce-scatter.
+                shard(grad, self.mesh, replicated(grad.dim()))
+                slot.grad_buffer.add_(grad.to(slot.grad_buffer.dtype))
+                slot.param.grad = None
+        self._annotate_buffers()
         return loss
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
@@ -127,44 +167,99 @@ class SpmdZeroEngine(torch.nn.Module):
         torch_xla.sync()
 
     def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
-        buffers = [buf for _, buf in self._params_with_buffers]
+        policy = self.precision
         with torch.no_grad():
-            norm = torch.sqrt(sum(torch.sum(b.float() * b.float()) for b in buffers)) if buffers \
-                else torch.zeros((), device=self.device)
-            max_norm = self.config.gradient_clipping
-            if max_norm > 0:
-                coef = torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)
-                for b in buffers:
-                    b.mul_(coef)
-            for p, buf in self._params_with_buffers:
-                p.grad = buf
-            self.optimizer.step()
-            for p, buf in self._params_with_buffers:
-                p.grad = None
-                buf.zero_()
-        self._reannotate()
+            grads = [s.grad_buffer.float() for s in self._slots]
+            sum_sq = sum(torch.sum(g * g) for g in grads) if grads else torch.zeros((), device=self.device)
+            scale = self._loss_scale.scale if self._loss_scale is not None else None
+            norm = torch.sqrt(sum_sq) if scale is None else torch.sqrt(sum_sq) / scale
+            # DeepSpeed's combined scale: divide by the loss scale and, when the unscaled
+            # norm exceeds gradient_clipping, by (norm + 1e-6) / gradient_clipping too.
+            divisor = scale
+            if self.config.gradient_clipping > 0:
+                clip = torch.clamp((norm + CLIP_EPS) / self.config.gradient_clipping, min=1.0)
+                divisor = clip if divisor is None else divisor * clip
+            if divisor is not None:
+                inverse = 1.0 / divisor
+                grads = [g * inverse for g in grads]
+            updated = [s.target for s in self._slots] + self._state_tensors()
+            if policy.check_overflow:
+                overflow = is_overflow(sum_sq)
+                before = [t.clone() for t in updated]
+            for slot, grad in zip(self._slots, grads):
+                slot.target.grad = grad
+            self.optimizer.optimizer.step()
+            for slot in self._slots:
+                slot.target.grad = None
+                slot.grad_buffer.zero_()
+            if policy.check_overflow:
+                keep_unless(overflow, updated, before)
+            if policy.master_weights:  # the compiler all-gathers the cast master shards
+                for slot in self._slots:
+                    slot.param.copy_(slot.target.to(slot.param.dtype))
         self._global_grad_norm = norm
-        self._step_applied = True
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step(**(lr_kwargs or {}))
+        if policy.check_overflow:
+            applied = ~overflow
+            self._skipped_on_device = overflow.float() + (0.0 if self._skipped_on_device is None
+                                                          else self._skipped_on_device)
+            if self._loss_scale is not None:
+                self._loss_scale = update_loss_scale(self._loss_scale, overflow, policy)
+            self._last_overflow, self._step_applied = overflow, applied
+            self._step_scheduler_if(applied, lr_kwargs)
+        else:
+            self._step_applied = True
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        self._reannotate()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
 
+    def _step_scheduler_if(self, applied: torch.Tensor, lr_kwargs: Optional[dict]) -> None:
+        """DeepSpeed does not step the schedule on a skipped step. DeepSpeed's schedules do
+        that in the graph; other schedulers step on the host every boundary (warned)."""
+        if self.lr_scheduler is None:
+            return
+        if isinstance(self.lr_scheduler, LRSchedule) and not lr_kwargs:
+            self.lr_scheduler.step_if(applied)
+            return
+        if not getattr(self, "_warned_host_scheduler", False):
+            self._warned_host_scheduler = True
+            warnings.warn(f"spmdzero: {type(self.lr_scheduler).__name__} steps on every boundary, including steps "
+                          "skipped for overflow (DeepSpeed does not step it then); use a DeepSpeed schedule from the "
+                          "config for the exact behaviour", stacklevel=3)
+        self.lr_scheduler.step(**(lr_kwargs or {}))
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        return [v for state in self.optimizer.optimizer.state.values() for v in state.values()
+                if isinstance(v, torch.Tensor) and v.device.type == "xla"]
+
+    def _annotate_buffers(self) -> None:
+        for slot in self._slots:
+            shard(slot.grad_buffer, self.mesh, self.plan[slot.name].grad)
+
     def _reannotate(self) -> None:
-        """Params replicated, states and buffers per the plan: output propagation would
-        otherwise leave updated params sharded like the states they were computed from."""
-        annotate_params(self.module.named_parameters(), self.plan, self.mesh)
-        annotate_grad_buffers(self._grad_buffers, self.plan, self.mesh)
+        """Params replicated, buffers, masters and states per the plan: output propagation
+        would otherwise leave updated params sharded like the states they came from."""
+        for name, p in self.module.named_parameters():
+            planned = self.plan.get(name)
+            shard(p, self.mesh, planned.param if planned else replicated(p.dim()))
+        self._annotate_buffers()
+        for slot in self._slots:
+            if slot.target is not slot.param:
+                shard(slot.target, self.mesh, self.plan[slot.name].master)
         if self.optimizer is not None:
-            annotate_optimizer_state(self.optimizer, self._names, self.plan, self.mesh)
+            annotate_optimizer_state(self.optimizer.optimizer, self._target_names, self.plan, self.mesh)
+        if self._loss_scale is not None:
+            for value in self._loss_scale:
+                shard(value, self.mesh, ())
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (DeepSpeed sets them to None)."""
         with torch.no_grad():
-            for p, buf in self._params_with_buffers:
-                p.grad = None
-                buf.zero_()
-        annotate_grad_buffers(self._grad_buffers, self.plan, self.mesh)
+            for slot in self._slots:
+                slot.param.grad = None
+                slot.grad_buffer.zero_()
+        self._annotate_buffers()
 
     # ---- accumulation boundary -----------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -184,20 +279,47 @@ class SpmdZeroEngine(torch.nn.Module):
                                  "logic of ZeRO stage 2")
         yield
 
-    # ---- reporting -------------------------------------------------------------------------
+    # ---- reporting (these read device values only when called) ----------------------------
+    @property
+    def skipped_steps(self) -> int:
+        on_device = 0 if self._skipped_on_device is None else int(self._skipped_on_device)
+        return self._skipped_on_host + on_device
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped_on_host, self._skipped_on_device = int(value), None
+
     def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []
+        return [float(g["lr"]) for g in self.optimizer.param_groups] if self.optimizer else []
 
     def get_mom(self) -> list:
-        return [momentum_of(g) for g in self.optimizer.param_groups] if self.optimizer else []
+        if not self.optimizer:
+            return []
+        moms = []
+        for group in self.optimizer.param_groups:
+            if "betas" in group:
+                moms.append(tuple(float(b) for b in group["betas"]))
+            else:
+                moms.append(group.get("momentum"))
+        return moms
 
     def get_global_grad_norm(self) -> Optional[float]:
-        """Pre-clip global gradient norm of the last boundary step (reads the device)."""
+        """Pre-clip, unscaled global gradient norm of the last boundary step."""
         return None if self._global_grad_norm is None else float(self._global_grad_norm)
 
     def was_step_applied(self) -> bool:
-        return self._step_applied
+        return bool(self._step_applied)
+
+    def loss_scale(self) -> float:
+        return 1.0 if self._loss_scale is None else float(self._loss_scale.scale)
+
+    def overflow(self) -> bool:
+        return bool(self._last_overflow)
 
     def grad_buffers(self) -> dict[str, torch.Tensor]:
         """The ZeRO gradient accumulation buffers, by parameter name."""
-        return dict(self._grad_buffers)
+        return {s.name: s.grad_buffer for s in self._slots}
+
+    def master_weights(self) -> dict[str, torch.Tensor]:
+        """The fp32 master weights by parameter name (empty in fp32 training)."""
+        return {s.name: s.target for s in self._slots if s.target is not s.param}

@@ -14,6 +14,7 @@ from .engine import SpmdZeroEngine
 from .mesh import build_mesh, check_user_mesh, data_parallel_size, mesh_shape
 from .optim import build_optimizer, materialize_state
 from .plan import make_plan
+from .precision import attach_master_weights, precision_policy
 from .schedules import build_scheduler
 
 
@@ -47,10 +48,16 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     trainable = [(n, p.shape) for n, p in module.named_parameters() if p.requires_grad]
     plan = make_plan(trainable, shape, cfg.zero_stage)
 
+    policy = precision_policy(cfg)
     opt = _build_optimizer(optimizer, model_parameters, module, cfg)
+    masters = {}
     if opt is not None:
         _move_state_to(opt, runtime.device())
+        if policy.master_weights:
+            masters = attach_master_weights(opt, module, policy.param_dtype)
         materialize_state(opt)
+    elif policy.master_weights:
+        module.to(policy.param_dtype)
     scheduler = _build_scheduler(lr_scheduler, opt, cfg)
 
     loader = None
@@ -58,7 +65,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         loader = ShardedDataLoader(training_data, batch.micro_batch_per_device, batch.world_size, mesh,
                                    plan.batch_spec, collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)
     engine = SpmdZeroEngine(module=module, optimizer=opt, lr_scheduler=scheduler, config=cfg, batch=batch,
-                            mesh=mesh, plan=plan, training_dataloader=loader)
+                            mesh=mesh, plan=plan, precision=policy, master_weights=masters,
+                            training_dataloader=loader)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

@@ -351,8 +351,41 @@ class _RecordingState(dict):
             self[k] = v
 
 
-def momentum_of(group: dict):
-    """What DeepSpeed's ``get_mom`` reports for a param group: betas, else momentum."""
-    if "betas" in group:
-        return group["betas"]
-    return group.get("momentum")
+class ZeroOptimizer:
+    """``engine.optimizer``, DeepSpeed's ZeRO optimizer face: the base optimizer's
+    ``param_groups`` and ``state`` (its params are the fp32 master weights under mixed
+    precision), plus the loss-scaling fields integrations read. Those read the device,
+    and only when asked."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine):
+        self.optimizer = optimizer
+        self._engine = engine
+
+    param_groups = property(lambda self: self.optimizer.param_groups)
+    state = property(lambda self: self.optimizer.state)
+    defaults = property(lambda self: self.optimizer.defaults)
+
+    @property
+    def loss_scale(self) -> float:
+        return self._engine.loss_scale()
+
+    cur_scale = loss_scale
+
+    @property
+    def overflow(self) -> bool:
+        return self._engine.overflow()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._engine.zero_grad()
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str):
+        return getattr(self.optimizer, name)
+
+    def __repr__(self) -> str:
+        return f"ZeroOptimizer({self.optimizer!r})"

@@ -12,8 +12,8 @@ The rule, per tensor:
   the ``fsdp`` axis; a dimension that does not divide evenly is padded by XLA;
 * tensors whose largest dimension is smaller than the ``fsdp`` size (scalars, tiny
   vectors) stay replicated: some devices would otherwise hold only padding;
-* stage 0: everything replicated. Stage 1: optimizer states use the ZeRO spec,
-  gradients replicated. Stage 2: gradients and optimizer states use the ZeRO spec.
+* stage 0: everything replicated. Stage 1: optimizer states (and fp32 master weights,
+  under mixed precision) use the ZeRO spec, gradients replicated. Stage 2: gradients too.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class TensorPlan:
     param: PartitionSpec
     grad: PartitionSpec
     optimizer_state: PartitionSpec
+    master: PartitionSpec  # the fp32 master weight under mixed precision: optimizer state to ZeRO
     shard_dim: Optional[int]  # the dim the ZeRO spec splits, None if the tensor stays replicated
 
 
@@ -60,10 +61,10 @@ class ShardingPlan:
         return batch_spec(dict(self.mesh_shape), ndim)
 
     def table(self) -> str:
-        rows = [("parameter", "shape", "param", "grad", "optimizer state")]
+        rows = [("parameter", "shape", "param", "grad", "optimizer state", "master")]
         rows += [(t.name, "x".join(map(str, t.shape)) or "scalar", _fmt(t.param), _fmt(t.grad),
-                  _fmt(t.optimizer_state)) for t in self.tensors]
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+                  _fmt(t.optimizer_state), _fmt(t.master)) for t in self.tensors]
+        widths = [max(len(r[i]) for r in rows) for i in range(6)]
         mesh = " x ".join(f"{n}={s}" for n, s in self.mesh_shape)
         lines = [f"ZeRO stage {self.stage} on mesh {mesh}"]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -111,6 +112,7 @@ def make_plan(named_shapes: Iterable[tuple[str, Sequence[int]]], mesh_shape: Map
             name=name, shape=shape, param=rep,
             grad=sharded if stage >= 2 else rep,
             optimizer_state=sharded if stage >= 1 else rep,
+            master=sharded if stage >= 1 else rep,
             shard_dim=dim if stage >= 1 else None,
         ))
     return ShardingPlan(stage, tuple(mesh_shape.items()), tuple(tensors))

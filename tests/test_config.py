@@ -54,11 +54,6 @@ def test_stage3_points_to_fsdpv2():
         parse_config({"zero_optimization": {"stage": 3}})
 
 
-def test_mixed_precision_is_refused_until_supported():
-    with pytest.raises(ConfigError, match="bf16.enabled"):
-        parse_config({"bf16": {"enabled": True}})
-
-
 def test_noop_keys_are_accepted_with_one_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

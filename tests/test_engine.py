@@ -150,7 +150,7 @@ def test_user_mesh_and_client_optimizer():
     opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
     cfg = {k: v for k, v in config(1).items() if k != "optimizer"}
     engine, returned_opt, _, _ = spmdzero.initialize(model=model, optimizer=opt, mesh=mesh, config=cfg)
-    assert returned_opt is opt and engine.dp_world_size == 8
+    assert returned_opt.optimizer is opt and engine.dp_world_size == 8  # DeepSpeed returns its ZeRO wrapper
     w = model[0].weight
     # state exists and is sharded before the first step
     assert sharding_spec(opt.state[w]["exp_avg"]).startswith("{devices=[2,1,4]")
@@ -164,7 +164,7 @@ def test_client_optimizer_callable_and_scheduler_callable():
         model=tiny_mlp(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
         lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
         config={"train_batch_size": 16})
-    assert isinstance(opt, torch.optim.SGD) and isinstance(sched, torch.optim.lr_scheduler.StepLR)
+    assert isinstance(opt.optimizer, torch.optim.SGD) and isinstance(sched, torch.optim.lr_scheduler.StepLR)
     assert engine.get_mom() == [0.9]
     x, y = batches(1, 16)[0]
     engine.backward(torch.nn.functional.mse_loss(engine(x), y.to(engine.device)))
