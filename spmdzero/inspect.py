@@ -41,23 +41,26 @@ class ModelStateBytes:
     params: int
     grads: int
     optimizer_states: int
+    master_weights: int = 0  # fp32 copies under mixed precision; ZeRO counts them as optimizer state
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer_states
+        return self.params + self.grads + self.optimizer_states + self.master_weights
 
 
 def model_state_bytes(engine) -> ModelStateBytes:
-    """Read from the live tensors: parameters, ZeRO gradient buffers, optimizer state."""
+    """Read from the live tensors: parameters, ZeRO gradient buffers, optimizer state and
+    fp32 master weights."""
     params = sum(per_device_bytes(p) for p in engine.module.parameters())
     grads = sum(per_device_bytes(b) for b in engine.grad_buffers().values())
+    masters = sum(per_device_bytes(m) for m in engine.master_weights().values())
     states = 0
     if engine.optimizer is not None:
         for state in engine.optimizer.state.values():
             for v in state.values():
                 if isinstance(v, torch.Tensor) and v.device.type == "xla":
                     states += per_device_bytes(v)
-    return ModelStateBytes(params, grads, states)
+    return ModelStateBytes(params, grads, states, masters)
 
 
 # ---- post-optimization HLO ---------------------------------------------------------------

@@ -23,11 +23,8 @@ import torch
 from .config import ConfigError, OptimizerConfig, check_params
 
 
-def _as_host_float(value: Any, key: str) -> float:
-    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-        raise TypeError(f"param_group[{key!r}] must be a Python number, not a device tensor "
-                        "(reading it would stall the step on a host sync)")
-    return float(value)
+def _is_device_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type != "cpu"
 
 
 def _check_hyper(lr=0.0, betas=(0.0, 0.0), eps=1.0, weight_decay=0.0, **ranged) -> None:
@@ -64,10 +61,16 @@ class SpmdOptimizer(torch.optim.Optimizer):
                     self.state[p] = self._initial_state(p, group)
 
     def _device_hyper(self, group: dict, device) -> dict[str, torch.Tensor]:
-        values = {k: _as_host_float(v, k) for k, v in self._hyper_values(group).items()}
-        # One fresh host->device transfer per group: no graph constants, no shared scalars.
-        packed = torch.tensor(list(values.values()), dtype=torch.float32).to(device)
-        return {k: packed[i] for i, k in enumerate(values)}
+        """Host numbers travel in one fresh host->device transfer per group (no graph
+        constants, no shared scalars); values already on the device (an lr computed in
+        the graph by a schedule) are used as they are."""
+        values = self._hyper_values(group)
+        on_host = {k: float(v) for k, v in values.items() if not _is_device_tensor(v)}
+        hyper = {k: v.to(torch.float32) for k, v in values.items() if _is_device_tensor(v)}
+        if on_host:
+            packed = torch.tensor(list(on_host.values()), dtype=torch.float32).to(device)
+            hyper.update({k: packed[i] for i, k in enumerate(on_host)})
+        return hyper
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):

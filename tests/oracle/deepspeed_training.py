@@ -1,6 +1,6 @@
 """Record DeepSpeed's own ZeRO run of the shared training case (the test oracle).
 
-    DS_ACCELERATOR=cpu torchrun --nproc_per_node=4 tests/oracle/deepspeed_training.py OUT.json
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node=4 tests/oracle/deepspeed_training.py OUT.json [bf16]
 
 Needs deepspeed==0.19.8 (not a dependency of spmdzero). Writes per-micro-step global losses
 (the mean over ranks), the lr after each step, and the final parameters.
@@ -15,30 +15,32 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from training_case import CONFIG, MICRO_BATCH, global_micro_batches, loss_fn, make_model  # noqa: E402
+from training_case import CONFIG, CONFIG_BF16, MICRO_BATCH, global_micro_batches, loss_fn, make_model  # noqa: E402
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, precision: str = "fp32") -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     model = make_model()
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=CONFIG)
+    config = CONFIG_BF16 if precision == "bf16" else CONFIG
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     losses, lrs = [], []
     for x, y in global_micro_batches():
         rows = slice(rank * MICRO_BATCH, (rank + 1) * MICRO_BATCH)
-        loss = loss_fn(engine(x[rows]), y[rows])
+        inputs = x[rows].to(torch.bfloat16) if precision == "bf16" else x[rows]  # DeepSpeed does not cast inputs
+        loss = loss_fn(engine(inputs), y[rows])
         engine.backward(loss)
         engine.step()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / dist.get_world_size())
         lrs.append(engine.get_lr()[0])
-    params = {n: p.detach().tolist() for n, p in engine.module.named_parameters()}
+    params = {n: p.detach().float().tolist() for n, p in engine.module.named_parameters()}
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"deepspeed_version": deepspeed.__version__, "config": CONFIG, "losses": losses, "lrs": lrs,
+            json.dump({"deepspeed_version": deepspeed.__version__, "config": config, "losses": losses, "lrs": lrs,
                        "global_steps": engine.global_steps, "params": params}, f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

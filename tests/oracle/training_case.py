@@ -35,5 +35,8 @@ def global_micro_batches():
     return [(torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)) for _ in range(MICRO_STEPS)]
 
 
+CONFIG_BF16 = {**CONFIG, "bf16": {"enabled": True}}
+
+
 def loss_fn(output, target):
-    return torch.nn.functional.mse_loss(output, target)
+    return torch.nn.functional.mse_loss(output.float(), target)

@@ -1,0 +1,147 @@
+"""Mixed precision: bf16 with sharded fp32 masters, fp16 with DeepSpeed's dynamic loss
+scaling, overflow skipping in the graph."""
+
+import copy
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch_xla.debug.metrics as met
+
+import spmdzero
+from spmdzero.inspect import model_state_bytes, sharding_spec
+
+from conftest import REPO
+
+sys.path.insert(0, str(pathlib.Path(REPO, "tests", "oracle")))
+from loss_scale_cases import CASES, PATTERN  # noqa: E402
+
+RECORDED = json.loads(pathlib.Path(REPO, "tests", "fixtures", "deepspeed_loss_scale.json").read_text())
+N = 8
+SHARDED = "{devices=[8,1]0,1,2,3,4,5,6,7}"
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 64))
+
+
+def data(n):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 64, generator=g), torch.randn(16, 64, generator=g)) for _ in range(n)]
+
+
+def config(stage=2, **extra):
+    return {"train_batch_size": 16, "zero_optimization": {"stage": stage}, "gradient_clipping": 1.0,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.01}}, **extra}
+
+
+def run(engine, batches, overflow_pattern=None, observe=None):
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        loss = torch.nn.functional.mse_loss(engine(x).float(), y.to(engine.device))
+        if overflow_pattern is not None:  # a device factor: the same graph with or without overflow
+            factor = torch.tensor(float("inf") if overflow_pattern[i] else 1.0).to(engine.device)
+            loss = loss * factor
+        if observe:
+            observe(i)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss)
+    return losses
+
+
+def test_bf16_params_replicated_masters_and_moments_sharded_with_exact_accounting():
+    engine, *_ = spmdzero.initialize(model=model(), config=config(bf16={"enabled": True}))
+    run(engine, data(2))
+    w = engine.module[0].weight
+    master = engine.master_weights()["0.weight"]
+    state = engine.optimizer.state[master]
+    assert w.dtype == torch.bfloat16 and sharding_spec(w) == "{replicated}"
+    assert master.dtype == torch.float32 and sharding_spec(master) == SHARDED
+    assert state["exp_avg"].dtype == torch.float32 and sharding_spec(state["exp_avg"]) == SHARDED
+    buf = engine.grad_buffers()["0.weight"]
+    assert buf.dtype == torch.bfloat16 and sharding_spec(buf) == SHARDED  # DeepSpeed's default accumulation dtype
+    P = sum(p.numel() for p in engine.module.parameters())
+    got = model_state_bytes(engine)
+    step_counters = 4 * 4  # one fp32 scalar per parameter tensor, replicated
+    assert (got.params, got.grads, got.master_weights) == (2 * P, 2 * P // N, 4 * P // N)
+    assert got.optimizer_states == 8 * P // N + step_counters
+    assert got.total == 2 * P + 14 * P // N + step_counters
+
+
+def test_bf16_fp32_grad_accumulation_is_configurable():
+    engine, *_ = spmdzero.initialize(model=model(), config=config(bf16={"enabled": True},
+                                                                  data_types={"grad_accum_dtype": "fp32"}))
+    assert engine.grad_buffers()["0.weight"].dtype == torch.float32
+
+
+def test_bf16_trains_like_fp32_within_bf16_tolerance():
+    batches = data(10)
+    fp32, *_ = spmdzero.initialize(model=model(), config=config())
+    bf16, *_ = spmdzero.initialize(model=model(), config=config(bf16={"enabled": True}))
+    ref = [l.item() for l in run(fp32, batches)]
+    got = [l.item() for l in run(bf16, batches)]
+    np.testing.assert_allclose(got, ref, rtol=3e-2)
+    master = bf16.master_weights()["2.weight"].cpu()
+    torch.testing.assert_close(master, fp32.module[2].weight.detach().cpu(), rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fp16_loss_scale_follows_deepspeed_step_by_step(case):
+    cfg = config(fp16={"enabled": True, **CASES[case]},
+                 scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
+                                                           "warmup_num_steps": 100, "warmup_type": "linear"}})
+    engine, optimizer, _, _ = spmdzero.initialize(model=model(), config=cfg)
+    scales, snapshots = [], []
+
+    def observe(i):
+        scales.append(optimizer.loss_scale)
+        snapshots.append([p.detach().cpu().clone() for p in engine.module.parameters()])
+
+    run(engine, data(len(PATTERN)), PATTERN, observe)
+    observe(len(PATTERN))
+    assert scales == RECORDED["cases"][case]
+    for i, overflow in enumerate(PATTERN):
+        same = all(torch.equal(a, b) for a, b in zip(snapshots[i], snapshots[i + 1]))
+        assert same == bool(overflow), i  # bit-identical across overflow steps, changed otherwise
+    applied = len(PATTERN) - sum(PATTERN)
+    assert engine.skipped_steps == sum(PATTERN) and engine.global_steps == len(PATTERN)
+    # the schedule advanced only on applied steps: linear warmup lr = 1e-3 + 9e-3 * t / 100
+    assert engine.get_lr()[0] == pytest.approx(1e-3 + 9e-3 * (applied - 1) / 100, rel=1e-5)
+    assert engine.was_step_applied() == (not PATTERN[-1])
+
+
+def test_overflow_steps_neither_recompile_nor_read_the_device():
+    cfg = config(fp16={"enabled": True, "initial_scale_power": 6, "loss_scale_window": 3},
+                 scheduler={"type": "OneCycle", "params": {"cycle_min_lr": 1e-3, "cycle_max_lr": 1e-2,
+                                                           "cycle_first_step_size": 5}})
+    engine, *_ = spmdzero.initialize(model=model(), config=cfg)
+    batches = data(len(PATTERN))
+    run(engine, batches[:4], PATTERN[:4])
+    compiles = met.metric_data("CompileTime")[0]
+    transfers = (met.metric_data("TransferFromDeviceTime") or [0])[0]
+    run(engine, batches[4:], PATTERN[4:])
+    assert met.metric_data("CompileTime")[0] == compiles
+    assert (met.metric_data("TransferFromDeviceTime") or [0])[0] == transfers
+    assert engine.skipped_steps == sum(PATTERN)
+
+
+def test_global_grad_norm_is_unscaled_and_pre_clip():
+    x, y = data(1)[0]
+    norms = []
+    for extra in ({}, {"fp16": {"enabled": True, "initial_scale_power": 10}}):
+        engine, *_ = spmdzero.initialize(model=model(), config=config(**extra))
+        run(engine, [(x, y)])
+        norms.append(engine.get_global_grad_norm())
+    assert norms[1] == pytest.approx(norms[0], rel=1e-2)
+
+
+def test_static_loss_scale_skips_overflow_without_changing_the_scale():
+    engine, optimizer, _, _ = spmdzero.initialize(model=model(), config=config(fp16={"enabled": True,
+                                                                                    "loss_scale": 128}))
+    run(engine, data(3), [0, 1, 0])
+    assert optimizer.loss_scale == 128.0 and engine.skipped_steps == 1
