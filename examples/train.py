@@ -69,8 +69,8 @@ def main(argv=None) -> None:
     n = dict(zip(engine.mesh.axis_names, engine.mesh.mesh_shape))["fsdp"]
     print(f"per-device bytes of model states (measured from live shardings, P={num_params:,}, fsdp={n}):")
     for name, value in (("params", mem.params), ("grads", mem.grads), ("optimizer states", mem.optimizer_states),
-                        ("total", mem.total)):
-        print(f"  {name:<17}{value:>12,} B  ({value / num_params:5.2f} bytes/param)")
+                        ("fp32 master weights", mem.master_weights), ("total", mem.total)):
+        print(f"  {name:<20}{value:>12,} B  ({value / num_params:5.2f} bytes/param)")
     print(f"  (stage 0 would hold 16 bytes/param = {16 * num_params:,} B)")
 
 
