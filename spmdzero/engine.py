@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 
 from . import runtime
-from .annotate import annotate_optimizer_state, shard
+from .annotate import shard
 from .config import BatchSizes, DeepSpeedConfig
 from .data import map_tensors, to_device_sharded
 from .mesh import data_parallel_size, mesh_shape
@@ -78,6 +78,9 @@ class SpmdZeroEngine(torch.nn.Module):
             if p.requires_grad and id(masters.get(p, p)) in optimized
         ]
         self._target_names = {s.target: s.name for s in self._slots}
+        if optimizer is not None:  # optimized tensors that are not module parameters get positional names
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            self._target_names.update({p: f"param{i}" for i, p in enumerate(params) if p not in self._target_names})
         self.optimizer = ZeroOptimizer(optimizer, self) if optimizer is not None else None
         self._reannotate()
         import torch_xla
@@ -237,21 +240,40 @@ class SpmdZeroEngine(torch.nn.Module):
         for slot in self._slots:
             shard(slot.grad_buffer, self.mesh, self.plan[slot.name].grad)
 
+    def state_tensors(self) -> dict[str, tuple[torch.Tensor, tuple]]:
+        """Every persistent device tensor of the training state, by checkpoint key, with
+        the partition spec the plan gives it: ``model.*`` params, ``buffer.*`` module
+        buffers, ``master.*`` fp32 masters, ``optim.<param>.<key>`` optimizer state,
+        ``loss_scale.*``. Gradient buffers are not state: they are empty between steps."""
+        out: dict[str, tuple[torch.Tensor, tuple]] = {}
+        for name, p in self.module.named_parameters():
+            planned = self.plan.get(name)
+            out[f"model.{name}"] = (p, planned.param if planned else replicated(p.dim()))
+        for name, b in self.module.named_buffers():
+            if b is not None and b.device.type == "xla":
+                out[f"buffer.{name}"] = (b, replicated(b.dim()))
+        for slot in self._slots:
+            if slot.target is not slot.param:
+                out[f"master.{slot.name}"] = (slot.target, self.plan[slot.name].master)
+        if self.optimizer is not None:
+            for target, state in self.optimizer.optimizer.state.items():
+                name = self._target_names[target]
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.device.type == "xla":
+                        like_param = tuple(value.shape) == tuple(target.shape)
+                        spec = self.plan[name].optimizer_state if like_param else replicated(value.dim())
+                        out[f"optim.{name}.{key}"] = (value, spec)
+        if self._loss_scale is not None:
+            for field, value in zip(self._loss_scale._fields, self._loss_scale):
+                out[f"loss_scale.{field}"] = (value, ())
+        return out
+
     def _reannotate(self) -> None:
         """Params replicated, buffers, masters and states per the plan: output propagation
         would otherwise leave updated params sharded like the states they came from."""
-        for name, p in self.module.named_parameters():
-            planned = self.plan.get(name)
-            shard(p, self.mesh, planned.param if planned else replicated(p.dim()))
         self._annotate_buffers()
-        for slot in self._slots:
-            if slot.target is not slot.param:
-                shard(slot.target, self.mesh, self.plan[slot.name].master)
-        if self.optimizer is not None:
-            annotate_optimizer_state(self.optimizer.optimizer, self._target_names, self.plan, self.mesh)
-        if self._loss_scale is not None:
-            for value in self._loss_scale:
-                shard(value, self.mesh, ())
+        for tensor, spec in self.state_tensors().values():
+            shard(tensor, self.mesh, spec)
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (DeepSpeed sets them to None)."""
@@ -278,6 +300,20 @@ class SpmdZeroEngine(torch.nn.Module):
             raise AssertionError("no_sync context manager is incompatible with gradient partitioning "
                                  "logic of ZeRO stage 2")
         yield
+
+    # ---- checkpoints (spmdzero.checkpoint) ------------------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's)
+                        exclude_frozen_parameters=False) -> bool:
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False):
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only)
 
     # ---- reporting (these read device values only when called) ----------------------------
     @property

@@ -1,0 +1,264 @@
+"""Checkpoints: sharded, atomic, exactly resumable, elastic.
+
+Layout of ``save_dir``::
+
+    latest                 the newest tag, written last
+    <tag>/state/           torch.distributed.checkpoint: every device tensor of the training
+                           state (``engine.state_tensors()``), each host writing its own shards
+    <tag>/meta.pt          host state: counters, schedule, optimizer hyperparameters, RNG,
+                           client_state, the config, and each tensor's shape and dtype
+
+A save writes into ``save_dir/.tmp.<tag>.<pid>`` and renames it to ``<tag>`` once complete,
+then replaces ``latest``: a crash part-way leaves the previous checkpoint and ``latest`` as
+they were. A load first checks the checkpoint against the engine (keys, shapes), reads into
+staging tensors laid out like the live ones, and only then copies: a bad checkpoint raises
+without touching the model. Loading onto another device count or mesh works because
+torch.distributed.checkpoint reads whatever chunks each target shard needs.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import warnings
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from .annotate import shard
+
+FORMAT_VERSION = 1
+STATE_DIR, META_FILE, LATEST_FILE = "state", "meta.pt", "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or loaded; the message names the file or key."""
+
+
+def _no_dist() -> bool:
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+def _is_writer() -> bool:
+    """Host files (meta, rename, latest) are written by process 0; shards by every host."""
+    import torch_xla.runtime as xr
+
+    return xr.process_index() == 0
+
+
+def _tensor_index(tensors: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    return {k: (tuple(t.shape), str(t.dtype)) for k, (t, _) in tensors.items()}
+
+
+# ---- save -----------------------------------------------------------------------------------
+
+def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
+                    save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+    import torch.distributed.checkpoint as dcp
+    import torch_xla
+    from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
+
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    if not tag or os.sep in tag or tag.startswith("."):
+        raise CheckpointError(f"invalid checkpoint tag {tag!r}: it names a directory inside {save_dir!r}")
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+    except OSError as err:
+        raise CheckpointError(f"cannot create checkpoint directory {save_dir!r}: {err.strerror}") from None
+    if not os.access(save_dir, os.W_OK):
+        raise CheckpointError(f"checkpoint directory {save_dir!r} is not writable")
+
+    torch_xla.sync()
+    tensors = engine.state_tensors()
+    if exclude_frozen_parameters:
+        frozen = {f"model.{n}" for n, p in engine.module.named_parameters() if not p.requires_grad}
+        tensors = {k: v for k, v in tensors.items() if k not in frozen}
+    staging = os.path.join(save_dir, f".tmp.{tag}.{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    dcp.save({k: t for k, (t, _) in tensors.items()}, checkpoint_id=os.path.join(staging, STATE_DIR),
+             planner=SPMDSavePlanner(), no_dist=_no_dist())
+    if _is_writer():
+        _write_file(os.path.join(staging, META_FILE), lambda f: torch.save(_host_state(engine, tensors, client_state, tag), f))
+        final = os.path.join(save_dir, tag)
+        if os.path.exists(final):  # replace an older save of the same tag: move it aside first
+            aside = os.path.join(save_dir, f".old.{tag}.{os.getpid()}")
+            os.replace(final, aside)
+            os.replace(staging, final)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(staging, final)
+        if save_latest:
+            _write_file(os.path.join(save_dir, LATEST_FILE), lambda f: f.write(tag.encode()))
+    return True
+
+
+def _write_file(path: str, write) -> None:
+    """Write ``path`` whole or not at all: a temporary file, fsync, then rename over it."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _host_state(engine, tensors: dict, client_state: Optional[dict], tag: str) -> dict:
+    import torch_xla.core.xla_model as xm
+
+    from . import __version__
+
+    optimizer = engine.optimizer.optimizer if engine.optimizer is not None else None
+    groups, host_state = [], {}
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            groups.append({k: _to_host(v) for k, v in group.items() if k != "params"})
+        for target, state in optimizer.state.items():
+            name = engine._target_names[target]
+            kept = {k: v for k, v in state.items() if not (isinstance(v, torch.Tensor) and v.device.type == "xla")}
+            if kept:
+                host_state[name] = kept
+    return {
+        "format": FORMAT_VERSION, "spmdzero_version": __version__, "tag": tag,
+        "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+        "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "optimizer": {"param_groups": groups, "host_state": host_state},
+        "rng": {"torch": torch.get_rng_state(), "xla": xm.get_rng_state(), "python": random.getstate(),
+                "numpy": np.random.get_state()},
+        "client_state": client_state or {},
+        "ds_config": engine.config.model_dump(),
+        "mesh": dict(zip(engine.mesh.axis_names, engine.mesh.mesh_shape)),
+        "zero_stage": engine.plan.stage,
+        "param_dtype": str(engine.precision.param_dtype),
+        "tensors": _tensor_index(tensors),
+    }
+
+
+def _to_host(value: Any) -> Any:
+    """Group hyperparameters may be device scalars (an lr from an in-graph schedule)."""
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_host(v) for v in value)
+    return value
+
+
+# ---- load -----------------------------------------------------------------------------------
+
+def resolve_tag(load_dir: str, tag: Optional[str]) -> Optional[str]:
+    if tag is not None:
+        return str(tag)
+    latest = os.path.join(load_dir, LATEST_FILE)
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        return f.read().strip()
+
+
+def read_meta(path: str) -> dict:
+    meta_file = os.path.join(path, META_FILE)
+    if not os.path.isfile(meta_file):
+        raise CheckpointError(f"checkpoint {path!r} has no {META_FILE} (not an spmdzero checkpoint, or incomplete)")
+    try:
+        meta = torch.load(meta_file, map_location="cpu", weights_only=False)
+    except Exception as err:
+        raise CheckpointError(f"cannot read {meta_file!r}: {err}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{meta_file!r} is not an spmdzero checkpoint of format {FORMAT_VERSION}")
+    return meta
+
+
+def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False):
+    """DeepSpeed's ``load_checkpoint``: returns ``(load_path, client_state)``, or
+    ``(None, None)`` with a warning when ``load_dir`` has no ``latest`` and no tag is given."""
+    tag = resolve_tag(load_dir, tag)
+    if tag is None:
+        warnings.warn(f"Unable to find latest file at {os.path.join(load_dir, LATEST_FILE)}, if trying to load "
+                      "latest checkpoint please ensure this file exists or pass an explicit checkpoint tag when "
+                      "loading a checkpoint.", stacklevel=2)
+        return None, None
+    path = os.path.join(load_dir, tag)
+    if not os.path.isdir(path):
+        tags = sorted(d for d in os.listdir(load_dir) if not d.startswith(".")) if os.path.isdir(load_dir) else []
+        raise CheckpointError(f"no checkpoint tag {tag!r} in {load_dir!r} (found: {', '.join(tags) or 'nothing'})")
+    meta = read_meta(path)
+    full_state = load_optimizer_states and not load_module_only
+    selected = _select(engine, meta["tensors"], load_module_strict, full_state)
+    _load_tensors(engine, path, selected)
+    _restore_host_state(engine, meta, full_state, load_lr_scheduler_states and not load_module_only)
+    return path, meta["client_state"]
+
+
+def _select(engine, saved: dict, strict: bool, full_state: bool) -> dict:
+    """The live tensors to load, after checking them against the checkpoint."""
+    live = engine.state_tensors()
+    module_keys = {k for k in live if k.startswith(("model.", "buffer."))}
+    saved_module = {k for k in saved if k.startswith(("model.", "buffer."))}
+    missing, unexpected = sorted(module_keys - saved_module), sorted(saved_module - module_keys)
+    if strict and (missing or unexpected):
+        raise CheckpointError("checkpoint does not match the model (load_module_strict=True): "
+                              f"missing keys {missing}, unexpected keys {unexpected}")
+    wanted = module_keys & saved_module
+    if full_state:
+        state_keys = {k for k in live if k not in module_keys}
+        absent = sorted(state_keys - set(saved))
+        if absent:
+            raise CheckpointError(f"checkpoint has no optimizer/precision state for {absent} (saved with another "
+                                  "optimizer or precision?); pass load_optimizer_states=False to load the module only")
+        wanted |= state_keys
+    mismatched = [f"{k}: checkpoint {tuple(saved[k][0])} vs model {tuple(live[k][0].shape)}"
+                  for k in sorted(wanted) if tuple(saved[k][0]) != tuple(live[k][0].shape)]
+    if mismatched:
+        raise CheckpointError("checkpoint shapes do not match the model: " + "; ".join(mismatched))
+    return {k: live[k] for k in wanted}
+
+
+def _load_tensors(engine, path: str, selected: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+    import torch_xla
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
+
+    staging = {}
+    for key, (tensor, spec) in selected.items():
+        staged = torch.zeros_like(tensor)
+        shard(staged, engine.mesh, spec)
+        staging[key] = staged
+    torch_xla.sync()
+    try:
+        dcp.load(staging, checkpoint_id=os.path.join(path, STATE_DIR), planner=SPMDLoadPlanner(),
+                 no_dist=_no_dist())
+    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+        raise CheckpointError(f"cannot read the tensors of checkpoint {path!r}: {err}") from None
+    with torch.no_grad():
+        for key, (tensor, _) in selected.items():
+            tensor.copy_(staging[key])
+    engine._reannotate()
+    torch_xla.sync()
+
+
+def _restore_host_state(engine, meta: dict, full_state: bool, scheduler: bool) -> None:
+    import torch_xla.core.xla_model as xm
+
+    engine.global_steps = meta["global_steps"]
+    engine.global_samples = meta["global_samples"]
+    engine.skipped_steps = meta["skipped_steps"]
+    engine.micro_steps = meta["micro_steps"]
+    optimizer = engine.optimizer.optimizer if engine.optimizer is not None else None
+    if full_state and optimizer is not None:
+        for group, saved in zip(optimizer.param_groups, meta["optimizer"]["param_groups"]):
+            group.update(saved)
+        by_name = {name: target for target, name in engine._target_names.items()}
+        for name, entries in meta["optimizer"]["host_state"].items():
+            optimizer.state[by_name[name]].update(entries)
+    if scheduler and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    rng = meta["rng"]
+    torch.set_rng_state(rng["torch"])
+    xm.set_rng_state(rng["xla"])
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])

@@ -1,0 +1,203 @@
+"""Checkpoints: bit-exact resume in a fresh process, elastic resume across device counts,
+atomic saves, clear errors that leave the model untouched."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import spmdzero
+from spmdzero.checkpoint import CheckpointError
+
+from conftest import REPO, run_python
+
+CONFIG = {"train_batch_size": 16, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+          "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}
+
+# Shared by this process and the subprocesses: the model, the data by step, a train loop.
+COMMON = """
+import json, sys, torch, spmdzero
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+
+def batch(i):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(16, 16, generator=g), torch.randn(16, 8, generator=g)
+
+def train(engine, start, count):
+    losses = []
+    for i in range(start, start + count):
+        x, y = batch(i)
+        loss = torch.nn.functional.mse_loss(engine(x).float(), y.to(engine.device))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss)
+    return [l.item() for l in losses]
+
+def params(engine):
+    return {n: p.detach().float().cpu().tolist() for n, p in engine.module.named_parameters()}
+"""
+namespace: dict = {}
+exec(COMMON, namespace)
+make_model, train, params = namespace["make_model"], namespace["train"], namespace["params"]
+
+
+def resume_in_subprocess(ckpt_dir, config, devices=8, start=6, count=6):
+    out = run_python(COMMON, f"""
+        engine, *_ = spmdzero.initialize(model=make_model(seed=1), config={config!r})
+        path, client = engine.load_checkpoint({str(ckpt_dir)!r})
+        losses = train(engine, {start}, {count})
+        print(json.dumps({{"losses": losses, "params": params(engine), "client": client,
+                          "steps": engine.global_steps, "micro": engine.micro_steps, "lr": engine.get_lr()}}))
+    """, env={"CPU_NUM_DEVICES": str(devices), "PJRT_DEVICE": "CPU"})
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Train 3 steps on 8 devices, save, and continue 3 more as the reference."""
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    engine, *_ = spmdzero.initialize(model=make_model(), config=CONFIG)
+    train(engine, 0, 6)
+    engine.save_checkpoint(str(ckpt), client_state={"epoch": 3, "note": "hello"})
+    reference = {"losses": train(engine, 6, 6), "params": params(engine), "lr": engine.get_lr()}
+    return ckpt, reference
+
+
+@pytest.mark.slow
+def test_resume_in_a_fresh_process_is_bit_exact(saved):
+    ckpt, reference = saved
+    resumed = resume_in_subprocess(ckpt, CONFIG)
+    assert resumed["losses"] == reference["losses"]
+    assert resumed["params"] == reference["params"]
+    assert resumed["client"] == {"epoch": 3, "note": "hello"}
+    assert (resumed["steps"], resumed["micro"]) == (6, 12) and resumed["lr"] == reference["lr"]
+
+
+@pytest.mark.slow
+def test_resume_on_four_devices_matches_to_tolerance(saved):
+    ckpt, reference = saved
+    resumed = resume_in_subprocess(ckpt, CONFIG, devices=4)
+    assert resumed["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
+    for name, values in reference["params"].items():
+        torch.testing.assert_close(torch.tensor(resumed["params"][name]), torch.tensor(values), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_checkpoint_from_four_devices_resumes_on_eight(tmp_path):
+    config = {**CONFIG, "bf16": {"enabled": True}}
+    out = run_python(COMMON, f"""
+        engine, *_ = spmdzero.initialize(model=make_model(), config={config!r})
+        train(engine, 0, 6)
+        engine.save_checkpoint({str(tmp_path)!r})
+        print(json.dumps({{"losses": train(engine, 6, 6), "params": params(engine)}}))
+    """, env={"CPU_NUM_DEVICES": "4", "PJRT_DEVICE": "CPU"})
+    reference = json.loads(out.strip().splitlines()[-1])
+    engine, *_ = spmdzero.initialize(model=make_model(seed=1), config=config)
+    engine.load_checkpoint(str(tmp_path))
+    losses = train(engine, 6, 6)
+    assert losses == pytest.approx(reference["losses"], rel=1e-2)
+    for name, values in params(engine).items():
+        torch.testing.assert_close(torch.tensor(values), torch.tensor(reference["params"][name]), rtol=0, atol=1e-2)
+
+
+def test_same_process_round_trip_restores_everything(saved, tmp_path):
+    ckpt, _ = saved
+    engine, *_ = spmdzero.initialize(model=make_model(seed=1), config=CONFIG)
+    path, client = engine.load_checkpoint(str(ckpt))
+    assert path == os.path.join(str(ckpt), "global_step3") and client["epoch"] == 3
+    assert (engine.global_steps, engine.global_samples, engine.micro_steps, engine.skipped_steps) == (3, 48, 6, 0)
+    assert engine.lr_scheduler.last_batch_iteration == 2
+    assert open(os.path.join(ckpt, "latest")).read() == "global_step3"
+
+
+def test_no_latest_returns_none_with_a_warning(tmp_path):
+    engine, *_ = spmdzero.initialize(model=make_model(), config=CONFIG)
+    with pytest.warns(UserWarning, match="Unable to find latest file"):
+        assert engine.load_checkpoint(str(tmp_path)) == (None, None)
+
+
+def test_missing_tag_names_the_available_ones(saved):
+    ckpt, _ = saved
+    engine, *_ = spmdzero.initialize(model=make_model(), config=CONFIG)
+    with pytest.raises(CheckpointError, match="no checkpoint tag 'global_step99'.*found: global_step3"):
+        engine.load_checkpoint(str(ckpt), tag="global_step99")
+
+
+def test_another_models_checkpoint_lists_keys_and_loads_nothing(saved):
+    ckpt, _ = saved
+    torch.manual_seed(0)
+    other = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8), torch.nn.Linear(8, 8))
+    engine, *_ = spmdzero.initialize(model=other, config=CONFIG)
+    before = params(engine)
+    with pytest.raises(CheckpointError, match=r"missing keys \['model.3.bias', 'model.3.weight'\]"):
+        engine.load_checkpoint(str(ckpt))
+    assert params(engine) == before
+    engine.load_checkpoint(str(ckpt), load_module_strict=False, load_optimizer_states=False)
+    assert params(engine)["3.weight"] == before["3.weight"] and params(engine)["0.weight"] != before["0.weight"]
+
+
+def test_corrupt_files_raise_naming_the_file_and_leave_the_model_untouched(saved, tmp_path):
+    import shutil
+
+    ckpt, _ = saved
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
+    engine, *_ = spmdzero.initialize(model=make_model(seed=1), config=CONFIG)
+    before = params(engine)
+    shard_file = next((broken / "global_step3" / "state").glob("*.distcp"))
+    shard_file.write_bytes(shard_file.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="cannot read the tensors of checkpoint"):
+        engine.load_checkpoint(str(broken))
+    assert params(engine) == before
+    (broken / "global_step3" / "meta.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="meta.pt"):
+        engine.load_checkpoint(str(broken))
+
+
+def test_unwritable_directory_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    engine, *_ = spmdzero.initialize(model=make_model(), config=CONFIG)
+    with pytest.raises(CheckpointError, match="cannot create checkpoint directory .*a_file/ckpt"):
+        engine.save_checkpoint(str(blocker / "ckpt"))
+
+
+@pytest.mark.slow
+def test_a_save_killed_part_way_leaves_the_previous_checkpoint(tmp_path):
+    script = textwrap.dedent(COMMON) + textwrap.dedent(f"""
+        import time, torch.distributed.checkpoint as dcp
+        engine, *_ = spmdzero.initialize(model=make_model(), config={CONFIG!r})
+        train(engine, 0, 2)
+        engine.save_checkpoint({str(tmp_path)!r})
+        real_save = dcp.save
+        def slow_save(*args, **kwargs):
+            real_save(*args, **kwargs)
+            print("shards written", flush=True)
+            time.sleep(600)
+        dcp.save = slow_save
+        train(engine, 2, 2)
+        engine.save_checkpoint({str(tmp_path)!r})
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and "shards written" not in (proc.stdout.readline() or ""):
+            pass
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert open(tmp_path / "latest").read() == "global_step1"
+    assert not (tmp_path / "global_step2").exists()
+    engine, *_ = spmdzero.initialize(model=make_model(seed=1), config=CONFIG)
+    path, _ = engine.load_checkpoint(str(tmp_path))
+    assert path.endswith("global_step1") and engine.global_steps == 1
