@@ -37,6 +37,18 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or loaded; the message names the file or key."""
 
 
+def _quiet_dcp():
+    """DCP warns that it runs single-process (we ask it to) and torch_xla's sharded tensor
+    warns about an indexing idiom of its own; neither concerns the user."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(warnings.catch_warnings())
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    warnings.filterwarnings("ignore", message="Using a non-tuple sequence for multidimensional indexing")
+    return stack
+
+
 def _no_dist() -> bool:
     return not (torch.distributed.is_available() and torch.distributed.is_initialized())
 
@@ -77,8 +89,9 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
         tensors = {k: v for k, v in tensors.items() if k not in frozen}
     staging = os.path.join(save_dir, f".tmp.{tag}.{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    dcp.save({k: t for k, (t, _) in tensors.items()}, checkpoint_id=os.path.join(staging, STATE_DIR),
-             planner=SPMDSavePlanner(), no_dist=_no_dist())
+    with _quiet_dcp():
+        dcp.save({k: t for k, (t, _) in tensors.items()}, checkpoint_id=os.path.join(staging, STATE_DIR),
+                 planner=SPMDSavePlanner(), no_dist=_no_dist())
     if _is_writer():
         _write_file(os.path.join(staging, META_FILE), lambda f: torch.save(_host_state(engine, tensors, client_state, tag), f))
         final = os.path.join(save_dir, tag)
@@ -230,8 +243,9 @@ def _load_tensors(engine, path: str, selected: dict) -> None:
         staging[key] = staged
     torch_xla.sync()
     try:
-        dcp.load(staging, checkpoint_id=os.path.join(path, STATE_DIR), planner=SPMDLoadPlanner(),
-                 no_dist=_no_dist())
+        with _quiet_dcp():
+            dcp.load(staging, checkpoint_id=os.path.join(path, STATE_DIR), planner=SPMDLoadPlanner(),
+                     no_dist=_no_dist())
     except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
         raise CheckpointError(f"cannot read the tensors of checkpoint {path!r}: {err}") from None
     with torch.no_grad():
@@ -262,3 +276,50 @@ def _restore_host_state(engine, meta: dict, full_state: bool, scheduler: bool) -
     xm.set_rng_state(rng["xla"])
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
+
+
+# ---- consolidation (no devices needed) ----------------------------------------------------------
+
+def consolidate(ckpt_dir: str, out_path: str, tag: Optional[str] = None, dtype: str = "fp32",
+                safetensors: bool = False) -> dict[str, tuple[int, ...]]:
+    """Write one state dict that the plain ``nn.Module`` loads with ``load_state_dict``: the
+    fp32 master weights where the run kept them, else the parameters, plus module buffers.
+    The analog of DeepSpeed's zero_to_fp32.py. Reads one tensor at a time on the CPU, so it
+    needs about the output's size in memory, and no accelerator. Returns {name: shape}."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    out_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dtype)
+    if out_dtype is None:
+        raise CheckpointError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
+    tag = resolve_tag(ckpt_dir, tag)
+    if tag is None:
+        raise CheckpointError(f"{ckpt_dir!r} has no 'latest' file; pass a tag")
+    path = os.path.join(ckpt_dir, tag)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"no checkpoint tag {tag!r} in {ckpt_dir!r}")
+    index = read_meta(path)["tensors"]
+    result: dict[str, torch.Tensor] = {}
+    for key in index:
+        kind, _, name = key.partition(".")
+        if kind not in ("model", "buffer"):
+            continue
+        source = f"master.{name}" if f"master.{name}" in index else key
+        shape, saved_dtype = index[source]
+        target = torch.empty(shape, dtype=getattr(torch, saved_dtype.removeprefix("torch.")))
+        try:
+            with _quiet_dcp():
+                dcp.load({source: target}, checkpoint_id=os.path.join(path, STATE_DIR), no_dist=True)
+        except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+            raise CheckpointError(f"cannot read {source!r} from {path!r}: {err}") from None
+        floating = target.is_floating_point()
+        result[name] = target.to(out_dtype) if floating and kind == "model" else target
+    if safetensors:
+        try:
+            from safetensors.torch import save_file
+        except ImportError:
+            raise CheckpointError("--safetensors needs the 'safetensors' package (pip install safetensors)") from None
+        save_file({k: v.contiguous() for k, v in result.items()}, out_path)
+    else:
+        torch.save(result, out_path)
+    return {k: tuple(v.shape) for k, v in result.items()}

@@ -1,11 +1,14 @@
-"""``spmdzero config check ds_config.json [--devices N] [--params P]``: what a DeepSpeed
-config means to spmdzero, before anything runs."""
+"""The ``spmdzero`` command: ``config check`` (what a DeepSpeed config means to spmdzero,
+before anything runs) and ``checkpoint consolidate`` (one plain state dict). Neither needs
+a device; the console entry point does not start the XLA runtime."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from typing import Optional
+
+import numpy as np
 
 from .config import NOOP_KEYS, ConfigError, DeepSpeedConfig, load_config, resolve_batch
 from .mesh import FSDP_AXIS, data_parallel_size, resolve_mesh_shape
@@ -94,7 +97,25 @@ def main(argv=None) -> int:
     check.add_argument("path", help="ds_config.json")
     check.add_argument("--devices", type=int, default=None, help="device count (default: this machine's)")
     check.add_argument("--params", type=int, default=None, help="model parameters, for the memory estimate")
+    ckpt = commands.add_parser("checkpoint", help="checkpoint tools").add_subparsers(dest="action", required=True)
+    merge = ckpt.add_parser("consolidate", help="one state dict a plain nn.Module loads (like zero_to_fp32.py)")
+    merge.add_argument("ckpt_dir")
+    merge.add_argument("out")
+    merge.add_argument("--tag", default=None, help="checkpoint tag (default: the one in 'latest')")
+    merge.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    merge.add_argument("--safetensors", action="store_true", help="write safetensors instead of torch.save")
     args = parser.parse_args(argv)
+    if args.command == "checkpoint":
+        from .checkpoint import CheckpointError, consolidate
+
+        try:
+            shapes = consolidate(args.ckpt_dir, args.out, args.tag, args.dtype, args.safetensors)
+        except CheckpointError as err:
+            print(f"checkpoint {args.ckpt_dir}: {err}", file=sys.stderr)
+            return 1
+        total = sum(int(np.prod(s)) for s in shapes.values())
+        print(f"wrote {args.out}: {len(shapes)} tensors, {total:,} values ({args.dtype})")
+        return 0
     devices = args.devices if args.devices is not None else runtime.visible_device_count()
     try:
         print(config_check(args.path, devices, args.params))
