@@ -198,16 +198,39 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     if not os.path.isdir(path):
         tags = sorted(d for d in os.listdir(load_dir) if not d.startswith(".")) if os.path.isdir(load_dir) else []
         raise CheckpointError(f"no checkpoint tag {tag!r} in {load_dir!r} (found: {', '.join(tags) or 'nothing'})")
-    meta = read_meta(path)
     full_state = load_optimizer_states and not load_module_only
-    selected = _select(engine, meta["tensors"], load_module_strict, full_state)
-    _load_tensors(engine, path, selected)
+    from .deepspeed_import import is_deepspeed_checkpoint, read_deepspeed_checkpoint
+
+    if is_deepspeed_checkpoint(path):
+        tensors, meta = read_deepspeed_checkpoint(path)
+        tensors.update(_loss_scale_tensors(engine, meta.pop("loss_scaler")))
+        index = _host_index(tensors)
+        selected = _select(engine, index, load_module_strict, full_state)
+        _commit(engine, selected, _stage(engine, selected, index, tensors))
+    else:
+        meta = read_meta(path)
+        selected = _select(engine, meta["tensors"], load_module_strict, full_state)
+        _load_tensors(engine, path, selected, meta["tensors"])
     _restore_host_state(engine, meta, full_state, load_lr_scheduler_states and not load_module_only)
     return path, meta["client_state"]
 
 
+def _host_index(tensors: dict) -> dict:
+    return {k: (tuple(t.shape), str(t.dtype)) for k, t in tensors.items()}
+
+
+def _loss_scale_tensors(engine, fields: dict) -> dict:
+    """An imported DeepSpeed loss scaler as spmdzero's ``loss_scale.*`` state, when both
+    sides scale the loss."""
+    if engine._loss_scale is None or fields.get("iteration") is None:
+        return {}
+    return {f"loss_scale.{k}": torch.tensor(float(v)) for k, v in fields.items()}
+
+
 def _select(engine, saved: dict, strict: bool, full_state: bool) -> dict:
-    """The live tensors to load, after checking them against the checkpoint."""
+    """{live key: (checkpoint key, live tensor, spec)} to load, after checking them against the
+    checkpoint. A master weight missing on one side is taken from the other: a bf16 run's
+    fp32 masters become an fp32 run's params, an fp32 run's params a bf16 run's masters."""
     live = engine.state_tensors()
     module_keys = {k for k in live if k.startswith(("model.", "buffer."))}
     saved_module = {k for k in saved if k.startswith(("model.", "buffer."))}
@@ -215,44 +238,74 @@ def _select(engine, saved: dict, strict: bool, full_state: bool) -> dict:
     if strict and (missing or unexpected):
         raise CheckpointError("checkpoint does not match the model (load_module_strict=True): "
                               f"missing keys {missing}, unexpected keys {unexpected}")
-    wanted = module_keys & saved_module
+    source = {k: (f"master.{k[6:]}" if k.startswith("model.") and f"master.{k[6:]}" in saved else k)
+              for k in module_keys & saved_module}
     if full_state:
         state_keys = {k for k in live if k not in module_keys}
-        absent = sorted(state_keys - set(saved))
+        for key in state_keys:
+            fallback = f"model.{key[7:]}" if key.startswith("master.") else key
+            source[key] = key if key in saved else fallback
+        absent = sorted(k for k in state_keys if source[k] not in saved)
         if absent:
             raise CheckpointError(f"checkpoint has no optimizer/precision state for {absent} (saved with another "
                                   "optimizer or precision?); pass load_optimizer_states=False to load the module only")
-        wanted |= state_keys
-    mismatched = [f"{k}: checkpoint {tuple(saved[k][0])} vs model {tuple(live[k][0].shape)}"
-                  for k in sorted(wanted) if tuple(saved[k][0]) != tuple(live[k][0].shape)]
+    mismatched = [f"{k}: checkpoint {tuple(saved[s][0])} vs model {tuple(live[k][0].shape)}"
+                  for k, s in sorted(source.items()) if tuple(saved[s][0]) != tuple(live[k][0].shape)]
     if mismatched:
         raise CheckpointError("checkpoint shapes do not match the model: " + "; ".join(mismatched))
-    return {k: live[k] for k in wanted}
+    return {key: (saved_key, *live[key]) for key, saved_key in source.items()}
 
 
-def _load_tensors(engine, path: str, selected: dict) -> None:
-    import torch.distributed.checkpoint as dcp
+def _stage(engine, selected: dict, saved: dict, host_tensors: Optional[dict] = None) -> dict:
+    """Device tensors in the checkpoint's dtype, laid out like the live targets: zeros to
+    read a DCP checkpoint into, or the given host tensors sent shard by shard."""
     import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.spmd as xs
+
+    staging = {}
+    for key, tensor, spec in selected.values():
+        if key in staging:  # one checkpoint tensor can feed two targets (a param and its master)
+            continue
+        if host_tensors is None:
+            staged = torch.zeros_like(tensor, dtype=_dtype(saved[key][1]))
+            shard(staged, engine.mesh, spec)
+        else:
+            sharding = xs.ShardingSpec(engine.mesh, tuple(spec))
+            staged = xm.send_cpu_data_to_device([host_tensors[key]], engine.device, sharding)[0]
+        staging[key] = staged
+    torch_xla.sync()
+    return staging
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def _commit(engine, selected: dict, staging: dict) -> None:
+    """Copy staged values into the live tensors (only once everything was read)."""
+    import torch_xla
+
+    with torch.no_grad():
+        for saved_key, tensor, _ in selected.values():
+            tensor.copy_(staging[saved_key])
+    engine._reannotate()
+    torch_xla.sync()
+
+
+def _load_tensors(engine, path: str, selected: dict, saved: dict) -> None:
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
 
-    staging = {}
-    for key, (tensor, spec) in selected.items():
-        staged = torch.zeros_like(tensor)
-        shard(staged, engine.mesh, spec)
-        staging[key] = staged
-    torch_xla.sync()
+    staging = _stage(engine, selected, saved)
     try:
         with _quiet_dcp():
             dcp.load(staging, checkpoint_id=os.path.join(path, STATE_DIR), planner=SPMDLoadPlanner(),
                      no_dist=_no_dist())
     except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
         raise CheckpointError(f"cannot read the tensors of checkpoint {path!r}: {err}") from None
-    with torch.no_grad():
-        for key, (tensor, _) in selected.items():
-            tensor.copy_(staging[key])
-    engine._reannotate()
-    torch_xla.sync()
+    _commit(engine, selected, staging)
 
 
 def _restore_host_state(engine, meta: dict, full_state: bool, scheduler: bool) -> None:
@@ -271,11 +324,12 @@ def _restore_host_state(engine, meta: dict, full_state: bool, scheduler: bool) -
             optimizer.state[by_name[name]].update(entries)
     if scheduler and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-    rng = meta["rng"]
-    torch.set_rng_state(rng["torch"])
-    xm.set_rng_state(rng["xla"])
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
+    rng = meta.get("rng")  # absent from imported DeepSpeed checkpoints
+    if rng is not None:
+        torch.set_rng_state(rng["torch"])
+        xm.set_rng_state(rng["xla"])
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
 
 
 # ---- consolidation (no devices needed) ----------------------------------------------------------
@@ -306,7 +360,7 @@ def consolidate(ckpt_dir: str, out_path: str, tag: Optional[str] = None, dtype: 
             continue
         source = f"master.{name}" if f"master.{name}" in index else key
         shape, saved_dtype = index[source]
-        target = torch.empty(shape, dtype=getattr(torch, saved_dtype.removeprefix("torch.")))
+        target = torch.empty(shape, dtype=_dtype(saved_dtype))
         try:
             with _quiet_dcp():
                 dcp.load({source: target}, checkpoint_id=os.path.join(path, STATE_DIR), no_dist=True)

@@ -48,3 +48,38 @@ def test_zero2_matches_deepspeed(precision):
     np.testing.assert_allclose(ours["losses"], ds["losses"], **tol)
     for name, values in ds["params"].items():
         np.testing.assert_allclose(ours["params"][name], values, err_msg=name, **tol)
+
+
+def test_deepspeed_checkpoint_import_continues_as_deepspeed_did():
+    """DeepSpeed saved a ZeRO-2 checkpoint (4 ranks) after 12 micro-steps of the fp32 run and
+    went on; spmdzero loads that directory and continues on the same data."""
+    ds = json.loads((FIXTURES / "deepspeed_zero2_fp32.json").read_text())
+    start = ds["saved_after"]
+    out = run_python(f"""
+        import json, sys
+        sys.path.insert(0, "tests/oracle")
+        import torch, spmdzero
+        from training_case import CONFIG, global_micro_batches, loss_fn
+        torch.manual_seed(123)  # a different init: everything must come from the checkpoint
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        engine, *_ = spmdzero.initialize(model=model, config=CONFIG)
+        path, client = engine.load_checkpoint("tests/fixtures/deepspeed_zero2_fp32_ckpt")
+        counters = [engine.global_steps, engine.global_samples, engine.micro_steps, engine.skipped_steps]
+        losses, lrs = [], []
+        for x, y in global_micro_batches()[{start}:]:
+            loss = loss_fn(engine(x), y.to(engine.device))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss)
+            lrs.append(engine.get_lr()[0])
+        params = {{n: p.detach().float().cpu().tolist() for n, p in engine.module.named_parameters()}}
+        print(json.dumps({{"losses": [l.item() for l in losses], "lrs": lrs, "client": client,
+                          "counters": counters, "params": params}}))
+    """, env={"CPU_NUM_DEVICES": "4", "PJRT_DEVICE": "CPU"})
+    ours = json.loads(out.strip().splitlines()[-1])
+    assert ours["client"] == {"epoch": 1}
+    assert ours["counters"] == [6, 96, 12, 0]
+    assert ours["lrs"] == pytest.approx(ds["lrs"][start:], rel=1e-12)
+    np.testing.assert_allclose(ours["losses"], ds["losses"][start:], **TOLERANCE["fp32"])
+    for name, values in ds["params"].items():
+        np.testing.assert_allclose(ours["params"][name], values, err_msg=name, **TOLERANCE["fp32"])
