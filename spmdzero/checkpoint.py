@@ -87,24 +87,35 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     if exclude_frozen_parameters:
         frozen = {f"model.{n}" for n, p in engine.module.named_parameters() if not p.requires_grad}
         tensors = {k: v for k, v in tensors.items() if k not in frozen}
-    staging = os.path.join(save_dir, f".tmp.{tag}.{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
+    staging = staging_dir(save_dir, tag)
     with _quiet_dcp():
         dcp.save({k: t for k, (t, _) in tensors.items()}, checkpoint_id=os.path.join(staging, STATE_DIR),
                  planner=SPMDSavePlanner(), no_dist=_no_dist())
     if _is_writer():
-        _write_file(os.path.join(staging, META_FILE), lambda f: torch.save(_host_state(engine, tensors, client_state, tag), f))
-        final = os.path.join(save_dir, tag)
-        if os.path.exists(final):  # replace an older save of the same tag: move it aside first
-            aside = os.path.join(save_dir, f".old.{tag}.{os.getpid()}")
-            os.replace(final, aside)
-            os.replace(staging, final)
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            os.replace(staging, final)
-        if save_latest:
-            _write_file(os.path.join(save_dir, LATEST_FILE), lambda f: f.write(tag.encode()))
+        publish(save_dir, tag, staging, _host_state(engine, tensors, client_state, tag), save_latest)
     return True
+
+
+def staging_dir(save_dir: str, tag: str) -> str:
+    staging = os.path.join(save_dir, f".tmp.{tag}.{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    return staging
+
+
+def publish(save_dir: str, tag: str, staging: str, meta: dict, save_latest: bool) -> None:
+    """Write meta into the complete staging directory, rename it to ``tag``, then replace
+    ``latest``: each step is atomic, so readers see the old checkpoint or the new one."""
+    _write_file(os.path.join(staging, META_FILE), lambda f: torch.save(meta, f))
+    final = os.path.join(save_dir, tag)
+    if os.path.exists(final):  # replace an older save of the same tag: move it aside first
+        aside = os.path.join(save_dir, f".old.{tag}.{os.getpid()}")
+        os.replace(final, aside)
+        os.replace(staging, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(staging, final)
+    if save_latest:
+        _write_file(os.path.join(save_dir, LATEST_FILE), lambda f: f.write(tag.encode()))
 
 
 def _write_file(path: str, write) -> None:

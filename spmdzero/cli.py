@@ -104,7 +104,21 @@ def main(argv=None) -> int:
     merge.add_argument("--tag", default=None, help="checkpoint tag (default: the one in 'latest')")
     merge.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     merge.add_argument("--safetensors", action="store_true", help="write safetensors instead of torch.save")
+    importer = ckpt.add_parser("import-deepspeed", help="convert a DeepSpeed ZeRO-1/2 checkpoint")
+    importer.add_argument("ds_dir")
+    importer.add_argument("out")
+    importer.add_argument("--tag", default=None, help="checkpoint tag (default: the one in 'latest')")
     args = parser.parse_args(argv)
+    if args.command == "checkpoint" and args.action == "import-deepspeed":
+        from .checkpoint import CheckpointError
+        from .deepspeed_import import import_deepspeed
+
+        try:
+            print(f"wrote {import_deepspeed(args.ds_dir, args.out, args.tag)}")
+        except CheckpointError as err:
+            print(f"checkpoint {args.ds_dir}: {err}", file=sys.stderr)
+            return 1
+        return 0
     if args.command == "checkpoint":
         from .checkpoint import CheckpointError, consolidate
 

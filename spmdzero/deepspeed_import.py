@@ -19,7 +19,7 @@ import os
 import pickle
 import re
 import types
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -132,3 +132,35 @@ def _loss_scaler_fields(scaler: Any) -> dict:
     fields = vars(scaler)
     return {"scale": fields.get("cur_scale", 1.0), "hysteresis": fields.get("cur_hysteresis"),
             "last_overflow_iter": fields.get("last_overflow_iter"), "iteration": fields.get("cur_iter")}
+
+
+def import_deepspeed(ds_dir: str, out_dir: str, tag: Optional[str] = None) -> str:
+    """Convert a DeepSpeed ZeRO-1/2 checkpoint into an spmdzero checkpoint (no devices
+    needed); ``engine.load_checkpoint(out_dir)`` then loads it on any mesh. Returns the path."""
+    import torch.distributed.checkpoint as dcp
+
+    from . import __version__
+    from .checkpoint import FORMAT_VERSION, STATE_DIR, _quiet_dcp, publish, resolve_tag, staging_dir
+
+    tag = resolve_tag(ds_dir, tag)
+    if tag is None:
+        raise CheckpointError(f"{ds_dir!r} has no 'latest' file; pass a tag")
+    path = os.path.join(ds_dir, tag)
+    if not is_deepspeed_checkpoint(path):
+        raise CheckpointError(f"{path!r} is not a DeepSpeed checkpoint (no {MODEL_FILE})")
+    tensors, host = read_deepspeed_checkpoint(path)
+    scaler = host.pop("loss_scaler")
+    if scaler.get("iteration") is not None:  # DeepSpeed's dynamic loss scaler
+        tensors.update({f"loss_scale.{k}": torch.tensor(float(v)) for k, v in scaler.items()})
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as err:
+        raise CheckpointError(f"cannot create checkpoint directory {out_dir!r}: {err.strerror}") from None
+    staging = staging_dir(out_dir, tag)
+    with _quiet_dcp():
+        dcp.save(tensors, checkpoint_id=os.path.join(staging, STATE_DIR), no_dist=True)
+    meta = {**host, "format": FORMAT_VERSION, "spmdzero_version": __version__, "tag": tag,
+            "imported_from": os.path.abspath(path),
+            "tensors": {k: (tuple(t.shape), str(t.dtype)) for k, t in tensors.items()}}
+    publish(out_dir, tag, staging, meta, save_latest=True)
+    return os.path.join(out_dir, tag)

@@ -50,11 +50,22 @@ def test_zero2_matches_deepspeed(precision):
         np.testing.assert_allclose(ours["params"][name], values, err_msg=name, **tol)
 
 
-def test_deepspeed_checkpoint_import_continues_as_deepspeed_did():
+@pytest.mark.parametrize("route", ["load_checkpoint", "import-deepspeed"])
+def test_deepspeed_checkpoint_import_continues_as_deepspeed_did(route, tmp_path):
     """DeepSpeed saved a ZeRO-2 checkpoint (4 ranks) after 12 micro-steps of the fp32 run and
-    went on; spmdzero loads that directory and continues on the same data."""
+    went on; spmdzero loads that directory (directly, or converted by the CLI without
+    devices) and continues on the same data."""
     ds = json.loads((FIXTURES / "deepspeed_zero2_fp32.json").read_text())
     start = ds["saved_after"]
+    source = str(FIXTURES / "deepspeed_zero2_fp32_ckpt")
+    if route == "import-deepspeed":
+        converted = run_python(f"""
+            import sys, spmdzero_cli
+            code = spmdzero_cli.main(["checkpoint", "import-deepspeed", {source!r}, {str(tmp_path)!r}])
+            print("exit", code, "torch_xla loaded:", "torch_xla" in sys.modules)
+        """)
+        assert "exit 0 torch_xla loaded: False" in converted
+        source = str(tmp_path)
     out = run_python(f"""
         import json, sys
         sys.path.insert(0, "tests/oracle")
@@ -63,7 +74,7 @@ def test_deepspeed_checkpoint_import_continues_as_deepspeed_did():
         torch.manual_seed(123)  # a different init: everything must come from the checkpoint
         model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
         engine, *_ = spmdzero.initialize(model=model, config=CONFIG)
-        path, client = engine.load_checkpoint("tests/fixtures/deepspeed_zero2_fp32_ckpt")
+        path, client = engine.load_checkpoint({source!r})
         counters = [engine.global_steps, engine.global_samples, engine.micro_steps, engine.skipped_steps]
         losses, lrs = [], []
         for x, y in global_micro_batches()[{start}:]:
