@@ -233,3 +233,33 @@ def test_consolidate_cli_needs_no_devices(saved, tmp_path):
     """)
     assert "exit 0 torch_xla loaded: False" in out and "wrote" in out
     assert set(torch.load(tmp_path / "m.pt")) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+@pytest.mark.slow
+def test_consolidation_needs_about_the_output_size_in_memory(tmp_path):
+    """16 tensors of 1M fp32 values (64 MB out): the peak RSS grows by about the output,
+    plus one tensor of read buffer, not by a multiple of it."""
+    model_code = "torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(16)])"
+    run_python(f"""
+        import torch, spmdzero
+        engine, *_ = spmdzero.initialize(model={model_code}, config={{"train_batch_size": 8,
+            "zero_optimization": {{"stage": 2}}, "optimizer": {{"type": "Adam"}}}})
+        engine.save_checkpoint({str(tmp_path / 'ckpt')!r})
+    """)
+    out = run_python(f"""
+        import torch
+        from spmdzero.checkpoint import consolidate
+
+        def kb(field):
+            return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field))
+
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak (VmHWM) to the current RSS
+        before = kb("VmRSS:")
+        consolidate({str(tmp_path / 'ckpt')!r}, {str(tmp_path / 'out.pt')!r})
+        print("grew_mb", (kb("VmHWM:") - before) / 1024)
+    """, env={"SPMDZERO_NO_RUNTIME": "1"})
+    grew = float(out.split("grew_mb")[1])
+    output_mb = 16 * 1024 * 1024 * 4 / 2**20
+    print(f"consolidation grew the peak RSS by {grew:.0f} MB for {output_mb:.0f} MB of output")
+    assert grew < 1.5 * output_mb, grew
