@@ -50,14 +50,15 @@ def test_zero2_matches_deepspeed(precision):
         np.testing.assert_allclose(ours["params"][name], values, err_msg=name, **tol)
 
 
-@pytest.mark.parametrize("route", ["load_checkpoint", "import-deepspeed"])
-def test_deepspeed_checkpoint_import_continues_as_deepspeed_did(route, tmp_path):
+@pytest.mark.parametrize("precision,route", [("fp32", "load_checkpoint"), ("fp32", "import-deepspeed"),
+                                             ("bf16", "load_checkpoint")])
+def test_deepspeed_checkpoint_import_continues_as_deepspeed_did(precision, route, tmp_path):
     """DeepSpeed saved a ZeRO-2 checkpoint (4 ranks) after 12 micro-steps of the fp32 run and
     went on; spmdzero loads that directory (directly, or converted by the CLI without
     devices) and continues on the same data."""
-    ds = json.loads((FIXTURES / "deepspeed_zero2_fp32.json").read_text())
+    ds = json.loads((FIXTURES / f"deepspeed_zero2_{precision}.json").read_text())
     start = ds["saved_after"]
-    source = str(FIXTURES / "deepspeed_zero2_fp32_ckpt")
+    source = str(FIXTURES / f"deepspeed_zero2_{precision}_ckpt")
     if route == "import-deepspeed":
         converted = run_python(f"""
             import sys, spmdzero_cli
@@ -70,10 +71,10 @@ def test_deepspeed_checkpoint_import_continues_as_deepspeed_did(route, tmp_path)
         import json, sys
         sys.path.insert(0, "tests/oracle")
         import torch, spmdzero
-        from training_case import CONFIG, global_micro_batches, loss_fn
+        from training_case import CONFIG, CONFIG_BF16, global_micro_batches, loss_fn
         torch.manual_seed(123)  # a different init: everything must come from the checkpoint
         model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-        engine, *_ = spmdzero.initialize(model=model, config=CONFIG)
+        engine, *_ = spmdzero.initialize(model=model, config=CONFIG_BF16 if {precision!r} == "bf16" else CONFIG)
         path, client = engine.load_checkpoint({source!r})
         counters = [engine.global_steps, engine.global_samples, engine.micro_steps, engine.skipped_steps]
         losses, lrs = [], []
@@ -90,7 +91,7 @@ def test_deepspeed_checkpoint_import_continues_as_deepspeed_did(route, tmp_path)
     ours = json.loads(out.strip().splitlines()[-1])
     assert ours["client"] == {"epoch": 1}
     assert ours["counters"] == [6, 96, 12, 0]
-    assert ours["lrs"] == pytest.approx(ds["lrs"][start:], rel=1e-12)
-    np.testing.assert_allclose(ours["losses"], ds["losses"][start:], **TOLERANCE["fp32"])
+    assert ours["lrs"] == pytest.approx(ds["lrs"][start:], rel=1e-6)
+    np.testing.assert_allclose(ours["losses"], ds["losses"][start:], **TOLERANCE[precision])
     for name, values in ds["params"].items():
-        np.testing.assert_allclose(ours["params"][name], values, err_msg=name, **TOLERANCE["fp32"])
+        np.testing.assert_allclose(ours["params"][name], values, err_msg=name, **TOLERANCE[precision])
