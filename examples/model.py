@@ -35,6 +35,12 @@ class TinyGPT(nn.Module):
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
 
+    def example_inputs(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A synthetic batch (tokens, targets) for tracing the step (see spmdzero.aot)."""
+        vocab, seq = self.tok.num_embeddings, self.pos.num_embeddings
+        tokens = torch.randint(0, vocab, (batch_size, seq + 1))
+        return tokens[:, :-1], tokens[:, 1:]
+
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy."""
         positions = torch.arange(tokens.shape[1], device=tokens.device)

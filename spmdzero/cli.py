@@ -108,7 +108,14 @@ def main(argv=None) -> int:
     importer.add_argument("ds_dir")
     importer.add_argument("out")
     importer.add_argument("--tag", default=None, help="checkpoint tag (default: the one in 'latest')")
+    aot = commands.add_parser("aot", help="compile the training step for a TPU topology (needs libtpu, not a TPU)")
+    aot.add_argument("--topology", required=True, help="e.g. v5e:2x2, v5e:4x4, v4:2x2x1, v6e:2x2")
+    aot.add_argument("--deepspeed_config", required=True)
+    aot.add_argument("--model", default="examples/model.py:TinyGPT", help="PATH.py:NAME (default: the example)")
+    aot.add_argument("--stages", default="0,1,2")
     args = parser.parse_args(argv)
+    if args.command == "aot":
+        return _run_aot(args)
     if args.command == "checkpoint" and args.action == "import-deepspeed":
         from .checkpoint import CheckpointError
         from .deepspeed_import import import_deepspeed
@@ -137,3 +144,22 @@ def main(argv=None) -> int:
         print(f"config {args.path}: {err}", file=sys.stderr)
         return 1
     return 0
+
+
+def _run_aot(args) -> int:
+    """Trace in a child process with one CPU device per chip, then compile for the TPU."""
+    import os
+    import subprocess
+
+    from .aot import topology_chips
+
+    try:
+        chips = topology_chips(args.topology)
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return 1
+    env = {**os.environ, "CPU_NUM_DEVICES": str(chips), "PJRT_DEVICE": "CPU"}
+    env.pop("SPMDZERO_NO_RUNTIME", None)
+    command = [sys.executable, "-m", "spmdzero.aot", "--topology", args.topology,
+               "--deepspeed_config", args.deepspeed_config, "--model", args.model, "--stages", args.stages]
+    return subprocess.run(command, env=env).returncode

@@ -69,6 +69,7 @@ class SpmdZeroEngine(torch.nn.Module):
         self._step_applied: Any = False
         self._last_overflow: Any = False
         self._loss_scale = init_loss_scale(precision, self.device) if precision.scales_loss else None
+        self._capture = None  # a spmdzero.aot.StepCapture while a step is being captured
 
         masters = master_weights or {}
         optimized = {id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer else set()
@@ -161,6 +162,9 @@ class SpmdZeroEngine(torch.nn.Module):
         """Apply the update at an accumulation boundary; count every call; end the trace."""
         import torch_xla
 
+        if self._capture is not None:  # trace the update for the TPU compiler; execute nothing
+            self._capture.record(lr_kwargs)
+            return
         if self.is_gradient_accumulation_boundary():
             if self.optimizer is None:
                 raise RuntimeError("engine.step() needs an optimizer: pass optimizer= to initialize() "
