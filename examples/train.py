@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import spmdzero  # first: starts the XLA runtime in SPMD mode
 import torch
@@ -46,24 +45,15 @@ def main(argv=None) -> None:
           f"train_batch_size={engine.train_batch_size()} (micro {engine.train_micro_batch_size_per_gpu()} x "
           f"{engine.dp_world_size} devices x {engine.gradient_accumulation_steps()} accumulation)")
 
-    print_every = engine.config.steps_per_print or 10
-    window_start, window_samples = time.perf_counter(), 0
+    # The engine logs DeepSpeed-style lines every steps_per_print optimizer steps.
     while engine.global_steps < args.steps:  # epochs
         for tokens, targets in loader:
             loss = engine(tokens, targets)
             engine.backward(loss)
             engine.step()
-            window_samples += len(tokens)
-            finished_step = engine.micro_steps % engine.gradient_accumulation_steps() == 0
-            if finished_step and (engine.global_steps % print_every == 0 or engine.global_steps == args.steps):
-                elapsed = time.perf_counter() - window_start
-                lr = ", ".join(f"{v:.3e}" for v in engine.get_lr())
-                print(f"step={engine.global_steps}, skipped={engine.skipped_steps}, lr=[{lr}], "
-                      f"loss={loss.item():.4f}, grad_norm={engine.get_global_grad_norm():.4f}, "
-                      f"samples/sec={window_samples / elapsed:.1f}")
-                window_start, window_samples = time.perf_counter(), 0
             if engine.global_steps >= args.steps:
                 break
+    print(f"final loss {loss.item():.4f} after {engine.global_steps} steps ({engine.skipped_steps} skipped)")
 
     mem = model_state_bytes(engine)
     n = dict(zip(engine.mesh.axis_names, engine.mesh.mesh_shape))["fsdp"]

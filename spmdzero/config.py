@@ -191,6 +191,7 @@ class MeshConfig(Section):
 
 class SpmdConfig(Section):
     mesh: Optional[MeshConfig] = None
+    max_recompiles: Optional[int] = Field(None, ge=0)
 
 
 class DeepSpeedConfig(BaseModel):

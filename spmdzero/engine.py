@@ -26,6 +26,7 @@ from .annotate import shard
 from .config import BatchSizes, DeepSpeedConfig
 from .data import map_tensors, to_device_sharded
 from .mesh import data_parallel_size, mesh_shape
+from .monitor import RecompileGuard, StepLogger, compile_count
 from .optim import ZeroOptimizer
 from .plan import ShardingPlan, replicated
 from .precision import PrecisionPolicy, init_loss_scale, is_overflow, keep_unless, update_loss_scale
@@ -70,6 +71,9 @@ class SpmdZeroEngine(torch.nn.Module):
         self._last_overflow: Any = False
         self._loss_scale = init_loss_scale(precision, self.device) if precision.scales_loss else None
         self._capture = None  # a spmdzero.aot.StepCapture while a step is being captured
+        self._last_loss: Optional[torch.Tensor] = None
+        self.recompile_guard = RecompileGuard(config.spmd.max_recompiles)
+        self._step_logger = StepLogger(config.steps_per_print)
 
         masters = master_weights or {}
         optimized = {id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer else set()
@@ -130,6 +134,7 @@ class SpmdZeroEngine(torch.nn.Module):
         accumulate into the ZeRO buffers. Returns the gas-scaled loss, as DeepSpeed does."""
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"engine.backward expects the loss tensor, got {type(loss).__name__}")
+        self._last_loss = loss.detach()
         gas = self.gradient_accumulation_steps()
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
@@ -165,13 +170,18 @@ class SpmdZeroEngine(torch.nn.Module):
         if self._capture is not None:  # trace the update for the TPU compiler; execute nothing
             self._capture.record(lr_kwargs)
             return
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             if self.optimizer is None:
                 raise RuntimeError("engine.step() needs an optimizer: pass optimizer= to initialize() "
                                    "or add an 'optimizer' section to the config")
             self._take_model_step(lr_kwargs)
         self.micro_steps += 1
+        compiles = compile_count()
         torch_xla.sync()
+        self.recompile_guard.check(compile_count() - compiles, self.global_steps, boundary)
+        if boundary:
+            self._step_logger.after_boundary(self)
 
     def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
         policy = self.precision
@@ -349,6 +359,10 @@ class SpmdZeroEngine(torch.nn.Module):
 
     def was_step_applied(self) -> bool:
         return bool(self._step_applied)
+
+    def last_loss(self) -> Optional[float]:
+        """The loss last passed to ``backward`` (before gas scaling); reads the device."""
+        return None if self._last_loss is None else float(self._last_loss)
 
     def loss_scale(self) -> float:
         return 1.0 if self._loss_scale is None else float(self._loss_scale.scale)

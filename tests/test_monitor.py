@@ -1,0 +1,85 @@
+"""The recompilation guard and DeepSpeed-style step logs."""
+
+import logging
+import warnings
+
+import pytest
+import torch
+import torch_xla.debug.metrics as met
+
+import spmdzero
+
+from conftest import batches, tiny_mlp
+
+
+def config(**extra):
+    return {"train_batch_size": 16, "zero_optimization": {"stage": 2},
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, **extra}
+
+
+def step(engine, x, y):
+    engine.backward(torch.nn.functional.mse_loss(engine(x), y.to(engine.device)))
+    engine.step()
+
+
+def test_guard_is_quiet_on_a_normal_run_and_warns_once_on_a_shape_change():
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(), config=config())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in batches(6, 16):
+            step(engine, x, y)
+        assert not [w for w in caught if "recompiled" in str(w.message)]
+        for x, y in batches(2, 32):  # a different batch size: a new program
+            step(engine, x, y)
+    fired = [w for w in caught if "recompiled after warm-up" in str(w.message)]
+    assert len(fired) == 1 and "global step 7" in str(fired[0].message)
+    assert engine.recompile_guard.recompiles >= 1
+
+
+def test_max_recompiles_turns_the_warning_into_an_error():
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(), config=config(spmd={"max_recompiles": 0}))
+    for x, y in batches(4, 16):
+        step(engine, x, y)
+    with pytest.raises(RuntimeError, match="max_recompiles=0"):
+        step(engine, *batches(1, 24)[0])
+
+
+@pytest.fixture
+def spmdzero_log(caplog):
+    """The spmdzero logger does not propagate (its lines would print twice); listen to it directly."""
+    log = logging.getLogger("spmdzero")
+    level = log.level
+    log.addHandler(caplog.handler)
+    log.setLevel(logging.INFO)
+    yield caplog
+    log.removeHandler(caplog.handler)
+    log.setLevel(level)
+
+
+def test_logging_reads_the_device_only_on_print_steps(spmdzero_log):
+    caplog = spmdzero_log
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(), config=config(steps_per_print=4))
+    data = batches(12, 16)
+    for x, y in data[:4]:  # warm-up, including the first print step
+        step(engine, x, y)
+    caplog.clear()
+    transfers = []
+    for x, y in data[4:]:
+        step(engine, x, y)
+        transfers.append((met.metric_data("TransferFromDeviceTime") or [0])[0])
+    # steps 5..12: only the print step (8, 12) reads loss / grad norm from the device
+    assert transfers[0] == transfers[1] == transfers[2] < transfers[3]
+    assert transfers[3] == transfers[4] == transfers[5] == transfers[6] < transfers[7]
+    lines = list(dict.fromkeys(r.getMessage() for r in caplog.records if r.name == "spmdzero"))
+    assert len(lines) == 2 and lines[0].startswith("step=8, skipped=0, lr=[") and "loss=" in lines[0]
+    assert "grad_norm=" in lines[0] and "samples/sec=" in lines[0]
+
+
+def test_fp16_log_line_shows_the_loss_scale(spmdzero_log):
+    caplog = spmdzero_log
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(), config=config(steps_per_print=2,
+                                                                       fp16={"enabled": True, "initial_scale_power": 8}))
+    for x, y in batches(2, 16):
+        engine.backward(torch.nn.functional.mse_loss(engine(x).float(), y.to(engine.device)))
+        engine.step()
+    assert "loss_scale=256" in caplog.records[-1].getMessage()
