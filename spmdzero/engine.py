@@ -370,6 +370,14 @@ class SpmdZeroEngine(torch.nn.Module):
     def overflow(self) -> bool:
         return bool(self._last_overflow)
 
+    def sharding_report(self):
+        """Per parameter: the layout and per-device bytes of the param, its gradient buffer,
+        master weight and optimizer states, read from the live tensors; totals against stage 0
+        and ZeRO's accounting. Prints as a table, renders as HTML in Jupyter, ``.to_dict()``."""
+        from .inspect import sharding_report
+
+        return sharding_report(self)
+
     def grad_buffers(self) -> dict[str, torch.Tensor]:
         """The ZeRO gradient accumulation buffers, by parameter name."""
         return {s.name: s.grad_buffer for s in self._slots}

@@ -153,3 +153,118 @@ def dumped_modules(dump_dir: str) -> dict[str, str]:
     files = sorted(glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")))
     files = [f for f in files if not f.endswith(("buffer-assignment.txt", "memory-usage-report.txt"))]
     return {os.path.basename(f): open(f).read() for f in files}
+
+
+# ---- sharding report ---------------------------------------------------------------------------------
+
+def _layout(spec: str) -> str:
+    """'{devices=[8,1]0,...}' -> 'tiled 8x1'; replicated or unsharded -> 'replicated'."""
+    match = _DEVICES.search(spec or "")
+    if match is None:
+        return "replicated"
+    tiles = match.group(1).replace(",", "x")
+    return f"tiled {tiles}" + (" (partly replicated)" if "last_tile_dim_replicate" in spec else "")
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    parameter: str
+    role: str  # param, grad, master, or the optimizer state's key
+    shape: tuple
+    dtype: str
+    layout: str
+    device_bytes: int
+    global_bytes: int
+
+
+@dataclass(frozen=True)
+class ShardingReport:
+    """What each device holds, read from the live tensors' shardings."""
+
+    stage: int
+    devices: int
+    fsdp: int
+    entries: tuple
+
+    CATEGORY = {"param": "params", "grad": "grads", "master": "master weights"}
+
+    def totals(self) -> dict[str, dict[str, int]]:
+        """Per category: bytes per device now, and what stage 0 (everything replicated) holds."""
+        out: dict[str, dict[str, int]] = {}
+        for e in self.entries:
+            row = out.setdefault(self.CATEGORY.get(e.role, "optimizer states"), {"device": 0, "stage0": 0})
+            row["device"] += e.device_bytes
+            row["stage0"] += e.global_bytes
+        out["total"] = {k: sum(r[k] for r in out.values()) for k in ("device", "stage0")}
+        return out
+
+    def zero_accounting(self) -> dict[str, float]:
+        """ZeRO's analytic per-device bytes for this stage, from the same tensors' sizes."""
+        totals, n = self.totals(), self.fsdp
+        divisor = {"params": 1, "grads": n if self.stage >= 2 else 1,
+                   "optimizer states": n if self.stage >= 1 else 1, "master weights": n if self.stage >= 1 else 1}
+        analytic = {k: totals[k]["stage0"] / divisor[k] for k in divisor if k in totals}
+        analytic["total"] = sum(analytic.values())
+        return analytic
+
+    def to_dict(self) -> dict:
+        return {"stage": self.stage, "devices": self.devices, "fsdp": self.fsdp,
+                "tensors": [e.__dict__ for e in self.entries], "totals": self.totals(),
+                "zero_accounting": self.zero_accounting()}
+
+    def _rows(self):
+        yield ("parameter", "role", "shape", "dtype", "layout", "bytes/device")
+        for e in self.entries:
+            yield (e.parameter, e.role, "x".join(map(str, e.shape)) or "scalar", e.dtype, e.layout,
+                   f"{e.device_bytes:,}")
+
+    def _total_rows(self):
+        analytic = self.zero_accounting()
+        yield ("category", "bytes/device", "stage 0", "ZeRO accounting")
+        for name, row in self.totals().items():
+            yield (name, f"{row['device']:,}", f"{row['stage0']:,}", f"{analytic.get(name, 0):,.0f}")
+
+    def __str__(self) -> str:
+        def table(rows):
+            rows = list(rows)
+            widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+            return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+        head = f"ZeRO stage {self.stage} on {self.devices} devices (fsdp={self.fsdp}), from live shardings"
+        return f"{head}\n{table(self._rows())}\n\n{table(self._total_rows())}"
+
+    def _repr_html_(self) -> str:
+        import html
+
+        def table(rows):
+            rows = list(rows)
+            head = "".join(f"<th>{html.escape(c)}</th>" for c in rows[0])
+            body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows[1:])
+            return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+        return (f"<p><b>ZeRO stage {self.stage}</b> on {self.devices} devices (fsdp={self.fsdp})</p>"
+                f"{table(self._rows())}<br>{table(self._total_rows())}")
+
+
+def sharding_report(engine) -> ShardingReport:
+    names = {s.name: s for s in engine._slots}
+    entries = []
+
+    def add(parameter: str, role: str, t: torch.Tensor) -> None:
+        entries.append(TensorEntry(parameter, role, tuple(t.shape), str(t.dtype).removeprefix("torch."),
+                                   _layout(sharding_spec(t)), per_device_bytes(t), t.numel() * t.element_size()))
+
+    for name, p in engine.module.named_parameters():
+        add(name, "param", p)
+        slot = names.get(name)
+        if slot is None:
+            continue
+        add(name, "grad", slot.grad_buffer)
+        if slot.target is not slot.param:
+            add(name, "master", slot.target)
+        if engine.optimizer is not None:
+            for key, value in engine.optimizer.state.get(slot.target, {}).items():
+                if isinstance(value, torch.Tensor) and value.device.type == "xla":
+                    add(name, key, value)
+    shape = dict(zip(engine.mesh.axis_names, engine.mesh.mesh_shape))
+    return ShardingReport(engine.plan.stage, engine.world_size, shape.get("fsdp", 1), tuple(entries))

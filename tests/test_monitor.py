@@ -83,3 +83,30 @@ def test_fp16_log_line_shows_the_loss_scale(spmdzero_log):
         engine.backward(torch.nn.functional.mse_loss(engine(x).float(), y.to(engine.device)))
         engine.step()
     assert "loss_scale=256" in caplog.records[-1].getMessage()
+
+
+def test_sharding_report_agrees_with_the_shards_on_the_devices():
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64))
+    engine, *_ = spmdzero.initialize(model=model, config=config(bf16={"enabled": True}))
+    step(engine, *batches(1, 16, d_in=64, d_out=64)[0])
+    xm.wait_device_ops()
+    report = engine.sharding_report()
+    tensors = {"param": lambda n: dict(engine.module.named_parameters())[n],
+               "grad": lambda n: engine.grad_buffers()[n], "master": lambda n: engine.master_weights()[n]}
+    for entry in report.entries:
+        if entry.role in tensors:
+            tensor = tensors[entry.role](entry.parameter)
+        else:
+            tensor = engine.optimizer.state[engine.master_weights()[entry.parameter]][entry.role]
+        shards = torch_xla._XLAC._get_local_shards([tensor])[0]  # independent: the data on each device
+        assert len(shards) == 8
+        assert entry.device_bytes == max(s.numel() for s, _ in shards) * tensor.element_size(), entry
+    totals = report.totals()
+    assert totals["total"]["device"] == sum(e.device_bytes for e in report.entries)
+    P = sum(p.numel() for p in model.parameters())
+    assert report.zero_accounting()["total"] == pytest.approx(2 * P + 14 * P / 8, rel=0.01)
+    assert "tiled 8x1" in str(report) and "<table>" in report._repr_html_()
+    assert report.to_dict()["totals"]["params"]["device"] == 2 * P
