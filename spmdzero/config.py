@@ -192,6 +192,7 @@ class MeshConfig(Section):
 class SpmdConfig(Section):
     mesh: Optional[MeshConfig] = None
     max_recompiles: Optional[int] = Field(None, ge=0)
+    compile_cache_dir: Optional[str] = None
 
 
 class DeepSpeedConfig(BaseModel):

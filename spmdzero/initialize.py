@@ -34,6 +34,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"spmdzero.initialize: model must be a torch.nn.Module, got {type(model).__name__}")
     cfg = load_config(args, config, config_params)
+    if cfg.spmd.compile_cache_dir:
+        runtime.enable_compile_cache(cfg.spmd.compile_cache_dir)
 
     if mesh is not None:
         check_user_mesh(mesh)

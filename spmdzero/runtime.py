@@ -85,6 +85,27 @@ def device():
     return torch_xla.device()
 
 
+def enable_compile_cache(path: str) -> bool:
+    """XLA's persistent compilation cache at ``path``. It can only be switched on before the
+    first XLA computation of the process; returns False (and warns) when that has passed."""
+    import warnings
+
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    path = os.path.abspath(path)
+    if torch_xla._XLAC._xla_computation_cache_is_initialized():
+        if os.environ.get("XLA_PERSISTENT_CACHE_PATH") != path:
+            warnings.warn(f"spmdzero: spmd.compile_cache_dir={path!r} is ignored: XLA already compiled in this "
+                          "process. Set it in the first initialize() of the process (or set "
+                          "XLA_PERSISTENT_CACHE_PATH before importing spmdzero).", stacklevel=3)
+            return False
+        return True
+    os.makedirs(path, exist_ok=True)
+    xr.initialize_cache(path, readonly=False)
+    return True
+
+
 BACKWARD_TRAP_MARKER = "device_ready_queues_"
 
 
