@@ -15,7 +15,7 @@ import json
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 

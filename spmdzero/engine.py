@@ -199,7 +199,7 @@ class SpmdZeroEngine(torch.nn.Module):
             if divisor is not None:
                 inverse = 1.0 / divisor
                 grads = [g * inverse for g in grads]
-            updated = [s.target for s in self._slots] + self._state_tensors()
+            updated = [s.target for s in self._slots] + self._optimizer_state_tensors()
             if policy.check_overflow:
                 overflow = is_overflow(sum_sq)
                 before = [t.clone() for t in updated]
@@ -246,7 +246,7 @@ class SpmdZeroEngine(torch.nn.Module):
                           "config for the exact behaviour", stacklevel=3)
         self.lr_scheduler.step(**(lr_kwargs or {}))
 
-    def _state_tensors(self) -> list[torch.Tensor]:
+    def _optimizer_state_tensors(self) -> list[torch.Tensor]:
         return [v for state in self.optimizer.optimizer.state.values() for v in state.values()
                 if isinstance(v, torch.Tensor) and v.device.type == "xla"]
 

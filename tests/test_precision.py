@@ -1,7 +1,6 @@
 """Mixed precision: bf16 with sharded fp32 masters, fp16 with DeepSpeed's dynamic loss
 scaling, overflow skipping in the graph."""
 
-import copy
 import json
 import pathlib
 import sys
