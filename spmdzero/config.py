@@ -376,11 +376,10 @@ def _warn_once(key: str, message: str) -> None:
 def _warn_noop_keys(cfg: DeepSpeedConfig) -> None:
     for key in cfg.zero_optimization.set_noop_keys():
         _warn_once(key, f"has no effect under GSPMD: {NOOP_KEYS[key]}")
-    for name in ("tensorboard", "csv_monitor", "wandb", "comet"):
+    for name in ("wandb", "comet"):
         if getattr(cfg, name).enabled:
-            _warn_once(f"{name}.enabled", "is accepted but spmdzero does not write monitor output yet")
-    if cfg.wall_clock_breakdown:
-        _warn_once("wall_clock_breakdown", "is accepted but spmdzero does not time forward/backward/step yet")
+            _warn_once(f"{name}.enabled", "is accepted but spmdzero does not write to it (csv_monitor and "
+                                          "tensorboard are supported)")
 
 
 def load_config(args: Any = None, config: Any = None, config_params: Any = None) -> DeepSpeedConfig:

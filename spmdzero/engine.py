@@ -15,6 +15,7 @@ the buffer and drops it, as DeepSpeed's ZeRO does with its partitioned gradients
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -73,7 +74,7 @@ class SpmdZeroEngine(torch.nn.Module):
         self._capture = None  # a spmdzero.aot.StepCapture while a step is being captured
         self._last_loss: Optional[torch.Tensor] = None
         self.recompile_guard = RecompileGuard(config.spmd.max_recompiles)
-        self._step_logger = StepLogger(config.steps_per_print)
+        self._step_logger = StepLogger(config)
 
         masters = master_weights or {}
         optimized = {id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer else set()
@@ -127,7 +128,11 @@ class SpmdZeroEngine(torch.nn.Module):
                 return x
             return map_tensors(x, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
-        return self.module(*prepare(inputs), **prepare(kwargs))
+        start = time.perf_counter()
+        try:
+            return self.module(*prepare(inputs), **prepare(kwargs))
+        finally:
+            self._step_logger.timers.add("forward", time.perf_counter() - start)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backprop ``loss / gradient_accumulation_steps`` (times the loss scale) and
@@ -139,6 +144,7 @@ class SpmdZeroEngine(torch.nn.Module):
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
         scaled = loss * self._loss_scale.scale if self._loss_scale is not None else loss
+        start = time.perf_counter()
         try:
             scaled.backward(retain_graph=retain_graph)
         except RuntimeError as err:
@@ -161,6 +167,7 @@ class SpmdZeroEngine(torch.nn.Module):
                 slot.grad_buffer.add_(grad.to(slot.grad_buffer.dtype))
                 slot.param.grad = None
         self._annotate_buffers()
+        self._step_logger.timers.add("backward", time.perf_counter() - start)
         return loss
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
@@ -170,6 +177,7 @@ class SpmdZeroEngine(torch.nn.Module):
         if self._capture is not None:  # trace the update for the TPU compiler; execute nothing
             self._capture.record(lr_kwargs)
             return
+        start = time.perf_counter()
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             if self.optimizer is None:
@@ -180,6 +188,7 @@ class SpmdZeroEngine(torch.nn.Module):
         compiles = compile_count()
         torch_xla.sync()
         self.recompile_guard.check(compile_count() - compiles, self.global_steps, boundary)
+        self._step_logger.timers.add("step", time.perf_counter() - start)
         if boundary:
             self._step_logger.after_boundary(self)
 

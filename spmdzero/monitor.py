@@ -6,13 +6,15 @@ The guard counts XLA compilations that happen while ``engine.step()`` executes t
 fixed set of programs during warm-up; a compile after that means something in the traced
 step changed. It warns once, or raises past ``spmd.max_recompiles``.
 
-Step logs follow ``steps_per_print``. Only those steps read device values (loss, grad norm,
+Step logs follow ``steps_per_print``, with the wall-clock breakdown and DeepSpeed's
+csv_monitor / tensorboard events. Only those steps read device values (loss, grad norm,
 loss scale); the others touch nothing on the device.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 from typing import Optional
@@ -62,24 +64,127 @@ class RecompileGuard:
                           stacklevel=3)
 
 
-class StepLogger:
-    """DeepSpeed's steps_per_print line, plus throughput."""
+class Timers:
+    """Host time spent in forward/backward/step (tracing and dispatch: execution is
+    asynchronous) and the device execution time torch_xla records, per logging window."""
 
-    def __init__(self, steps_per_print: Optional[int]):
-        self.steps_per_print = steps_per_print
+    PHASES = ("forward", "backward", "step")
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.calls = dict.fromkeys(self.PHASES, 0)
+        self._device_start = _execute_seconds()
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] += seconds
+        self.calls[phase] += 1
+
+    def summary_ms(self) -> dict[str, float]:
+        out = {p: 1e3 * self.seconds[p] / max(1, self.calls[p]) for p in self.PHASES}
+        out["device"] = 1e3 * (_execute_seconds() - self._device_start) / max(1, self.calls["step"])
+        return out
+
+
+def _execute_seconds() -> float:
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("ExecuteReplicatedTime")
+    return data[1] / 1e9 if data else 0.0  # the accumulator is in nanoseconds
+
+
+class Monitors:
+    """DeepSpeed's csv_monitor and tensorboard sections (event names and files as DeepSpeed
+    writes them). wandb and comet are accepted but not written (warned by the config)."""
+
+    def __init__(self, config):
+        self.writers = []
+        if config.csv_monitor.enabled:
+            self.writers.append(_CsvWriter(os.path.join(config.csv_monitor.output_path or "csv_monitor",
+                                                        config.csv_monitor.job_name)))
+        if config.tensorboard.enabled:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                warnings.warn("spmdzero: tensorboard.enabled needs the 'tensorboard' package (pip install "
+                              "tensorboard); not writing TensorBoard events", stacklevel=3)
+            else:
+                path = os.path.join(config.tensorboard.output_path or "runs", config.tensorboard.job_name)
+                self.writers.append(SummaryWriter(log_dir=path))
+
+    def write(self, events: list[tuple[str, float, int]]) -> None:
+        for writer in self.writers:
+            if isinstance(writer, _CsvWriter):
+                writer.write(events)
+            else:
+                for name, value, step in events:
+                    writer.add_scalar(name, value, step)
+                writer.flush()
+
+
+class _CsvWriter:
+    def __init__(self, log_dir: str):
+        self.log_dir = log_dir
+        os.makedirs(log_dir, exist_ok=True)
+
+    def write(self, events) -> None:
+        import csv
+
+        for name, value, step in events:
+            path = os.path.join(self.log_dir, name.replace("/", "_").replace(" ", "_") + ".csv")
+            new = not os.path.exists(path)
+            with open(path, "a", newline="") as f:
+                writer = csv.writer(f)
+                if new:
+                    writer.writerow(["step", name.split("/")[-1]])
+                writer.writerow([step, value])
+
+
+class StepLogger:
+    """Every steps_per_print optimizer steps: DeepSpeed's step line with throughput, the
+    wall-clock breakdown when asked, and the monitors' events (every 10 steps when
+    steps_per_print is unset). These are the only steps that read the device."""
+
+    def __init__(self, config):
+        self.steps_per_print = config.steps_per_print
+        self.wall_clock_breakdown = config.wall_clock_breakdown
+        self.monitors = Monitors(config)
+        self.interval = self.steps_per_print or (10 if self.monitors.writers else None)
+        self.timers = Timers()
         self._since = time.perf_counter()
         self._samples = 0
 
     def after_boundary(self, engine) -> None:
-        if not self.steps_per_print:
+        if not self.interval:
             return
         self._samples += engine.train_batch_size()
-        if engine.global_steps % self.steps_per_print:
+        if engine.global_steps % self.interval:
             return
-        _ensure_handler()
         elapsed = time.perf_counter() - self._since
         throughput = self._samples / elapsed if elapsed > 0 else float("nan")
         loss = engine.last_loss()
+        if self.steps_per_print:
+            self._log_line(engine, loss, throughput)
+            if self.wall_clock_breakdown:
+                ms = self.timers.summary_ms()
+                logger.info("time (ms) | " + " | ".join(f"{k}: {v:.2f}" for k, v in ms.items()))
+        events = [("Train/Samples/lr", engine.get_lr()[0], engine.global_samples)]
+        if loss is not None:
+            events.append(("Train/Samples/train_loss", loss, engine.global_samples))
+        if engine.precision.scales_loss:
+            events.append(("Train/Samples/loss_scale", engine.loss_scale(), engine.global_samples))
+        if self.wall_clock_breakdown:
+            events += [(f"Train/Samples/elapsed_time_ms_{k}", v, engine.global_samples)
+                       for k, v in self.timers.summary_ms().items()]
+        self.monitors.write(events)
+        self.timers.reset()
+        self._since, self._samples = time.perf_counter(), 0
+
+    @staticmethod
+    def _log_line(engine, loss: Optional[float], throughput: float) -> None:
+        _ensure_handler()
         lr = ", ".join(f"{v:.4e}" for v in engine.get_lr())
         parts = [f"step={engine.global_steps}", f"skipped={engine.skipped_steps}", f"lr=[{lr}]"]
         if loss is not None:
@@ -94,4 +199,3 @@ class StepLogger:
         params = sum(p.numel() for p in engine.module.parameters())
         parts.append(f"est. model TFLOP/s={6 * params * throughput / 1e12:.3g}")
         logger.info(", ".join(parts))
-        self._since, self._samples = time.perf_counter(), 0

@@ -130,3 +130,17 @@ def test_compile_cache_dir_stores_the_compiled_programs(tmp_path):
     """)
     assert int(out.split("misses")[1]) >= 1
     assert len(list(tmp_path.iterdir())) >= 1
+
+
+def test_csv_monitor_and_wall_clock_breakdown_write_deepspeeds_events(tmp_path, spmdzero_log):
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(), config=config(
+        steps_per_print=3, wall_clock_breakdown=True,
+        csv_monitor={"enabled": True, "output_path": str(tmp_path), "job_name": "run"}))
+    for x, y in batches(6, 16):
+        step(engine, x, y)
+    loss_csv = (tmp_path / "run" / "Train_Samples_train_loss.csv").read_text().splitlines()
+    assert loss_csv[0] == "step,train_loss" and [l.split(",")[0] for l in loss_csv[1:]] == ["48", "96"]
+    assert (tmp_path / "run" / "Train_Samples_lr.csv").exists()
+    assert (tmp_path / "run" / "Train_Samples_elapsed_time_ms_forward.csv").exists()
+    timing = [r.getMessage() for r in spmdzero_log.records if r.getMessage().startswith("time (ms) | forward:")]
+    assert timing and "| device:" in timing[-1]
