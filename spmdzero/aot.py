@@ -115,10 +115,62 @@ class StepCapture:
         result = compile_mlir(self.mlir, topology, timeout)
         return AotReport(stage=self.engine.plan.stage, **result)
 
+    def collectives_report(self, timeout: int = 1800) -> "CollectivesReport":
+        """The collectives of this step compiled for XLA:CPU on this process's devices, with
+        the CPU lowering of a reduce-scatter (all-reduce + partition-indexed slices) named as
+        what TPU and GPU compile it to."""
+        if self.mlir is None:
+            raise RuntimeError("nothing captured: call engine.step() inside `with spmdzero.aot.capture(engine)`")
+        devices = self.engine.world_size
+        result = compile_mlir(self.mlir, f"cpu:{devices}", timeout)
+        trainable = [p for p in self.engine.module.parameters() if p.requires_grad]
+        grad_bytes = sum(p.numel() for p in trainable) * self.engine.precision.communication_dtype.itemsize
+        return CollectivesReport(devices, result["collectives"], grad_bytes)
+
+
+@dataclass(frozen=True)
+class CollectivesReport:
+    """Collectives of a compiled training step, with the bytes each device sends under a ring
+    algorithm, against the data-parallel minimum 2(N-1)/N x (gradient bytes)."""
+
+    devices: int
+    collectives: dict
+    gradient_bytes: int
+
+    def traffic(self, kind: str) -> float:
+        """Bytes sent per device: all-reduce 2(N-1)/N x size; reduce-scatter and all-gather
+        (N-1)/N x the full tensor; anything else its size."""
+        n, row = self.devices, self.collectives[kind]
+        if kind.startswith("reduce-scatter"):
+            full = row["bytes"] if "CPU" in kind else row["bytes"] * n  # CPU all-reduce output is full-size
+            return (n - 1) / n * full
+        if kind == "all-gather":
+            return (n - 1) / n * row["bytes"]
+        if kind == "all-reduce":
+            return 2 * (n - 1) / n * row["bytes"]
+        return row["bytes"]
+
+    @property
+    def total_traffic(self) -> float:
+        return sum(self.traffic(k) for k in self.collectives)
+
+    @property
+    def minimum_traffic(self) -> float:
+        return 2 * (self.devices - 1) / self.devices * self.gradient_bytes
+
+    def __str__(self) -> str:
+        lines = [f"collectives of one training step on {self.devices} devices"]
+        for kind, row in sorted(self.collectives.items()):
+            lines.append(f"  {kind:<40}{row['count']:>4} ops {row['tensors']:>5} tensors "
+                         f"{_mb(row['bytes']):>12}  sends {_mb(self.traffic(kind))}/device")
+        lines.append(f"  total sent per device {_mb(self.total_traffic)}; minimum 2(N-1)/N x gradients "
+                     f"{_mb(self.minimum_traffic)} (ratio {self.total_traffic / self.minimum_traffic:.2f})")
+        return "\n".join(lines)
+
 
 def compile_mlir(mlir: str, topology: str, timeout: int = 1800) -> dict:
     """Run ``spmdzero.tpu_compile`` in a subprocess; raise its error here."""
-    if importlib.util.find_spec("libtpu") is None:
+    if not topology.startswith("cpu:") and importlib.util.find_spec("libtpu") is None:
         raise RuntimeError(f"libtpu is not installed; {LIBTPU_HINT}")
     with tempfile.TemporaryDirectory() as tmp:
         src, out = os.path.join(tmp, "step.mlir"), os.path.join(tmp, "report.json")

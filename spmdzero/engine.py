@@ -387,6 +387,20 @@ class SpmdZeroEngine(torch.nn.Module):
 
         return sharding_report(self)
 
+    def collectives_report(self, *inputs, loss_fn=None, **kwargs):
+        """Trace one training step on these inputs (``loss_fn(output)``, or the output itself,
+        is the loss), compile it for XLA:CPU in a subprocess, and report its collectives against
+        the data-parallel minimum. The engine is left as it was."""
+        from .aot import capture
+
+        with capture(self) as step:
+            output = self(*inputs, **kwargs)
+            loss = loss_fn(output) if loss_fn is not None else output
+            self.backward(loss)
+            step.loss = loss
+            self.step()
+        return step.collectives_report()
+
     def grad_buffers(self) -> dict[str, torch.Tensor]:
         """The ZeRO gradient accumulation buffers, by parameter name."""
         return {s.name: s.grad_buffer for s in self._slots}

@@ -1,5 +1,6 @@
 """Compile an exported StableHLO step for a TPU topology with JAX's compile-only client
-(libtpu), and summarize the program: per-chip memory and collectives.
+(libtpu), or for XLA:CPU with N devices, and summarize the program: per-device memory and
+collectives.
 
 Runs in its own process (``python -m spmdzero.tpu_compile STEP.mlir TOPOLOGY OUT.json``)
 so libtpu never loads into the training process. Needs jax and libtpu, not a TPU.
@@ -44,34 +45,56 @@ def summarize_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
         row["tensors"] += max(1, shape.count("["))
         row["bytes"] += shape_bytes(shape)
 
+    computations = split_computations(hlo_text)
     for ins in entry:
         op = ins.opcode.removesuffix("-start")
-        if op in COLLECTIVE_OPS:
+        if op == "all-reduce" and _is_cpu_reduce_scatter(computations, entry, ins):
+            add("reduce-scatter (CPU: all-reduce + slice)", ins.shape)
+        elif op in COLLECTIVE_OPS:
             add(op, ins.shape)
         elif op == "fusion" and re.search(r"calls=%all-reduce-scatter", ins.rest):
             add("reduce-scatter", ins.shape)
     return out
 
 
-def compile_for_tpu(mlir_text: str, topology: str) -> dict:
+def _is_cpu_reduce_scatter(computations, entry, ins) -> bool:
+    from .inspect import _feeds_only_partition_slices
+
+    scalar = ins.shape.split("{")[0].endswith("[]")
+    return not scalar and _feeds_only_partition_slices(computations, entry, ins)
+
+
+def _cpu_devices(count: int) -> list:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}")
+    import jax
+
+    return jax.devices("cpu")[:count]
+
+
+def _tpu_devices(topology: str) -> list:
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server: this is not a TPU VM
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     import importlib.util
 
     if importlib.util.find_spec("libtpu") is None:
         raise RuntimeError(f"libtpu is not installed; {LIBTPU_HINT}")
+    from jax.experimental import topologies
+
+    try:
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+    except Exception as err:
+        raise ValueError(f"unknown TPU topology {topology!r} ({err}); examples: v4:2x2x1, v5e:2x2, v5e:4x4, "
+                         "v5p:2x2x1, v6e:2x2") from None
+
+
+def compile_for_tpu(mlir_text: str, topology: str) -> dict:
+    """Compile for ``topology``: a TPU topology name, or ``cpu:N`` for XLA:CPU with N devices."""
     import numpy as np
     from jax._src import compiler
     from jax._src.interpreters import mlir
     from jax._src.lib import xla_client as xc
-    from jax.experimental import topologies
 
-    try:
-        topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
-    except Exception as err:
-        raise ValueError(f"unknown TPU topology {topology!r} ({err}); examples: v4:2x2x1, v5e:2x2, v5e:4x4, "
-                         "v5p:2x2x1, v6e:2x2") from None
-    devices = list(topo.devices)
+    devices = _cpu_devices(int(topology[4:])) if topology.startswith("cpu:") else _tpu_devices(topology)
     with mlir.make_ir_context():
         module = mlir.ir.Module.parse(mlir_text)
         options = compiler.get_compile_options(num_replicas=1, num_partitions=len(devices),
@@ -81,7 +104,9 @@ def compile_for_tpu(mlir_text: str, topology: str) -> dict:
         # (else they compile replicated and the output bytes are overstated).
         options.executable_build_options.allow_spmd_sharding_propagation_to_output = [True]
         start = time.perf_counter()
-        executable = compiler.backend_compile(devices[0].client, module, xc.DeviceList(tuple(devices)), options)
+        compile_fn = compiler.backend_compile_and_load if topology.startswith("cpu:") else compiler.backend_compile
+        extra = ([],) if topology.startswith("cpu:") else ()  # a live CPU client loads; TPU's is compile-only
+        executable = compile_fn(devices[0].client, module, xc.DeviceList(tuple(devices)), options, *extra)
         seconds = time.perf_counter() - start
     stats = executable.get_compiled_memory_stats()
     hlo = executable.hlo_modules()[0].to_string()
