@@ -19,6 +19,20 @@ def sharding_spec(t: torch.Tensor) -> str:
     return torch_xla._XLAC._get_xla_sharding_spec(t)
 
 
+def tile_assignment(t: torch.Tensor):
+    """(tiles per dim, device ids laid out on that tile grid) of a live tensor's sharding;
+    a replicated tensor is one tile held by every device (ids None)."""
+    import numpy as np
+
+    spec = sharding_spec(t)
+    match = re.search(r"devices=\[([\d,]+)\]([\d,]+)", spec or "")
+    if match is None:
+        return (1,) * t.dim(), None
+    dims = [int(x) for x in match.group(1).split(",")]
+    ids = np.array([int(x) for x in match.group(2).split(",")]).reshape(dims)
+    return tuple(dims[: t.dim()]), ids
+
+
 def per_device_shape(shape, spec: str) -> tuple[int, ...]:
     """Shape of one device's shard, from an HLO sharding string such as
     ``{devices=[8,1]0,...,7}`` or ``{devices=[4,1,2]... last_tile_dim_replicate}``.
