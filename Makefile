@@ -26,3 +26,4 @@ test-fast: setup  ## the quick subset for iterating
 
 bench: setup
 	$(VENV)/bin/python benchmarks/step_time.py
+	$(VENV)/bin/python benchmarks/first_step.py

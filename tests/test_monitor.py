@@ -144,3 +144,17 @@ def test_csv_monitor_and_wall_clock_breakdown_write_deepspeeds_events(tmp_path, 
     assert (tmp_path / "run" / "Train_Samples_elapsed_time_ms_forward.csv").exists()
     timing = [r.getMessage() for r in spmdzero_log.records if r.getMessage().startswith("time (ms) | forward:")]
     assert timing and "| device:" in timing[-1]
+
+
+def test_tensorboard_monitor_writes_event_files(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(), config=config(
+        steps_per_print=2, tensorboard={"enabled": True, "output_path": str(tmp_path), "job_name": "tb"}))
+    for x, y in batches(4, 16):
+        step(engine, x, y)
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    loss = events.Scalars("Train/Samples/train_loss")
+    assert [e.step for e in loss] == [32, 64]
