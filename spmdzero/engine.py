@@ -129,6 +129,9 @@ class SpmdZeroEngine(torch.nn.Module):
             return map_tensors(x, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
         start = time.perf_counter()
+        shapes = []
+        map_tensors((inputs, kwargs), lambda t: shapes.append(tuple(t.shape)))
+        self._input_shapes = tuple(shapes)
         try:
             return self.module(*prepare(inputs), **prepare(kwargs))
         finally:
@@ -187,7 +190,8 @@ class SpmdZeroEngine(torch.nn.Module):
         self.micro_steps += 1
         compiles = compile_count()
         torch_xla.sync()
-        self.recompile_guard.check(compile_count() - compiles, self.global_steps, boundary)
+        self.recompile_guard.check(compile_count() - compiles, self.global_steps, boundary,
+                                   getattr(self, "_input_shapes", ()))
         self._step_logger.timers.add("step", time.perf_counter() - start)
         if boundary:
             self._step_logger.after_boundary(self)

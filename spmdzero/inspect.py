@@ -247,6 +247,21 @@ class ShardingReport:
         head = f"ZeRO stage {self.stage} on {self.devices} devices (fsdp={self.fsdp}), from live shardings"
         return f"{head}\n{table(self._rows())}\n\n{table(self._total_rows())}"
 
+    def __rich__(self):
+        """A rich renderable (``rich.print(report)``), when the rich package is installed."""
+        from rich.console import Group
+        from rich.table import Table
+
+        tables = []
+        for rows, title in ((self._rows(), f"ZeRO stage {self.stage} on {self.devices} devices (fsdp={self.fsdp})"),
+                            (self._total_rows(), "per-device totals")):
+            rows = list(rows)
+            table = Table(*rows[0], title=title)
+            for row in rows[1:]:
+                table.add_row(*row)
+            tables.append(table)
+        return Group(*tables)
+
     def _repr_html_(self) -> str:
         import html
 

@@ -47,15 +47,20 @@ class RecompileGuard:
         self.recompiles = 0
         self._warned = False
 
-    def check(self, compiled: int, global_steps: int, boundary: bool) -> None:
+    def check(self, compiled: int, global_steps: int, boundary: bool, input_shapes: tuple = ()) -> None:
+        """``input_shapes``: the shapes of this step's forward inputs, to name a shape change."""
+        previous, self._last_shapes = getattr(self, "_last_shapes", None), input_shapes
         if compiled == 0 or global_steps <= WARMUP_STEPS:
             return
         self.recompiles += compiled
         where = "an optimizer (boundary) step" if boundary else "a gradient-accumulation micro-step"
+        if previous is not None and previous != input_shapes:
+            cause = f"The forward's input shapes changed: {list(previous)} -> {list(input_shapes)}."
+        else:
+            cause = ("Something in the traced step changed: a tensor shape, a Python number baked into the graph, "
+                     "or a host read such as .item() splitting the step.")
         message = (f"the training step recompiled after warm-up (global step {global_steps}, {where}; "
-                   f"{self.recompiles} so far). Something in the traced step changed: a tensor shape (a smaller "
-                   "last batch?), a Python number baked into the graph, or a host read such as .item() splitting "
-                   "the step. PT_XLA_DEBUG_LEVEL=2 prints the cause of each compilation.")
+                   f"{self.recompiles} so far). {cause} PT_XLA_DEBUG_LEVEL=2 prints the cause of each compilation.")
         if self.max_recompiles is not None and self.recompiles > self.max_recompiles:
             raise RuntimeError(f"spmdzero: {message} This exceeds spmd.max_recompiles={self.max_recompiles}.")
         if not self._warned:

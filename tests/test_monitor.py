@@ -33,6 +33,7 @@ def test_guard_is_quiet_on_a_normal_run_and_warns_once_on_a_shape_change():
             step(engine, x, y)
     fired = [w for w in caught if "recompiled after warm-up" in str(w.message)]
     assert len(fired) == 1 and "global step 7" in str(fired[0].message)
+    assert "input shapes changed: [(16, 16)] -> [(32, 16)]" in str(fired[0].message)
     assert engine.recompile_guard.recompiles >= 1
 
 
@@ -109,6 +110,12 @@ def test_sharding_report_agrees_with_the_shards_on_the_devices():
     P = sum(p.numel() for p in model.parameters())
     assert report.zero_accounting()["total"] == pytest.approx(2 * P + 14 * P / 8, rel=0.01)
     assert "tiled 8x1" in str(report) and "<table>" in report._repr_html_()
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    console.print(report)
+    text = console.export_text()
+    assert "exp_avg_sq" in text and "per-device totals" in text
     assert report.to_dict()["totals"]["params"]["device"] == 2 * P
 
 
