@@ -189,8 +189,16 @@ class MeshConfig(Section):
         return v
 
 
+class DcnMeshConfig(Section):
+    """Across TPU slices (data-center network). ZeRO's ``fsdp`` axis stays within a slice."""
+
+    data: int = Field(1, ge=1)
+    fsdp: int = Field(1, ge=1, le=1)
+
+
 class SpmdConfig(Section):
     mesh: Optional[MeshConfig] = None
+    dcn_mesh: Optional[DcnMeshConfig] = None
     max_recompiles: Optional[int] = Field(None, ge=0)
     compile_cache_dir: Optional[str] = None
 

@@ -1,7 +1,7 @@
 """Host batches -> device batches sharded along the batch axes.
 
 One process feeds all of its host's devices, so one host batch holds the micro-batches
-of every data-parallel rank. ``ShardedDataLoader`` draws each rank's samples with the
+of every data-parallel rank on that host (all of them on a single host). ``ShardedDataLoader`` draws each rank's samples with the
 same ``DistributedSampler`` DeepSpeed's loader uses (shuffled, seed 0) and concatenates
 them in rank order, so device group r trains on exactly what DeepSpeed's rank r would.
 """
@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from .annotate import shard
+from .mesh import host_batch_rows
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
@@ -33,21 +34,25 @@ def _first_batch_size(obj: Any) -> Optional[int]:
     return found[0] if found else None
 
 
-def to_device_sharded(batch: Any, mesh, batch_spec: Callable[[int], tuple], dp_size: int) -> Any:
+def to_device_sharded(batch: Any, mesh, batch_spec: Callable[[int], tuple], dp_size: int,
+                      process_count: int = 1) -> Any:
     """Move every tensor in ``batch`` to the device. The first tensor's leading dim is the
     batch: tensors with that leading dim are split across the batch axes, the rest (masks,
-    lookup tables, scalars) are replicated. A batch that does not divide over ``dp_size``
-    devices is refused."""
+    lookup tables, scalars) are replicated. With several hosts, ``batch`` is this host's
+    share of the global batch (torch_xla's ``minibatch`` input sharding). A batch that does
+    not divide over the host's data-parallel devices is refused."""
     import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.distributed.spmd as xs
 
     device = torch_xla.device()
     batch_size = _first_batch_size(batch)
-    if batch_size is not None and batch_size % dp_size:
+    local_dp = dp_size // process_count
+    if batch_size is not None and batch_size % local_dp:
+        where = "" if process_count == 1 else " of this host"
         raise ValueError(
-            f"batch dimension {batch_size} does not divide over the {dp_size} data-parallel devices; "
-            f"use a batch size that is a multiple of {dp_size}"
+            f"batch dimension {batch_size} does not divide over the {local_dp} data-parallel devices{where}; "
+            f"use a batch size that is a multiple of {local_dp}"
         )
 
     def move(t: torch.Tensor) -> torch.Tensor:
@@ -57,7 +62,8 @@ def to_device_sharded(batch: Any, mesh, batch_spec: Callable[[int], tuple], dp_s
         if t.device.type == "xla":
             shard(t, mesh, spec)
             return t
-        return xm.send_cpu_data_to_device([t], device, xs.ShardingSpec(mesh, spec))[0]
+        sharding = xs.ShardingSpec(mesh, spec, minibatch=process_count > 1)
+        return xm.send_cpu_data_to_device([t], device, sharding)[0]
 
     return map_tensors(batch, move)
 
@@ -66,13 +72,14 @@ class ShardedDataLoader:
     """DeepSpeed's training loader, one host batch per micro-step, already on device."""
 
     def __init__(self, dataset, micro_batch_per_device: int, dp_size: int, mesh, batch_spec,
-                 collate_fn: Optional[Callable] = None, drop_last: bool = False):
-        self.dp_size = dp_size
+                 collate_fn: Optional[Callable] = None, drop_last: bool = False,
+                 process_index: int = 0, process_count: int = 1):
+        self.dp_size, self.process_count = dp_size, process_count
         self.mesh, self.batch_spec = mesh, batch_spec
-        self.rank_loaders = [
+        self.rank_loaders = [  # the data-parallel ranks whose devices are on this host
             DataLoader(dataset, batch_size=micro_batch_per_device, collate_fn=collate_fn, drop_last=drop_last,
                        sampler=DistributedSampler(dataset, num_replicas=dp_size, rank=r))
-            for r in range(dp_size)
+            for r in range(dp_size)[host_batch_rows(dp_size, process_index, process_count)]
         ]
 
     def __len__(self) -> int:
@@ -81,7 +88,7 @@ class ShardedDataLoader:
     def __iter__(self):
         for per_rank in zip(*self.rank_loaders):
             host_batch = _concat(per_rank)
-            yield to_device_sharded(host_batch, self.mesh, self.batch_spec, self.dp_size)
+            yield to_device_sharded(host_batch, self.mesh, self.batch_spec, self.dp_size, self.process_count)
 
 
 def _concat(parts: tuple) -> Any:

@@ -60,6 +60,7 @@ class SpmdZeroEngine(torch.nn.Module):
         self._batch = batch
         self.device = runtime.device()
         self.dp_world_size = batch.world_size
+        self._process_count = runtime.hosts()[1]
         self.world_size = int(mesh.size())
         self.global_steps = 0
         self.global_samples = 0
@@ -123,7 +124,7 @@ class SpmdZeroEngine(torch.nn.Module):
         dtype = self.precision.param_dtype
 
         def prepare(x):
-            x = to_device_sharded(x, self.mesh, self.plan.batch_spec, dp)
+            x = to_device_sharded(x, self.mesh, self.plan.batch_spec, dp, self._process_count)
             if dtype == torch.float32:
                 return x
             return map_tensors(x, lambda t: t.to(dtype) if t.is_floating_point() else t)

@@ -39,10 +39,10 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
 
     if mesh is not None:
         check_user_mesh(mesh)
-        if cfg.spmd.mesh is not None:
-            raise ValueError("a mesh was given twice: as initialize(mesh=...) and in the config's 'spmd.mesh'")
+        if cfg.spmd.mesh is not None or cfg.spmd.dcn_mesh is not None:
+            raise ValueError("a mesh was given twice: as initialize(mesh=...) and in the config's 'spmd' section")
     else:
-        mesh = build_mesh(cfg.spmd.mesh, runtime.device_count())
+        mesh = build_mesh(cfg.spmd.mesh, runtime.device_count(), cfg.spmd.dcn_mesh)
     shape = mesh_shape(mesh)
     batch = resolve_batch(cfg, data_parallel_size(shape))
 
@@ -64,8 +64,10 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
 
     loader = None
     if training_data is not None:
+        index, count = runtime.hosts()
         loader = ShardedDataLoader(training_data, batch.micro_batch_per_device, batch.world_size, mesh,
-                                   plan.batch_spec, collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)
+                                   plan.batch_spec, collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last,
+                                   process_index=index, process_count=count)
     engine = SpmdZeroEngine(module=module, optimizer=opt, lr_scheduler=scheduler, config=cfg, batch=batch,
                             mesh=mesh, plan=plan, precision=policy, master_weights=masters,
                             training_dataloader=loader)

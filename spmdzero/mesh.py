@@ -38,9 +38,30 @@ def resolve_mesh_shape(mesh_config: MeshConfig | None, num_devices: int) -> dict
     return {DATA_AXIS: data, FSDP_AXIS: fsdp}
 
 
-def build_mesh(mesh_config: MeshConfig | None, num_devices: int):
+def resolve_hybrid_shape(mesh_config: MeshConfig | None, dcn_config, num_devices: int
+                         ) -> tuple[dict[str, int], dict[str, int]]:
+    """(ICI shape within a slice, DCN shape across slices) for multislice. The slices are
+    ``dcn.data`` (``fsdp`` never crosses DCN: optimizer states shard over ICI only); the
+    in-slice mesh fills the devices of one slice. The global mesh is their product."""
+    slices = dcn_config.data
+    if num_devices % slices:
+        raise ConfigError(f"spmd.dcn_mesh: data={slices} slices do not divide the {num_devices} devices")
+    ici = resolve_mesh_shape(mesh_config or MeshConfig(data=1, fsdp=-1), num_devices // slices)
+    ici = {DATA_AXIS: ici.get(DATA_AXIS, 1), FSDP_AXIS: ici[FSDP_AXIS]}
+    return ici, {DATA_AXIS: slices, FSDP_AXIS: 1}
+
+
+def global_shape(ici: dict[str, int], dcn: dict[str, int]) -> dict[str, int]:
+    return {axis: ici[axis] * dcn[axis] for axis in ici}
+
+
+def build_mesh(mesh_config: MeshConfig | None, num_devices: int, dcn_config=None):
     import torch_xla.distributed.spmd as xs
 
+    if dcn_config is not None:
+        ici, dcn = resolve_hybrid_shape(mesh_config, dcn_config, num_devices)
+        return xs.HybridMesh(ici_mesh_shape=tuple(ici.values()), dcn_mesh_shape=tuple(dcn.values()),
+                             axis_names=tuple(ici))
     shape = resolve_mesh_shape(mesh_config, num_devices)
     return xs.Mesh(np.arange(num_devices), tuple(shape.values()), tuple(shape))
 
@@ -67,3 +88,13 @@ def data_parallel_axes(shape: Mapping[str, int]) -> tuple[str, ...]:
 
 def data_parallel_size(shape: Mapping[str, int]) -> int:
     return int(np.prod([shape[a] for a in data_parallel_axes(shape)]))
+
+
+def host_batch_rows(global_rows: int, process_index: int, process_count: int) -> slice:
+    """The rows of a global batch that host ``process_index`` feeds. The batch is split over
+    the data-parallel axes in device order and each host owns a contiguous block of devices,
+    so each host's share is a contiguous, equal block."""
+    if global_rows % process_count:
+        raise ValueError(f"a batch of {global_rows} rows does not divide over {process_count} hosts")
+    per_host = global_rows // process_count
+    return slice(process_index * per_host, (process_index + 1) * per_host)

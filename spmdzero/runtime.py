@@ -79,6 +79,13 @@ def device_count() -> int:
     return xr.global_runtime_device_count()
 
 
+def hosts() -> tuple[int, int]:
+    """(this process's index, the number of processes): one process per host."""
+    import torch_xla.runtime as xr
+
+    return xr.process_index(), xr.process_count()
+
+
 def device():
     import torch_xla
 

@@ -1,0 +1,60 @@
+"""The multi-host and multislice planning, without the hardware: config -> mesh shapes ->
+partition specs -> each host's batch slice."""
+
+import pytest
+import torch
+
+from spmdzero.config import ConfigError, parse_config
+from spmdzero.data import ShardedDataLoader
+from spmdzero.mesh import global_shape, host_batch_rows, resolve_hybrid_shape, resolve_mesh_shape
+from spmdzero.plan import make_plan
+
+
+def shapes(spmd, devices):
+    cfg = parse_config({"train_batch_size": 64, "spmd": spmd})
+    return resolve_hybrid_shape(cfg.spmd.mesh, cfg.spmd.dcn_mesh, devices)
+
+
+def test_multislice_keeps_fsdp_within_a_slice_and_data_across_slices():
+    ici, dcn = shapes({"dcn_mesh": {"data": 2}}, devices=16)
+    assert ici == {"data": 1, "fsdp": 8} and dcn == {"data": 2, "fsdp": 1}
+    assert global_shape(ici, dcn) == {"data": 2, "fsdp": 8}
+    ici, dcn = shapes({"mesh": {"data": 2, "fsdp": -1}, "dcn_mesh": {"data": 4}}, devices=64)
+    assert global_shape(ici, dcn) == {"data": 8, "fsdp": 8}
+
+
+def test_fsdp_never_crosses_dcn():
+    with pytest.raises(ConfigError, match="spmd.dcn_mesh.fsdp"):
+        parse_config({"train_batch_size": 8, "spmd": {"dcn_mesh": {"data": 2, "fsdp": 2}}})
+    with pytest.raises(ConfigError, match="3 slices do not divide the 16 devices"):
+        shapes({"dcn_mesh": {"data": 3}}, devices=16)
+
+
+def test_partition_specs_on_the_global_mesh():
+    ici, dcn = shapes({"dcn_mesh": {"data": 2}}, devices=16)
+    plan = make_plan([("w", (1024, 64)), ("b", (64,))], global_shape(ici, dcn), stage=2)
+    assert plan["w"].optimizer_state == ("fsdp", None) and plan["w"].grad == ("fsdp", None)
+    assert plan["w"].param == (None, None)
+    assert plan.batch_spec(2) == (("data", "fsdp"), None)
+
+
+@pytest.mark.parametrize("hosts,devices_per_host", [(2, 4), (4, 4), (4, 8)])
+def test_each_host_feeds_the_rows_of_its_own_devices(hosts, devices_per_host):
+    devices = hosts * devices_per_host
+    shape = resolve_mesh_shape(None, devices)
+    rows_per_device, global_rows = 2, 2 * devices
+    slices = [host_batch_rows(global_rows, h, hosts) for h in range(hosts)]
+    assert [r for s in slices for r in range(global_rows)[s]] == list(range(global_rows))  # all rows, once
+    for device in range(shape["fsdp"]):  # the batch is split over devices in device order
+        rows = range(device * rows_per_device, (device + 1) * rows_per_device)
+        host = device // devices_per_host
+        assert set(rows) <= set(range(global_rows)[slices[host]])
+
+
+def test_a_host_loads_only_its_data_parallel_ranks():
+    dataset = torch.utils.data.TensorDataset(torch.arange(64.0))
+    loader = ShardedDataLoader(dataset, micro_batch_per_device=2, dp_size=8, mesh=None, batch_spec=None,
+                               process_index=1, process_count=2)
+    assert [rank_loader.sampler.rank for rank_loader in loader.rank_loaders] == [4, 5, 6, 7]
+    with pytest.raises(ValueError, match="does not divide over 3 hosts"):
+        host_batch_rows(64, 0, 3)
