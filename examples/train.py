@@ -46,22 +46,56 @@ def main(argv=None) -> None:
           f"{engine.dp_world_size} devices x {engine.gradient_accumulation_steps()} accumulation)")
 
     # The engine logs DeepSpeed-style lines every steps_per_print optimizer steps.
+    losses = []  # device tensors, read once at the end: reading each step would stall it
     while engine.global_steps < args.steps:  # epochs
         for tokens, targets in loader:
             loss = engine(tokens, targets)
             engine.backward(loss)
             engine.step()
+            losses.append(loss.detach())
+            if engine.micro_steps % engine.gradient_accumulation_steps() == 0:
+                progress(engine.global_steps, args.steps)
             if engine.global_steps >= args.steps:
                 break
-    print(f"final loss {loss.item():.4f} after {engine.global_steps} steps ({engine.skipped_steps} skipped)")
+    print()
+    summary(engine, torch.stack(losses).float().cpu().tolist(), args)
 
-    mem = model_state_bytes(engine)
+
+def progress(step: int, total: int, width: int = 30) -> None:
+    done = width * step // total
+    print(f"\r[{'#' * done}{'.' * (width - done)}] step {step}/{total}", end="", flush=True)
+
+
+def sparkline(values: list[float], width: int = 60) -> str:
+    """The loss curve in one line of text."""
+    marks = "▁▂▃▄▅▆▇█"
+    step = max(1, len(values) // width)
+    points = [sum(values[i:i + step]) / len(values[i:i + step]) for i in range(0, len(values), step)]
+    low, high = min(points), max(points)
+    return "".join(marks[int((v - low) / (high - low + 1e-12) * (len(marks) - 1))] for v in points)
+
+
+def summary(engine, losses: list[float], args) -> None:
+    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {engine.micro_steps} micro-steps "
+          f"({engine.global_steps} optimizer steps, {engine.skipped_steps} skipped)")
+    print(f"  {sparkline(losses)}")
+    num_params = sum(p.numel() for p in engine.module.parameters())
     n = dict(zip(engine.mesh.axis_names, engine.mesh.mesh_shape))["fsdp"]
-    print(f"per-device bytes of model states (measured from live shardings, P={num_params:,}, fsdp={n}):")
-    for name, value in (("params", mem.params), ("grads", mem.grads), ("optimizer states", mem.optimizer_states),
-                        ("fp32 master weights", mem.master_weights), ("total", mem.total)):
-        print(f"  {name:<20}{value:>12,} B  ({value / num_params:5.2f} bytes/param)")
-    print(f"  (stage 0 would hold 16 bytes/param = {16 * num_params:,} B)")
+    print(f"per-device bytes of model states by ZeRO stage (measured from live shardings, P={num_params:,}, "
+          f"fsdp={n}; * = this run):")
+    print(f"  {'stage':<8}{'params':>12}{'grads':>12}{'opt states':>12}{'fp32 master':>12}{'total':>12}  bytes/param")
+    config = engine.config.model_dump(exclude_none=True)
+    for stage in (0, 1, 2):
+        if stage == engine.zero_optimization_stage():
+            mem = model_state_bytes(engine)
+        else:  # a fresh engine for the other stages: measured the same way, nothing trained
+            config["zero_optimization"] = {"stage": stage}
+            other, *_ = spmdzero.initialize(model=TinyGPT(args.vocab_size, args.seq_len, args.d_model,
+                                                          n_layers=args.layers), config=config)
+            mem = model_state_bytes(other)
+        mark = "*" if stage == engine.zero_optimization_stage() else " "
+        print(f"  {mark}{stage:<7}{mem.params:>12,}{mem.grads:>12,}{mem.optimizer_states:>12,}"
+              f"{mem.master_weights:>12,}{mem.total:>12,}  {mem.total / num_params:5.2f}")
 
 
 if __name__ == "__main__":
