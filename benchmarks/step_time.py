@@ -86,6 +86,11 @@ class HandWrittenRunner:
         torch_xla.sync()
 
     def step(self):
+        self.trace()
+        torch_xla.sync()
+
+    def trace(self):
+        """One step, traced and not yet executed (the caller syncs, or exports it)."""
         loss = self.model(self.x).pow(2).mean()
         loss.backward()
         with torch.no_grad():
@@ -103,7 +108,7 @@ class HandWrittenRunner:
             shard(p, self.mesh, (None,) * p.dim())
             shard(self.opt.state[p]["exp_avg"], self.mesh, spec)
             shard(self.opt.state[p]["exp_avg_sq"], self.mesh, spec)
-        torch_xla.sync()
+        return loss
 
 
 def time_steps(runner, steps: int) -> float:

@@ -65,6 +65,7 @@ def _is_cpu_reduce_scatter(computations, entry, ins) -> bool:
 
 
 def _cpu_devices(count: int) -> list:
+    os.environ["JAX_PLATFORMS"] = "cpu"  # never probe for a TPU here
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}")
     import jax
 

@@ -33,3 +33,20 @@ def test_benchmark_runs_and_prints_both_ratios():
     """)
     assert "hand-written SPMD ZeRO-2" in out and "ZeRO-2 / ZeRO-0" in out
     assert out.count("recompiles during timing: 0") == 2
+
+
+def test_comparison_benchmark_writes_its_table(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    out_file = tmp_path / "results.md"
+    proc = subprocess.run([sys.executable, "benchmarks/compare.py", "--devices", "2", "--widths", "64",
+                           "--steps", "1", "--repeats", "1", "--out", str(out_file)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = out_file.read_text()
+    assert table.startswith("Measured with `python benchmarks/compare.py --devices 2")
+    for variant in ("stage 0", "stage 1", "stage 2", "hand ZeRO-2", "FSDPv2", "JAX ZeRO-2"):
+        assert f"| {variant} |" in table
