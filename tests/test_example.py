@@ -23,6 +23,16 @@ def test_example_trains_and_reports_model_state_bytes():
     assert "by ZeRO stage" in out and " *1 " in out
 
 
+def test_a_hugging_face_model_trains_unchanged():
+    out = run_python("""
+        import sys
+        sys.path.insert(0, "examples")
+        import train_hf
+        print("ratio", train_hf.main(["--deepspeed_config", "examples/configs/zero2.json", "--steps", "10"]))
+    """)
+    assert "GPT2LMHeadModel" in out and float(out.split("ratio")[1]) < 0.95
+
+
 def test_benchmark_runs_and_prints_both_ratios():
     out = run_python("""
         import sys
