@@ -27,27 +27,22 @@ def test_zero2_matches_deepspeed(precision):
         import json, sys
         sys.path.insert(0, "tests/oracle")
         import torch, spmdzero
-        from training_case import CONFIG, CONFIG_BF16, global_micro_batches, loss_fn, make_model
+        from training_case import CONFIG, CONFIG_BF16, make_model, train_spmdzero
         config = CONFIG_BF16 if {precision!r} == "bf16" else CONFIG
         engine, *_ = spmdzero.initialize(model=make_model(), config=config)
-        losses, lrs = [], []
-        for x, y in global_micro_batches():
-            loss = loss_fn(engine(x), y.to(engine.device))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss)
-            lrs.append(engine.get_lr()[0])
-        params = {{n: p.detach().float().cpu().tolist() for n, p in engine.module.named_parameters()}}
-        print(json.dumps({{"losses": [l.item() for l in losses], "lrs": lrs, "world": engine.dp_world_size,
-                          "global_steps": engine.global_steps, "params": params}}))
+        print(json.dumps(train_spmdzero(engine)))
     """, env={"CPU_NUM_DEVICES": "4", "PJRT_DEVICE": "CPU"})
     ours = json.loads(out.strip().splitlines()[-1])
     assert ours["world"] == 4 and ours["global_steps"] == ds["global_steps"]
-    assert ours["lrs"] == pytest.approx(ds["lrs"], rel=1e-6)
-    tol = TOLERANCE[precision]
-    np.testing.assert_allclose(ours["losses"], ds["losses"], **tol)
+    assert_matches_deepspeed(ours, ds, 0, precision)
+
+
+def assert_matches_deepspeed(ours: dict, ds: dict, start: int, precision: str) -> None:
+    """DeepSpeed's lrs, losses (from micro-step ``start``) and final params, to tolerance."""
+    assert ours["lrs"] == pytest.approx(ds["lrs"][start:], rel=1e-6)
+    np.testing.assert_allclose(ours["losses"], ds["losses"][start:], **TOLERANCE[precision])
     for name, values in ds["params"].items():
-        np.testing.assert_allclose(ours["params"][name], values, err_msg=name, **tol)
+        np.testing.assert_allclose(ours["params"][name], values, err_msg=name, **TOLERANCE[precision])
 
 
 @pytest.mark.parametrize("precision,route", [("fp32", "load_checkpoint"), ("fp32", "import-deepspeed"),
@@ -71,27 +66,15 @@ def test_deepspeed_checkpoint_import_continues_as_deepspeed_did(precision, route
         import json, sys
         sys.path.insert(0, "tests/oracle")
         import torch, spmdzero
-        from training_case import CONFIG, CONFIG_BF16, global_micro_batches, loss_fn
+        from training_case import CONFIG, CONFIG_BF16, train_spmdzero
         torch.manual_seed(123)  # a different init: everything must come from the checkpoint
         model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
         engine, *_ = spmdzero.initialize(model=model, config=CONFIG_BF16 if {precision!r} == "bf16" else CONFIG)
         path, client = engine.load_checkpoint({source!r})
         counters = [engine.global_steps, engine.global_samples, engine.micro_steps, engine.skipped_steps]
-        losses, lrs = [], []
-        for x, y in global_micro_batches()[{start}:]:
-            loss = loss_fn(engine(x), y.to(engine.device))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss)
-            lrs.append(engine.get_lr()[0])
-        params = {{n: p.detach().float().cpu().tolist() for n, p in engine.module.named_parameters()}}
-        print(json.dumps({{"losses": [l.item() for l in losses], "lrs": lrs, "client": client,
-                          "counters": counters, "params": params}}))
+        print(json.dumps({{**train_spmdzero(engine, {start}), "client": client, "counters": counters}}))
     """, env={"CPU_NUM_DEVICES": "4", "PJRT_DEVICE": "CPU"})
     ours = json.loads(out.strip().splitlines()[-1])
     assert ours["client"] == {"epoch": 1}
     assert ours["counters"] == [6, 96, 12, 0]
-    assert ours["lrs"] == pytest.approx(ds["lrs"][start:], rel=1e-6)
-    np.testing.assert_allclose(ours["losses"], ds["losses"][start:], **TOLERANCE[precision])
-    for name, values in ds["params"].items():
-        np.testing.assert_allclose(ours["params"][name], values, err_msg=name, **TOLERANCE[precision])
+    assert_matches_deepspeed(ours, ds, start, precision)

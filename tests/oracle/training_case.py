@@ -40,3 +40,17 @@ CONFIG_BF16 = {**CONFIG, "bf16": {"enabled": True}}
 
 def loss_fn(output, target):
     return torch.nn.functional.mse_loss(output.float(), target)
+
+
+def train_spmdzero(engine, start: int = 0) -> dict:
+    """spmdzero's side: micro-steps ``start..`` of the case, as JSON-ready results."""
+    losses, lrs = [], []
+    for x, y in global_micro_batches()[start:]:
+        loss = loss_fn(engine(x), y.to(engine.device))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss)
+        lrs.append(engine.get_lr()[0])
+    return {"losses": [l.item() for l in losses], "lrs": lrs, "world": engine.dp_world_size,
+            "global_steps": engine.global_steps,
+            "params": {n: p.detach().float().cpu().tolist() for n, p in engine.module.named_parameters()}}
