@@ -26,7 +26,6 @@ from . import runtime
 from .annotate import shard
 from .config import BatchSizes, DeepSpeedConfig
 from .data import map_tensors, to_device_sharded
-from .mesh import data_parallel_size, mesh_shape
 from .monitor import RecompileGuard, StepLogger, compile_count
 from .optim import ZeroOptimizer
 from .plan import ShardingPlan, replicated
@@ -74,6 +73,7 @@ class SpmdZeroEngine(torch.nn.Module):
         self._loss_scale = init_loss_scale(precision, self.device) if precision.scales_loss else None
         self._capture = None  # a spmdzero.aot.StepCapture while a step is being captured
         self._last_loss: Optional[torch.Tensor] = None
+        self._input_shapes: tuple = ()
         self.recompile_guard = RecompileGuard(config.spmd.max_recompiles)
         self._step_logger = StepLogger(config)
 
@@ -120,21 +120,18 @@ class SpmdZeroEngine(torch.nn.Module):
     def forward(self, *inputs, **kwargs):
         """Move batch tensors to the device, split along the batch axes, cast floating
         inputs to the model dtype, and run the module."""
-        dp = data_parallel_size(mesh_shape(self.mesh))
-        dtype = self.precision.param_dtype
-
-        def prepare(x):
-            x = to_device_sharded(x, self.mesh, self.plan.batch_spec, dp, self._process_count)
-            if dtype == torch.float32:
-                return x
-            return map_tensors(x, lambda t: t.to(dtype) if t.is_floating_point() else t)
-
         start = time.perf_counter()
         shapes = []
         map_tensors((inputs, kwargs), lambda t: shapes.append(tuple(t.shape)))
         self._input_shapes = tuple(shapes)
+        # positional and keyword inputs together: the first tensor's leading dim is the batch
+        inputs, kwargs = to_device_sharded((inputs, kwargs), self.mesh, self.plan.batch_spec, self.dp_world_size,
+                                           self._process_count)
+        dtype = self.precision.param_dtype
+        if dtype != torch.float32:
+            inputs, kwargs = map_tensors((inputs, kwargs), lambda t: t.to(dtype) if t.is_floating_point() else t)
         try:
-            return self.module(*prepare(inputs), **prepare(kwargs))
+            return self.module(*inputs, **kwargs)
         finally:
             self._step_logger.timers.add("forward", time.perf_counter() - start)
 
@@ -191,8 +188,7 @@ class SpmdZeroEngine(torch.nn.Module):
         self.micro_steps += 1
         compiles = compile_count()
         torch_xla.sync()
-        self.recompile_guard.check(compile_count() - compiles, self.global_steps, boundary,
-                                   getattr(self, "_input_shapes", ()))
+        self.recompile_guard.check(compile_count() - compiles, self.global_steps, boundary, self._input_shapes)
         self._step_logger.timers.add("step", time.perf_counter() - start)
         if boundary:
             self._step_logger.after_boundary(self)
