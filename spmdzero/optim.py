@@ -110,20 +110,19 @@ class AdamW(SpmdOptimizer):
     def _hyper_values(self, group):
         b1, b2 = group["betas"]
         return dict(lr=group["lr"], beta1=b1, beta2=b2, one_minus_beta1=1.0 - b1, one_minus_beta2=1.0 - b2,
-                    eps=group["eps"], weight_decay=group["weight_decay"],
-                    decay_factor=1.0 - group["lr"] * group["weight_decay"])
+                    eps=group["eps"], weight_decay=group["weight_decay"], lr_decay=group["lr"] * group["weight_decay"])
 
     def _initial_state(self, p, group):
         return dict(step=_step_counter(p), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
 
     def _update(self, p, grad, state, hp, group):
         # Few ops, and none that decompose in Python (lerp_ with a tensor weight does):
-        # tracing cost per op dominates small models on XLA.
+        # tracing cost per op dominates small models on XLA. The whole update, weight decay
+        # included, is one expression subtracted from p: GSPMD computes it on the optimizer
+        # state's shards and all-gathers it, instead of decaying the full replicated p.
         step = state["step"].add_(1)
         b1, b2 = hp["beta1"], hp["beta2"]
-        if group["adam_w_mode"]:
-            p.mul_(hp["decay_factor"])
-        else:
+        if not group["adam_w_mode"]:
             grad = grad + hp["weight_decay"] * p
         state["exp_avg"].mul_(b1).add_(grad * hp["one_minus_beta1"])
         state["exp_avg_sq"].mul_(b2).add_(grad * grad * hp["one_minus_beta2"])
@@ -132,7 +131,10 @@ class AdamW(SpmdOptimizer):
             denom = state["exp_avg_sq"].sqrt() / torch.sqrt(1 - b2 ** step) + hp["eps"]
         else:
             step_size, denom = hp["lr"], state["exp_avg_sq"].sqrt() + hp["eps"]
-        p.sub_(step_size * state["exp_avg"] / denom)
+        update = step_size * state["exp_avg"] / denom
+        if group["adam_w_mode"]:
+            update = update + hp["lr_decay"] * p
+        p.sub_(update)
 
 
 class SGD(SpmdOptimizer):
