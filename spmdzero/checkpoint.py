@@ -60,8 +60,9 @@ def _is_writer() -> bool:
     return xr.process_index() == 0
 
 
-def _tensor_index(tensors: dict) -> dict[str, tuple[tuple[int, ...], str]]:
-    return {k: (tuple(t.shape), str(t.dtype)) for k, (t, _) in tensors.items()}
+def tensor_index(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{key: (shape, dtype)}: what meta.pt records of each tensor, for checks and consolidation."""
+    return {k: (tuple(t.shape), str(t.dtype)) for k, t in tensors.items()}
 
 
 # ---- save -----------------------------------------------------------------------------------
@@ -156,7 +157,7 @@ def _host_state(engine, tensors: dict, client_state: Optional[dict], tag: str) -
         "mesh": dict(zip(engine.mesh.axis_names, engine.mesh.mesh_shape)),
         "zero_stage": engine.plan.stage,
         "param_dtype": str(engine.precision.param_dtype),
-        "tensors": _tensor_index(tensors),
+        "tensors": tensor_index({k: t for k, (t, _) in tensors.items()}),
     }
 
 
@@ -215,7 +216,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     if is_deepspeed_checkpoint(path):
         tensors, meta = read_deepspeed_checkpoint(path)
         tensors.update(_loss_scale_tensors(engine, meta.pop("loss_scaler")))
-        index = _host_index(tensors)
+        index = tensor_index(tensors)
         selected = _select(engine, index, load_module_strict, full_state)
         _commit(engine, selected, _stage(engine, selected, index, tensors))
     else:
@@ -224,10 +225,6 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
         _load_tensors(engine, path, selected, meta["tensors"])
     _restore_host_state(engine, meta, full_state, load_lr_scheduler_states and not load_module_only)
     return path, meta["client_state"]
-
-
-def _host_index(tensors: dict) -> dict:
-    return {k: (tuple(t.shape), str(t.dtype)) for k, t in tensors.items()}
 
 
 def _loss_scale_tensors(engine, fields: dict) -> dict:

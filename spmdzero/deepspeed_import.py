@@ -140,7 +140,7 @@ def import_deepspeed(ds_dir: str, out_dir: str, tag: Optional[str] = None) -> st
     import torch.distributed.checkpoint as dcp
 
     from . import __version__
-    from .checkpoint import FORMAT_VERSION, STATE_DIR, _quiet_dcp, publish, resolve_tag, staging_dir
+    from .checkpoint import FORMAT_VERSION, STATE_DIR, _quiet_dcp, publish, resolve_tag, staging_dir, tensor_index
 
     tag = resolve_tag(ds_dir, tag)
     if tag is None:
@@ -161,6 +161,6 @@ def import_deepspeed(ds_dir: str, out_dir: str, tag: Optional[str] = None) -> st
         dcp.save(tensors, checkpoint_id=os.path.join(staging, STATE_DIR), no_dist=True)
     meta = {**host, "format": FORMAT_VERSION, "spmdzero_version": __version__, "tag": tag,
             "imported_from": os.path.abspath(path),
-            "tensors": {k: (tuple(t.shape), str(t.dtype)) for k, t in tensors.items()}}
+            "tensors": tensor_index(tensors)}
     publish(out_dir, tag, staging, meta, save_latest=True)
     return os.path.join(out_dir, tag)

@@ -209,7 +209,8 @@ class SpmdZeroEngine(torch.nn.Module):
             if divisor is not None:
                 inverse = 1.0 / divisor
                 grads = [g * inverse for g in grads]
-            updated = [s.target for s in self._slots] + self._optimizer_state_tensors()
+            updated = [s.target for s in self._slots] + [t for k, (t, _) in self.state_tensors().items()
+                                                          if k.startswith("optim.")]
             if policy.check_overflow:
                 overflow = is_overflow(sum_sq)
                 before = [t.clone() for t in updated]
@@ -255,10 +256,6 @@ class SpmdZeroEngine(torch.nn.Module):
                           "skipped for overflow (DeepSpeed does not step it then); use a DeepSpeed schedule from the "
                           "config for the exact behaviour", stacklevel=3)
         self.lr_scheduler.step(**(lr_kwargs or {}))
-
-    def _optimizer_state_tensors(self) -> list[torch.Tensor]:
-        return [v for state in self.optimizer.optimizer.state.values() for v in state.values()
-                if isinstance(v, torch.Tensor) and v.device.type == "xla"]
 
     def _annotate_buffers(self) -> None:
         for slot in self._slots:

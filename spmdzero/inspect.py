@@ -63,25 +63,19 @@ class ModelStateBytes:
 
 
 def model_state_bytes(engine) -> ModelStateBytes:
-    """Read from the live tensors: parameters, ZeRO gradient buffers, optimizer state and
-    fp32 master weights."""
-    params = sum(per_device_bytes(p) for p in engine.module.parameters())
-    grads = sum(per_device_bytes(b) for b in engine.grad_buffers().values())
-    masters = sum(per_device_bytes(m) for m in engine.master_weights().values())
-    states = 0
-    if engine.optimizer is not None:
-        for state in engine.optimizer.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor) and v.device.type == "xla":
-                    states += per_device_bytes(v)
-    return ModelStateBytes(params, grads, states, masters)
+    """Read from the live tensors (the sharding report's totals): parameters, ZeRO gradient
+    buffers, optimizer state and fp32 master weights."""
+    totals = sharding_report(engine).totals()
+    device = {k: v["device"] for k, v in totals.items()}
+    return ModelStateBytes(device.get("params", 0), device.get("grads", 0), device.get("optimizer states", 0),
+                           device.get("master weights", 0))
 
 
 # ---- post-optimization HLO ---------------------------------------------------------------
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
 _CALLS = re.compile(r"calls=%([\w.\-]+)")
-_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 @dataclass(frozen=True)
@@ -123,12 +117,17 @@ def collective_counts(text: str) -> dict[str, int]:
     counts: dict[str, int] = {}
     for ins in entry:
         op = ins.opcode.removesuffix("-start")
-        if op in _COLLECTIVES:
+        if op in COLLECTIVE_OPS:
             counts[op] = counts.get(op, 0) + 1
-            scalar = ins.shape.split("{")[0].endswith("[]")
-            if op == "all-reduce" and not scalar and _feeds_only_partition_slices(comps, entry, ins):
+            if op == "all-reduce" and is_cpu_reduce_scatter(comps, entry, ins):
                 counts["reduce-scatter-pattern"] = counts.get("reduce-scatter-pattern", 0) + 1
     return counts
+
+
+def is_cpu_reduce_scatter(comps, entry: list[Instruction], ins: Instruction) -> bool:
+    """A non-scalar all-reduce whose only consumers are partition-indexed slices."""
+    scalar = ins.shape.split("{")[0].endswith("[]")
+    return not scalar and _feeds_only_partition_slices(comps, entry, ins)
 
 
 def collectives(text: str, opcode: str) -> list[Instruction]:

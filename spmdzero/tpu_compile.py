@@ -15,7 +15,6 @@ import sys
 import time
 
 LIBTPU_HINT = "install it with: pip install 'spmdzero[aot]' (libtpu==0.0.21, the version torch_xla 2.9 pins)"
-COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "pred": 1, "s8": 1, "u8": 1}
 
 
@@ -34,9 +33,10 @@ def summarize_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     """Collectives of the entry computation by kind: count, tensors and bytes (output size).
     TPU's reduce-scatter is a ``kCustom`` fusion calling an ``all-reduce-scatter``
     computation; it is reported as ``reduce-scatter``."""
-    from .inspect import split_computations
+    from .inspect import COLLECTIVE_OPS, is_cpu_reduce_scatter, split_computations
 
-    entry = split_computations(hlo_text).get("ENTRY", [])
+    computations = split_computations(hlo_text)
+    entry = computations.get("ENTRY", [])
     out: dict[str, dict[str, int]] = {}
 
     def add(kind: str, shape: str) -> None:
@@ -45,23 +45,15 @@ def summarize_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
         row["tensors"] += max(1, shape.count("["))
         row["bytes"] += shape_bytes(shape)
 
-    computations = split_computations(hlo_text)
     for ins in entry:
         op = ins.opcode.removesuffix("-start")
-        if op == "all-reduce" and _is_cpu_reduce_scatter(computations, entry, ins):
+        if op == "all-reduce" and is_cpu_reduce_scatter(computations, entry, ins):
             add("reduce-scatter (CPU: all-reduce + slice)", ins.shape)
         elif op in COLLECTIVE_OPS:
             add(op, ins.shape)
         elif op == "fusion" and re.search(r"calls=%all-reduce-scatter", ins.rest):
             add("reduce-scatter", ins.shape)
     return out
-
-
-def _is_cpu_reduce_scatter(computations, entry, ins) -> bool:
-    from .inspect import _feeds_only_partition_slices
-
-    scalar = ins.shape.split("{")[0].endswith("[]")
-    return not scalar and _feeds_only_partition_slices(computations, entry, ins)
 
 
 def _cpu_devices(count: int) -> list:
