@@ -227,7 +227,9 @@ class SpmdZeroEngine(torch.nn.Module):
                         reduced = constrain(reduced, self.mesh, spec)
                 grad = reduced.to(accum)
                 if slot.grad is not None:
-                    grad = slot.grad + grad
+                    # In place: the sum's output takes the accumulator's own buffer (torch_xla
+                    # donates a tensor updated in place), not a second shard-sized allocation.
+                    grad = slot.grad.add_(grad)
                 if grad is not reduced:  # a micro-step's output takes the compiler's layout unless annotated
                     shard(grad, self.mesh, spec)
                 slot.grad = grad

@@ -37,27 +37,33 @@ def update(optimizer, params: list[torch.Tensor], grads: list[torch.Tensor], hp:
     """Apply ``optimizer.scaled_math`` to every tensor of the group as one graph op, in place."""
     n, keys, hp_keys = len(params), tuple(optimizer.state[params[0]]), tuple(hp)
     extras = tuple(name for name, t in (("grad_scale", grad_scale), ("skip", skip)) if t is not None)
-    flat = list(params) + list(grads)
-    flat += [optimizer.state[p][k] for k in keys for p in params]
-    flat += [hp[k] for k in hp_keys] + [t for t in (grad_scale, skip) if t is not None]
+    targets = list(params) + [optimizer.state[p][k] for p in params for k in keys]
+    head = [hp[k] for k in hp_keys] + [t for t in (grad_scale, skip) if t is not None]
+    # Operand order decides buffer reuse. torch_xla numbers a graph's inputs in the order its
+    # post-order walk meets them, last operand first, and marks the updated ones as donors;
+    # XLA then pairs donors with outputs of the same byte size in input order against output
+    # order (OptimizeInputOutputBufferAlias), and the outputs come in the order the tensors
+    # were created: parameters, then each parameter's states. Listed last and reversed, the
+    # targets are met in that order, so each one's new value takes its own old buffer. Any
+    # other order pairs a tensor with another one's buffer, and XLA copies every state in and
+    # out of the step to break the cycles (two extra full passes over the optimizer states).
+    flat = head + list(grads) + targets[::-1]
     static = {k: v for k, v in group.items() if isinstance(v, bool)}
 
     def group_update(args, ops):
-        params, grads = args[:n], args[n:2 * n]
-        states = [dict(zip(keys, args[2 * n + i::n][:len(keys)])) for i in range(n)]
-        tail = args[(2 + len(keys)) * n:]
+        tail, grads, mine = args[:len(head)], args[len(head):len(head) + n], args[len(head) + n:][::-1]
+        params = mine[:n]
+        states = [dict(zip(keys, mine[n + i * len(keys):n + (i + 1) * len(keys)])) for i in range(n)]
         hp = dict(zip(hp_keys, tail))
         extra = dict(zip(extras, tail[len(hp_keys):]))
-        new_params, new_states = [], [[] for _ in keys]
+        new_params, new_states = [], []
         for p, g, state in zip(params, grads, states):
             new_p, new_state = optimizer.scaled_math(p, g, state, hp, static, ops, **extra)
             new_params.append(new_p)
-            for column, k in zip(new_states, keys):
-                column.append(new_state[k])
-        return new_params + [t for column in new_states for t in column]
+            new_states += [new_state[k] for k in keys]
+        return new_params + new_states
 
     outputs = _call((type(optimizer), tuple(static.items()), keys, hp_keys, extras), group_update, flat)
-    targets = list(params) + [optimizer.state[p][k] for k in keys for p in params]
     # One call for all copies. torch_xla's _replace_xla_tensor would skip the copies but gave
     # wrong values after a checkpoint load (tensors whose data came from copy_ of staged data).
     torch._foreach_copy_(targets, list(outputs))
