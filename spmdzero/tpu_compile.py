@@ -40,21 +40,50 @@ def summarize_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     entry = computations.get("ENTRY", [])
     out: dict[str, dict[str, int]] = {}
 
-    def add(kind: str, shape: str) -> None:
-        row = out.setdefault(kind, {"count": 0, "tensors": 0, "bytes": 0})
+    def add(kind: str, shape: str, group: int) -> None:
+        row = out.setdefault(kind, {"count": 0, "tensors": 0, "bytes": 0, "sent": 0})
         row["count"] += 1
         row["tensors"] += max(1, shape.count("["))
         row["bytes"] += shape_bytes(shape)
+        sent = sent_per_device(kind, shape_bytes(shape), group)
+        row["sent"] = None if sent is None or row["sent"] is None else row["sent"] + sent
 
     for ins in entry:
         op = ins.opcode.removesuffix("-start")
         if op == "all-reduce" and is_cpu_reduce_scatter(computations, entry, ins):
-            add("reduce-scatter (CPU: all-reduce + slice)", ins.shape)
+            add("reduce-scatter (CPU: all-reduce + slice)", ins.shape, group_size(ins.rest))
         elif op in COLLECTIVE_OPS:
-            add(op, ins.shape)
-        elif op == "fusion" and re.search(r"calls=%all-reduce-scatter", ins.rest):
-            add("reduce-scatter", ins.shape)
+            add(op, ins.shape, group_size(ins.rest))
+        elif op == "fusion" and (called := re.search(r"calls=%(all-reduce-scatter[\w.\-]*)", ins.rest)):
+            inner = [i.rest for i in computations.get(called.group(1), []) if i.opcode.startswith("all-reduce")]
+            add("reduce-scatter", ins.shape, group_size(inner[0] if inner else ""))
     return out
+
+
+def group_size(attributes: str) -> int:
+    """Devices in one replica group of a collective (0 when it does not say: all of them).
+    Groups are written ``{{0,2},{1,3}}`` or as an iota ``[groups,size]<=[...]``."""
+    listed = re.search(r"replica_groups=\{\{([\d,]*)\}", attributes)
+    if listed:
+        return len(listed.group(1).split(","))
+    iota = re.search(r"replica_groups=\[(?:\d+,)*(\d+)\]<=", attributes)
+    return int(iota.group(1)) if iota else 0
+
+
+def sent_per_device(kind: str, size: int, group: int) -> int | None:
+    """Bytes one device sends for a collective with a ``size``-byte output over ``group``
+    devices under a ring algorithm: all-reduce 2(g-1)/g x size, reduce-scatter (g-1) x its
+    shard, all-gather (g-1)/g x size; anything else its size. A two-axis fsdp mesh reduces
+    over subgroups, so the group, not the mesh, sets the count. None if the group is unknown."""
+    if group <= 0:
+        return None
+    if kind == "all-reduce":
+        return 2 * (group - 1) * size // group
+    if kind == "reduce-scatter":
+        return (group - 1) * size
+    if kind in ("all-gather", "reduce-scatter (CPU: all-reduce + slice)"):
+        return (group - 1) * size // group
+    return size
 
 
 def _cpu_devices(count: int) -> list:
