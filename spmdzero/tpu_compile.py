@@ -31,9 +31,10 @@ def shape_bytes(shape: str) -> int:
 
 
 def summarize_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-    """Collectives of the entry computation by kind: count, tensors and bytes (output size).
-    TPU's reduce-scatter is a ``kCustom`` fusion calling an ``all-reduce-scatter``
-    computation; it is reported as ``reduce-scatter``."""
+    """Collectives of the entry computation by kind: count, tensors, bytes (output size) and
+    bytes sent per device. TPU's reduce-scatter is a ``kCustom`` fusion calling an
+    ``all-reduce-scatter`` computation; it is reported as ``reduce-scatter``. Other
+    collectives may start inside a fusion too (``async-collective-start``)."""
     from .inspect import COLLECTIVE_OPS, is_cpu_reduce_scatter, split_computations
 
     computations = split_computations(hlo_text)
@@ -54,9 +55,17 @@ def summarize_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
             add("reduce-scatter (CPU: all-reduce + slice)", ins.shape, group_size(ins.rest))
         elif op in COLLECTIVE_OPS:
             add(op, ins.shape, group_size(ins.rest))
-        elif op == "fusion" and (called := re.search(r"calls=%(all-reduce-scatter[\w.\-]*)", ins.rest)):
-            inner = [i.rest for i in computations.get(called.group(1), []) if i.opcode.startswith("all-reduce")]
-            add("reduce-scatter", ins.shape, group_size(inner[0] if inner else ""))
+        elif op == "fusion" and (called := re.search(r"calls=%([\w.\-]+)", ins.rest)):
+            body = computations.get(called.group(1), [])
+            if called.group(1).startswith("all-reduce-scatter"):
+                inner = [i.rest for i in body if i.opcode.startswith("all-reduce")]
+                add("reduce-scatter", ins.shape, group_size(inner[0] if inner else ""))
+                continue
+            # An async collective starts in an ``async-collective-start`` fusion; the fusions that
+            # continue it (``async_collective_fusion``) repeat its op: count the start only.
+            for inner in body if ins.name.startswith("async-collective-start") else ():
+                if inner.opcode.removesuffix("-start") in COLLECTIVE_OPS:
+                    add(inner.opcode.removesuffix("-start"), inner.shape, group_size(inner.rest))
     return out
 
 
