@@ -325,7 +325,7 @@ def capture(engine, inputs: Optional[dict] = None):
     saved = {k: t.clone() for k, t in tensors.items()} if inputs is None else None
     saved_attrs = {k: copy.copy(getattr(engine, k)) for k in (
         "global_steps", "global_samples", "micro_steps", "_step_applied", "_last_overflow", "_global_grad_norm",
-        "_loss_scale", "_skipped_on_device", "_rows_since_step", "_backward_since_step")}
+        "_loss_scale", "_skipped_on_device", "_rows_since_step", "_backward_since_step", "samples_last_step")}
     # Rebound, never updated in place, by a traced backward or step: the objects are kept
     # (the gradients pending inside an accumulation window, the last loss read by last_loss()).
     saved_attrs.update(_last_loss=engine._last_loss, _input_shapes=engine._input_shapes)
@@ -339,8 +339,12 @@ def capture(engine, inputs: Optional[dict] = None):
     finally:
         engine._capture = None
         if saved is not None:
-            for key, t in tensors.items():
-                torch_xla._XLAC._replace_xla_tensor(t, saved[key])
+            # An in-place copy, not a swap of the XLA tensor under the functional wrapper: views
+            # (a weight's transpose in the next forward) are rebuilt from the wrapper's base,
+            # which a swap would leave at the traced update.
+            with torch.no_grad():
+                for key, t in tensors.items():
+                    t.copy_(saved[key])
         for name, value in saved_attrs.items():
             setattr(engine, name, value)
         for slot, grad in zip(engine._slots, pending):

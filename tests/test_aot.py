@@ -249,3 +249,40 @@ def test_capture_leaves_the_engine_state_untouched():
     assert step.mlir and step.donate
     assert all(torch.equal(before[k], t.cpu()) for k, (t, _) in engine.state_tensors().items())
     assert engine.global_steps == 1
+
+
+def test_capture_inside_an_accumulation_window_keeps_the_pending_gradients():
+    """Capturing between two micro-steps of a window changes nothing: the window's gradients,
+    counters and last loss are as they were, so the boundary applies exactly the update of an
+    engine that never captured."""
+    import torch
+    import torch_xla
+
+    import spmdzero
+    from conftest import batches, tiny_mlp
+    from spmdzero.aot import capture
+
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+              "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}
+    (x1, y1), (x2, y2) = batches(2, 8)
+    engines = []
+    for captured in (False, True):
+        engine, *_ = spmdzero.initialize(model=tiny_mlp(), config=config)
+        loss = lambda x, y: torch.nn.functional.mse_loss(engine(x), y.to(engine.device))  # noqa: E731
+        engine.backward(loss(x1, y1))
+        engine.step()  # inside the window: gradients pending
+        if captured:
+            pending = {k: g.cpu().clone() for k, g in engine.grad_buffers().items()}
+            last = engine._last_loss
+            with capture(engine) as step:
+                engine.backward(loss(x2, y2))
+                engine.step()
+            torch_xla.sync()
+            assert step.mlir and engine.micro_steps == 1 and engine._last_loss is last
+            assert pending and all(torch.equal(pending[k], g.cpu()) for k, g in engine.grad_buffers().items())
+        engine.backward(loss(x2, y2))
+        engine.step()  # the boundary
+        engines.append(engine)
+    plain, captured = ({k: t.cpu() for k, (t, _) in e.state_tensors().items()} for e in engines)
+    assert engines[1].global_steps == 1
+    assert {k: (plain[k] - captured[k]).abs().max().item() for k in plain if not torch.equal(plain[k], captured[k])} == {}
