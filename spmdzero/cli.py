@@ -186,11 +186,11 @@ def _run_aot(args) -> int:
     from .aot import check_traceable
 
     try:
-        chips = check_traceable(args.topology)
+        devices = check_traceable(args.topology)
     except ValueError as err:
         print(err, file=sys.stderr)
         return 1
-    env = {**os.environ, "CPU_NUM_DEVICES": str(chips), "PJRT_DEVICE": "CPU"}
+    env = {**os.environ, "CPU_NUM_DEVICES": str(devices), "PJRT_DEVICE": "CPU"}
     env.pop("SPMDZERO_NO_RUNTIME", None)
     command = [sys.executable, "-m", "spmdzero.aot", *sys_argv_after(args)]
     return subprocess.run(command, env=env).returncode
@@ -204,5 +204,5 @@ def sys_argv_after(args) -> list[str]:
         if value is not None:
             out += [flag, str(value)]
     out += [flag for flag, on in (("--materialize", args.materialize), ("--find-max-batch", args.find_max_batch),
-                                  ("--json", args.json)) if on]
+                                  ("--scan-layers", args.scan_layers), ("--json", args.json)) if on]
     return out
