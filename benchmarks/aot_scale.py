@@ -68,6 +68,20 @@ def run_case(model: str, ds: str, topology: str, stages: str, scan: bool, seq_le
     return row
 
 
+def refreshed(row: dict) -> dict:
+    """The row with each report's derived figures (roofline, traffic) recomputed by the
+    current ``AotReport`` from the measured ones (memory, collectives, cost)."""
+    import dataclasses
+
+    from spmdzero.aot import AotReport
+
+    if "error" in row:
+        return row
+    names = {f.name for f in dataclasses.fields(AotReport)}
+    reports = [AotReport(**{k: v for k, v in r.items() if k in names}).to_dict() for r in row["result"]["reports"]]
+    return {**row, "result": {**row["result"], "reports": reports}}
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| model | topology | stage | per-chip HBM (GiB) | fits | traffic / minimum | roofline step (ms) "
              "| MFU | compile (s) | case wall (s) | peak host RSS (GiB) |",
@@ -96,7 +110,12 @@ def main() -> int:
     parser.add_argument("--out", default="aot_scale.jsonl", help="JSON lines, appended as cases finish")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per chip")
+    parser.add_argument("--table", default=None, metavar="JSONL", help="print the table of earlier results; run nothing")
     args = parser.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            print(table([refreshed(json.loads(line)) for line in f if line.strip()]))
+        return 0
     wanted = set(args.cases.split(",")) if args.cases else None
     rows = []
     for model, ds, topology, stages, scan in CASES:
