@@ -111,8 +111,7 @@ def check_same_plan(plan, target_mesh: dict) -> None:
     named = [(t.name, t.shape) for t in plan.tensors]
     tied = [t.name for t in plan.tensors if t.tied_embedding]
     other = make_plan(named, target_mesh, plan.stage, tied)
-    differ = [t.name for t, u in zip(plan.tensors, other.tensors)
-              if (t.param, t.grad, t.optimizer_state, t.master) != (u.param, u.grad, u.optimizer_state, u.master)]
+    differ = [t.name for t, u in zip(plan.tensors, other.tensors) if t != u]  # every spec and split dim
     if differ:
         raise ValueError(f"the ZeRO plan on mesh {target_mesh} shards {differ[:3]} differently from the traced mesh "
                          f"{dict(plan.mesh_shape)}: this program cannot be moved to it")
