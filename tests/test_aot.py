@@ -326,9 +326,9 @@ RETRACE = """
     source = load_model_source(sys.argv[-1], 32)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
-    step = capture_step(source, config, 2, shape_only=True, topology="v5e:4x4")
+    step = capture_step(source, config, 2, shape_only=True, topology="v5e:2x4")
     traced = mesh_shape(step.engine.mesh)
-    mlir = retarget(step.mlir, traced, target_mesh_shape(step.engine, 16)) if traced != {"fsdp": 16} else step.mlir
+    mlir = retarget(step.mlir, traced, target_mesh_shape(step.engine, 8)) if traced != {"fsdp": 8} else step.mlir
     print("MICRO", step.engine.train_micro_batch_size_per_gpu(), "DONATE", step.donate)
     print("MLIR", len(mlir), hashlib.sha256(mlir.encode()).hexdigest())
 """
@@ -336,13 +336,14 @@ RETRACE = """
 
 @pytest.mark.slow
 def test_a_step_traced_on_fewer_devices_and_moved_is_the_step_traced_on_all(tmp_path):
-    """16 chips traced on 8 devices with twice the micro-batch, the shardings moved to 16:
-    the very StableHLO (and donation) a trace on 16 devices exports: the route for 256 chips."""
+    """8 chips traced on 4 devices with twice the micro-batch, the shardings moved to 8: the
+    very StableHLO (and donation) a trace on 8 devices exports; the route for 256 chips (the
+    moves on a two-axis mesh are checked above)."""
     model = {"model_type": "gpt2", "vocab_size": 512, "n_positions": 32, "n_embd": 64, "n_layer": 2, "n_head": 2}
     json.dump(model, open(tmp_path / "config.json", "w"))
     code = RETRACE.replace("sys.argv[-1]", repr(str(tmp_path / "config.json")))
-    direct = run_python(code, env={"CPU_NUM_DEVICES": "16", "PJRT_DEVICE": "CPU"})
-    moved = run_python(code, env={"CPU_NUM_DEVICES": "8", "PJRT_DEVICE": "CPU"})
+    direct = run_python(code, env={"CPU_NUM_DEVICES": "8", "PJRT_DEVICE": "CPU"})
+    moved = run_python(code, env={"CPU_NUM_DEVICES": "4", "PJRT_DEVICE": "CPU"})
     pick = lambda out, tag: next(line for line in out.splitlines() if line.startswith(tag))  # noqa: E731
     assert pick(direct, "MICRO").startswith("MICRO 2 ") and pick(moved, "MICRO").startswith("MICRO 4 ")
     assert pick(direct, "MICRO").split("DONATE")[1] == pick(moved, "MICRO").split("DONATE")[1]
