@@ -31,46 +31,63 @@ def shape_bytes(shape: str) -> int:
 
 
 def summarize_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-    """Collectives of the entry computation by kind: count, tensors, bytes (output size) and
-    bytes sent per device. TPU's reduce-scatter is a ``kCustom`` fusion calling an
+    """Collectives of the program by kind: count, tensors, bytes (output size) and bytes sent
+    per device, per step. TPU's reduce-scatter is a ``kCustom`` fusion calling an
     ``all-reduce-scatter`` computation; it is reported as ``reduce-scatter``. Other
-    collectives may start inside a fusion too (``async-collective-start``)."""
+    collectives may start inside a fusion too (``async-collective-start``). A while loop's
+    body (a scanned layer stack, a windowed einsum's ring of collective-permutes) counts as
+    many times as its trip count."""
     from .inspect import COLLECTIVE_OPS, is_cpu_reduce_scatter, split_computations
 
     computations = split_computations(hlo_text)
-    entry = computations.get("ENTRY", [])
     out: dict[str, dict[str, int]] = {}
 
-    def add(kind: str, shape: str, group: int) -> None:
+    def add(kind: str, shape: str, group: int, times: int) -> None:
         row = out.setdefault(kind, {"count": 0, "tensors": 0, "bytes": 0, "sent": 0})
-        row["count"] += 1
-        row["tensors"] += max(1, shape.count("["))
-        row["bytes"] += shape_bytes(shape)
+        row["count"] += times
+        row["tensors"] += times * max(1, shape.count("["))
+        row["bytes"] += times * shape_bytes(shape)
         sent = sent_per_device(kind, shape_bytes(shape), group)
-        row["sent"] = None if sent is None or row["sent"] is None else row["sent"] + sent
+        row["sent"] = None if sent is None or row["sent"] is None else row["sent"] + times * sent
 
-    for ins in entry:
-        op = ins.opcode.removesuffix("-start")
-        if op == "all-reduce" and is_cpu_reduce_scatter(computations, entry, ins):
-            add("reduce-scatter (CPU: all-reduce + slice)", ins.shape, group_size(ins.rest))
-        elif op in COLLECTIVE_OPS:
-            add(op, ins.shape, group_size(ins.rest))
-        elif op == "fusion" and (called := re.search(r"calls=%([\w.\-]+)", ins.rest)):
-            body = computations.get(called.group(1), [])
-            if called.group(1).startswith("all-reduce-scatter"):
-                inner = [i.rest for i in body if i.opcode.startswith("all-reduce")]
-                add("reduce-scatter", ins.shape, group_size(inner[0] if inner else ""))
-                continue
-            # An async collective starts in an ``async-collective-start`` fusion; the fusions that
-            # continue it (``async_collective_fusion``) repeat its op: count the start only.
-            for inner in body if ins.name.startswith("async-collective-start") else ():
-                if inner.opcode.removesuffix("-start") in COLLECTIVE_OPS:
-                    add(inner.opcode.removesuffix("-start"), inner.shape, group_size(inner.rest))
+    def walk(body: list, times: int) -> None:
+        for ins in body:
+            op = ins.opcode.removesuffix("-start")
+            if op == "all-reduce" and is_cpu_reduce_scatter(computations, body, ins):
+                add("reduce-scatter (CPU: all-reduce + slice)", ins.shape, group_size(ins.rest), times)
+            elif op in COLLECTIVE_OPS:
+                add(op, _output_shape(ins), group_size(ins.rest), times)
+            elif op == "fusion" and (called := re.search(r"calls=%([\w.\-]+)", ins.rest)):
+                inner = computations.get(called.group(1), [])
+                if called.group(1).startswith("all-reduce-scatter"):
+                    reduce = [i.rest for i in inner if i.opcode.startswith("all-reduce")]
+                    add("reduce-scatter", ins.shape, group_size(reduce[0] if reduce else ""), times)
+                    continue
+                # An async collective starts in an ``async-collective-start`` fusion; the fusions
+                # that continue it (``async_collective_fusion``) repeat its op: count the start only.
+                for i in inner if ins.name.startswith("async-collective-start") else ():
+                    if i.opcode.removesuffix("-start") in COLLECTIVE_OPS:
+                        add(i.opcode.removesuffix("-start"), i.shape, group_size(i.rest), times)
+            elif op == "while":
+                loop = re.search(r"body=%([\w.\-]+)", ins.rest)
+                if loop and loop.group(1) in computations:
+                    walk(computations[loop.group(1)], times * trip_count(computations, ins))
+
+    walk(computations.get("ENTRY", []), 1)
     return out
 
 
+def _output_shape(ins) -> str:
+    """An async ``collective-permute-start`` / ``all-gather-start`` is shaped (operand, output,
+    ...): its output is what is sent."""
+    if ins.opcode in ("collective-permute-start", "all-gather-start") and ins.shape.startswith("("):
+        arrays = re.findall(r"\b[a-z]+\d*\[[\d,]*\]", ins.shape)
+        return arrays[1] if len(arrays) > 1 else ins.shape
+    return ins.shape
+
+
 def group_size(attributes: str) -> int:
-    """Devices in one replica group of a collective (0 when it does not say: all of them).
+    """Devices in one replica group of a collective (0 when it does not say).
     Groups are written ``{{0,2},{1,3}}`` or as an iota ``[groups,size]<=[...]``."""
     listed = re.search(r"replica_groups=\{\{([\d,]*)\}", attributes)
     if listed:
@@ -82,17 +99,44 @@ def group_size(attributes: str) -> int:
 def sent_per_device(kind: str, size: int, group: int) -> int | None:
     """Bytes one device sends for a collective with a ``size``-byte output over ``group``
     devices under a ring algorithm: all-reduce 2(g-1)/g x size, reduce-scatter (g-1) x its
-    shard, all-gather (g-1)/g x size; anything else its size. A two-axis fsdp mesh reduces
-    over subgroups, so the group, not the mesh, sets the count. None if the group is unknown."""
+    shard, all-gather and all-to-all (g-1)/g x size, a collective-permute its size. A
+    two-axis fsdp mesh reduces over subgroups, so the group, not the mesh, sets the count.
+    None if the group is unknown."""
+    if kind == "collective-permute":
+        return size
     if group <= 0:
         return None
     if kind == "all-reduce":
         return 2 * (group - 1) * size // group
     if kind == "reduce-scatter":
         return (group - 1) * size
-    if kind in ("all-gather", "reduce-scatter (CPU: all-reduce + slice)"):
-        return (group - 1) * size // group
-    return size
+    return (group - 1) * size // group
+
+
+def trip_count(computations: dict, ins) -> int:
+    """A while loop's trip count: XLA:CPU states it (``known_trip_count``); XLA:TPU's loops
+    compare the induction variable against it in the condition (``compare(i, N),
+    direction=LT``). 1 when neither is found."""
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.rest)
+    if known:
+        return int(known.group(1))
+    condition = re.search(r"condition=%([\w.\-]+)", ins.rest)
+    body = computations.get(condition.group(1), []) if condition else []
+    constants = {i.name: int(m.group(1)) for i in body
+                 if i.opcode == "constant" and (m := re.match(r"(-?\d+)\)", i.rest))}
+    bounds = [constants[m.group(1)] for i in body if i.opcode == "compare" and "direction=LT" in i.rest
+              and (m := re.search(r",\s*%([\w.\-]+)\)", i.rest)) and m.group(1) in constants]
+    return max([b for b in bounds if b > 0], default=1)
+
+
+def loop_trip_counts(hlo_text: str) -> list[int]:
+    """Trip counts of the program's while loops. The compiler's cost analysis counts a loop
+    body once, so a program with loops has its FLOPs and bytes accessed under-stated."""
+    from .inspect import split_computations
+
+    computations = split_computations(hlo_text)
+    return [trip_count(computations, ins) for body in computations.values() for ins in body
+            if ins.opcode == "while"]
 
 
 def _cpu_devices(count: int) -> list:
@@ -215,7 +259,9 @@ def compile_for_tpu(mlir_text: str, topology: str, donate: list[tuple[int, int]]
     result["memory"] = {"argument": stats.argument_size_in_bytes, "output": stats.output_size_in_bytes,
                         "alias": stats.alias_size_in_bytes, "temp": stats.temp_size_in_bytes,
                         "generated_code": stats.generated_code_size_in_bytes}
-    result["collectives"] = summarize_collectives(executable.hlo_modules()[0].to_string())
+    hlo = executable.hlo_modules()[0].to_string()
+    result["collectives"] = summarize_collectives(hlo)
+    result["loops"] = loop_trip_counts(hlo)
     result["cost"] = _cost(executable)
     return result
 
