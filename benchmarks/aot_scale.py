@@ -7,7 +7,8 @@ the peak host RSS of the whole answer (trace + compile).
 
 Each case runs ``python -m spmdzero.aot --json`` in its own process (shape-only trace, one
 CPU device per chip; the TPU compile in a grandchild). Peak RSS is the largest of that
-process tree (``wait4``'s ru_maxrss). Results are appended to ``--out`` as they come, and a
+process tree (``wait4``'s ru_maxrss). v5e-256 is traced on 64 devices with 4 x the micro-batch and
+its shardings moved to 256 chips (``spmdzero.aot_retarget``). Results are appended to ``--out`` as they come, and a
 markdown table is printed at the end. Model configs are in ``benchmarks/configs``.
 """
 
@@ -37,14 +38,14 @@ CASES = [  # in the order they run: 4-chip cases first (16-chip figures depend o
     ("gpt2-350m", "zero2-fp32", "v5e:4x4", "2", False),
     ("gpt2-774m", "zero2-fp32", "v5e:4x4", "2", False),
     ("gpt2-1.5b", "zero2-fp32", "v5e:4x4", "2", False),
-    ("llama-7b", "zero2-bf16", "v5e:8x8", "2", True),
+    ("llama-7b", "zero2-bf16", "v5e:16x16", "2", True),  # traced on 64 devices (spmdzero.aot_retarget)
 ]
 
 
 def run_case(model: str, ds: str, topology: str, stages: str, scan: bool, seq_len: int, micro_batch: int) -> dict:
-    from spmdzero.tpu_chips import topology_chips
+    from spmdzero.aot_retarget import trace_devices
 
-    env = {**os.environ, "CPU_NUM_DEVICES": str(topology_chips(topology)), "PJRT_DEVICE": "CPU"}
+    env = {**os.environ, "CPU_NUM_DEVICES": str(trace_devices(topology)), "PJRT_DEVICE": "CPU"}
     command = [sys.executable, "-m", "spmdzero.aot", "--json", "--topology", topology, "--stages", stages,
                "--model", os.path.join(CONFIGS, f"{model}.json"),
                "--deepspeed_config", os.path.join(CONFIGS, f"{ds}.json"),
@@ -67,6 +68,20 @@ def run_case(model: str, ds: str, topology: str, stages: str, scan: bool, seq_le
     return row
 
 
+def refreshed(row: dict) -> dict:
+    """The row with each report's derived figures (roofline, traffic) recomputed by the
+    current ``AotReport`` from the measured ones (memory, collectives, cost)."""
+    import dataclasses
+
+    from spmdzero.aot import AotReport
+
+    if "error" in row:
+        return row
+    names = {f.name for f in dataclasses.fields(AotReport)}
+    reports = [AotReport(**{k: v for k, v in r.items() if k in names}).to_dict() for r in row["result"]["reports"]]
+    return {**row, "result": {**row["result"], "reports": reports}}
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| model | topology | stage | per-chip HBM (GiB) | fits | traffic / minimum | roofline step (ms) "
              "| MFU | compile (s) | case wall (s) | peak host RSS (GiB) |",
@@ -82,7 +97,7 @@ def table(rows: list[dict]) -> str:
             fits = "yes" if r["fits"] else f"NO (+{r['over_by'] / 2**30:.2f})"
             ratio = f"{r['traffic']['ratio']:.2f}" if "traffic" in r else "-"
             step = f"{roof['step_s'] * 1e3:.0f} ({roof['bound']})" if roof else "-"
-            mfu = f"{roof['mfu']:.0%}" if roof else "-"
+            mfu = f"{roof['mfu']:.0%}" if roof.get('mfu') is not None else "-"
             lines.append(f"| {name} | {row['topology']} | {r['stage']} | {r['total_bytes'] / 2**30:.2f} "
                          f"of {r['hbm_per_chip'] / 2**30:.0f} | {fits} | {ratio} | {step} | {mfu} | "
                          f"{r['compile_seconds']:.0f} | {row['seconds']:.0f} | {row['peak_rss_gib']:.1f} |")
@@ -95,7 +110,12 @@ def main() -> int:
     parser.add_argument("--out", default="aot_scale.jsonl", help="JSON lines, appended as cases finish")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per chip")
+    parser.add_argument("--table", default=None, metavar="JSONL", help="print the table of earlier results; run nothing")
     args = parser.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            print(table([refreshed(json.loads(line)) for line in f if line.strip()]))
+        return 0
     wanted = set(args.cases.split(",")) if args.cases else None
     rows = []
     for model, ds, topology, stages, scan in CASES:

@@ -34,12 +34,9 @@ from typing import Optional
 
 import torch
 
+from .aot_retarget import check_same_plan, retarget, target_mesh_shape, trace_devices
 from .tpu_chips import GIB, ChipSpec, chip_spec, topology_chips  # noqa: F401  (topology_chips: public here)
 from .tpu_compile import LIBTPU_HINT
-
-# PyTorch's autograd engine sizes its per-device queues with an 8-bit device index, so a
-# process with 128 or more XLA devices cannot run a backward (256 wraps to 0 queues).
-MAX_TRACE_DEVICES = 127
 
 
 @dataclass
@@ -107,11 +104,12 @@ class AotReport:
         step = max(parts.values())
         useful = self.model_flops if self.model_flops is not None else self.cost.get("flops", 0.0)
         parts.update(step_s=step, bound=max(parts, key=parts.get).removesuffix("_s"),
-                     mfu=useful / (step * spec.peak_bf16_flops) if step else 0.0,
+                     mfu=useful / (step * spec.peak_bf16_flops) if step and not looped else None,
                      mfu_flops="6 x params x tokens" if self.model_flops is not None else "compiled FLOPs")
-        if looped:
+        if looped:  # an MFU from a compute floor of 6PT would be 100% by construction
             parts["note"] = ("the program loops over its layers (scan_layers) and the compiler's cost analysis counts "
-                             "a loop body once: compute is at least 6 x params x tokens, HBM bytes are under-stated")
+                             "a loop body once: compute is floored at 6 x params x tokens, HBM bytes are "
+                             "under-stated, no MFU")
         return parts
 
     def verdict(self) -> str:
@@ -157,7 +155,8 @@ class AotReport:
         if r:
             lines.append(f"  roofline estimate (perfect overlap, published peaks): step >= {r['step_s'] * 1e3:.1f} ms "
                          f"({r['bound']}-bound: compute {r['compute_s'] * 1e3:.1f} ms, HBM {r['hbm_s'] * 1e3:.1f} ms, "
-                         f"ICI {r['ici_s'] * 1e3:.1f} ms), MFU <= {r['mfu']:.0%} ({r['mfu_flops']})")
+                         f"ICI {r['ici_s'] * 1e3:.1f} ms)" + (f", MFU <= {r['mfu']:.0%} ({r['mfu_flops']})"
+                                                             if r["mfu"] is not None else ""))
             if "note" in r:
                 lines.append(f"  ({r['note']})")
         return "\n".join(lines)
@@ -210,12 +209,24 @@ class StepCapture:
         self._check()
         chips = topology_chips(topology)
         devices = int(self.engine.mesh.size())
+        mlir, micro_batch = self.mlir, self.engine.train_micro_batch_size_per_gpu()
         if chips != devices:
-            raise ValueError(f"topology {topology!r} has {chips} chips but the mesh has {devices} devices; capture "
-                             f"in a process started with CPU_NUM_DEVICES={chips} (set before importing spmdzero)")
-        result = compile_mlir(self.mlir, topology, self.donate, timeout)
+            if devices != trace_devices(topology):
+                raise ValueError(f"topology {topology!r} has {chips} chips but the mesh has {devices} devices; capture "
+                                 f"in a process started with CPU_NUM_DEVICES={trace_devices(topology)} (set before "
+                                 "importing spmdzero)")
+            # more chips than one process can trace: the same global program, its shardings
+            # moved onto the target mesh (spmdzero.aot_retarget)
+            from .mesh import mesh_shape
+
+            traced = mesh_shape(self.engine.mesh)
+            target = target_mesh_shape(self.engine, chips)
+            check_same_plan(self.engine.plan, target)
+            mlir = retarget(mlir, traced, target)
+            micro_batch //= chips // devices
+        result = compile_mlir(mlir, topology, self.donate, timeout)
         return AotReport(stage=self.engine.plan.stage, gradient_bytes=self.gradient_bytes(),
-                         micro_batch=self.engine.train_micro_batch_size_per_gpu(), **result)
+                         micro_batch=micro_batch, **result)
 
     def gradient_bytes(self) -> int:
         trainable = [s.param for s in self.engine._slots]
@@ -279,13 +290,10 @@ class CollectivesReport:
 
 
 def check_traceable(topology: str) -> int:
-    """Chips of ``topology``, refused when one process cannot trace that many devices."""
-    chips = topology_chips(topology)
-    if chips > MAX_TRACE_DEVICES:
-        raise ValueError(f"topology {topology!r} has {chips} chips; torch_xla cannot trace a backward pass on more "
-                         f"than {MAX_TRACE_DEVICES} devices in one process (PyTorch's autograd engine counts devices "
-                         "in 8 bits), so the largest traceable slices are 64 chips, e.g. v5e:8x8, v5p:4x4x4")
-    return chips
+    """How many devices to trace ``topology`` on (``CPU_NUM_DEVICES``): its chips, or for 128
+    and more (PyTorch's autograd engine counts devices in 8 bits) a quarter or sixteenth of
+    them, the program then moved onto the whole topology (``spmdzero.aot_retarget``)."""
+    return trace_devices(topology)
 
 
 def compile_mlir(mlir: str, topology: str, donate=(), timeout: int = 3600) -> dict:
@@ -328,7 +336,7 @@ def capture(engine, inputs: Optional[dict] = None):
     saved = {k: t.clone() for k, t in tensors.items()} if inputs is None else None
     saved_attrs = {k: copy.copy(getattr(engine, k)) for k in (
         "global_steps", "global_samples", "micro_steps", "_step_applied", "_last_overflow", "_global_grad_norm",
-        "_loss_scale", "_skipped_on_device", "_rows_since_step", "_backward_since_step")}
+        "_loss_scale", "_skipped_on_device", "_rows_since_step", "_backward_since_step", "samples_last_step")}
     # Rebound, never updated in place, by a traced backward or step: the objects are kept
     # (the gradients pending inside an accumulation window, the last loss read by last_loss()).
     saved_attrs.update(_last_loss=engine._last_loss, _input_shapes=engine._input_shapes)
@@ -342,8 +350,12 @@ def capture(engine, inputs: Optional[dict] = None):
     finally:
         engine._capture = None
         if saved is not None:
-            for key, t in tensors.items():
-                torch_xla._XLAC._replace_xla_tensor(t, saved[key])
+            # An in-place copy, not a swap of the XLA tensor under the functional wrapper: views
+            # (a weight's transpose in the next forward) are rebuilt from the wrapper's base,
+            # which a swap would leave at the traced update.
+            with torch.no_grad():
+                for key, t in tensors.items():
+                    t.copy_(saved[key])
         for name, value in saved_attrs.items():
             setattr(engine, name, value)
         for slot, grad in zip(engine._slots, pending):
@@ -369,13 +381,22 @@ def _stage_config(config: dict, stage: int, micro_batch: Optional[int]) -> dict:
 
 
 def capture_step(source, config: dict, stage: int, micro_batch: Optional[int] = None,
-                 shape_only: bool = True) -> StepCapture:
+                 shape_only: bool = True, topology: Optional[str] = None) -> StepCapture:
     """Build the engine for ``stage`` (shape-only unless told) and trace one step of it."""
     import spmdzero
 
     from .aot_models import build_on_meta
     from .aot_shapes import shape_only_engine
 
+    from . import runtime
+
+    ratio = topology_chips(topology) // runtime.device_count() if topology else 1
+    if ratio > 1:  # traced on fewer devices than chips: the same global batch (spmdzero.aot_retarget)
+        micro_batch = micro_batch or config.get("train_micro_batch_size_per_gpu")
+        if micro_batch is None:
+            raise ValueError(f"{topology} is traced on {runtime.device_count()} devices with {ratio} x the "
+                             "micro-batch per chip: give it (--micro-batch or train_micro_batch_size_per_gpu)")
+        micro_batch *= ratio
     cfg = _stage_config(config, stage, micro_batch)
     if shape_only:
         model = build_on_meta(source)
@@ -394,7 +415,7 @@ def capture_step(source, config: dict, stage: int, micro_batch: Optional[int] = 
 
 def compile_step(source, config: dict, topology: str, stage: int, micro_batch: Optional[int] = None,
                  shape_only: bool = True) -> AotReport:
-    step = capture_step(source, config, stage, micro_batch, shape_only)
+    step = capture_step(source, config, stage, micro_batch, shape_only, topology)
     report = step.compile(topology)
     if source.seq_len is not None:
         params = step.gradient_bytes() // step.engine.precision.communication_dtype.itemsize
@@ -455,7 +476,7 @@ def stages_table(reports: list[AotReport]) -> str:
             ("fits in HBM", lambda r: "yes" if r.fits else f"NO (+{r.over_by / GIB:.2f} GiB)"),
             ("traffic / minimum", lambda r: f"{r.traffic.ratio:.2f}" if r.memory else "-"),
             ("roofline step (ms)", lambda r: f"{r.roofline()['step_s'] * 1e3:.1f}" if r.roofline() else "-"),
-            ("roofline MFU", lambda r: f"{r.roofline()['mfu']:.0%}" if r.roofline() else "-")]
+            ("roofline MFU", lambda r: f"{r.roofline()['mfu']:.0%}" if r.roofline().get('mfu') is not None else "-")]
     kinds = sorted({k for r in reports for k in r.collectives})
     rows += [(f"{k} bytes", lambda r, k=k: _mb(r.collectives.get(k, {}).get("bytes", 0))) for k in kinds]
     lines = [head] + [f"{name:<28}" + "".join(f"{fn(r):>18}" for r in reports) for name, fn in rows]

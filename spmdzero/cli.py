@@ -179,18 +179,19 @@ def _one_line(err: Exception) -> str:
 
 
 def _run_aot(args) -> int:
-    """Trace in a child process with one CPU device per chip, then compile for the TPU."""
+    """Trace in a child process with one CPU device per chip (a quarter of them from 128 chips:
+    spmdzero.aot_retarget), then compile for the TPU."""
     import os
     import subprocess
 
     from .aot import check_traceable
 
     try:
-        chips = check_traceable(args.topology)
+        devices = check_traceable(args.topology)
     except ValueError as err:
         print(err, file=sys.stderr)
         return 1
-    env = {**os.environ, "CPU_NUM_DEVICES": str(chips), "PJRT_DEVICE": "CPU"}
+    env = {**os.environ, "CPU_NUM_DEVICES": str(devices), "PJRT_DEVICE": "CPU"}
     env.pop("SPMDZERO_NO_RUNTIME", None)
     command = [sys.executable, "-m", "spmdzero.aot", *sys_argv_after(args)]
     return subprocess.run(command, env=env).returncode
@@ -204,5 +205,5 @@ def sys_argv_after(args) -> list[str]:
         if value is not None:
             out += [flag, str(value)]
     out += [flag for flag, on in (("--materialize", args.materialize), ("--find-max-batch", args.find_max_batch),
-                                  ("--json", args.json)) if on]
+                                  ("--scan-layers", args.scan_layers), ("--json", args.json)) if on]
     return out

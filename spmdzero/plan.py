@@ -25,10 +25,12 @@ The rule, per tensor:
   128-wide lane dim: the small inner axis keeps whole tiles per shard) and its largest
   other dim over ``fsdp``. Its gradient is constrained to the ``fsdp`` split first, then to
   both (``grad_stages``): libtpu reduce-scatters each stage, where one 16-chip
-  reduce-scatter becomes an all-reduce and a slice. A tied table takes its columns first
-  (over ``fsdp_inner``: the split the scatter-add is partitioned by, above), then its rows.
-  Tensors that do not split that way (vectors, odd shapes) split their largest dim over
-  both axes at once;
+  reduce-scatter becomes an all-reduce and a slice. A tied table keeps one stage, its
+  columns over both axes: libtpu all-reduces it, but the scatter-add stays partitioned by
+  columns. Split in two stages, the scatter's token rows (tokens x width) are all-gathered
+  over every chip and half the table is still all-reduced (docs/tpu.md). Tensors that do
+  not split in two stages (vectors, odd shapes) split their largest dim over both axes at
+  once;
 * stage 0: everything replicated. Stage 1: optimizer states (and fp32 master weights,
   under mixed precision) use the ZeRO spec, gradients replicated. Stage 2: gradients too.
 """
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable, Mapping, Optional, Sequence
 
-from .mesh import FSDP_AXIS, FSDP_INNER_AXIS, data_parallel_axes, fsdp_axes
+from .mesh import FSDP_AXIS, FSDP_INNER_AXIS, data_parallel_axes, fsdp_axes, fsdp_size
 
 PartitionSpec = tuple  # one entry per dim: None (replicated) or a mesh axis name / tuple of names
 
@@ -111,8 +113,8 @@ def zero_spec(shape: Sequence[int], mesh_shape: Mapping[str, int], tied_embeddin
     the spec itself; () if the tensor stays replicated (see the module docstring)."""
     shape = tuple(shape)
     if len(fsdp_axes(mesh_shape)) == 2:
-        if tied_embedding and len(shape) == 2 and shape[-1] % mesh_shape[FSDP_INNER_AXIS] == 0:
-            return (None, FSDP_INNER_AXIS), (FSDP_AXIS, FSDP_INNER_AXIS)
+        if tied_embedding and len(shape) == 2 and shape[-1] >= fsdp_size(mesh_shape):
+            return ((None, (FSDP_AXIS, FSDP_INNER_AXIS)),)
         return _two_axis_spec(shape, mesh_shape[FSDP_AXIS], mesh_shape[FSDP_INNER_AXIS])
     fsdp = mesh_shape[FSDP_AXIS]
     if tied_embedding and len(shape) == 2 and shape[-1] >= fsdp > 1:

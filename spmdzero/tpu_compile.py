@@ -31,10 +31,12 @@ def shape_bytes(shape: str) -> int:
 
 
 def summarize_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-    """Collectives of the program by kind: count, tensors and bytes (output size) per step.
-    TPU's reduce-scatter is a ``kCustom`` fusion calling an ``all-reduce-scatter``
-    computation; it is reported as ``reduce-scatter``. A while loop's body (a scanned layer
-    stack) counts as many times as its known trip count."""
+    """Collectives of the program by kind: count, tensors, bytes (output size) and bytes sent
+    per device, per step. TPU's reduce-scatter is a ``kCustom`` fusion calling an
+    ``all-reduce-scatter`` computation; it is reported as ``reduce-scatter``. Other
+    collectives may start inside a fusion too (``async-collective-start``). A while loop's
+    body (a scanned layer stack, a windowed einsum's ring of collective-permutes) counts as
+    many times as its trip count."""
     from .inspect import COLLECTIVE_OPS, is_cpu_reduce_scatter, split_computations
 
     computations = split_computations(hlo_text)
@@ -54,10 +56,18 @@ def summarize_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
             if op == "all-reduce" and is_cpu_reduce_scatter(computations, body, ins):
                 add("reduce-scatter (CPU: all-reduce + slice)", ins.shape, group_size(ins.rest), times)
             elif op in COLLECTIVE_OPS:
-                add(op, ins.shape, group_size(ins.rest), times)
-            elif op == "fusion" and (called := re.search(r"calls=%(all-reduce-scatter[\w.\-]*)", ins.rest)):
-                inner = [i.rest for i in computations.get(called.group(1), []) if i.opcode.startswith("all-reduce")]
-                add("reduce-scatter", ins.shape, group_size(inner[0] if inner else ""), times)
+                add(op, _output_shape(ins), group_size(ins.rest), times)
+            elif op == "fusion" and (called := re.search(r"calls=%([\w.\-]+)", ins.rest)):
+                inner = computations.get(called.group(1), [])
+                if called.group(1).startswith("all-reduce-scatter"):
+                    reduce = [i.rest for i in inner if i.opcode.startswith("all-reduce")]
+                    add("reduce-scatter", ins.shape, group_size(reduce[0] if reduce else ""), times)
+                    continue
+                # An async collective starts in an ``async-collective-start`` fusion; the fusions
+                # that continue it (``async_collective_fusion``) repeat its op: count the start only.
+                for i in inner if ins.name.startswith("async-collective-start") else ():
+                    if i.opcode.removesuffix("-start") in COLLECTIVE_OPS:
+                        add(i.opcode.removesuffix("-start"), i.shape, group_size(i.rest), times)
             elif op == "while":
                 loop = re.search(r"body=%([\w.\-]+)", ins.rest)
                 if loop and loop.group(1) in computations:
@@ -67,8 +77,17 @@ def summarize_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     return out
 
 
+def _output_shape(ins) -> str:
+    """An async ``collective-permute-start`` / ``all-gather-start`` is shaped (operand, output,
+    ...): its output is what is sent."""
+    if ins.opcode in ("collective-permute-start", "all-gather-start") and ins.shape.startswith("("):
+        arrays = re.findall(r"\b[a-z]+\d*\[[\d,]*\]", ins.shape)
+        return arrays[1] if len(arrays) > 1 else ins.shape
+    return ins.shape
+
+
 def group_size(attributes: str) -> int:
-    """Devices in one replica group of a collective (0 when it does not say: all of them).
+    """Devices in one replica group of a collective (0 when it does not say).
     Groups are written ``{{0,2},{1,3}}`` or as an iota ``[groups,size]<=[...]``."""
     listed = re.search(r"replica_groups=\{\{([\d,]*)\}", attributes)
     if listed:
@@ -80,17 +99,18 @@ def group_size(attributes: str) -> int:
 def sent_per_device(kind: str, size: int, group: int) -> int | None:
     """Bytes one device sends for a collective with a ``size``-byte output over ``group``
     devices under a ring algorithm: all-reduce 2(g-1)/g x size, reduce-scatter (g-1) x its
-    shard, all-gather (g-1)/g x size; anything else its size. A two-axis fsdp mesh reduces
-    over subgroups, so the group, not the mesh, sets the count. None if the group is unknown."""
+    shard, all-gather and all-to-all (g-1)/g x size, a collective-permute its size. A
+    two-axis fsdp mesh reduces over subgroups, so the group, not the mesh, sets the count.
+    None if the group is unknown."""
+    if kind == "collective-permute":
+        return size
     if group <= 0:
         return None
     if kind == "all-reduce":
         return 2 * (group - 1) * size // group
     if kind == "reduce-scatter":
         return (group - 1) * size
-    if kind in ("all-gather", "reduce-scatter (CPU: all-reduce + slice)"):
-        return (group - 1) * size // group
-    return size
+    return (group - 1) * size // group
 
 
 def trip_count(computations: dict, ins) -> int:

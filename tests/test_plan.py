@@ -53,9 +53,9 @@ def test_two_fsdp_axes_split_rows_then_the_last_dim_in_two_gradient_stages():
     assert make_plan(SHAPES, SPLIT, 1)["proj.weight"].optimizer_state == ("fsdp", "fsdp_inner")
 
 
-def test_two_fsdp_axes_split_a_tied_table_by_columns_first():
+def test_two_fsdp_axes_split_a_tied_table_by_columns_over_both_in_one_stage():
     plan = make_plan(SHAPES, SPLIT, 2, tied_embeddings=["embed.weight"])
-    assert plan["embed.weight"].grad_stages == ((None, "fsdp_inner"), ("fsdp", "fsdp_inner"))
+    assert plan["embed.weight"].grad_stages == ((None, ("fsdp", "fsdp_inner")),)
 
 
 def test_two_fsdp_axes_split_vectors_and_odd_shapes_over_both_at_once():
