@@ -39,10 +39,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 DEVICES = 8
-CASES = {  # name: (kind, size, batch rows per micro-step, optimizer steps per timed window, windows)
-    "mlp-1M": ("mlp", 512, 64, 5, 3),
-    "mlp-17M": ("mlp", 2048, 64, 3, 3),
-    "gpt2-100M": ("gpt2", 768, 8, 1, 2),
+CASES = {  # name: (kind, size, batch rows per micro-step, optimizer steps per timed window, windows, rounds)
+    "mlp-1M": ("mlp", 512, 64, 5, 3, 2),
+    "mlp-17M": ("mlp", 2048, 64, 3, 3, 2),
+    "gpt2-100M": ("gpt2", 768, 8, 1, 2, 1),
 }
 
 
@@ -185,8 +185,8 @@ def run_child(variant: str, case: str, gas: int, steps: int, windows: int, **env
 
 def timing(args) -> None:
     gib = 2**30
-    print(f"{DEVICES} CPU devices; min over {args.rounds} interleaved processes x windows of optimizer steps "
-          f"({', '.join(f'{c}: {window(c, args)[1]} x {window(c, args)[0]}' for c in args.cases)}); "
+    print(f"{DEVICES} CPU devices; min over interleaved processes per side x windows x optimizer steps "
+          f"({', '.join('{}: {} x {} x {}'.format(c, rounds(c, args), *window(c, args)[::-1]) for c in args.cases)}); "
           f"load average {os.getloadavg()[0]:.1f} at the start\n")
     print("| model | params | gas | engine step (ms) | hand step (ms) | engine / hand | engine CPU (s/step) | "
           "hand CPU (s/step) | engine / hand, CPU | ZeRO model states, 8 devices (GiB) | engine peak RSS stepping "
@@ -195,7 +195,7 @@ def timing(args) -> None:
     for case in args.cases:
         for gas in args.gas:
             runs = {"engine": [], "hand": []}
-            for _ in range(args.rounds):
+            for _ in range(rounds(case, args)):
                 for variant in runs:
                     runs[variant].append(run_child(variant, case, gas, *window(case, args)))
             best = {v: min(t for r in rs for t in r["times"]) for v, rs in runs.items()}
@@ -213,6 +213,11 @@ def timing(args) -> None:
 def window(case: str, args) -> tuple[int, int]:
     """(optimizer steps per timed window, windows) for a case: its own unless overridden."""
     return args.steps or CASES[case][3], args.windows or CASES[case][4]
+
+
+def rounds(case: str, args) -> int:
+    """Processes per side for a case: its own unless overridden."""
+    return args.rounds or CASES[case][5]
 
 
 def accounting(params: int) -> float:
@@ -295,7 +300,8 @@ def main() -> None:
     parser.add_argument("--gas", default="1,4")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per timed window (default: per case)")
     parser.add_argument("--windows", type=int, default=None, help="timed windows per process (default: per case)")
-    parser.add_argument("--rounds", type=int, default=2, help="processes per variant, interleaved")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="processes per variant, interleaved (default: per case)")
     parser.add_argument("--memory", metavar="TOPOLOGY", default=None,
                         help="instead of timing: host memory against the TPU step compiled for TOPOLOGY (8 chips)")
     args = parser.parse_args()
