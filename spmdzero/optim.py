@@ -94,6 +94,7 @@ class SpmdOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.laid_out: set[int] = set()  # ids of params whose new values and states carry their shardings
         for group in self.param_groups:
             params = [p for p in group["params"] if (p.grad if grads is None else grads.get(p)) is not None]
             if not params:
@@ -103,8 +104,10 @@ class SpmdOptimizer(torch.optim.Optimizer):
             for p in params:
                 if not self.state[p]:
                     self.state[p].update(self._initial_state(p, group))
-            if fused.applies(params, self.state):
-                fused.update(self, params, [grad_of[p] for p in params], hp, group, grad_scale, skip)
+            laid_out = fused.update(self, params, [grad_of[p] for p in params], hp, group, grad_scale, skip)
+            if laid_out is not None:  # done as one op
+                if laid_out:
+                    self.laid_out.update(map(id, params))
                 continue
             for p in params:
                 state = self.state[p]
