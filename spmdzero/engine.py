@@ -285,7 +285,7 @@ class SpmdZeroEngine(torch.nn.Module):
             laid_out: set[int] = set()
             if isinstance(self.optimizer.optimizer, SpmdOptimizer):  # scale, update, overflow select: one op per group
                 self.optimizer.optimizer.step(grads={s.target: g for s, g in zip(self._slots, grads)},
-                                              grad_scale=inverse, skip=overflow)
+                                              grad_scale=inverse, skip=overflow, donate=self._capture is None)
                 laid_out = self.optimizer.optimizer.laid_out
             else:
                 self._client_optimizer_step(grads, inverse, overflow)

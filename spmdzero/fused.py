@@ -38,11 +38,12 @@ def applies(params: list[torch.Tensor], state) -> bool:
 
 
 def update(optimizer, params: list[torch.Tensor], grads: list[torch.Tensor], hp: dict[str, torch.Tensor],
-           group: dict, grad_scale: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> Optional[bool]:
-    """Apply ``optimizer.scaled_math`` to every tensor of the group as one graph op, in place.
-    Returns None, doing nothing, for a group the op does not apply to (see ``applies``);
-    else whether the results carry their targets' shardings (set inside the op), in which
-    case the caller need not annotate them."""
+           group: dict, grad_scale: torch.Tensor | None = None, skip: torch.Tensor | None = None,
+           donate: bool = False) -> Optional[bool]:
+    """Apply ``optimizer.scaled_math`` to every tensor of the group as one graph op, in place
+    (``swap_in``, ``donate`` as there). Returns None, doing nothing, for a group the op does
+    not apply to (see ``applies``); else whether the results carry their targets' shardings
+    (set inside the op), in which case the caller need not annotate them."""
     states = [optimizer.state[p] for p in params]
     keys, hp_keys = tuple(states[0]), tuple(hp)
     extras = tuple(name for name, t in (("grad_scale", grad_scale), ("skip", skip)) if t is not None)
@@ -85,29 +86,31 @@ def update(optimizer, params: list[torch.Tensor], grads: list[torch.Tensor], hp:
     _, computation, laid_out = plan
     if computation is None:
         return None
-    swap_in(targets, _run(computation, flat))
+    swap_in(targets, _run(computation, flat), donate)
     return laid_out
 
 
-def swap_in(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+def swap_in(targets: list[torch.Tensor], values: list[torch.Tensor], donate: bool = False) -> None:
     """``t.copy_(v)`` for each pair, minus the copy: each target takes its value's lazy tensor.
-    These are the steps functionalization runs around an in-place op, without the op:
-    ``_propagate_xla_data`` gives the value the target's buffer-donation id (the old buffer
-    is reused at the next ``torch_xla.sync()``); ``replace`` + ``commit_update`` make the
-    value the target's, so that views and aliases of the target (``p.detach()`` in
-    ``state_dict()``, ``p.data``) see it too. torch_xla's ``_replace_xla_tensor`` alone skips
-    the last two: aliases then keep the old value, and a checkpoint-loaded parameter (whose
-    storage was updated by ``copy_``) is even reset to it at its next use."""
+    ``replace`` + ``commit_update`` are what functionalization does after an in-place op:
+    the value becomes the target's, and views and aliases of the target (``p.detach()`` in
+    ``state_dict()``, ``p.data``) see it too. (torch_xla's ``_replace_xla_tensor`` alone
+    skips that: aliases keep the old value, and a checkpoint-loaded parameter, whose
+    storage was updated by ``copy_``, is even reset to it at its next use.)
+
+    ``donate``: the targets' old buffers are given to the next ``torch_xla.sync()`` to write
+    results into, as torch_xla does for tensors updated in place. Only when that sync will
+    execute this trace (not for a step that is only captured), and nothing else keeps the old
+    values."""
     import torch_xla
 
-    propagate = torch.ops.aten._propagate_xla_data.default
+    if donate:
+        flag = torch_xla._XLAC._set_buffer_donation
+        for target in targets:
+            flag(target, True)
     unwrap, replace, commit = torch._from_functional_tensor, torch._functionalize_replace, torch._functionalize_commit_update
-    clear = torch_xla._XLAC._xla_clear_sharding
     for target, value in zip(targets, values):
-        inner, old = unwrap(value), unwrap(target)
-        clear(old)
-        propagate(old, inner)
-        replace(target, inner)
+        replace(target, unwrap(value))
         commit(target)
 
 
