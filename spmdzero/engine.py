@@ -284,8 +284,11 @@ class SpmdZeroEngine(torch.nn.Module):
             overflow = is_overflow(sum_sq) if policy.check_overflow else None
             laid_out: set[int] = set()
             if isinstance(self.optimizer.optimizer, SpmdOptimizer):  # scale, update, overflow select: one op per group
+                # Old buffers are reused only by a step that the sync below executes, and not
+                # under engine.compile(): dynamo's cached graphs keep reading the old ones.
+                donate = self._capture is None and not self._is_compiled
                 self.optimizer.optimizer.step(grads={s.target: g for s, g in zip(self._slots, grads)},
-                                              grad_scale=inverse, skip=overflow, donate=self._capture is None)
+                                              grad_scale=inverse, skip=overflow, donate=donate)
                 laid_out = self.optimizer.optimizer.laid_out
             else:
                 self._client_optimizer_step(grads, inverse, overflow)

@@ -101,13 +101,16 @@ def swap_in(targets: list[torch.Tensor], values: list[torch.Tensor], donate: boo
     ``donate``: the targets' old buffers are given to the next ``torch_xla.sync()`` to write
     results into, as torch_xla does for tensors updated in place. Only when that sync will
     execute this trace (not for a step that is only captured), and nothing else keeps the old
-    values."""
+    values. Scalars are left out: a fresh 0-d tensor (a step counter) can hold torch_xla's
+    shared cached constant, which must never be donated (torch_xla's own in-place path skips
+    such read-only data; the flag does not)."""
     import torch_xla
 
     if donate:
         flag = torch_xla._XLAC._set_buffer_donation
         for target in targets:
-            flag(target, True)
+            if target.dim():
+                flag(target, True)
     unwrap, replace, commit = torch._from_functional_tensor, torch._functionalize_replace, torch._functionalize_commit_update
     for target, value in zip(targets, values):
         replace(target, unwrap(value))
