@@ -2,14 +2,21 @@
 without gradient accumulation, and the peak host memory each one needs.
 
     python benchmarks/engine_overhead.py [--cases mlp-1M,mlp-17M,gpt2-100M] [--gas 1,4]
+    python benchmarks/engine_overhead.py --memory v5e:2x4   # where the host memory goes
 
 For each model and gradient_accumulation_steps, the engine (ZeRO-2, AdamW, no clipping) and
 the hand loop run in separate processes on 8 CPU devices, interleaved (engine, hand,
 engine, hand), each timing several windows of optimizer steps after warm-up; the table
-shows the minimum step time of each and their ratio. Each process also reports its own
-peak RSS, next to ZeRO's accounting of the model states all 8 devices hold together
-(8 x (4P + 12P/8) bytes: replicated fp32 params, sharded fp32 gradients and Adam moments).
-The hand loop's RSS is what XLA:CPU needs for the same work without the engine.
+shows the minimum step time of each and their ratio, in wall time and in the process's CPU
+time (all its threads: the work done, which other jobs on a shared machine disturb far
+less than the wall time). Each process also reports its own peak RSS, next to ZeRO's
+accounting of the model states all 8 devices hold together (8 x (4P + 12P/8) bytes:
+replicated fp32 params, sharded fp32 gradients and Adam moments). The hand loop's RSS is
+what XLA:CPU needs for the same work without the engine.
+
+``--memory TOPOLOGY`` explains the RSS instead: the temporaries XLA:CPU's buffer assignment
+gives each device for the engine's step programs, against the TPU program of the same step
+compiled ahead of time for TOPOLOGY (8 chips, ``spmdzero.aot``), and the measured peak RSS.
 
 The hand loop (issue #15): torch.optim.AdamW on replicated params, its moments created
 eagerly and annotated with the ZeRO spec, ``mark_sharding(p.grad, ZeRO spec)`` after each
@@ -19,30 +26,34 @@ backward, params re-annotated replicated after ``step()``.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 DEVICES = 8
-CASES = {  # name: (kind, size, batch rows per step)
-    "mlp-1M": ("mlp", 512, 64),
-    "mlp-17M": ("mlp", 2048, 64),
-    "gpt2-100M": ("gpt2", 768, 8),
+CASES = {  # name: (kind, size, batch rows per micro-step, optimizer steps per timed window, windows, rounds)
+    "mlp-1M": ("mlp", 512, 64, 5, 3, 2),
+    "mlp-17M": ("mlp", 2048, 64, 3, 3, 2),
+    "gpt2-100M": ("gpt2", 768, 8, 1, 2, 1),
 }
 
 
 # ---- child: one variant of one case ---------------------------------------------------------------
 
-def build(case: str):
+def build(case: str, rows: int | None = None):
     """(model, inputs on the host, loss function) for a case; the same seed on both sides."""
     import torch
 
-    kind, size, rows = CASES[case]
+    kind, size, case_rows = CASES[case][:3]
+    rows = rows or case_rows
     torch.manual_seed(0)
     if kind == "mlp":  # 4 x Linear(size, size) + GELU, then Linear(size, 10): 1.05M and 16.8M params
         layers = []
@@ -60,6 +71,12 @@ def build(case: str):
     return model, (tokens,), lambda m, t: m(input_ids=t, labels=t).loss
 
 
+def engine_config(rows: int, gas: int) -> dict:
+    return {"train_batch_size": rows * gas, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4,
+                                                                                        "weight_decay": 0.01}}}
+
+
 class Engine:
     def __init__(self, case: str, gas: int):
         import spmdzero
@@ -67,10 +84,7 @@ class Engine:
 
         model, inputs, self.loss_fn = build(case)
         self.gas = gas
-        self.engine, *_ = spmdzero.initialize(model=model, config={
-            "train_batch_size": inputs[0].shape[0] * gas, "gradient_accumulation_steps": gas,
-            "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}}})
+        self.engine, *_ = spmdzero.initialize(model=model, config=engine_config(inputs[0].shape[0], gas))
         self.inputs = [to_device_sharded(t, self.engine.mesh, self.engine.plan.batch_spec, self.engine.dp_world_size)
                        for t in inputs]  # placed once: time the step, not the input transfer
 
@@ -126,33 +140,151 @@ def child(variant: str, case: str, gas: int, steps: int, windows: int) -> None:
     import torch_xla.debug.metrics as met
 
     start_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    params = sum(p.numel() for p in build(case)[0].parameters())
     runner = (Engine if variant == "engine" else Hand)(case, gas)
-    for _ in range(3):  # warm-up: every program compiled
+    for _ in range(2):  # warm-up: every program compiled (and run once compiled)
         runner.step()
     xm.wait_device_ops()
     compiles = met.metric_data("CompileTime")[0]
-    times = []
+    with open("/proc/self/clear_refs", "w") as f:  # from here the peak RSS is the steps' own, not the compiler's
+        f.write("5")
+    times, cpu = [], []
     for _ in range(windows):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         for _ in range(steps):
             runner.step()
         xm.wait_device_ops()
         times.append((time.perf_counter() - start) / steps)
-    params = sum(p.numel() for p in build(case)[0].parameters())
-    print(json.dumps({"times": times, "params": params, "runtime_rss": start_rss,
-                      "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        cpu.append((time.process_time() - start_cpu) / steps)
+    print(json.dumps({"times": times, "cpu": cpu, "params": params, "runtime_rss": start_rss,
+                      "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "step_rss": step_rss(),
                       "recompiles": met.metric_data("CompileTime")[0] - compiles}), flush=True)
+
+
+def step_rss() -> int:
+    """Peak RSS since the last reset of the process's high-water mark (VmHWM)."""
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
 
 
 # ---- parent ----------------------------------------------------------------------------------------
 
-def run_child(variant: str, case: str, gas: int, args) -> dict:
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(DEVICES), "PYTHONPATH": REPO}
-    cmd = [sys.executable, __file__, "--child", variant, case, str(gas), str(args.steps), str(args.windows)]
+# glibc keeps freed blocks for reuse (its mmap threshold rises with every large free); these
+# make it hand freed memory back, so the RSS shows what is live rather than what was once used
+TRIMMED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
+
+def run_child(variant: str, case: str, gas: int, steps: int, windows: int, **env_extra: str) -> dict:
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(DEVICES), "PYTHONPATH": REPO, **env_extra}
+    cmd = [sys.executable, __file__, "--child", variant, case, str(gas), str(steps), str(windows)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
         raise RuntimeError(f"{variant} {case} gas={gas} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def timing(args) -> None:
+    gib = 2**30
+    print(f"{DEVICES} CPU devices; min over interleaved processes per side x windows x optimizer steps "
+          f"({', '.join('{}: {} x {} x {}'.format(c, rounds(c, args), *window(c, args)[::-1]) for c in args.cases)}); "
+          f"load average {os.getloadavg()[0]:.1f} at the start\n")
+    print("| model | params | gas | engine step (ms) | hand step (ms) | engine / hand | engine CPU (s/step) | "
+          "hand CPU (s/step) | engine / hand, CPU | ZeRO model states, 8 devices (GiB) | engine peak RSS stepping "
+          "(GiB) | hand peak RSS stepping (GiB) | recompiles while timed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for case in args.cases:
+        for gas in args.gas:
+            runs = {"engine": [], "hand": []}
+            for _ in range(rounds(case, args)):
+                for variant in runs:
+                    runs[variant].append(run_child(variant, case, gas, *window(case, args)))
+            best = {v: min(t for r in rs for t in r["times"]) for v, rs in runs.items()}
+            cpu = {v: min(t for r in rs for t in r["cpu"]) for v, rs in runs.items()}
+            peak = {v: max(r["step_rss"] for r in rs) for v, rs in runs.items()}
+            P = runs["engine"][0]["params"]
+            recompiles = sum(r["recompiles"] for rs in runs.values() for r in rs)
+            print(f"| {case} | {P:,} | {gas} | {best['engine'] * 1e3:.1f} | {best['hand'] * 1e3:.1f} | "
+                  f"{best['engine'] / best['hand']:.3f} | {cpu['engine']:.2f} | {cpu['hand']:.2f} | "
+                  f"{cpu['engine'] / cpu['hand']:.3f} | {accounting(P) / gib:.2f} | {peak['engine'] / gib:.2f} | "
+                  f"{peak['hand'] / gib:.2f} | {recompiles} |", flush=True)
+    print(f"\nload average {os.getloadavg()[0]:.1f} at the end ({os.cpu_count()} CPUs)")
+
+
+def window(case: str, args) -> tuple[int, int]:
+    """(optimizer steps per timed window, windows) for a case: its own unless overridden."""
+    return args.steps or CASES[case][3], args.windows or CASES[case][4]
+
+
+def rounds(case: str, args) -> int:
+    """Processes per side for a case: its own unless overridden."""
+    return args.rounds or CASES[case][5]
+
+
+def accounting(params: int) -> float:
+    """ZeRO-2's model states on all devices together: replicated fp32 params, sharded fp32
+    gradients and Adam moments."""
+    return DEVICES * (4 * params + 12 * params / DEVICES)
+
+
+# ---- --memory: where the host memory goes ------------------------------------------------------
+
+def cpu_temporaries(dump: str) -> int:
+    """The largest per-device temporary allocation XLA:CPU's buffer assignment gave a step
+    program (one program runs at a time; each of the 8 devices holds its own)."""
+    sizes = [0]
+    for path in glob.glob(os.path.join(dump, "*SyncTensorsGraph*buffer-assignment.txt")):
+        with open(path) as f:
+            sizes += [int(n) for n in re.findall(r"^allocation \d+: size (\d+), preallocated-temp", f.read(), re.M)]
+    return max(sizes)
+
+
+def aot_child(case: str, gas: int, topology: str) -> None:
+    """The engine's ZeRO-2 step for this case compiled for a TPU topology (shape-only)."""
+    import torch
+
+    import spmdzero  # noqa: F401  (starts the runtime)
+    from spmdzero.aot import compile_step
+    from spmdzero.aot_models import ModelSource
+
+    class WithLoss(torch.nn.Module):  # the forward returns the loss, as aot's model sources do
+        def __init__(self):
+            super().__init__()
+            self.model, _, self.loss_fn = build(case)
+
+        def forward(self, *inputs):
+            return self.loss_fn(self.model, *inputs)
+
+    source = ModelSource(case, WithLoss, lambda m, rows: (build(case, rows)[1], {}), lambda loss: loss)
+    report = compile_step(source, engine_config(CASES[case][2], gas), topology, stage=2)
+    print(json.dumps({"memory": report.memory, "chips": report.chips}), flush=True)
+
+
+def memory(args) -> None:
+    mib = 2**20
+    print(f"Host memory of the engine's ZeRO-2 step on {DEVICES} CPU devices against the same step compiled for "
+          f"{args.memory} (all devices / chips together)\n")
+    print("| model | params | gas | ZeRO model states (MiB) | XLA:CPU step temporaries (MiB) | TPU step "
+          "temporaries (MiB) | runtime before the model (MiB) | peak RSS stepping (MiB) | the same, glibc "
+          "trimming (MiB) | peak RSS with compiles (MiB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(DEVICES), "PYTHONPATH": REPO,
+           "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    for case in args.cases:
+        for gas in args.gas:
+            with tempfile.TemporaryDirectory() as dump:
+                run = run_child("engine", case, gas, 1, 1, XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_as_text")
+                cpu_temp = cpu_temporaries(dump) * DEVICES
+            trimmed = run_child("engine", case, gas, 1, 1, **TRIMMED_MALLOC)
+            proc = subprocess.run([sys.executable, __file__, "--aot-child", case, str(gas), args.memory], env=env,
+                                  capture_output=True, text=True, cwd=REPO)
+            if proc.returncode != 0:
+                raise RuntimeError(f"AOT {case} gas={gas} failed:\n{proc.stderr[-3000:]}")
+            aot = json.loads(proc.stdout.strip().splitlines()[-1])
+            tpu_temp = aot["memory"]["temp"] * aot["chips"]
+            print(f"| {case} | {run['params']:,} | {gas} | {accounting(run['params']) / mib:,.0f} | "
+                  f"{cpu_temp / mib:,.0f} | {tpu_temp / mib:,.0f} | {run['runtime_rss'] / mib:,.0f} | "
+                  f"{run['step_rss'] / mib:,.0f} | {trimmed['step_rss'] / mib:,.0f} | {run['peak_rss'] / mib:,.0f} |",
+                  flush=True)
 
 
 def main() -> None:
@@ -160,36 +292,25 @@ def main() -> None:
         variant, case, gas, steps, windows = sys.argv[2:7]
         child(variant, case, int(gas), int(steps), int(windows))
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "--aot-child":
+        aot_child(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--gas", default="1,4")
-    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per timed window")
-    parser.add_argument("--windows", type=int, default=3, help="timed windows per process")
-    parser.add_argument("--rounds", type=int, default=2, help="processes per variant, interleaved")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per timed window (default: per case)")
+    parser.add_argument("--windows", type=int, default=None, help="timed windows per process (default: per case)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="processes per variant, interleaved (default: per case)")
+    parser.add_argument("--memory", metavar="TOPOLOGY", default=None,
+                        help="instead of timing: host memory against the TPU step compiled for TOPOLOGY (8 chips)")
     args = parser.parse_args()
-    unknown = [c for c in args.cases.split(",") if c not in CASES]
+    args.cases = args.cases.split(",")
+    args.gas = [int(g) for g in args.gas.split(",")]
+    unknown = [c for c in args.cases if c not in CASES]
     if unknown:
         parser.error(f"--cases: unknown {', '.join(unknown)} (choose from {', '.join(CASES)})")
-    gib = 2**30
-    print(f"{DEVICES} CPU devices; min over {args.rounds} interleaved processes x {args.windows} windows of "
-          f"{args.steps} optimizer steps\n")
-    print("| model | params | gas | engine step (ms) | hand step (ms) | engine / hand | ZeRO model states, "
-          "8 devices (GiB) | engine peak RSS (GiB) | hand peak RSS (GiB) | recompiles while timed |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for case in args.cases.split(","):
-        for gas in (int(g) for g in args.gas.split(",")):
-            runs = {"engine": [], "hand": []}
-            for _ in range(args.rounds):
-                for variant in runs:
-                    runs[variant].append(run_child(variant, case, gas, args))
-            best = {v: min(t for r in rs for t in r["times"]) for v, rs in runs.items()}
-            peak = {v: max(r["peak_rss"] for r in rs) for v, rs in runs.items()}
-            P = runs["engine"][0]["params"]
-            accounting = DEVICES * (4 * P + 12 * P / DEVICES)
-            recompiles = sum(r["recompiles"] for rs in runs.values() for r in rs)
-            print(f"| {case} | {P:,} | {gas} | {best['engine'] * 1e3:.1f} | {best['hand'] * 1e3:.1f} | "
-                  f"{best['engine'] / best['hand']:.3f} | {accounting / gib:.2f} | {peak['engine'] / gib:.2f} | "
-                  f"{peak['hand'] / gib:.2f} | {recompiles} |", flush=True)
+    memory(args) if args.memory else timing(args)
 
 
 if __name__ == "__main__":

@@ -85,15 +85,18 @@ class SpmdOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None, *, grads: dict | None = None,
-             grad_scale: torch.Tensor | None = None, skip: torch.Tensor | None = None):
+             grad_scale: torch.Tensor | None = None, skip: torch.Tensor | None = None, donate: bool = False):
         """torch's ``step()``, plus what the engine needs inside the same traced op:
         ``grads`` ({param: gradient}, any float dtype) instead of ``p.grad``, ``grad_scale``
-        multiplied into every gradient (unscaling and clipping), and ``skip``, a device bool
-        that leaves parameters and states as they were (an overflowed step)."""
+        multiplied into every gradient (unscaling and clipping), ``skip``, a device bool
+        that leaves parameters and states as they were (an overflowed step), and ``donate``:
+        the next ``torch_xla.sync()`` executes this step and may write the new values into
+        the old ones' buffers (see ``fused.swap_in``)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.laid_out: set[int] = set()  # ids of params whose new values and states carry their shardings
         for group in self.param_groups:
             params = [p for p in group["params"] if (p.grad if grads is None else grads.get(p)) is not None]
             if not params:
@@ -103,8 +106,10 @@ class SpmdOptimizer(torch.optim.Optimizer):
             for p in params:
                 if not self.state[p]:
                     self.state[p].update(self._initial_state(p, group))
-            if fused.applies(params, self.state):
-                fused.update(self, params, [grad_of[p] for p in params], hp, group, grad_scale, skip)
+            laid_out = fused.update(self, params, [grad_of[p] for p in params], hp, group, grad_scale, skip, donate)
+            if laid_out is not None:  # done as one op
+                if laid_out:
+                    self.laid_out.update(map(id, params))
                 continue
             for p in params:
                 state = self.state[p]

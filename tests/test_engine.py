@@ -130,15 +130,22 @@ def test_no_recompiles_or_device_reads_after_warmup():
         engine.backward(loss)
         engine.step()
 
+    layouts = {k: sharding_spec(t) for k, (t, _) in engine.state_tensors().items()}
     for i, (x, y) in enumerate(data[:4]):
         micro_step(i, x, y)
     compiles = met.metric_data("CompileTime")[0]
     transfers = (met.metric_data("TransferFromDeviceTime") or [0])[0]
+    donated = met.counter_value("XlaSetBufferDonation") or 0
     for i, (x, y) in enumerate(data[4:], start=4):
         micro_step(i, x, y)
     assert met.metric_data("CompileTime")[0] == compiles
     assert (met.metric_data("TransferFromDeviceTime") or [0])[0] == transfers
     assert engine.global_steps == 10
+    # The update lays out its own results (nothing re-annotated after it): every state tensor
+    # keeps the layout initialize gave it; and each boundary hands the old buffers of the 4
+    # params and their 8 moments to the step's execution, as an in-place update would.
+    assert {k: sharding_spec(t) for k, (t, _) in engine.state_tensors().items()} == layouts
+    assert (met.counter_value("XlaSetBufferDonation") or 0) - donated == 12 * 8
 
 
 def test_two_d_mesh_shards_states_on_fsdp_and_batch_on_both():

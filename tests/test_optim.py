@@ -171,3 +171,31 @@ def test_fused_group_update_matches_the_per_tensor_update(factory, monkeypatch):
     assert len(fused._CACHE) == lowered + 1  # one lowering for the group, reused by every step
     for a, b in zip(fused_out, _xla_run(factory, False, monkeypatch)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_fused_results_take_the_targets_place_and_aliases_follow():
+    """The fused update swaps its results in (no copy): the parameter objects stay the same,
+    views and aliases taken before the step see the new values (``state_dict()`` is built
+    from ``p.detach()``), and a step after another ``copy_`` into the parameter (what a
+    checkpoint load does) still lands."""
+    import torch_xla
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(5, 3, generator=g).to("xla"))
+    ref = torch.nn.Parameter(p.detach().cpu().clone())
+    opt, ref_opt = AdamW([p], lr=0.1, weight_decay=0.1), torch.optim.AdamW([ref], lr=0.1, weight_decay=0.1)
+    materialize_state(opt)
+    alias = p.detach()
+    for step in range(3):
+        if step == 1:
+            with torch.no_grad():  # a load: new values copied into the live tensors
+                p.copy_(p.detach() * 0.5)
+                ref.mul_(0.5)
+        grad = torch.randn(5, 3, generator=g)
+        p.grad, ref.grad = grad.to("xla"), grad.clone()
+        opt.step()
+        ref_opt.step()
+        torch_xla.sync()
+        torch.testing.assert_close(p.detach().cpu(), ref.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(alias.cpu(), ref.detach(), rtol=1e-5, atol=1e-5)
+    assert opt.param_groups[0]["params"][0] is p and next(iter(opt.state)) is p
