@@ -4,14 +4,19 @@ as one ``jax.jit`` step (torchax), on 8 CPU devices, measured side by side in on
     python benchmarks/trace_overhead.py            # re-runs itself with 8 CPU devices for both
 
 For a transformers GPT-2 built from its config (batch 8, ``attention_mask`` passed, dropout
-off, eager attention: transformers' sdpa path reads an all-ones mask back to the host) at 2 and 12 layers, n_embd 64 (host-bound on CPU) and 256, it prints per size:
+off, eager attention: transformers' sdpa path reads an all-ones mask back to the host) at 2
+and 12 layers, n_embd 64 (host-bound on CPU) and 256, it prints per size and spmdzero
+configuration (``default``; ``scan_layers``: ``"spmd": {"scan_layers": true}``; ``compile``:
+``engine.compile()``, dynamo's openxla backend on the forward and backward):
 
-* spmdzero step / JAX step: the median of interleaved repeats (A, B, A, B, ...);
-* tracing share: host time in forward + backward + the update's tracing, over the step time;
-* engine.step tracing: host time of the boundary update (clipping, optimizer, re-annotation);
-* graphs per step and recompiles while timed (both should be 1 and 0);
-* time to the first step (compilation included), with and without ``spmd.scan_layers``, each
-  in a fresh process so that no compile cache is shared.
+* spmdzero step / JAX step: the fastest of interleaved repeats (A, B, A, B, ...) of each;
+* tracing share: host time in forward + backward + the update's tracing, over the step time
+  (under ``compile``, forward and backward are dynamo running its compiled graphs);
+* engine.step tracing: host time of the boundary update (clipping, optimizer, annotations);
+* graphs per step and recompiles while timed (1 and 0, but ``compile`` runs a graph each for
+  the forward, the backward and the update);
+* time to the first step (compilation included) of ``default`` and ``scan_layers``, each in a
+  fresh process so that no compile cache is shared.
 
 The JAX side is ``torchax.extract_jax`` of the same module with optax's AdamW, parameters
 replicated and optimizer states sharded like spmdzero's ZeRO-2, under one ``jax.jit``.
@@ -22,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -59,11 +63,16 @@ def config(scan_layers: bool = False) -> dict:
     return cfg
 
 
+CONFIGS = ("default", "scan_layers", "compile")
+
+
 class SpmdzeroRunner:
-    def __init__(self, layers: int, width: int):
+    def __init__(self, layers: int, width: int, variant: str = "default"):
         import spmdzero
 
-        self.engine, *_ = spmdzero.initialize(model=gpt2(layers, width), config=config())
+        self.engine, *_ = spmdzero.initialize(model=gpt2(layers, width), config=config(variant == "scan_layers"))
+        if variant == "compile":
+            self.engine.compile()
         self.ids, self.mask = batch()
         self.host = {"forward": 0.0, "backward": 0.0, "update": 0.0}
         for name, attr in (("forward", "forward"), ("backward", "backward"), ("update", "_take_model_step")):
@@ -153,27 +162,35 @@ def timed(runner, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def compare(layers: int, width: int, steps: int, repeats: int) -> dict:
+def compare(variant: str, theirs: JaxRunner, layers: int, width: int, steps: int, repeats: int) -> dict:
+    """One spmdzero configuration against the JAX step, interleaved; step times are the
+    fastest repeat of each (the least disturbed by other load), host times per step the
+    fastest too."""
+    import warnings
+
     from spmdzero.monitor import compile_count, graph_count
 
-    ours, theirs = SpmdzeroRunner(layers, width), JaxRunner(layers, width)
-    for runner in (ours, theirs):
+    ours = SpmdzeroRunner(layers, width, variant)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # engine.compile() runs several graphs per step: warned, and counted below
         for _ in range(3):  # warm-up: every program compiled
-            runner.step()
-        runner.wait()
-    ours.host = dict.fromkeys(ours.host, 0.0)
-    compiles, graphs = compile_count(), graph_count()
-    t_ours, t_theirs = [], []
-    for _ in range(repeats):
-        t_ours.append(timed(ours, steps))
-        t_theirs.append(timed(theirs, steps))
+            ours.step()
+        ours.wait()
+        theirs.step()
+        theirs.wait()
+        compiles, graphs = compile_count(), graph_count()
+        t_ours, t_theirs, host = [], [], []
+        for _ in range(repeats):
+            ours.host = dict.fromkeys(ours.host, 0.0)
+            t_ours.append(timed(ours, steps))
+            host.append({k: v / steps for k, v in ours.host.items()})
+            t_theirs.append(timed(theirs, steps))
     n = steps * repeats
-    step_ours, step_theirs = statistics.median(t_ours), statistics.median(t_theirs)
-    tracing = sum(ours.host.values()) / n
-    return {"layers": layers, "width": width, "ours_ms": 1e3 * step_ours, "jax_ms": 1e3 * step_theirs,
-            "ratio": step_ours / step_theirs, "tracing_share": tracing / (sum(t_ours) / repeats),
-            "update_ms": 1e3 * ours.host["update"] / n, "graphs_per_step": (graph_count() - graphs) / n,
-            "recompiles": compile_count() - compiles}
+    step_ours, step_theirs = min(t_ours), min(t_theirs)
+    tracing = min(sum(h.values()) for h in host)
+    return {"config": variant, "ours_ms": 1e3 * step_ours, "jax_ms": 1e3 * step_theirs, "ratio": step_ours / step_theirs,
+            "tracing_share": tracing / step_ours, "update_ms": 1e3 * min(h["update"] for h in host),
+            "graphs_per_step": (graph_count() - graphs) / n, "recompiles": compile_count() - compiles}
 
 
 FIRST_STEP = """
@@ -206,8 +223,9 @@ def first_step(layers: int, width: int, scan: bool) -> float | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sizes", default=",".join(f"{l}x{w}" for l, w in SIZES), help="layers x n_embd, ...")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"spmdzero configurations, of {CONFIGS}")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = [tuple(int(v) for v in size.split("x")) for size in args.sizes.split(",")]
@@ -215,23 +233,31 @@ def main() -> None:
         env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(DEVICES), "JAX_PLATFORMS": "cpu",
                "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"}
         command = [sys.executable, __file__, "--child", "--steps", str(args.steps), "--repeats", str(args.repeats),
-                   "--sizes", args.sizes]
+                   "--sizes", args.sizes, "--configs", args.configs]
         sys.exit(subprocess.run(command, env=env, cwd=REPO).returncode)
     import spmdzero  # noqa: F401  (starts the 8-device runtime before anything else)
 
-    print(f"{DEVICES} CPU devices; GPT-2, batch {BATCH}, seq {SEQ}, vocab {VOCAB}; median of {args.repeats} "
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown:
+        parser.error(f"--configs: unknown {unknown}; known: {', '.join(CONFIGS)}")
+    print(f"{DEVICES} CPU devices; GPT-2, batch {BATCH}, seq {SEQ}, vocab {VOCAB}; fastest of {args.repeats} "
           f"interleaved repeats of {args.steps} steps\n")
-    print("| layers | n_embd | spmdzero step (ms) | JAX step (ms) | spmdzero / JAX | tracing share | "
-          "engine.step tracing (ms) | graphs/step | recompiles | first step (s) | first step, scan_layers (s) |")
+    print("| layers | n_embd | config | spmdzero step (ms) | JAX step (ms) | spmdzero / JAX | tracing share | "
+          "engine.step tracing (ms) | graphs/step | recompiles | first step (s) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
+    show = lambda s: "failed" if s is None else f"{s:.1f}"  # noqa: E731
     for layers, width in sizes:
-        r = compare(layers, width, args.steps, args.repeats)
-        cold = first_step(layers, width, False)
-        scanned = first_step(layers, width, True)
-        show = lambda s: "failed" if s is None else f"{s:.1f}"  # noqa: E731
-        print(f"| {layers} | {width} | {r['ours_ms']:.1f} | {r['jax_ms']:.1f} | {r['ratio']:.2f} | "
-              f"{100 * r['tracing_share']:.0f}% | {r['update_ms']:.1f} | {r['graphs_per_step']:.2f} | "
-              f"{r['recompiles']} | {show(cold)} | {show(scanned)} |", flush=True)
+        theirs = JaxRunner(layers, width)
+        for _ in range(3):
+            theirs.step()
+        theirs.wait()
+        for variant in configs:
+            r = compare(variant, theirs, layers, width, args.steps, args.repeats)
+            cold = show(first_step(layers, width, variant == "scan_layers")) if variant != "compile" else "-"
+            print(f"| {layers} | {width} | {variant} | {r['ours_ms']:.1f} | {r['jax_ms']:.1f} | {r['ratio']:.2f} | "
+                  f"{100 * r['tracing_share']:.0f}% | {r['update_ms']:.1f} | {r['graphs_per_step']:.2f} | "
+                  f"{r['recompiles']} | {cold} |", flush=True)
 
 
 if __name__ == "__main__":
