@@ -165,6 +165,7 @@ def _dtype(name: str) -> torch.dtype:
 def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                     save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
     import torch_xla.core.xla_model as xm
     from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
 
@@ -187,7 +188,11 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     staging = staging_dir(save_dir, tag)
     try:
         with _quiet_dcp():
-            dcp.save({k: t for k, (t, _) in tensors.items()}, checkpoint_id=os.path.join(staging, STATE_DIR),
+            # per_thread_copy_ahead=0: DCP's serial copy to host. Its overlapping loader is picked
+            # whenever a privateuse1 device module is available, and importing torchax (which
+            # spmd.scan_layers does) registers one without CUDA-style streams: save would fail.
+            writer = FileSystemWriter(os.path.join(staging, STATE_DIR), per_thread_copy_ahead=0)
+            dcp.save({k: t for k, (t, _) in tensors.items()}, storage_writer=writer,
                      planner=SPMDSavePlanner(), no_dist=_no_dist())
         if _is_writer():
             publish(save_dir, tag, staging, meta, client_bytes, save_latest)
