@@ -253,8 +253,11 @@ class CollectivesReport:
 
     def traffic(self, kind: str) -> float:
         """Bytes sent per device: all-reduce 2(N-1)/N x size; reduce-scatter and all-gather
-        (N-1)/N x the full tensor; anything else its size."""
+        (N-1)/N x the full tensor; anything else its size. N is each op's replica group
+        (``sent``, from the compiled program) where known, else the mesh."""
         n, row = self.devices, self.collectives[kind]
+        if row.get("sent") is not None:
+            return row["sent"]
         if kind.startswith("reduce-scatter"):
             full = row["bytes"] if "CPU" in kind else row["bytes"] * n  # CPU all-reduce output is full-size
             return (n - 1) / n * full

@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 
 from .config import NOOP_KEYS, ConfigError, DeepSpeedConfig, load_config, resolve_batch
-from .mesh import FSDP_AXIS, data_parallel_size, resolve_mesh_shape
+from .mesh import data_parallel_size, fsdp_size, resolve_mesh_shape
 
 # Optimizer state bytes per fp32 parameter, by config name (None: unknown torch.optim class).
 STATE_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "lion": 4, "adagrad": 4}
@@ -75,7 +75,7 @@ def config_check(path: str, devices: int, params: Optional[int]) -> str:
         if state_bytes is None:
             lines.append(f"  unknown state size for optimizer {cfg.optimizer.type!r}; assuming 8 bytes/param")
             state_bytes = 8
-        estimate = model_state_estimate(params, cfg.zero_stage, shape[FSDP_AXIS], state_bytes)
+        estimate = model_state_estimate(params, cfg.zero_stage, fsdp_size(shape), state_bytes)
         for name, value in estimate.items():
             lines.append(f"  {name:<17}{value:>18,.0f} B  ({value / params:5.2f} bytes/param)")
     return "\n".join(lines)

@@ -17,7 +17,7 @@ import json
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Optional
+from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
@@ -262,6 +262,9 @@ class SchedulerConfig(_TypedParams):
 class MeshConfig(Section):
     data: int = 1
     fsdp: int = -1
+    # fsdp = outer x fsdp_inner mesh axes (spmdzero.mesh): "auto" splits from 16 fsdp devices
+    # on, where libtpu reduce-scatters only one axis at a time; 1 keeps a single axis.
+    fsdp_inner: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = "auto"
 
     @field_validator("data", "fsdp")
     @classmethod

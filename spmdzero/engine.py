@@ -211,20 +211,24 @@ class SpmdZeroEngine(torch.nn.Module):
                     continue
                 slot.param.grad = None
                 planned = self.plan[slot.name]
-                spec = planned.grad
+                spec, stages = planned.grad, planned.grad_stages
                 reduced = grad.to(comm)
-                if planned.tied_embedding:
-                    # The table's own layout on its gradient: propagated into the scatter-add, it
-                    # partitions the scatter by columns (see plan) instead of all-reducing the table.
-                    shard(reduced, self.mesh, spec)
+                if planned.tied_embedding and stages or len(stages) > 1:
+                    # The first stage as the gradient's own layout. A tied table: propagated into
+                    # the scatter-add, it partitions the scatter by columns (see plan) instead of
+                    # all-reducing the table. Two stages (two fsdp axes): the matmul's partial sums
+                    # are reduce-scattered over ``fsdp`` inside the backward; pinned replicated,
+                    # they would be all-reduced over every device first, all at once.
+                    shard(reduced, self.mesh, stages[0])
+                    stages = stages[1:]
                 else:
                     # Pinned replicated, then a sharded copy: a sharded layout on the gradient itself
                     # propagates back through the weight-gradient matmul into the backward's
                     # activations (attention's get split two ways against the batch and are fully
                     # rematerialized). The compiler turns the all-reduce + slice into a reduce-scatter.
                     shard(reduced, self.mesh, replicated(reduced.dim()))
-                    if any(spec):
-                        reduced = constrain(reduced, self.mesh, spec)
+                for stage in stages:
+                    reduced = constrain(reduced, self.mesh, stage)
                 grad = reduced.to(accum)
                 if slot.grad is not None:
                     grad = slot.grad + grad

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .mesh import fsdp_size
+
 _DEVICES = re.compile(r"devices=\[([\d,]+)\]")
 
 
@@ -316,4 +318,4 @@ def sharding_report(engine) -> ShardingReport:
             for key, value in engine.optimizer.state.get(slot.target, {}).items():
                 if isinstance(value, torch.Tensor) and value.device.type == "xla":
                     add(name, key, value)
-    return ShardingReport(engine.plan.stage, int(engine.mesh.size()), shape.get("fsdp", 1), tuple(entries))
+    return ShardingReport(engine.plan.stage, int(engine.mesh.size()), fsdp_size(shape), tuple(entries))

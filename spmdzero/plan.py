@@ -20,6 +20,15 @@ The rule, per tensor:
   reduce-scattered: about 3x the table's minimum traffic. Split by columns, the scatter is
   partitioned along its window dimension: the matmul's part is reduce-scattered, the token
   rows are exchanged (an all-to-all, tokens x width), and nothing is all-reduced;
+* on a mesh with two fsdp axes (``fsdp x fsdp_inner``, 16 or more fsdp devices, see
+  mesh.py), a tensor of two or more dims splits its last dim over ``fsdp_inner`` (the TPU's
+  128-wide lane dim: the small inner axis keeps whole tiles per shard) and its largest
+  other dim over ``fsdp``. Its gradient is constrained to the ``fsdp`` split first, then to
+  both (``grad_stages``): libtpu reduce-scatters each stage, where one 16-chip
+  reduce-scatter becomes an all-reduce and a slice. A tied table takes its columns first
+  (over ``fsdp_inner``: the split the scatter-add is partitioned by, above), then its rows.
+  Tensors that do not split that way (vectors, odd shapes) split their largest dim over
+  both axes at once;
 * stage 0: everything replicated. Stage 1: optimizer states (and fp32 master weights,
   under mixed precision) use the ZeRO spec, gradients replicated. Stage 2: gradients too.
 """
@@ -30,7 +39,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable, Mapping, Optional, Sequence
 
-from .mesh import FSDP_AXIS, data_parallel_axes
+from .mesh import FSDP_AXIS, FSDP_INNER_AXIS, data_parallel_axes, fsdp_axes
 
 PartitionSpec = tuple  # one entry per dim: None (replicated) or a mesh axis name / tuple of names
 
@@ -43,8 +52,11 @@ class TensorPlan:
     grad: PartitionSpec
     optimizer_state: PartitionSpec
     master: PartitionSpec  # the fp32 master weight under mixed precision: optimizer state to ZeRO
-    shard_dim: Optional[int]  # the dim the ZeRO spec splits, None if the tensor stays replicated
+    shard_dims: tuple[int, ...]  # the dims the ZeRO spec splits, () if the tensor stays replicated
     tied_embedding: bool = False  # a table looked up by index that is also a matmul weight
+    # The layouts the fresh gradient is constrained to in turn, the last being ``grad``;
+    # () when the gradient stays replicated.
+    grad_stages: tuple[PartitionSpec, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -83,24 +95,52 @@ class ShardingPlan:
 
 
 def _fmt(spec: PartitionSpec) -> str:
-    return "(" + ", ".join("-" if s is None else str(s) for s in spec) + ")" if spec else "()"
+    def axis(s) -> str:
+        return "-" if s is None else s if isinstance(s, str) else "+".join(s)
+
+    return "(" + ", ".join(axis(s) for s in spec) + ")" if spec else "()"
 
 
 def replicated(ndim: int) -> PartitionSpec:
     return (None,) * ndim
 
 
-def zero_spec(shape: Sequence[int], fsdp_size: int, tied_embedding: bool = False
-              ) -> tuple[PartitionSpec, Optional[int]]:
-    """Split the largest dim (a tied embedding table's last) across ``fsdp``; replicate
-    tensors too small to split."""
-    if tied_embedding and len(shape) == 2 and shape[-1] >= fsdp_size > 1:
-        return (None, FSDP_AXIS), 1
-    if not shape or fsdp_size <= 1 or max(shape) < fsdp_size:
-        return replicated(len(shape)), None
+def zero_spec(shape: Sequence[int], mesh_shape: Mapping[str, int], tied_embedding: bool = False
+              ) -> tuple[PartitionSpec, ...]:
+    """A tensor's ZeRO spec as the stages its gradient is constrained through, the last being
+    the spec itself; () if the tensor stays replicated (see the module docstring)."""
+    shape = tuple(shape)
+    if len(fsdp_axes(mesh_shape)) == 2:
+        if tied_embedding and len(shape) == 2 and shape[-1] % mesh_shape[FSDP_INNER_AXIS] == 0:
+            return (None, FSDP_INNER_AXIS), (FSDP_AXIS, FSDP_INNER_AXIS)
+        return _two_axis_spec(shape, mesh_shape[FSDP_AXIS], mesh_shape[FSDP_INNER_AXIS])
+    fsdp = mesh_shape[FSDP_AXIS]
+    if tied_embedding and len(shape) == 2 and shape[-1] >= fsdp > 1:
+        return ((None, FSDP_AXIS),)
+    return _split_largest(shape, fsdp, FSDP_AXIS)
+
+
+def _two_axis_spec(shape: tuple[int, ...], outer: int, inner: int) -> tuple[PartitionSpec, ...]:
+    if len(shape) >= 2 and shape[-1] % inner == 0:
+        dim = max(range(len(shape) - 1), key=lambda d: (shape[d], -d))
+        if shape[dim] >= outer:
+            first = tuple(FSDP_AXIS if d == dim else None for d in range(len(shape)))
+            return first, first[:-1] + (FSDP_INNER_AXIS,)
+    return _split_largest(shape, outer * inner, (FSDP_AXIS, FSDP_INNER_AXIS))
+
+
+def _split_largest(shape: tuple[int, ...], size: int, axis) -> tuple[PartitionSpec, ...]:
+    """The largest dim (the first on ties) over ``axis``; a dim that does not divide evenly is
+    padded by XLA. Replicated when every dim is smaller than ``size``: some devices would
+    hold only padding."""
+    if not shape or size <= 1 or max(shape) < size:
+        return ()
     dim = max(range(len(shape)), key=lambda d: (shape[d], -d))
-    spec = tuple(FSDP_AXIS if d == dim else None for d in range(len(shape)))
-    return spec, dim
+    return (tuple(axis if d == dim else None for d in range(len(shape))),)
+
+
+def shard_dims(spec: PartitionSpec) -> tuple[int, ...]:
+    return tuple(d for d, s in enumerate(spec) if s is not None)
 
 
 def batch_spec(mesh_shape: Mapping[str, int], ndim: int) -> PartitionSpec:
@@ -116,19 +156,20 @@ def make_plan(named_shapes: Iterable[tuple[str, Sequence[int]]], mesh_shape: Map
         raise ValueError(f"ZeRO stage must be 0, 1 or 2, got {stage!r}")
     if FSDP_AXIS not in mesh_shape:
         raise ValueError(f"mesh axes {tuple(mesh_shape)} have no {FSDP_AXIS!r} axis")
-    fsdp = mesh_shape[FSDP_AXIS]
     tied_embeddings = set(tied_embeddings)
     tensors = []
     for name, shape in named_shapes:
         shape = tuple(int(s) for s in shape)
         rep = replicated(len(shape))
-        sharded, dim = zero_spec(shape, fsdp, name in tied_embeddings)
+        stages = zero_spec(shape, mesh_shape, name in tied_embeddings) if stage >= 1 else ()
+        sharded = stages[-1] if stages else rep
         tensors.append(TensorPlan(
             name=name, shape=shape, param=rep,
             grad=sharded if stage >= 2 else rep,
-            optimizer_state=sharded if stage >= 1 else rep,
-            master=sharded if stage >= 1 else rep,
-            shard_dim=dim if stage >= 1 else None,
+            optimizer_state=sharded,
+            master=sharded,
+            shard_dims=shard_dims(sharded),
             tied_embedding=name in tied_embeddings,
+            grad_stages=stages if stage >= 2 else (),
         ))
     return ShardingPlan(stage, tuple(mesh_shape.items()), tuple(tensors))

@@ -31,34 +31,44 @@ def shape_bytes(shape: str) -> int:
 
 
 def summarize_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-    """Collectives of the program by kind: count, tensors and bytes (output size) per step.
-    TPU's reduce-scatter is a ``kCustom`` fusion calling an ``all-reduce-scatter``
-    computation; it is reported as ``reduce-scatter``. A while loop's body (a scanned layer
-    stack) counts as many times as its known trip count."""
+    """Collectives of the program by kind: count, tensors, bytes (output size) and bytes sent
+    per device, per step. TPU's reduce-scatter is a ``kCustom`` fusion calling an
+    ``all-reduce-scatter`` computation; it is reported as ``reduce-scatter``. Other
+    collectives may start inside a fusion too (``async-collective-start``). A while loop's
+    body (a scanned layer stack) counts as many times as its trip count."""
     from .inspect import COLLECTIVE_OPS, is_cpu_reduce_scatter, split_computations
 
     computations = split_computations(hlo_text)
     out: dict[str, dict[str, int]] = {}
 
-    def add(kind: str, shape: str, times: int) -> None:
-        row = out.setdefault(kind, {"count": 0, "tensors": 0, "bytes": 0})
+    def add(kind: str, shape: str, group: int, times: int) -> None:
+        row = out.setdefault(kind, {"count": 0, "tensors": 0, "bytes": 0, "sent": 0})
         row["count"] += times
         row["tensors"] += times * max(1, shape.count("["))
         row["bytes"] += times * shape_bytes(shape)
+        sent = sent_per_device(kind, shape_bytes(shape), group)
+        row["sent"] = None if sent is None or row["sent"] is None else row["sent"] + times * sent
 
     def walk(body: list, times: int) -> None:
         for ins in body:
             op = ins.opcode.removesuffix("-start")
             if op == "all-reduce" and is_cpu_reduce_scatter(computations, body, ins):
-                add("reduce-scatter (CPU: all-reduce + slice)", ins.shape, times)
+                add("reduce-scatter (CPU: all-reduce + slice)", ins.shape, group_size(ins.rest), times)
             elif op in COLLECTIVE_OPS:
-                add(op, ins.shape, times)
-            elif op == "fusion" and re.search(r"calls=%all-reduce-scatter", ins.rest):
-                add("reduce-scatter", ins.shape, times)
-            elif op == "while":
-                loop = re.search(r"body=%([\w.\-]+)", ins.rest)
-                if loop and loop.group(1) in computations:
-                    walk(computations[loop.group(1)], times * trip_count(computations, ins))
+                add(op, ins.shape, group_size(ins.rest), times)
+            elif op == "while" and (loop := re.search(r"body=%([\w.\-]+)", ins.rest)):
+                walk(computations.get(loop.group(1), []), times * trip_count(computations, ins))
+            elif op == "fusion" and (called := re.search(r"calls=%([\w.\-]+)", ins.rest)):
+                fused = computations.get(called.group(1), [])
+                if called.group(1).startswith("all-reduce-scatter"):
+                    inner = [i.rest for i in fused if i.opcode.startswith("all-reduce")]
+                    add("reduce-scatter", ins.shape, group_size(inner[0] if inner else ""), times)
+                    continue
+                # An async collective starts in an ``async-collective-start`` fusion; the fusions that
+                # continue it (``async_collective_fusion``) repeat its op: count the start only.
+                for inner in fused if ins.name.startswith("async-collective-start") else ():
+                    if inner.opcode.removesuffix("-start") in COLLECTIVE_OPS:
+                        add(inner.opcode.removesuffix("-start"), inner.shape, group_size(inner.rest), times)
 
     walk(computations.get("ENTRY", []), 1)
     return out
@@ -88,6 +98,32 @@ def loop_trip_counts(hlo_text: str) -> list[int]:
     computations = split_computations(hlo_text)
     return [trip_count(computations, ins) for body in computations.values() for ins in body
             if ins.opcode == "while"]
+
+
+def group_size(attributes: str) -> int:
+    """Devices in one replica group of a collective (0 when it does not say: all of them).
+    Groups are written ``{{0,2},{1,3}}`` or as an iota ``[groups,size]<=[...]``."""
+    listed = re.search(r"replica_groups=\{\{([\d,]*)\}", attributes)
+    if listed:
+        return len(listed.group(1).split(","))
+    iota = re.search(r"replica_groups=\[(?:\d+,)*(\d+)\]<=", attributes)
+    return int(iota.group(1)) if iota else 0
+
+
+def sent_per_device(kind: str, size: int, group: int) -> int | None:
+    """Bytes one device sends for a collective with a ``size``-byte output over ``group``
+    devices under a ring algorithm: all-reduce 2(g-1)/g x size, reduce-scatter (g-1) x its
+    shard, all-gather (g-1)/g x size; anything else its size. A two-axis fsdp mesh reduces
+    over subgroups, so the group, not the mesh, sets the count. None if the group is unknown."""
+    if group <= 0:
+        return None
+    if kind == "all-reduce":
+        return 2 * (group - 1) * size // group
+    if kind == "reduce-scatter":
+        return (group - 1) * size
+    if kind in ("all-gather", "reduce-scatter (CPU: all-reduce + slice)"):
+        return (group - 1) * size // group
+    return size
 
 
 def _cpu_devices(count: int) -> list:

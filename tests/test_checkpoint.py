@@ -115,6 +115,18 @@ def test_checkpoint_from_four_devices_resumes_on_eight(tmp_path):
         torch.testing.assert_close(torch.tensor(values), torch.tensor(reference["params"][name]), rtol=0, atol=1e-2)
 
 
+def test_one_axis_checkpoint_resumes_on_two_fsdp_axes(saved):
+    """Saved with ``fsdp = 8``, loaded as ``fsdp = 4 x fsdp_inner = 2`` (the layout of 16+
+    chips): DCP reshards the states, and training goes on as before."""
+    ckpt, reference = saved
+    engine, *_ = spmdzero.initialize(model=make_model(seed=1), config={**CONFIG, "spmd": {"mesh": {"fsdp_inner": 2}}})
+    assert engine.plan["0.weight"].optimizer_state == ("fsdp", "fsdp_inner")
+    engine.load_checkpoint(str(ckpt))
+    assert train(engine, 6, 6) == pytest.approx(reference["losses"], rel=1e-6, abs=1e-7)
+    for name, values in params(engine).items():
+        torch.testing.assert_close(torch.tensor(values), torch.tensor(reference["params"][name]), rtol=1e-6, atol=1e-7)
+
+
 def test_same_process_round_trip_restores_everything(saved, tmp_path):
     ckpt, _ = saved
     engine, *_ = spmdzero.initialize(model=make_model(seed=1), config=CONFIG)

@@ -158,6 +158,25 @@ def test_two_d_mesh_shards_states_on_fsdp_and_batch_on_both():
     torch.testing.assert_close(params["0.weight"], ref_params["0.weight"], rtol=1e-5, atol=1e-5)
 
 
+def test_two_fsdp_axes_train_exactly_like_one():
+    """The 16-chip layout (``fsdp x fsdp_inner``, two gradient stages) forced onto 8 devices:
+    the same losses and parameters as the one-axis mesh, states tiled over both axes."""
+    model, data = tiny_mlp(), batches(4, MICRO_PER_DEVICE * N)
+    runs = {}
+    for inner in (1, 2):
+        engine, *_ = spmdzero.initialize(model=copy.deepcopy(model),
+                                         config=config(2, spmd={"mesh": {"fsdp_inner": inner}}))
+        runs[inner] = engine_run(engine, data)
+    assert dict(zip(engine.mesh.axis_names, engine.mesh.mesh_shape)) == {"data": 1, "fsdp": 4, "fsdp_inner": 2}
+    assert engine.dp_world_size == 8 and engine.plan["0.weight"].grad == ("fsdp", "fsdp_inner")
+    state = engine.optimizer.state[engine.module[0].weight]["exp_avg"]
+    assert sharding_spec(state).startswith("{devices=[4,2]")
+    assert sharding_spec(engine.optimizer.state[engine.module[0].bias]["exp_avg"]).startswith("{devices=[8]")
+    np.testing.assert_allclose(runs[2][0], runs[1][0], rtol=1e-6, atol=1e-6)
+    for name, p in runs[1][1].items():
+        torch.testing.assert_close(runs[2][1][name], p, rtol=1e-6, atol=1e-6)
+
+
 def test_user_mesh_and_client_optimizer():
     mesh = xs.Mesh(np.arange(N), (4, 2), ("data", "fsdp"))
     model = tiny_mlp()

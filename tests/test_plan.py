@@ -8,16 +8,21 @@ SHAPES = [("embed.weight", (1000, 64)), ("proj.weight", (64, 256)), ("proj.bias"
           ("tiny.bias", (4,)), ("scale", ())]
 
 
+FSDP8 = {"fsdp": 8}
+SPLIT = {"fsdp": 4, "fsdp_inner": 2}  # the same 8 devices as two fsdp axes
+
+
 def test_zero_spec_splits_the_largest_dim_and_first_on_ties():
-    assert zero_spec((1000, 64), 8) == (("fsdp", None), 0)
-    assert zero_spec((64, 256), 8) == ((None, "fsdp"), 1)
-    assert zero_spec((32, 32), 8) == (("fsdp", None), 0)
+    assert zero_spec((1000, 64), FSDP8) == (("fsdp", None),)
+    assert zero_spec((64, 256), FSDP8) == ((None, "fsdp"),)
+    assert zero_spec((32, 32), FSDP8) == (("fsdp", None),)
 
 
 def test_tensors_smaller_than_the_fsdp_axis_stay_replicated():
-    assert zero_spec((4,), 8) == ((None,), None)
-    assert zero_spec((), 8) == ((), None)
-    assert zero_spec((1000,), 1) == ((None,), None)
+    assert zero_spec((4,), FSDP8) == ()
+    assert zero_spec((), FSDP8) == ()
+    assert zero_spec((1000,), {"fsdp": 1}) == ()
+    assert zero_spec((4,), SPLIT) == () and zero_spec((2, 2), SPLIT) == ()
 
 
 def test_tied_embedding_tables_split_their_embedding_dim_not_their_rows():
@@ -27,11 +32,36 @@ def test_tied_embedding_tables_split_their_embedding_dim_not_their_rows():
     assert plan["embed.weight"].grad == plan["embed.weight"].optimizer_state == (None, "fsdp")
     assert plan["embed.weight"].tied_embedding and not plan["proj.weight"].tied_embedding
     assert make_plan(SHAPES, {"fsdp": 8}, 2)["embed.weight"].grad == ("fsdp", None)  # untied: rows
-    assert zero_spec((1000, 4), 8, tied_embedding=True) == (("fsdp", None), 0)  # too narrow: rows after all
+    assert zero_spec((1000, 4), FSDP8, tied_embedding=True) == (("fsdp", None),)  # too narrow: rows after all
 
 
 def test_uneven_dims_are_still_sharded_with_padding():
-    assert zero_spec((10, 3), 8) == (("fsdp", None), 0)
+    assert zero_spec((10, 3), FSDP8) == (("fsdp", None),)
+
+
+def test_two_fsdp_axes_split_rows_then_the_last_dim_in_two_gradient_stages():
+    """libtpu reduce-scatters over 16 chips only one mesh axis at a time: the gradient is
+    constrained to the row split over ``fsdp`` first, then to both."""
+    assert zero_spec((64, 256), SPLIT) == (("fsdp", None), ("fsdp", "fsdp_inner"))
+    assert zero_spec((1000, 64), SPLIT) == (("fsdp", None), ("fsdp", "fsdp_inner"))
+    # the outer axis takes the largest dim but the last: the inner one keeps it
+    assert zero_spec((3, 512, 64), SPLIT) == ((None, "fsdp", None), (None, "fsdp", "fsdp_inner"))
+    plan = make_plan(SHAPES, SPLIT, 2)
+    assert plan["proj.weight"].grad_stages == (("fsdp", None), ("fsdp", "fsdp_inner"))
+    assert plan["proj.weight"].shard_dims == (0, 1)
+    assert make_plan(SHAPES, SPLIT, 1)["proj.weight"].grad_stages == ()  # ZeRO-1: gradients replicated
+    assert make_plan(SHAPES, SPLIT, 1)["proj.weight"].optimizer_state == ("fsdp", "fsdp_inner")
+
+
+def test_two_fsdp_axes_split_a_tied_table_by_columns_first():
+    plan = make_plan(SHAPES, SPLIT, 2, tied_embeddings=["embed.weight"])
+    assert plan["embed.weight"].grad_stages == ((None, "fsdp_inner"), ("fsdp", "fsdp_inner"))
+
+
+def test_two_fsdp_axes_split_vectors_and_odd_shapes_over_both_at_once():
+    assert zero_spec((256,), SPLIT) == ((("fsdp", "fsdp_inner"),),)
+    assert zero_spec((1000, 3), SPLIT) == (((("fsdp", "fsdp_inner")), None),)  # 3 columns do not halve
+    assert zero_spec((2, 64), SPLIT) == ((None, ("fsdp", "fsdp_inner")),)  # 2 rows over 4 would be padding
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
@@ -55,6 +85,7 @@ def test_stage1_shards_optimizer_state_only():
 def test_stage2_shards_grads_and_optimizer_state():
     plan = make_plan(SHAPES, {"data": 2, "fsdp": 4}, 2)
     assert plan["proj.bias"].grad == ("fsdp",) and plan["proj.bias"].optimizer_state == ("fsdp",)
+    assert plan["proj.bias"].grad_stages == (("fsdp",),) and plan["proj.bias"].shard_dims == (0,)
     assert plan["tiny.bias"].grad == ("fsdp",)  # 4 elements on 4 fsdp devices: splittable
     assert make_plan(SHAPES, {"fsdp": 8}, 2)["tiny.bias"].grad == (None,)
 
@@ -63,6 +94,7 @@ def test_batch_is_split_across_every_data_parallel_axis():
     assert batch_spec({"fsdp": 8}, 2) == ("fsdp", None)
     assert batch_spec({"data": 2, "fsdp": 4}, 3) == (("data", "fsdp"), None, None)
     assert make_plan(SHAPES, {"data": 2, "fsdp": 4}, 2).batch_spec(1) == (("data", "fsdp"),)
+    assert batch_spec({"data": 1, **SPLIT}, 2) == (("data", "fsdp", "fsdp_inner"), None)
 
 
 def test_plan_rejects_bad_stage_and_mesh_without_fsdp():
