@@ -98,8 +98,10 @@ def table(rows: list[dict]) -> str:
             ratio = f"{r['traffic']['ratio']:.2f}" if "traffic" in r else "-"
             step = f"{roof['step_s'] * 1e3:.0f} ({roof['bound']})" if roof else "-"
             mfu = f"{roof['mfu']:.0%}" if roof.get('mfu') is not None else "-"
+            oom = r.get("out_of_memory")  # the compiler's usable HBM, a little under the chip's
+            hbm = f"{oom['capacity'] / 2**30:.2f} usable" if oom and "capacity" in oom else f"{r['hbm_per_chip'] / 2**30:.0f}"
             lines.append(f"| {name} | {row['topology']} | {r['stage']} | {r['total_bytes'] / 2**30:.2f} "
-                         f"of {r['hbm_per_chip'] / 2**30:.0f} | {fits} | {ratio} | {step} | {mfu} | "
+                         f"of {hbm} | {fits} | {ratio} | {step} | {mfu} | "
                          f"{r['compile_seconds']:.0f} | {row['seconds']:.0f} | {row['peak_rss_gib']:.1f} |")
     return "\n".join(lines)
 
