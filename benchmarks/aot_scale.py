@@ -111,7 +111,8 @@ def table(rows: list[dict]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=None, help="comma-separated MODEL@TOPOLOGY (default: all)")
-    parser.add_argument("--out", default="aot_scale.jsonl", help="JSON lines, appended as cases finish")
+    parser.add_argument("--out", default=os.path.join(HERE, "aot_scale.jsonl"),
+                        help="JSON lines, appended as cases finish")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per chip")
     parser.add_argument("--table", default=None, metavar="JSONL",
