@@ -58,7 +58,8 @@ def run_case(model: str, ds: str, topology: str, stages: str, scan: bool, seq_le
         proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0), err.seek(0)
         stdout, stderr = out.read(), err.read()
-    row = {"model": model, "config": ds, "topology": topology, "scan_layers": scan, "seconds": time.perf_counter() - start,
+    row = {"model": model, "config": ds, "topology": topology, "scan_layers": scan,
+           "seconds": time.perf_counter() - start,
            "peak_rss_gib": usage.ru_maxrss / 2**20}  # KiB on Linux
     if proc.returncode != 0:
         failed = [line for line in stderr.splitlines() if line.startswith("spmdzero aot:")]
@@ -98,8 +99,11 @@ def table(rows: list[dict]) -> str:
             ratio = f"{r['traffic']['ratio']:.2f}" if "traffic" in r else "-"
             step = f"{roof['step_s'] * 1e3:.0f} ({roof['bound']})" if roof else "-"
             mfu = f"{roof['mfu']:.0%}" if roof.get('mfu') is not None else "-"
+            oom = r.get("out_of_memory")  # the compiler's usable HBM, a little under the chip's
+            hbm = (f"{oom['capacity'] / 2**30:.2f} usable" if oom and "capacity" in oom
+                   else f"{r['hbm_per_chip'] / 2**30:.0f}")
             lines.append(f"| {name} | {row['topology']} | {r['stage']} | {r['total_bytes'] / 2**30:.2f} "
-                         f"of {r['hbm_per_chip'] / 2**30:.0f} | {fits} | {ratio} | {step} | {mfu} | "
+                         f"of {hbm} | {fits} | {ratio} | {step} | {mfu} | "
                          f"{r['compile_seconds']:.0f} | {row['seconds']:.0f} | {row['peak_rss_gib']:.1f} |")
     return "\n".join(lines)
 
@@ -107,10 +111,12 @@ def table(rows: list[dict]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=None, help="comma-separated MODEL@TOPOLOGY (default: all)")
-    parser.add_argument("--out", default="aot_scale.jsonl", help="JSON lines, appended as cases finish")
+    parser.add_argument("--out", default=os.path.join(HERE, "aot_scale.jsonl"),
+                        help="JSON lines, appended as cases finish")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per chip")
-    parser.add_argument("--table", default=None, metavar="JSONL", help="print the table of earlier results; run nothing")
+    parser.add_argument("--table", default=None, metavar="JSONL",
+                        help="print the table of earlier results; run nothing")
     args = parser.parse_args()
     if args.table:
         with open(args.table) as f:

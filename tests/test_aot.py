@@ -284,7 +284,8 @@ def test_capture_inside_an_accumulation_window_keeps_the_pending_gradients():
         engines.append(engine)
     plain, captured = ({k: t.cpu() for k, (t, _) in e.state_tensors().items()} for e in engines)
     assert engines[1].global_steps == 1
-    assert {k: (plain[k] - captured[k]).abs().max().item() for k in plain if not torch.equal(plain[k], captured[k])} == {}
+    differ = {k: (plain[k] - captured[k]).abs().max().item() for k in plain if not torch.equal(plain[k], captured[k])}
+    assert differ == {}
 
 
 def test_retarget_moves_each_sharding_to_the_same_axes_of_a_larger_mesh():
@@ -301,7 +302,8 @@ def test_retarget_moves_each_sharding_to_the_same_axes_of_a_larger_mesh():
     small, big = np.arange(8).reshape(4, 2), np.arange(32).reshape(16, 2)  # (fsdp, inner) axes
     cases = [  # the same layouts built on both meshes: rows over fsdp, columns over inner, transposed...
         (lambda m: m.reshape(-1, 1), False), (lambda m: m, False), (lambda m: m.T, False),
-        (lambda m: m.reshape(m.shape[0], 1, m.shape[1]), True), (lambda m: m.T.reshape(1, m.shape[1], m.shape[0]), True),
+        (lambda m: m.reshape(m.shape[0], 1, m.shape[1]), True),
+        (lambda m: m.T.reshape(1, m.shape[1], m.shape[0]), True),
         (lambda m: m.reshape(-1), False)]
     text = "\n".join(sharding(make(small), rep) for make, rep in cases) + '\nmhlo.sharding = "{replicated}"'
     want = "\n".join(sharding(make(big), rep) for make, rep in cases) + '\nmhlo.sharding = "{replicated}"'
@@ -348,3 +350,53 @@ def test_a_step_traced_on_fewer_devices_and_moved_is_the_step_traced_on_all(tmp_
     assert pick(direct, "MICRO").startswith("MICRO 2 ") and pick(moved, "MICRO").startswith("MICRO 4 ")
     assert pick(direct, "MICRO").split("DONATE")[1] == pick(moved, "MICRO").split("DONATE")[1]
     assert pick(direct, "MLIR") == pick(moved, "MLIR")
+
+
+def test_collectives_inside_a_loop_count_once_per_trip():
+    """A scanned layer stack compiles to a while loop: its collectives run every trip. TPU
+    states the trip count in the loop condition, CPU in the backend config."""
+    from spmdzero.tpu_compile import loop_trip_counts, summarize_collectives
+
+    hlo = """HloModule step
+
+%cond (p: (u32[], f32[8])) -> pred[] {
+  %p = (u32[], f32[8]) parameter(0)
+  %constant.1 = u32[] constant(0)
+  %constant.2 = u32[] constant(12)
+  %get-tuple-element.1 = u32[] get-tuple-element(%p), index=0
+  ROOT %compare.1 = pred[] compare(%get-tuple-element.1, %constant.2), direction=LT
+}
+
+%body (p: (u32[], f32[8])) -> (u32[], f32[8]) {
+  %p = (u32[], f32[8]) parameter(0)
+  %get-tuple-element.2 = f32[8]{0} get-tuple-element(%p), index=1
+  %all-reduce.1 = f32[8]{0} all-reduce(%get-tuple-element.2), replica_groups={{0,1,2,3}}, to_apply=%add
+  ROOT %tuple.1 = (u32[], f32[8]) tuple(%get-tuple-element.1, %all-reduce.1)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %all-gather.1 = f32[32]{0} all-gather(%a), replica_groups={{0,1,2,3}}, dimensions={0}
+  %while.1 = (u32[], f32[8]) while(%tuple.0), condition=%cond, body=%body
+  %while.2 = (u32[], f32[8]) while(%tuple.0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %get-tuple-element.9 = f32[8]{0} get-tuple-element(%while.1), index=1
+}
+"""
+    assert loop_trip_counts(hlo) == [12, 3]
+    collectives = summarize_collectives(hlo)
+    assert collectives["all-reduce"]["count"] == 15 and collectives["all-reduce"]["bytes"] == 15 * 32
+    assert collectives["all-gather"]["count"] == 1
+
+
+def test_roofline_of_a_looped_program_floors_compute_and_gives_no_mfu():
+    from spmdzero.aot import AotReport
+
+    memory = {"argument": 1, "output": 1, "alias": 1, "temp": 1, "generated_code": 1}
+    cost = {"flops": 1e12, "bytes accessed": 1e9}
+    plain = AotReport("v5e:2x2", 4, "TPU v5 lite", 1.0, memory, {}, cost, 4, model_flops=6e12, stage=2)
+    looped = AotReport("v5e:2x2", 4, "TPU v5 lite", 1.0, memory, {}, cost, 4, model_flops=6e12, stage=2, loops=[32])
+    assert plain.roofline()["compute_s"] == pytest.approx(1e12 / 197e12) and plain.roofline()["mfu"] > 0
+    roof = looped.roofline()
+    assert roof["compute_s"] == pytest.approx(6e12 / 197e12) and roof["mfu"] is None
+    assert "loop body once" in roof["note"]
+    assert "loop body once" in looped.summary() and "MFU <=" not in looped.summary()
