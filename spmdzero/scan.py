@@ -18,7 +18,9 @@ run one by one as before. A transformers model's ``config.use_cache`` is turned 
 cache is not needed to train and cannot be scanned; ``generate`` still uses one).
 
 Limits: the scanned blocks draw random numbers differently from the loop (dropout masks
-differ; turn dropout off for bitwise comparisons), and extra tensor inputs (masks,
+differ, and dropout is applied with a mask of the activations' dtype, attention's included,
+because torch_xla 2.9's scan cannot carry torch's boolean masks; turn dropout off for
+bitwise comparisons), and extra tensor inputs (masks,
 position ids) are passed to every block unchanged.
 """
 
@@ -139,7 +141,8 @@ def _layer_fn(stack: ScannedLayers, first: torch.nn.Module, spec, static: tuple)
         shared_iter = iter(shared)
         leaves = [next(shared_iter) if leaf is _TENSOR else leaf for leaf in static]
         args, kwargs = tree_unflatten(leaves, spec)
-        out = torch.func.functional_call(template, weights, (carry, *args), kwargs, strict=True)
+        with _FloatMaskDropout():
+            out = torch.func.functional_call(template, weights, (carry, *args), kwargs, strict=True)
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"spmd.scan_layers: {type(first).__name__} returns {type(out).__name__}; scanned blocks "
                             "must return the hidden state tensor")
@@ -147,3 +150,54 @@ def _layer_fn(stack: ScannedLayers, first: torch.nn.Module, spec, static: tuple)
 
     cache[key] = one_layer
     return one_layer
+
+
+class _FloatMaskDropout(torch.overrides.TorchFunctionMode):
+    """Dropout inside a scanned block with a mask of the input's dtype. torch's dropout saves
+    a boolean mask for its backward, and torch_xla 2.9's scan stacks such a saved boolean
+    into a buffer of another element type (the lowering fails: PRED vs F32). Same
+    distribution, other random draws (see the module's Limits)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.nn.functional.dropout, torch.dropout):
+            x, p, training = _dropout_args(func, args, kwargs)
+            if training and p > 0:
+                if p >= 1:
+                    return x * 0
+                return _float_mask_dropout(x, p)
+        if func is torch.nn.functional.scaled_dot_product_attention and (
+                kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0) > 0):
+            return _attention_with_float_mask_dropout(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _float_mask_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    keep = (torch.rand_like(x) >= p).to(x.dtype)
+    return x * keep * (1.0 / (1.0 - p))
+
+
+def _attention_with_float_mask_dropout(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                       scale=None, enable_gqa=False):
+    """``scaled_dot_product_attention`` written out (its fused kernels drop out with a
+    boolean mask), as torch documents its math."""
+    if enable_gqa:
+        key = key.repeat_interleave(query.size(-3) // key.size(-3), -3)
+        value = value.repeat_interleave(query.size(-3) // value.size(-3), -3)
+    scale = 1.0 / query.size(-1) ** 0.5 if scale is None else scale
+    scores = query @ key.transpose(-2, -1) * scale
+    if is_causal:
+        causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    return _float_mask_dropout(torch.softmax(scores, dim=-1), dropout_p) @ value
+
+
+def _dropout_args(func, args, kwargs) -> tuple:
+    """(input, p, training) of ``F.dropout(input, p=0.5, training=True, inplace=False)`` or
+    ``torch.dropout(input, p, train)``."""
+    names = ("input", "p", "training") if func is torch.nn.functional.dropout else ("input", "p", "train")
+    defaults = {"p": 0.5, "training": True}
+    values = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+    return values["input"], float(values.get("p", defaults["p"])), bool(values.get(names[2], True))

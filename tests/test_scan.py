@@ -96,3 +96,30 @@ def test_a_scanned_run_saves_and_resumes(tmp_path):
     assert resumed.global_steps == 1
     for (name, p), q in zip(engine.module.named_parameters(), resumed.module.parameters()):
         torch.testing.assert_close(q.detach().cpu(), p.detach().cpu(), msg=name)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_gpt2_with_its_default_dropout_scans(attention):
+    """torch's dropout saves a boolean mask that torch_xla's scan cannot stack; transformers'
+    GPT-2 drops out by default (0.1), in attention too."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=64,
+                                  attn_implementation=attention)
+    assert cfg.attn_pdrop > 0 and cfg.resid_pdrop > 0
+    _, params, compiles = train(transformers.GPT2LMHeadModel(cfg), scan=True, steps=3)
+    assert all(torch.isfinite(p).all() for p in params.values())
+    assert compiles[1] == compiles[-1]
+
+
+def test_attention_written_out_matches_torch():
+    from spmdzero.scan import _attention_with_float_mask_dropout
+
+    q, k, v = (torch.randn(2, 3, 5, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    mask = torch.rand(5, 5, generator=torch.Generator().manual_seed(3)) > 0.3
+    mask[:, 0] = True
+    for kwargs in ({"is_causal": True}, {"attn_mask": mask}, {"attn_mask": torch.where(mask, 0.0, -1e9)},
+                   {"scale": 0.3, "is_causal": True}):
+        torch.testing.assert_close(_attention_with_float_mask_dropout(q, k, v, **kwargs),
+                                   torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs))
