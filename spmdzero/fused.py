@@ -63,14 +63,16 @@ def update(optimizer, params: list[torch.Tensor], grads: list[torch.Tensor], hp:
     # (two extra passes over the optimizer states; tests/test_hlo.py checks there are none).
     flat = head + list(grads) + targets[::-1]
     key = (type(optimizer), tuple(static.items()), keys, hp_keys, extras)
-    # This group's op, found again by the identity of its parameters and states (kept by
-    # swap_in) and the gradients' dtypes; anything else lowers (or finds in _CACHE) a new one.
+    # This group's op (one per param group: groups of one optimizer share ``key``), found
+    # again by the identity of its parameters and states (kept by swap_in) and the gradients'
+    # dtypes; anything else lowers (or finds in _CACHE) a new one.
     identity = (tuple(map(id, targets)), grad_dtypes)
     plans = optimizer.__dict__.setdefault("_fused_ops", {})
-    plan = plans.get(key)
+    slot = (id(group),) + key
+    plan = plans.get(slot)
     if plan is None or plan[0] != identity:
         if not applies(params, optimizer.state):
-            plans[key] = (identity, None, None)
+            plans[slot] = (identity, None, None)
             return None
         n = len(params)
 
@@ -88,7 +90,7 @@ def update(optimizer, params: list[torch.Tensor], grads: list[torch.Tensor], hp:
             return new_params + new_states  # in the order of targets
 
         layouts = _shardings(targets)
-        plan = plans[key] = (identity, _computation(key, group_update, flat, layouts), layouts is not None)
+        plan = plans[slot] = (identity, _computation(key, group_update, flat, layouts), layouts is not None)
     _, computation, laid_out = plan
     if computation is None:
         return None

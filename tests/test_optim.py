@@ -199,3 +199,25 @@ def test_fused_results_take_the_targets_place_and_aliases_follow():
         torch.testing.assert_close(p.detach().cpu(), ref.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(alias.cpu(), ref.detach(), rtol=1e-5, atol=1e-5)
     assert opt.param_groups[0]["params"][0] is p and next(iter(opt.state)) is p
+
+
+def test_each_param_group_keeps_its_fused_op_across_steps(monkeypatch):
+    """Weight-decay and no-decay groups share the op's key; each must find its own op again
+    each step, not lower (and read every tensor's sharding) anew."""
+    import spmdzero
+    import spmdzero.fused as fused
+
+    planned = []
+    real = fused._shardings
+    monkeypatch.setattr(fused, "_shardings", lambda targets: planned.append(len(targets)) or real(targets))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.GELU(), torch.nn.Linear(24, 4))
+    groups = [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")], "weight_decay": 0.01},
+              {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}]
+    engine, *_ = spmdzero.initialize(model=model, model_parameters=groups, config={
+        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    x = torch.randn(8, 16)
+    for _ in range(3):
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    assert len(planned) == 2  # once per group, at the first step
