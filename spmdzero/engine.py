@@ -213,7 +213,7 @@ class SpmdZeroEngine(torch.nn.Module):
                 planned = self.plan[slot.name]
                 spec, stages = planned.grad, planned.grad_stages
                 reduced = grad.to(comm)
-                if planned.tied_embedding and stages or len(stages) > 1:
+                if (planned.tied_embedding and stages) or len(stages) > 1:
                     # The first stage as the gradient's own layout. A tied table: propagated into
                     # the scatter-add, it partitions the scatter by columns (see plan) instead of
                     # all-reducing the table. Two stages (two fsdp axes): the matmul's partial sums

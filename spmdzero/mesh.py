@@ -65,6 +65,7 @@ def split_fsdp(shape: dict[str, int], inner: int | str) -> dict[str, int]:
         return shape
     return {**shape, FSDP_AXIS: fsdp // inner, FSDP_INNER_AXIS: inner}
 
+
 def resolve_hybrid_shape(mesh_config: MeshConfig | None, dcn_config, num_devices: int
                          ) -> tuple[dict[str, int], dict[str, int]]:
     """(ICI shape within a slice, DCN shape across slices) for multislice. The slices are

@@ -163,8 +163,6 @@ class _FloatMaskDropout(torch.overrides.TorchFunctionMode):
         if func in (torch.nn.functional.dropout, torch.dropout):
             x, p, training = _dropout_args(func, args, kwargs)
             if training and p > 0:
-                if p >= 1:
-                    return x * 0
                 return _float_mask_dropout(x, p)
         if func is torch.nn.functional.scaled_dot_product_attention and (
                 kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0) > 0):
@@ -173,6 +171,8 @@ class _FloatMaskDropout(torch.overrides.TorchFunctionMode):
 
 
 def _float_mask_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    if p >= 1:
+        return x * 0
     keep = (torch.rand_like(x) >= p).to(x.dtype)
     return x * keep * (1.0 / (1.0 - p))
 
@@ -198,6 +198,5 @@ def _dropout_args(func, args, kwargs) -> tuple:
     """(input, p, training) of ``F.dropout(input, p=0.5, training=True, inplace=False)`` or
     ``torch.dropout(input, p, train)``."""
     names = ("input", "p", "training") if func is torch.nn.functional.dropout else ("input", "p", "train")
-    defaults = {"p": 0.5, "training": True}
     values = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
-    return values["input"], float(values.get("p", defaults["p"])), bool(values.get(names[2], True))
+    return values["input"], float(values.get("p", 0.5)), bool(values.get(names[2], True))
