@@ -38,6 +38,8 @@ from .aot_retarget import check_same_plan, retarget, target_mesh_shape, trace_de
 from .tpu_chips import GIB, ChipSpec, chip_spec, topology_chips  # noqa: F401  (topology_chips: public here)
 from .tpu_compile import LIBTPU_HINT
 
+HLO_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
 
 @dataclass
 class AotReport:
@@ -57,6 +59,8 @@ class AotReport:
     stage: Optional[int] = None
     micro_batch: Optional[int] = None
     loops: list = field(default_factory=list)  # trip counts of the program's while loops (scanned layers)
+    all_reduces: list = field(default_factory=list)  # the largest all-reduced arrays (tpu_compile.largest_all_reduces)
+    gradient_names: dict = field(default_factory=dict)  # HLO shape of a gradient -> the parameters of that shape
 
     @property
     def chip(self) -> ChipSpec:
@@ -124,11 +128,20 @@ class AotReport:
                "hbm_per_chip": self.chip.hbm_bytes, "memory": self.memory, "total_bytes": self.total_bytes,
                "fits": self.fits, "over_by": self.over_by, "out_of_memory": self.out_of_memory,
                "collectives": self.collectives, "cost": self.cost, "gradient_bytes": self.gradient_bytes,
-               "model_flops": self.model_flops, "loops": self.loops, "roofline": self.roofline()}
+               "model_flops": self.model_flops, "loops": self.loops, "roofline": self.roofline(),
+               "all_reduced_gradients": self.all_reduced_gradients()}
         if self.memory is not None:
             out["traffic"] = {"sent_per_chip": traffic.total_traffic, "minimum": traffic.minimum_traffic,
                               "ratio": traffic.ratio}
         return out
+
+    def all_reduced_gradients(self) -> list[dict]:
+        """At ZeRO-2, the large all-reduces shaped like a gradient: gradients the compiler
+        all-reduced in full instead of reduce-scattering (ZeRO-0/1 all-reduce by design)."""
+        if self.stage is None or self.stage < 2:
+            return []
+        return [{**r, "parameters": self.gradient_names[r["shape"]]} for r in self.all_reduces
+                if r["shape"] in self.gradient_names]
 
     def summary(self) -> str:
         head = f"{self.topology} ({self.chips} x {self.device_kind}), ZeRO stage {self.stage}"
@@ -151,6 +164,13 @@ class AotReport:
         if traffic.gradient_bytes:
             lines.append(f"  sent per chip {_mb(traffic.total_traffic)} = {traffic.ratio:.2f} x the data-parallel "
                          f"minimum 2(N-1)/N x P x bytes ({_mb(traffic.minimum_traffic)})")
+        full = self.all_reduced_gradients()
+        if full:
+            listed = "; ".join(f"{row['shape']} x{row['count']} ({', '.join(row['parameters'][:2])}"
+                               f"{', ...' if len(row['parameters']) > 2 else ''})" for row in full[:3])
+            lines.append(f"  all-reduced in full, not reduce-scattered: {listed}. libtpu keeps a reduce-scatter only "
+                         "when each shard is whole TPU tiles; a vocabulary table whose rows are a multiple of "
+                         "128 x chips is (see docs/tpu.md)")
         r = self.roofline()
         if r:
             lines.append(f"  roofline estimate (perfect overlap, published peaks): step >= {r['step_s'] * 1e3:.1f} ms "
@@ -226,11 +246,20 @@ class StepCapture:
             micro_batch //= chips // devices
         result = compile_mlir(mlir, topology, self.donate, timeout)
         return AotReport(stage=self.engine.plan.stage, gradient_bytes=self.gradient_bytes(),
-                         micro_batch=micro_batch, **result)
+                         micro_batch=micro_batch, gradient_names=self.gradient_names(), **result)
 
     def gradient_bytes(self) -> int:
         trainable = [s.param for s in self.engine._slots]
         return sum(p.numel() for p in trainable) * self.engine.precision.communication_dtype.itemsize
+
+    def gradient_names(self) -> dict[str, list[str]]:
+        """Each gradient's HLO shape (``f32[50257,768]``) -> the parameters with that shape."""
+        dtype = HLO_DTYPES[self.engine.precision.communication_dtype]
+        names: dict[str, list[str]] = {}
+        for slot in self.engine._slots:
+            shape = f"{dtype}[{','.join(str(d) for d in slot.param.shape)}]"
+            names.setdefault(shape, []).append(slot.name)
+        return names
 
     def collectives_report(self, timeout: int = 1800) -> "CollectivesReport":
         """The collectives of this step compiled for XLA:CPU on this process's devices, with

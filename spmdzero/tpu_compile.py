@@ -37,18 +37,43 @@ def summarize_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     collectives may start inside a fusion too (``async-collective-start``). A while loop's
     body (a scanned layer stack, a windowed einsum's ring of collective-permutes) counts as
     many times as its trip count."""
-    from .inspect import COLLECTIVE_OPS, is_cpu_reduce_scatter, split_computations
-
-    computations = split_computations(hlo_text)
     out: dict[str, dict[str, int]] = {}
-
-    def add(kind: str, shape: str, group: int, times: int) -> None:
+    for kind, shape, group, times in _collectives(hlo_text):
         row = out.setdefault(kind, {"count": 0, "tensors": 0, "bytes": 0, "sent": 0})
         row["count"] += times
         row["tensors"] += times * max(1, shape.count("["))
         row["bytes"] += times * shape_bytes(shape)
         sent = sent_per_device(kind, shape_bytes(shape), group)
         row["sent"] = None if sent is None or row["sent"] is None else row["sent"] + times * sent
+    return out
+
+
+def largest_all_reduces(hlo_text: str, min_bytes: int = 2**20) -> list[dict]:
+    """The program's all-reduced arrays of at least ``min_bytes``, largest first, as
+    ``{"shape", "bytes", "count"}``: under ZeRO-2 a gradient of that shape was all-reduced in
+    full instead of reduce-scattered (what to look at when the traffic ratio is high)."""
+    found: dict[str, int] = {}
+    for kind, shape, _, times in _collectives(hlo_text):
+        if kind != "all-reduce":
+            continue
+        for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape):
+            array = f"{dtype}[{dims}]"
+            if shape_bytes(array) >= min_bytes:
+                found[array] = found.get(array, 0) + times
+    return sorted(({"shape": a, "bytes": shape_bytes(a), "count": n} for a, n in found.items()),
+                  key=lambda r: -r["bytes"])
+
+
+def _collectives(hlo_text: str):
+    """``(kind, output shape, replica group size, times per step)`` for every collective, as
+    ``summarize_collectives`` counts them."""
+    from .inspect import COLLECTIVE_OPS, is_cpu_reduce_scatter, split_computations
+
+    computations = split_computations(hlo_text)
+    found: list[tuple[str, str, int, int]] = []
+
+    def add(kind: str, shape: str, group: int, times: int) -> None:
+        found.append((kind, shape, group, times))
 
     def walk(body: list, times: int) -> None:
         for ins in body:
@@ -74,7 +99,7 @@ def summarize_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
                     walk(computations[loop.group(1)], times * trip_count(computations, ins))
 
     walk(computations.get("ENTRY", []), 1)
-    return out
+    return found
 
 
 def _output_shape(ins) -> str:
@@ -252,7 +277,7 @@ def compile_for_tpu(mlir_text: str, topology: str, donate: list[tuple[int, int]]
             if out_of_memory is None:
                 raise
             result.update(compile_seconds=time.perf_counter() - start, out_of_memory=out_of_memory,
-                          memory=None, collectives={}, cost={})
+                          memory=None, collectives={}, all_reduces=[], cost={})
             return result
         result["compile_seconds"] = time.perf_counter() - start
     stats = executable.get_compiled_memory_stats()
@@ -261,6 +286,7 @@ def compile_for_tpu(mlir_text: str, topology: str, donate: list[tuple[int, int]]
                         "generated_code": stats.generated_code_size_in_bytes}
     hlo = executable.hlo_modules()[0].to_string()
     result["collectives"] = summarize_collectives(hlo)
+    result["all_reduces"] = largest_all_reduces(hlo)
     result["loops"] = loop_trip_counts(hlo)
     result["cost"] = _cost(executable)
     return result

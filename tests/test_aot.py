@@ -400,3 +400,33 @@ def test_roofline_of_a_looped_program_floors_compute_and_gives_no_mfu():
     assert roof["compute_s"] == pytest.approx(6e12 / 197e12) and roof["mfu"] is None
     assert "loop body once" in roof["note"]
     assert "loop body once" in looped.summary() and "MFU <=" not in looped.summary()
+
+
+def test_report_names_gradients_all_reduced_in_full_at_stage_2():
+    """A gradient the compiler all-reduced instead of reduce-scattering is named, by shape,
+    with the tile rule that explains it; small all-reduces (biases, norms) are not."""
+    from spmdzero.aot import AotReport
+    from spmdzero.tpu_compile import largest_all_reduces
+
+    hlo = """HloModule step
+
+ENTRY %main (a: f32[50257,768], b: f32[768]) -> f32[50257,768] {
+  %a = f32[50257,768]{0,1:T(8,128)} parameter(0)
+  %b = f32[768]{0} parameter(1)
+  %all-reduce.1 = f32[50257,768]{0,1:T(8,128)} all-reduce(%a), replica_groups={{0,1,2,3}}, to_apply=%add
+  %all-reduce.2 = f32[768]{0} all-reduce(%b), replica_groups={{0,1,2,3}}, to_apply=%add
+  ROOT %r = f32[50257,768]{0,1} add(%all-reduce.1, %a)
+}
+"""
+    found = largest_all_reduces(hlo)
+    assert found == [{"shape": "f32[50257,768]", "bytes": 50257 * 768 * 4, "count": 1}]
+    memory = {"argument": 1, "output": 1, "alias": 1, "temp": 1, "generated_code": 1}
+    names = {"f32[50257,768]": ["transformer.wte.weight"], "f32[768]": ["transformer.ln_f.bias"]}
+    report = AotReport("v5e:2x2", 4, "TPU v5 lite", 1.0, memory, {}, {}, 4, stage=2, all_reduces=found,
+                       gradient_names=names)
+    assert report.all_reduced_gradients()[0]["parameters"] == ["transformer.wte.weight"]
+    assert "all-reduced in full, not reduce-scattered: f32[50257,768] x1 (transformer.wte.weight)" in report.summary()
+    assert report.to_dict()["all_reduced_gradients"][0]["shape"] == "f32[50257,768]"
+    stage0 = AotReport("v5e:2x2", 4, "TPU v5 lite", 1.0, memory, {}, {}, 4, stage=0, all_reduces=found,
+                       gradient_names=names)
+    assert stage0.all_reduced_gradients() == [] and "all-reduced in full" not in stage0.summary()
