@@ -1,5 +1,6 @@
 """spmd.scan_layers: the same training with the block stack scanned, and clear refusals."""
 
+import re
 import sys
 
 import pytest
@@ -8,6 +9,7 @@ import torch_xla.debug.metrics as met
 
 import spmdzero
 from spmdzero.config import ConfigError
+from spmdzero.inspect import split_computations
 from spmdzero.scan import find_layer_stack
 
 from conftest import REPO, tiny_mlp
@@ -61,6 +63,28 @@ def test_scanned_layers_train_like_the_loop(make):
     for name in loop_params:
         torch.testing.assert_close(scan_params[name], loop_params[name], rtol=1e-5, atol=1e-6)
     assert compiles[1] == compiles[-1]  # nothing compiles after the first step
+
+
+def test_zero2_lays_out_each_block_gradient_inside_the_scanned_backward():
+    """The per-iteration backward graph pins each block weight's gradient replicated, then
+    gives it the ZeRO spec: on TPU each loop trip reduce-scatters it (tests/test_tpu_collectives.py).
+    Annotated only after the loop, libtpu all-reduced it in every trip."""
+    import torch_xla
+
+    engine, *_ = spmdzero.initialize(model=tiny_gpt(), config={
+        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": True},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1))
+    engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo(list(engine.grad_buffers().values()))
+    layouts = [re.search(r"sharding=\{(\w+)", ins.rest).group(1)
+               for name, body in split_computations(hlo).items() if name.startswith("FnComputation")
+               for ins in body if ins.opcode == "custom-call" and 'custom_call_target="Sharding"' in ins.rest]
+    block = [n for n, _ in engine.module.blocks[0].named_parameters()]
+    assert all(engine.plan[f"blocks.0.{n}"].grad_stages for n in block)  # every one is sharded at 8 devices
+    assert layouts.count("replicated") == len(block)
+    assert layouts.count("devices") == len(block)
+    engine.zero_grad()
 
 
 def test_the_stack_found_is_the_block_list():
