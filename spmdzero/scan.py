@@ -135,6 +135,16 @@ class ScannedLayers(torch.nn.ModuleList):
             return super().__iter__()
         return iter([_ScanCall(self)])
 
+    def __getitem__(self, idx):
+        """A slice (Llama's ``self.layers[: config.num_hidden_layers]``, every forward) is a new
+        list: it keeps the train/eval mode, the gradient layouts and the traced functions
+        (otherwise each step would trace the block again, without the layouts)."""
+        item = super().__getitem__(idx)
+        if isinstance(idx, slice):
+            item.training, item.gradient_layouts = self.training, self.gradient_layouts
+            item.__dict__["_scan_fns"] = self.__dict__.setdefault("_scan_fns", {})
+        return item
+
 
 class _ScanCall:
     def __init__(self, stack: ScannedLayers):
