@@ -109,14 +109,16 @@ def lay_out_gradients(module: torch.nn.Module, mesh, plan) -> None:
     Laid out in the loop, the TPU compiler reduce-scatters it where it is computed. The
     replicated pin keeps the ZeRO layout off the weight-gradient matmul itself: there the
     partitioner would rather move the block's activations (all-to-all, all-gather of the
-    token rows) than reduce the gradient."""
+    token rows) than reduce the gradient. With two fsdp axes there is no pin, as in
+    ``engine.backward``: libtpu does not reduce-scatter a pinned gradient over 16 chips."""
     for stack_name, stack in module.named_modules():
         if not isinstance(stack, ScannedLayers):
             continue
         first = next(iter(torch.nn.ModuleList.__iter__(stack)))
         layouts = {}
         for name, weight in first.named_parameters():
-            stages = plan[f"{stack_name}.0.{name}"].grad_stages
+            planned = plan.get(f"{stack_name}.0.{name}")  # None: frozen, no gradient
+            stages = planned.grad_stages if planned is not None else ()
             if stages:
                 pin = (replicated(weight.dim()),) if len(stages) == 1 else ()
                 layouts[name] = pin + tuple(stages)
