@@ -36,6 +36,7 @@ from .monitor import RecompileGuard, StepLogger, ThroughputTimer, compile_count,
 from .optim import SpmdOptimizer, ZeroOptimizer
 from .plan import ShardingPlan, replicated
 from .precision import PrecisionPolicy, init_loss_scale, is_overflow, keep_unless, update_loss_scale
+from .scan import scanned_parameters
 from .schedules import LRSchedule
 
 CLIP_EPS = 1e-6  # DeepSpeed's: clip = (norm + 1e-6) / max_norm
@@ -104,6 +105,7 @@ class SpmdZeroEngine(torch.nn.Module):
             if p.requires_grad and id(masters.get(p, p)) in optimized
         ]
         self._target_names = {s.target: s.name for s in self._slots}
+        self._scanned = scanned_parameters(module)  # gradients laid out inside the layer loop (spmdzero.scan)
         if optimizer is not None:  # optimized tensors that are not module parameters get positional names
             params = [p for g in optimizer.param_groups for p in g["params"]]
             self._target_names.update({p: f"param{i}" for i, p in enumerate(params) if p not in self._target_names})
@@ -214,7 +216,12 @@ class SpmdZeroEngine(torch.nn.Module):
                 planned = self.plan[slot.name]
                 spec, stages = planned.grad, planned.grad_stages
                 reduced = grad.to(comm)
-                if (planned.tied_embedding and stages) or len(stages) > 1:
+                if stages and slot.name in self._scanned:
+                    # Laid out through its stages inside the layer loop (spmdzero.scan): a replicated
+                    # pin here would all-gather the reduce-scattered gradient again.
+                    shard(reduced, self.mesh, spec)
+                    stages = ()
+                elif (planned.tied_embedding and stages) or len(stages) > 1:
                     # The first stage as the gradient's own layout. A tied table: propagated into
                     # the scatter-add, it partitions the scatter by columns (see plan) instead of
                     # all-reducing the table. Two stages (two fsdp axes): the matmul's partial sums

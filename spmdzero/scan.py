@@ -15,7 +15,9 @@ The blocks stay where they are: parameter names, the sharding plan and checkpoin
 unchanged. Only iterating over the stack changes: in training it yields a single callable
 that runs every block. Out of training mode (eval, generation with a KV cache) the blocks
 run one by one as before. A transformers model's ``config.use_cache`` is turned off (a KV
-cache is not needed to train and cannot be scanned; ``generate`` still uses one).
+cache is not needed to train and cannot be scanned; ``generate`` still uses one). Under
+ZeRO-2 each block's weight gradient gets the plan's layout inside the loop
+(``lay_out_gradients``), so that the TPU compiler reduce-scatters it there.
 
 Limits: the scanned blocks draw random numbers differently from the loop (dropout masks
 differ, and dropout is applied with a mask of the activations' dtype, attention's included,
@@ -33,6 +35,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .config import ConfigError
+from .plan import replicated
 
 _TENSOR = object()  # marks where a tensor argument goes back among the static ones
 QUALIFIES = ("transformers GPT-2 (transformer.h), Llama-style decoders (model.layers), "
@@ -87,14 +90,62 @@ def apply_scan_layers(module: torch.nn.Module) -> str:
     return name
 
 
+def scanned_parameters(module: torch.nn.Module) -> frozenset[str]:
+    """The names of the parameters that live in a scanned stack (their gradients leave the
+    loop already laid out by ``lay_out_gradients``)."""
+    return frozenset(f"{stack_name}.{name}" for stack_name, stack in module.named_modules()
+                     if isinstance(stack, ScannedLayers) for name, _ in stack.named_parameters())
+
+
+def lay_out_gradients(module: torch.nn.Module, mesh, plan) -> None:
+    """Give each scanned stack the layouts its blocks' weight gradients go through inside the
+    loop (ZeRO-2; nothing below stage 2), as ``engine.backward`` lays out an unrolled
+    model's: pinned replicated, then the ZeRO spec, or, with two fsdp axes, one stage after
+    the other.
+
+    Why inside: torch_xla's scan backward makes each iteration's weight gradient "shard
+    alike" the forward's weight slice, which ZeRO keeps replicated, so without a layout of
+    its own the gradient is all-reduced in every loop trip and only sliced after the loop.
+    Laid out in the loop, the TPU compiler reduce-scatters it where it is computed. The
+    replicated pin keeps the ZeRO layout off the weight-gradient matmul itself: there the
+    partitioner would rather move the block's activations (all-to-all, all-gather of the
+    token rows) than reduce the gradient. With two fsdp axes there is no pin, as in
+    ``engine.backward``: libtpu does not reduce-scatter a pinned gradient over 16 chips."""
+    for stack_name, stack in module.named_modules():
+        if not isinstance(stack, ScannedLayers):
+            continue
+        first = next(iter(torch.nn.ModuleList.__iter__(stack)))
+        layouts = {}
+        for name, weight in first.named_parameters():
+            planned = plan.get(f"{stack_name}.0.{name}")  # None: frozen, no gradient
+            stages = planned.grad_stages if planned is not None else ()
+            if stages:
+                pin = (replicated(weight.dim()),) if len(stages) == 1 else ()
+                layouts[name] = pin + tuple(stages)
+        stack.gradient_layouts = (mesh, layouts) if layouts else None
+        stack.__dict__.pop("_scan_fns", None)  # traced with the previous layouts
+
+
 class ScannedLayers(torch.nn.ModuleList):
     """An ``nn.ModuleList`` whose iteration, in training, yields one callable running every
     block through ``torch_xla.experimental.scan``."""
+
+    gradient_layouts = None  # (mesh, {block parameter name: partition specs in turn}), see lay_out_gradients
 
     def __iter__(self):
         if not self.training:
             return super().__iter__()
         return iter([_ScanCall(self)])
+
+    def __getitem__(self, idx):
+        """A slice (Llama's ``self.layers[: config.num_hidden_layers]``, every forward) is a new
+        list: it keeps the train/eval mode, the gradient layouts and the traced functions
+        (otherwise each step would trace the block again, without the layouts)."""
+        item = super().__getitem__(idx)
+        if isinstance(idx, slice):
+            item.training, item.gradient_layouts = self.training, self.gradient_layouts
+            item.__dict__["_scan_fns"] = self.__dict__.setdefault("_scan_fns", {})
+        return item
 
 
 class _ScanCall:
@@ -135,9 +186,12 @@ def _layer_fn(stack: ScannedLayers, first: torch.nn.Module, spec, static: tuple)
     if key in cache:
         return cache[key]
     template = copy.deepcopy(first).to("meta")  # weights come from the stacked tensors
+    mesh, layouts = stack.gradient_layouts or (None, {})
 
     def one_layer(carry, xs):
         weights, shared = xs
+        weights = {name: _GradientLayout.apply(w, mesh, layouts[name]) if name in layouts else w
+                   for name, w in weights.items()}
         shared_iter = iter(shared)
         leaves = [next(shared_iter) if leaf is _TENSOR else leaf for leaf in static]
         args, kwargs = tree_unflatten(leaves, spec)
@@ -150,6 +204,24 @@ def _layer_fn(stack: ScannedLayers, first: torch.nn.Module, spec, static: tuple)
 
     cache[key] = one_layer
     return one_layer
+
+
+class _GradientLayout(torch.autograd.Function):
+    """Identity on a block's weight; its gradient goes through ``layouts`` in turn.
+    AOTAutograd traces this backward into the scanned graph (torch_xla's
+    ``aot_mark_sharding`` op), so the layouts land on each iteration's gradient inside the
+    loop."""
+
+    @staticmethod
+    def forward(ctx, weight, mesh, layouts):
+        ctx.mesh, ctx.layouts = mesh, layouts
+        return weight.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        for spec in ctx.layouts:
+            grad = torch.ops.xla.aot_mark_sharding(grad, str(ctx.mesh), str(tuple(spec)))
+        return grad, None, None
 
 
 class _FloatMaskDropout(torch.overrides.TorchFunctionMode):

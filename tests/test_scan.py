@@ -1,5 +1,6 @@
 """spmd.scan_layers: the same training with the block stack scanned, and clear refusals."""
 
+import re
 import sys
 
 import pytest
@@ -8,6 +9,7 @@ import torch_xla.debug.metrics as met
 
 import spmdzero
 from spmdzero.config import ConfigError
+from spmdzero.inspect import split_computations
 from spmdzero.scan import find_layer_stack
 
 from conftest import REPO, tiny_mlp
@@ -28,6 +30,15 @@ def gpt2():
     cfg = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, n_positions=16, vocab_size=64, resid_pdrop=0.0,
                                   embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
     return transformers.GPT2LMHeadModel(cfg)
+
+
+def tiny_llama():
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16)
+    return transformers.LlamaForCausalLM(cfg)
 
 
 def train(model, scan: bool, steps: int = 4):
@@ -52,7 +63,9 @@ def train(model, scan: bool, steps: int = 4):
     return [l.item() for l in losses], params, compiles
 
 
-@pytest.mark.parametrize("make", [tiny_gpt, pytest.param(gpt2, marks=pytest.mark.slow)], ids=["tinygpt", "gpt2"])
+@pytest.mark.parametrize("make", [tiny_gpt, pytest.param(gpt2, marks=pytest.mark.slow),
+                                  pytest.param(tiny_llama, marks=pytest.mark.slow)],
+                         ids=["tinygpt", "gpt2", "llama"])
 def test_scanned_layers_train_like_the_loop(make):
     loop_losses, loop_params, _ = train(make(), scan=False)
     scan_losses, scan_params, compiles = train(make(), scan=True)
@@ -61,6 +74,39 @@ def test_scanned_layers_train_like_the_loop(make):
     for name in loop_params:
         torch.testing.assert_close(scan_params[name], loop_params[name], rtol=1e-5, atol=1e-6)
     assert compiles[1] == compiles[-1]  # nothing compiles after the first step
+
+
+@pytest.mark.parametrize("make", [tiny_gpt, tiny_llama], ids=["tinygpt", "llama"])
+def test_zero2_lays_out_each_block_gradient_inside_the_scanned_backward(make):
+    """The per-iteration backward graph gives each block weight's gradient its ZeRO layout
+    (after a replicated pin): on TPU each loop trip reduce-scatters it
+    (tests/test_tpu_collectives.py). Annotated only after the loop, libtpu all-reduced it in
+    every trip. Llama iterates over a slice of its layers (``self.layers[:n]``), a new list
+    every forward, which must keep the layouts."""
+    import torch_xla
+
+    model = make()
+    stack_name, stack = find_layer_stack(model)
+    block = [n for n, _ in stack[0].named_parameters()]
+    engine, *_ = spmdzero.initialize(model=model, config={
+        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": True},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1))
+    if isinstance(model, TinyGPT):
+        loss = engine(tokens[:, :-1], tokens[:, 1:])
+    else:
+        loss = engine(input_ids=tokens[:, :-1], labels=tokens[:, :-1]).loss
+    engine.backward(loss)
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo(list(engine.grad_buffers().values()))
+    layouts = [re.search(r"sharding=\{(\w+)", ins.rest).group(1)
+               for name, body in split_computations(hlo).items() if name.startswith("FnComputation")
+               for ins in body if ins.opcode == "custom-call" and 'custom_call_target="Sharding"' in ins.rest]
+    assert all(engine.plan[f"{stack_name}.0.{n}"].grad_stages for n in block)  # all sharded on 8 devices
+    assert layouts.count("replicated") == len(block)
+    assert layouts.count("devices") == len(block)
+    engine.zero_grad()
+    model.eval()  # a slice of the stack keeps the mode: blocks run one by one
+    assert list(stack[:1]) == [stack[0]]
 
 
 def test_the_stack_found_is_the_block_list():
