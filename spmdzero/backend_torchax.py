@@ -85,6 +85,11 @@ def initialize(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, client_o
     from .initialize import _tied_embeddings
 
     check_config(cfg, client_optimizer)
+    for name, sub in model.named_modules():
+        if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm) and sub.track_running_stats:
+            # torchax 0.0.13's batch norm leaves the running statistics as they were
+            raise ValueError(f"spmd.backend='torchax' does not update batch-norm running statistics: module "
+                             f"{name!r} ({type(sub).__name__}) tracks them; use spmd.backend='torch_xla'")
     if mesh is not None:
         check_user_mesh(mesh)
         shape = mesh_shape(mesh)
@@ -387,7 +392,7 @@ class TorchaxEngine:
                 self._pending_rows = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim()), 0)
                 self._constants = {**self._constants, **constants}
                 result = self._outputs(outputs, program)
-                self._last_output_loss = self._last_loss = torch_pytree.tree_leaves(result)[program.loss_leaf[0]]
+                self._last_output_loss = self._last_loss = program.loss_of(result)
                 return result
             # no loss in the output (found while tracing): a plain forward; backward will explain
         program = self._program("forward", treespec, static)
@@ -397,7 +402,11 @@ class TorchaxEngine:
         return self._outputs(outputs, program)
 
     def _outputs(self, arrays: list, program):
-        return torch_pytree.tree_unflatten([self._Output(a, self._env) for a in arrays], program.out_spec[0])
+        spec, others = program.out_spec
+        leaves = [self._Output(a, self._env) for a in arrays]
+        for i, value in others:
+            leaves.insert(i, value)
+        return torch_pytree.tree_unflatten(leaves, spec)
 
     def _program(self, kind: str, treespec, static: tuple):
         key = (kind, treespec, _hashable(static))
@@ -414,8 +423,17 @@ class TorchaxEngine:
 
         env, module, names = self._env, self._module, set(self._names)
         gas = self.gradient_accumulation_steps()
-        out_spec: list = []  # filled while tracing
+        out_spec: list = []  # (treespec, [(index, non-tensor leaf)]), filled while tracing
         loss_leaf: list = []
+
+        def flatten_output(output) -> list:
+            """The output's tensors as JAX arrays; its other leaves are kept if they are plain
+            values, else dropped (None): a transformers cache holds traced arrays."""
+            leaves, spec = torch_pytree.tree_flatten(output)
+            plain = (int, float, str, bool, type(None))
+            out_spec[:] = [spec, [(i, v if isinstance(v, plain) else None) for i, v in enumerate(leaves)
+                                  if not isinstance(v, torch.Tensor)]]
+            return [env.t2j_iso(t) for t in leaves if isinstance(t, torch.Tensor)]
 
         def run(params, constants, rng, arrays):
             leaves = list(arrays)
@@ -433,9 +451,7 @@ class TorchaxEngine:
         def program_forward(params, constants, rng, arrays):
             self.traces["forward"] += 1
             output, changed = run(params, constants, rng, arrays)
-            leaves, spec = torch_pytree.tree_flatten(output)
-            out_spec[:] = [spec]
-            return [env.t2j_iso(t) for t in leaves], changed
+            return flatten_output(output), changed
 
         def program_train(params, constants, accum, rng, arrays):
             self.traces["train_forward"] += 1
@@ -445,12 +461,12 @@ class TorchaxEngine:
                 loss = _find_loss(output)
                 if loss is None:
                     raise _NoLoss
-                leaves, spec = torch_pytree.tree_flatten(output)
-                out_spec[:] = [spec]
-                loss_leaf[:] = [next(i for i, t in enumerate(leaves) if t is loss)]
+                outputs = flatten_output(output)
+                tensors = [t for t in torch_pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+                loss_leaf[:] = [next(i for i, t in enumerate(tensors) if t is loss)]
                 value = env.t2j_iso(loss).reshape(()).astype("float32")
                 # DeepSpeed's backward scales the loss by 1/gradient_accumulation_steps
-                return (value / gas if gas > 1 else value), ([env.t2j_iso(t) for t in leaves], value, changed)
+                return (value / gas if gas > 1 else value), (outputs, value, changed)
 
             grads, (outputs, loss, changed) = jax.grad(objective, has_aux=True)(params)
             grads = {n: jax.lax.with_sharding_constraint(g, self._grad_specs[n]) for n, g in grads.items()}
@@ -474,7 +490,9 @@ class TorchaxEngine:
             def call(params, constants, rng, arrays):
                 return jitted(params, constants, rng, arrays)
         call.no_loss = False
-        call.out_spec, call.loss_leaf = out_spec, loss_leaf
+        call.out_spec = out_spec
+        call.loss_of = lambda result: [t for t in torch_pytree.tree_leaves(result)
+                                       if isinstance(t, torch.Tensor)][loss_leaf[0]]
         return call
 
     def backward(self, loss, retain_graph: bool = False, scale_wrt_gas: bool = True):
