@@ -266,6 +266,8 @@ class TorchaxEngine:
                 states[name] = {k: self._put(v, self._state_specs[name][k]) for k, v in initial.items()}
         self._opt_state = states
         self._accum: Optional[dict] = None  # gradients committed since the last boundary (plan's grad spec)
+        self._retired: Optional[dict] = None  # the sum the last backward replaced
+        self._retired_inputs: tuple = ()  # the last update's inputs
         self._pending: Optional[dict] = None  # the last training forward's accumulation, until backward commits it
         self._last_output_loss = None  # the loss tensor the last training forward returned
         self._last_loss = None
@@ -503,6 +505,7 @@ class TorchaxEngine:
         if not scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             raise ValueError("engine.backward(scale_wrt_gas=False) is not supported by the torchax backend: the "
                              "traced forward scales the loss by 1/gradient_accumulation_steps")
+        self._retired = self._accum  # released one micro-step later (see _take_model_step)
         self._accum, self._pending, self._last_output_loss = self._pending, None, None
         self._rows_since_step += self._pending_rows
         gas = self.gradient_accumulation_steps()
@@ -520,10 +523,13 @@ class TorchaxEngine:
     def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
         hyper = [np.array(list(self.optimizer._hyper_values(g).values()), dtype=np.float32)
                  for g in self.optimizer.param_groups]
-        accum, self._accum = self._accum, None
-        self.runs["update"] += 1
-        self._params, self._opt_state, self._global_grad_norm = self._update(self._params, self._opt_state, accum,
-                                                                             hyper)
+        # The inputs, donated, are released at the next boundary: dropping the last reference to an
+        # array that a dispatched program still uses blocks the host until that program has run.
+        self._retired_inputs = (self._params, self._opt_state, self._accum)
+        self._accum = None
+        with warnings.catch_warnings():  # the gradients are donated to be freed, not to hold results
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            self._params, self._opt_state, self._global_grad_norm = self._update(*self._retired_inputs, hyper)
         self._module_stale = True
         if self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
@@ -533,7 +539,7 @@ class TorchaxEngine:
 
     def _build_update(self):
         """``(params, states, grads, hyperparameters) -> (params, states, norm)``, jitted, the
-        params and states donated: the engine's boundary step (clipping, the optimizer's math)."""
+        first three donated: the engine's boundary step (clipping, the optimizer's math)."""
         import jax
         import jax.numpy as jnp
 
@@ -561,7 +567,7 @@ class TorchaxEngine:
             return new_params, new_states, norm
 
         shardings = (self._param_specs, self._state_specs, self._replicated)
-        return jax.jit(update, out_shardings=shardings, donate_argnums=(0, 1))
+        return jax.jit(update, out_shardings=shardings, donate_argnums=(0, 1, 2))
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (DeepSpeed sets them to None)."""
