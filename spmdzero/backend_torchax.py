@@ -247,8 +247,8 @@ class TorchaxEngine:
 
         # Trainable parameters by plan name; frozen ones and buffers are inputs that are not trained.
         names = {id(p): n for n, p in module.named_parameters()}
-        self._names = [n for n, p in module.named_parameters() if p.requires_grad and id(p) in
-                       {id(q) for g in optimizer.param_groups for q in g["params"]}]
+        optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        self._names = [n for n, p in module.named_parameters() if p.requires_grad and id(p) in optimized]
         self._groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         trained = set(self._names)
         self._param_specs = {n: spec(plan[n].param) for n in self._names}
@@ -386,8 +386,8 @@ class TorchaxEngine:
         if self._module.training and torch.is_grad_enabled():
             kind = "train" if self._accum is None else "accumulate"
             program = self._program(kind, treespec, static)
-            rng = self._jax.random.fold_in(self._rng, self.micro_steps)
             self.runs["forward"] += 1
+            rng = (self._rng, np.uint32(self.micro_steps))  # dropout draws anew at every micro-step
             outputs, loss, constants, pending = program(self._params, self._constants, self._accum, rng, arrays)
             if not program.no_loss:
                 self._pending = pending
@@ -399,7 +399,7 @@ class TorchaxEngine:
             # no loss in the output (found while tracing): a plain forward; backward will explain
         program = self._program("forward", treespec, static)
         self.runs["forward"] += 1
-        outputs, constants = program(self._params, self._constants, self._rng, arrays)
+        outputs, constants = program(self._params, self._constants, (self._rng, np.uint32(self.micro_steps)), arrays)
         self._constants = {**self._constants, **constants}
         return self._outputs(outputs, program)
 
@@ -444,7 +444,7 @@ class TorchaxEngine:
             inputs, kwargs = torch_pytree.tree_unflatten(leaves, treespec)
             tensors = env.j2t_iso({**params, **constants})
             inputs, kwargs = env.j2t_iso((inputs, kwargs))
-            with env, env.override_property(prng=rng):
+            with env, env.override_property(prng=jax.random.fold_in(*rng)):
                 output = torch.func.functional_call(module, tensors, inputs, kwargs)
             # buffers the module updated in place (running statistics) are returned as new values
             changed = {n: t._elem for n, t in tensors.items() if n not in names and t._elem is not constants[n]}
@@ -527,6 +527,7 @@ class TorchaxEngine:
         # array that a dispatched program still uses blocks the host until that program has run.
         self._retired_inputs = (self._params, self._opt_state, self._accum)
         self._accum = None
+        self.runs["update"] += 1
         with warnings.catch_warnings():  # the gradients are donated to be freed, not to hold results
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
             self._params, self._opt_state, self._global_grad_norm = self._update(*self._retired_inputs, hyper)
@@ -609,6 +610,10 @@ class TorchaxEngine:
     def wait(self) -> None:
         """Block until the dispatched programs have run."""
         self._jax.block_until_ready((self._params, self._opt_state, self._accum))
+
+    def compile(self, *args, **kwargs) -> None:
+        raise NotImplementedError("engine.compile() does not apply to the torchax backend: its programs are "
+                                  "compiled by jax.jit")
 
     def save_checkpoint(self, *args, **kwargs):
         raise NotImplementedError("checkpoints are not supported by the torchax backend (spmd.backend='torchax'); "

@@ -198,3 +198,29 @@ def test_gpt2_with_attention_mask_matches_the_torch_xla_engine():
     assert results["torchax"][0] == pytest.approx(results["torch_xla"][0], abs=1e-5)
     for name, value in results["torch_xla"][1].items():
         torch.testing.assert_close(results["torchax"][1][name], value, atol=1e-5, rtol=1e-4)
+
+
+class Dropped(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Dropout(0.5), torch.nn.Linear(64, 1))
+
+    def forward(self, x):
+        return self.net(x).square().mean()
+
+
+def test_dropout_draws_anew_at_every_step_without_retracing():
+    engine, *_ = spmdzero.initialize(model=Dropped(), config=config("torchax"))
+    x = torch.ones(16, 16)
+    losses = []
+    for _ in range(3):
+        loss = engine(x)
+        engine.backward(loss)
+        losses.append(loss.item())
+        engine.zero_grad()
+        engine.micro_steps += 1  # a new micro-step without an update: the same weights, new masks
+    assert len(set(losses)) == 3
+    engine.eval()
+    with torch.no_grad():
+        assert engine(x).item() == engine(x).item()  # no dropout
+    assert engine.traces == {"train_forward": 1, "forward": 1}
