@@ -285,7 +285,8 @@ def main() -> None:
             print(f"| {layers} | {width} | {variant} | {r['ours_ms']:.1f} | {r['jax_ms']:.1f} | {r['ratio']:.2f} | "
                   f"{100 * r['tracing_share']:.0f}% | {r['update_ms']:.1f} | {r['graphs_per_step']:.2f} | "
                   f"{r['recompiles']} | {cold} |", flush=True)
-            cpu_lines.append(f"{layers} x {width} {variant}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in r["cpu_ms"].items()))
+            cpu = ", ".join(f"{k} {v:.1f} ms" for k, v in r["cpu_ms"].items())
+            cpu_lines.append(f"{layers} x {width} {variant}: {cpu}")
     # Wall time in a call counts waiting too: a jitted program's dispatch (torchax) waits while its
     # inputs are still in use by the running one. The host's own CPU time in each call, per step:
     print("\nhost CPU time per step (thread time, fastest repeat):\n  " + "\n  ".join(cpu_lines))

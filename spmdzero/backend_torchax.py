@@ -27,7 +27,6 @@ what it refuses is checked by ``check_config`` (docs/config.md, ``spmd.backend``
 from __future__ import annotations
 
 import collections
-import time
 import warnings
 from types import SimpleNamespace
 from typing import Any, Optional

@@ -1,8 +1,6 @@
 """spmd.backend='torchax': the same results as the torch_xla engine, the plan's layouts on the JAX
 arrays, one trace per program, and clear refusals."""
 
-import copy
-
 import pytest
 import torch
 
