@@ -27,6 +27,7 @@ what it refuses is checked by ``check_config`` (docs/config.md, ``spmd.backend``
 from __future__ import annotations
 
 import collections
+import sys
 import warnings
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -137,7 +138,7 @@ class HostBatchLoader(ShardedDataLoader):
 def jax_devices(count: int) -> list:
     """``count`` JAX CPU devices, the torch_xla runtime's count. JAX's CPU backend has one device
     unless told before it starts; one that started with fewer (spmdzero's fused update lowers
-    its op through JAX) is restarted when it holds no arrays yet."""
+    its op through JAX) is restarted when it holds no arrays yet but torchax's PRNG key."""
     import jax
     import jax.extend.backend
     from jax._src import xla_bridge
@@ -147,12 +148,21 @@ def jax_devices(count: int) -> list:
     if xr.device_type() != "CPU":
         raise RuntimeError(f"spmd.backend='torchax' runs on JAX CPU devices only: the torch_xla runtime holds the "
                            f"{xr.device_type()} devices of this process")
-    if xla_bridge.backends_are_initialized() and len(jax.devices("cpu")) < count and not jax.live_arrays("cpu"):
-        jax.extend.backend.clear_backends()
+    reseed = None
+    if xla_bridge.backends_are_initialized() and len(jax.devices("cpu")) < count:
+        # torchax's environment, once created (torch_xla's assume_pure does), holds a PRNG key
+        env = sys.modules["torchax"].default_env() if "torchax" in sys.modules else None
+        key = None if env is None else getattr(env.param.prng, "_base_array", env.param.prng)
+        live = [a for a in jax.live_arrays("cpu") if a is not key]
+        if not live:
+            jax.extend.backend.clear_backends()
+            reseed = env
     if not xla_bridge.backends_are_initialized():
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", count)
     devices = jax.devices("cpu")
+    if reseed is not None:
+        reseed.manual_seed(torch.initial_seed() % (1 << 31))
     if len(devices) < count:
         raise RuntimeError(f"spmd.backend='torchax' needs {count} JAX CPU devices (as many as torch_xla's runtime) "
                            f"but JAX started with {len(devices)} and holds arrays; set "
