@@ -392,23 +392,22 @@ class TorchaxEngine:
         static = tuple((i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor))
         arrays = self._place_inputs(leaves)
         self._last_output_loss = None
+        rng = (self._rng, np.uint32(self.micro_steps))  # dropout draws anew at every micro-step
         if self._module.training and torch.is_grad_enabled():
-            kind = "train" if self._accum is None else "accumulate"
-            program = self._program(kind, treespec, static)
-            self.runs["forward"] += 1
-            rng = (self._rng, np.uint32(self.micro_steps))  # dropout draws anew at every micro-step
-            outputs, loss, constants, pending = program(self._params, self._constants, self._accum, rng, arrays)
-            if not program.no_loss:
-                self._pending = pending
+            program = self._program("train" if self._accum is None else "accumulate", treespec, static)
+            ran = None if program.no_loss else program(self._params, self._constants, self._accum, rng, arrays)
+            if ran is not None:
+                self.runs["forward"] += 1
+                outputs, constants, self._pending = ran
                 self._pending_rows = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim()), 0)
                 self._constants = {**self._constants, **constants}
                 result = self._outputs(outputs, program)
                 self._last_output_loss = self._last_loss = program.loss_of(result)
                 return result
-            # no loss in the output (found while tracing): a plain forward; backward will explain
+            # the output holds no loss (found while tracing): a plain forward; backward will explain
         program = self._program("forward", treespec, static)
         self.runs["forward"] += 1
-        outputs, constants = program(self._params, self._constants, (self._rng, np.uint32(self.micro_steps)), arrays)
+        outputs, constants = program(self._params, self._constants, rng, arrays)
         self._constants = {**self._constants, **constants}
         return self._outputs(outputs, program)
 
@@ -429,7 +428,7 @@ class TorchaxEngine:
         """A jitted run of the module for one input structure: ``kind`` "forward":
         ``(params, constants, rng, inputs) -> (outputs, changed buffers)``; "train" (the first
         micro-step) and "accumulate" (later ones): ``(params, constants, accum, rng, inputs) ->
-        (outputs, loss, changed buffers, accumulated gradients)``."""
+        (outputs, changed buffers, accumulated gradients)``, or None when the output holds no loss."""
         import jax
 
         env, module, names = self._env, self._module, set(self._names)
@@ -477,14 +476,14 @@ class TorchaxEngine:
                 loss_leaf[:] = [next(i for i, t in enumerate(tensors) if t is loss)]
                 value = env.t2j_iso(loss).reshape(()).astype("float32")
                 # DeepSpeed's backward scales the loss by 1/gradient_accumulation_steps
-                return (value / gas if gas > 1 else value), (outputs, value, changed)
+                return (value / gas if gas > 1 else value), (outputs, changed)
 
-            grads, (outputs, loss, changed) = jax.grad(objective, has_aux=True)(params)
+            grads, (outputs, changed) = jax.grad(objective, has_aux=True)(params)
             grads = {n: jax.lax.with_sharding_constraint(g, self._grad_specs[n]) for n, g in grads.items()}
             if kind == "accumulate":
                 grads = {n: jax.lax.with_sharding_constraint(accum[n] + g, self._grad_specs[n])
                          for n, g in grads.items()}
-            return outputs, loss, changed, grads
+            return outputs, changed, grads
 
         if kind != "forward":
             jitted = jax.jit(program_train)
@@ -494,7 +493,7 @@ class TorchaxEngine:
                     return jitted(params, constants, accum, rng, arrays)
                 except _NoLoss:
                     call.no_loss = True
-                    return None, None, {}, None
+                    return None
         else:
             jitted = jax.jit(program_forward)
 

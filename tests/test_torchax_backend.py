@@ -116,6 +116,8 @@ def test_a_loss_computed_outside_the_module_is_refused_clearly():
     loss = torch.nn.functional.mse_loss(out, y)  # runs, eagerly in JAX
     with pytest.raises(RuntimeError, match="needs the module to return its loss"):
         engine.backward(loss)
+    engine(x)
+    assert engine.traces == {"train_forward": 1, "forward": 1}  # the lossless output is not traced again
 
 
 @pytest.mark.parametrize("extra, key", [
