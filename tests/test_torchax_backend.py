@@ -224,3 +224,24 @@ def test_dropout_draws_anew_at_every_step_without_retracing():
     with torch.no_grad():
         assert engine(x).item() == engine(x).item()  # no dropout
     assert engine.traces == {"train_forward": 1, "forward": 1}
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_zero_stages_0_and_1_follow_the_plan(stage):
+    from jax.sharding import PartitionSpec
+
+    results = {}
+    for backend in ("torch_xla", "torchax"):
+        cfg = config(backend, zero_optimization={"stage": stage})
+        engine, *_ = spmdzero.initialize(model=WithLoss(tiny_mlp(seed=0)), config=cfg)
+        for x, y in batches(2, 16):
+            engine.backward(engine(x, y))
+            engine.step()
+        results[backend] = {n: p.detach().cpu() for n, p in engine.module.named_parameters()}
+    for name, value in results["torch_xla"].items():
+        torch.testing.assert_close(results["torchax"][name], value, atol=1e-5, rtol=1e-5)
+    assert all(engine._grad_specs[n].is_fully_replicated for n in engine._names)  # below stage 2
+    states = engine.optimizer_states()
+    assert {states[n]["exp_avg"].sharding.spec for n in engine._names} == {
+        PartitionSpec(*engine.plan[n].optimizer_state) for n in engine._names}
+    assert any(not states[n]["exp_avg"].sharding.is_fully_replicated for n in engine._names) == (stage == 1)
