@@ -20,8 +20,9 @@ Face outputs), or a tuple whose first item is the scalar loss. The outputs come 
 torchax tensors (JAX arrays seen as torch tensors; torch ops on them run eagerly in JAX).
 
 It runs on the JAX CPU devices, as many as the torch_xla runtime has (``CPU_NUM_DEVICES``):
-on a TPU VM torch_xla's runtime, started by ``import spmdzero``, holds the chips. fp32 only;
-what it refuses is checked by ``check_config`` (docs/config.md, ``spmd.backend``).
+on a TPU VM torch_xla's runtime, started by ``import spmdzero``, holds the chips. fp32, or
+bf16 with fp32 master weights and DeepSpeed's overflow skip; what it refuses is checked by
+``check_config`` (docs/config.md, ``spmd.backend``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from .mesh import check_user_mesh, data_parallel_size, mesh_shape, resolve_mesh_
 from .monitor import log_block
 from .optim import SpmdOptimizer, build_optimizer
 from .plan import ShardingPlan, make_plan, replicated
+from .precision import DTYPES, precision_policy
 from .schedules import build_scheduler
 
 CLIP_EPS = 1e-6  # DeepSpeed's: clip = (norm + 1e-6) / max_norm (as engine.CLIP_EPS)
@@ -56,20 +58,20 @@ def check_config(cfg: DeepSpeedConfig, client_optimizer: Any = None) -> None:
     """Refuse what this backend does not implement, naming the key."""
     refused = {
         "fp16.enabled": cfg.fp16.enabled,
-        "bf16.enabled": cfg.bf16.enabled,
         "spmd.scan_layers": cfg.spmd.scan_layers,
         "spmd.dcn_mesh": cfg.spmd.dcn_mesh is not None,
         "spmd.max_recompiles": cfg.spmd.max_recompiles is not None,
         "spmd.compile_cache_dir": cfg.spmd.compile_cache_dir is not None,
         "tensorboard.enabled": cfg.tensorboard.enabled,
         "csv_monitor.enabled": cfg.csv_monitor.enabled,
-        "communication_data_type": cfg.communication_data_type not in (None, "fp32", "float32", "float"),
-        "data_types.grad_accum_dtype": cfg.data_types.grad_accum_dtype not in (None, "fp32", "float32", "float"),
+        "communication_data_type": DTYPES.get(cfg.communication_data_type) == torch.float16,
+        "data_types.grad_accum_dtype": DTYPES.get(cfg.data_types.grad_accum_dtype) == torch.float16,
     }
     for key, on in refused.items():
         if on:
             raise ConfigError(f"{key} is not supported by the torchax backend (spmd.backend='torchax'; it trains "
-                              "in fp32 with the config's optimizer, no checkpoints, monitors or loss scaling); "
+                              "in fp32 or bf16 with the config's optimizer, no checkpoints, monitors or loss "
+                              "scaling); "
                               "remove it or use spmd.backend='torch_xla'")
     if client_optimizer is not None:
         raise ConfigError("spmd.backend='torchax' takes its optimizer from the config's 'optimizer' section; a "
@@ -170,6 +172,22 @@ def jax_devices(count: int) -> list:
     return devices[:count]
 
 
+def _jax_dtype(dtype: torch.dtype):
+    import jax.numpy as jnp
+
+    return jnp.dtype(str(dtype).removeprefix("torch."))
+
+
+def _cast_in_place(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """``module.to(dtype)`` keeping every Parameter object (the optimizer's groups hold them)."""
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        module.to(dtype)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+
+
 def _jax_ops():
     """The array namespace ``SpmdOptimizer._math`` is written against, on JAX (as fused.py's)."""
     import jax.numpy as jnp
@@ -247,7 +265,7 @@ class TorchaxEngine:
         self._batch = batch
         self.dp_world_size = self.world_size = batch.ranks
         self.global_steps = self.global_samples = self.micro_steps = 0
-        self.skipped_steps = 0
+        self.precision = precision_policy(cfg)
         self._boundary_override: Optional[bool] = None
         self.mesh = Mesh(devices, tuple(mesh_shape))
         spec = lambda s: NamedSharding(self.mesh, PartitionSpec(*s))  # noqa: E731
@@ -262,6 +280,13 @@ class TorchaxEngine:
         trained = set(self._names)
         self._param_specs = {n: spec(plan[n].param) for n in self._names}
         self._grad_specs = {n: spec(plan[n].grad) for n in self._names}
+        # Under bf16 the optimizer updates fp32 master weights laid out like its states (plan.master)
+        # and the module's parameters are their bf16 casts, as in the torch_xla engine.
+        self._master_specs = {n: spec(plan[n].master) for n in self._names} if self.precision.master_weights else {}
+        self._masters = {n: self._put(p.float(), self._master_specs[n]) for n, p in module.named_parameters()
+                         if n in self._master_specs}
+        if self.precision.master_weights:
+            _cast_in_place(module, self.precision.param_dtype)
         self._params = {n: self._put(p.detach(), self._param_specs[n]) for n, p in module.named_parameters()
                         if n in trained}
         self._constants = {n: self._put(t.detach(), self._replicated)
@@ -269,7 +294,7 @@ class TorchaxEngine:
         states, self._state_specs = {}, {}
         for group, group_names in zip(optimizer.param_groups, self._groups):
             for p, name in zip(group["params"], group_names):
-                initial = optimizer._initial_state(p, group)
+                initial = optimizer._initial_state(p.detach().float(), group)
                 self._state_specs[name] = {k: spec(plan[name].optimizer_state if tuple(v.shape) == tuple(p.shape)
                                                    else replicated(v.dim())) for k, v in initial.items()}
                 states[name] = {k: self._put(v, self._state_specs[name][k]) for k, v in initial.items()}
@@ -282,6 +307,8 @@ class TorchaxEngine:
         self._last_loss = None
         self._pending_rows = self._rows_since_step = 0  # training rows fed: global_samples
         self._global_grad_norm = None
+        self._skipped = self._put(torch.zeros(()), self._replicated)  # steps skipped for non-finite gradients
+        self._last_skip = None
         self._module_stale = False
         self._rng = jax.random.key(torch.initial_seed() % (1 << 63))
         self._programs: dict = {}  # jitted functions by static structure
@@ -305,6 +332,8 @@ class TorchaxEngine:
         split = rows is not None and rows % self._batch.dp_devices == 0
         placed = []
         for t in tensors:
+            if t.is_floating_point() and not isinstance(t, ttensor.Tensor):
+                t = t.to(self.precision.param_dtype)  # in the model dtype, as the torch_xla engine does
             if isinstance(t, ttensor.Tensor):
                 placed.append(t._elem)
             elif split and t.dim() and t.shape[0] == rows:
@@ -330,7 +359,7 @@ class TorchaxEngine:
         return self._config.gradient_clipping
 
     def bfloat16_enabled(self) -> bool:
-        return False
+        return self.precision.param_dtype == torch.bfloat16
 
     def fp16_enabled(self) -> bool:
         return False
@@ -341,10 +370,13 @@ class TorchaxEngine:
         """The torch module, its parameters brought up to date from the devices when a step
         changed them since the last read (a device-to-host copy)."""
         if self._module_stale:
-            with torch.no_grad():
+            from torchax.ops import mappings
+
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # it is copied
                 for name, p in self._module.named_parameters():
                     if name in self._params:
-                        p.copy_(torch.from_numpy(np.asarray(self._params[name]).copy()))
+                        p.copy_(mappings.j2t(self._params[name], use_dlpack=False))
             self._module_stale = False
         return self._module
 
@@ -431,7 +463,7 @@ class TorchaxEngine:
         (outputs, changed buffers, accumulated gradients)``, or None when the output holds no loss."""
         import jax
 
-        env, module, names = self._env, self._module, set(self._names)
+        env, module, names, policy = self._env, self._module, set(self._names), self.precision
         gas = self.gradient_accumulation_steps()
         out_spec: list = []  # (treespec, [(index, non-tensor leaf)]), filled while tracing
         loss_leaf: list = []
@@ -474,12 +506,15 @@ class TorchaxEngine:
                 outputs = flatten_output(output)
                 tensors = [t for t in torch_pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
                 loss_leaf[:] = [next(i for i, t in enumerate(tensors) if t is loss)]
-                value = env.t2j_iso(loss).reshape(()).astype("float32")
+                value = env.t2j_iso(loss).reshape(())
                 # DeepSpeed's backward scales the loss by 1/gradient_accumulation_steps
                 return (value / gas if gas > 1 else value), (outputs, changed)
 
             grads, (outputs, changed) = jax.grad(objective, has_aux=True)(params)
-            grads = {n: jax.lax.with_sharding_constraint(g, self._grad_specs[n]) for n, g in grads.items()}
+            # reduced in communication_data_type, accumulated in grad_accum_dtype (both the model's by default)
+            comm, accumulated = _jax_dtype(policy.communication_dtype), _jax_dtype(policy.grad_accum_dtype)
+            grads = {n: jax.lax.with_sharding_constraint(g.astype(comm), self._grad_specs[n]).astype(accumulated)
+                     for n, g in grads.items()}
             if kind == "accumulate":
                 grads = {n: jax.lax.with_sharding_constraint(accum[n] + g, self._grad_specs[n])
                          for n, g in grads.items()}
@@ -533,12 +568,13 @@ class TorchaxEngine:
                  for g in self.optimizer.param_groups]
         # The inputs, donated, are released at the next boundary: dropping the last reference to an
         # array that a dispatched program still uses blocks the host until that program has run.
-        self._retired_inputs = (self._params, self._opt_state, self._accum)
+        self._retired_inputs = (self._params, self._masters, self._opt_state, self._accum, self._skipped)
         self._accum = None
         self.runs["update"] += 1
         with warnings.catch_warnings():  # the gradients are donated to be freed, not to hold results
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-            self._params, self._opt_state, self._global_grad_norm = self._update(*self._retired_inputs, hyper)
+            (self._params, self._masters, self._opt_state, self._global_grad_norm, self._skipped,
+             self._last_skip) = self._update(*self._retired_inputs, hyper)
         self._module_stale = True
         if self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
@@ -547,17 +583,19 @@ class TorchaxEngine:
         self._rows_since_step = 0
 
     def _build_update(self):
-        """``(params, states, grads, hyperparameters) -> (params, states, norm)``, jitted, the
-        first three donated: the engine's boundary step (clipping, the optimizer's math)."""
+        """``(params, masters, states, grads, skipped, hyperparameters) -> (params, masters, states,
+        norm, skipped, skip)``, jitted, all but the hyperparameters donated: the engine's boundary
+        step (clipping, the optimizer's math, the overflow skip under bf16)."""
         import jax
         import jax.numpy as jnp
 
         optimizer, ops, clipping = self.optimizer, _jax_ops(), self._config.gradient_clipping
         groups = [(names, list(optimizer._hyper_values(g)), {k: v for k, v in g.items() if isinstance(v, bool)})
                   for names, g in zip(self._groups, optimizer.param_groups)]
-        order = self._names
+        order, policy = self._names, self.precision
+        param_dtype = _jax_dtype(policy.param_dtype)
 
-        def update(params, states, grads, hyper):
+        def update(params, masters, states, grads, skipped, hyper):
             self.traces["update"] += 1
             sum_sq = 0  # the torch_xla engine's global norm: fp32, in parameter order
             for name in order:
@@ -567,16 +605,24 @@ class TorchaxEngine:
             inverse = None
             if clipping > 0:
                 inverse = 1.0 / jnp.maximum((norm + CLIP_EPS) / clipping, 1.0)
-            new_params, new_states = dict(params), dict(states)
+            # a non-finite sum is an overflow: the old values are kept (DeepSpeed skips the step)
+            skip = ~jnp.isfinite(sum_sq) if policy.check_overflow else None
+            targets = masters if masters else params
+            new_targets, new_states = dict(targets), dict(states)
             for (names, keys, static), values in zip(groups, hyper):
                 hp = {k: values[i] for i, k in enumerate(keys)}
                 for name in names:
-                    new_params[name], new_states[name] = optimizer.scaled_math(
-                        params[name], grads[name], states[name], hp, static, ops, grad_scale=inverse)
-            return new_params, new_states, norm
+                    new_targets[name], new_states[name] = optimizer.scaled_math(
+                        targets[name], grads[name], states[name], hp, static, ops, grad_scale=inverse, skip=skip)
+            skip = jnp.zeros((), bool) if skip is None else skip
+            if not masters:
+                return new_targets, masters, new_states, norm, skipped + skip, skip
+            new_params = {n: t.astype(param_dtype) for n, t in new_targets.items()}  # all-gathered in bf16
+            return new_params, new_targets, new_states, norm, skipped + skip, skip
 
-        shardings = (self._param_specs, self._state_specs, self._replicated)
-        return jax.jit(update, out_shardings=shardings, donate_argnums=(0, 1, 2))
+        rep = self._replicated
+        shardings = (self._param_specs, self._master_specs, self._state_specs, rep, rep, rep)
+        return jax.jit(update, out_shardings=shardings, donate_argnums=(0, 1, 2, 3, 4))
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (DeepSpeed sets them to None)."""
@@ -601,8 +647,13 @@ class TorchaxEngine:
     def get_global_grad_norm(self) -> Optional[float]:
         return None if self._global_grad_norm is None else float(self._global_grad_norm)
 
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients (bf16's overflow check); reads the device."""
+        return int(self._skipped)
+
     def was_step_applied(self) -> bool:
-        return True
+        return self._last_skip is None or not bool(self._last_skip)
 
     def last_loss(self) -> Optional[float]:
         return None if self._last_loss is None else float(self._last_loss.numpy())
