@@ -28,6 +28,7 @@ bf16 with fp32 master weights and DeepSpeed's overflow skip; what it refuses is 
 from __future__ import annotations
 
 import collections
+import functools
 import sys
 import warnings
 from types import SimpleNamespace
@@ -71,8 +72,7 @@ def check_config(cfg: DeepSpeedConfig, client_optimizer: Any = None) -> None:
         if on:
             raise ConfigError(f"{key} is not supported by the torchax backend (spmd.backend='torchax'; it trains "
                               "in fp32 or bf16 with the config's optimizer, no checkpoints, monitors or loss "
-                              "scaling); "
-                              "remove it or use spmd.backend='torch_xla'")
+                              "scaling); remove it or use spmd.backend='torch_xla'")
     if client_optimizer is not None:
         raise ConfigError("spmd.backend='torchax' takes its optimizer from the config's 'optimizer' section; a "
                           "client optimizer (initialize(optimizer=...)) is not supported")
@@ -178,16 +178,6 @@ def _jax_dtype(dtype: torch.dtype):
     return jnp.dtype(str(dtype).removeprefix("torch."))
 
 
-def _cast_in_place(module: torch.nn.Module, dtype: torch.dtype) -> None:
-    """``module.to(dtype)`` keeping every Parameter object (the optimizer's groups hold them)."""
-    previous = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        module.to(dtype)
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(previous)
-
-
 def _jax_ops():
     """The array namespace ``SpmdOptimizer._math`` is written against, on JAX (as fused.py's)."""
     import jax.numpy as jnp
@@ -196,6 +186,7 @@ def _jax_ops():
                            sign=jnp.sign, norm=jnp.linalg.vector_norm, clamp=jnp.clip, ones_like=jnp.ones_like)
 
 
+@functools.lru_cache(maxsize=None)
 def _output_tensor_class():
     """torchax tensors whose torch ops run in the torchax environment, whoever calls them, so
     the outputs a training loop reads (``loss.item()``, ``logits.argmax(-1)``, ``loss * 2``)
@@ -286,7 +277,9 @@ class TorchaxEngine:
         self._masters = {n: self._put(p.float(), self._master_specs[n]) for n, p in module.named_parameters()
                          if n in self._master_specs}
         if self.precision.master_weights:
-            _cast_in_place(module, self.precision.param_dtype)
+            from .initialize import _move_in_place  # module.to(dtype), keeping the optimizer's Parameters
+
+            _move_in_place(module, self.precision.param_dtype)
         self._params = {n: self._put(p.detach(), self._param_specs[n]) for n, p in module.named_parameters()
                         if n in trained}
         self._constants = {n: self._put(t.detach(), self._replicated)

@@ -281,3 +281,15 @@ def test_bf16_skips_a_step_with_non_finite_gradients():
     assert engine.skipped_steps == 1 and not engine.was_step_applied() and engine.global_steps == 1
     for name, p in engine.module.named_parameters():
         assert torch.equal(p, before[name])
+
+
+def test_the_training_loader_feeds_host_batches():
+    x, y = torch.randn(64, 16), torch.randn(64, 8)
+    engine, _, loader, _ = spmdzero.initialize(model=WithLoss(tiny_mlp()), config=config("torchax"),
+                                               training_data=torch.utils.data.TensorDataset(x, y))
+    assert len(loader) == 4 and loader.batch_size == 2  # 2 rows per rank, 8 ranks
+    for bx, by in loader:
+        assert bx.device.type == "cpu" and tuple(bx.shape) == (16, 16)
+        engine.backward(engine(bx, by))
+        engine.step()
+    assert engine.global_steps == 4 and engine.global_samples == 64
