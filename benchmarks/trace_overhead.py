@@ -7,16 +7,21 @@ For a transformers GPT-2 built from its config (batch 8, ``attention_mask`` pass
 off, eager attention: transformers' sdpa path reads an all-ones mask back to the host) at 2
 and 12 layers, n_embd 64 (host-bound on CPU) and 256, it prints per size and spmdzero
 configuration (``default``; ``scan_layers``: ``"spmd": {"scan_layers": true}``; ``compile``:
-``engine.compile()``, dynamo's openxla backend on the forward and backward):
+``engine.compile()``, dynamo's openxla backend on the forward and backward; ``torchax``:
+``"spmd": {"backend": "torchax"}``, the module traced once under ``jax.jit``):
 
 * spmdzero step / JAX step: the fastest of interleaved repeats (A, B, A, B, ...) of each;
 * tracing share: host time in forward + backward + the update's tracing, over the step time
   (under ``compile``, forward and backward are dynamo running its compiled graphs);
 * engine.step tracing: host time of the boundary update (clipping, optimizer, annotations);
+* after the table, the host's CPU time (thread time) in forward, backward and the update: wall
+  time in a call also counts waiting (the torchax engine's dispatch of a jitted program waits on
+  XLA:CPU while its inputs are still in use by the running one);
 * graphs per step and recompiles while timed (1 and 0, but ``compile`` runs a graph each for
-  the forward, the backward and the update);
-* time to the first step (compilation included) of ``default`` and ``scan_layers``, each in a
-  fresh process so that no compile cache is shared.
+  the forward, the backward and the update, and ``torchax`` one for the forward and backward
+  and one for the update; its recompiles are traces of its jitted programs);
+* time to the first step (compilation included) of every configuration but ``compile``, each
+  in a fresh process so that no compile cache is shared.
 
 The JAX side is ``torchax.extract_jax`` of the same module with optax's AdamW, parameters
 replicated and optimizer states sharded like spmdzero's ZeRO-2, under one ``jax.jit``.
@@ -55,36 +60,40 @@ def batch():
     return ids, torch.ones_like(ids)
 
 
-def config(scan_layers: bool = False) -> dict:
+def config(variant: str = "default") -> dict:
     cfg = {"train_batch_size": BATCH, "gradient_clipping": 1.0, "zero_optimization": {"stage": 2},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
-    if scan_layers:
+    if variant == "scan_layers":
         cfg["spmd"] = {"scan_layers": True}
+    if variant == "torchax":
+        cfg["spmd"] = {"backend": "torchax"}
     return cfg
 
 
-CONFIGS = ("default", "scan_layers", "compile")
+CONFIGS = ("default", "scan_layers", "compile", "torchax")
 
 
 class SpmdzeroRunner:
     def __init__(self, layers: int, width: int, variant: str = "default"):
         import spmdzero
 
-        self.engine, *_ = spmdzero.initialize(model=gpt2(layers, width), config=config(variant == "scan_layers"))
+        self.engine, *_ = spmdzero.initialize(model=gpt2(layers, width), config=config(variant))
         if variant == "compile":
             self.engine.compile()
         self.ids, self.mask = batch()
         self.host = {"forward": 0.0, "backward": 0.0, "update": 0.0}
+        self.cpu = dict.fromkeys(self.host, 0.0)
         for name, attr in (("forward", "forward"), ("backward", "backward"), ("update", "_take_model_step")):
             setattr(self.engine, attr, self._timed(name, getattr(self.engine, attr)))
 
     def _timed(self, name, fn):
         def wrapper(*args, **kwargs):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.host[name] += time.perf_counter() - start
+                self.cpu[name] += time.thread_time() - cpu
         return wrapper
 
     def step(self) -> None:
@@ -93,9 +102,25 @@ class SpmdzeroRunner:
         self.engine.step()
 
     def wait(self) -> None:
-        import torch_xla.core.xla_model as xm
+        wait(self.engine)
 
-        xm.wait_device_ops()
+    def counts(self) -> tuple[int, int]:
+        """(compiles, programs run) so far: torch_xla's metrics, or the torchax engine's counters
+        (a trace of a jitted program is its compile)."""
+        from spmdzero.monitor import compile_count, graph_count
+
+        if hasattr(self.engine, "traces"):
+            return sum(self.engine.traces.values()), sum(self.engine.runs.values())
+        return compile_count(), graph_count()
+
+
+def wait(engine) -> None:
+    if hasattr(engine, "traces"):  # spmd.backend='torchax'
+        engine.wait()
+        return
+    import torch_xla.core.xla_model as xm
+
+    xm.wait_device_ops()
 
 
 class JaxRunner:
@@ -168,8 +193,6 @@ def compare(variant: str, theirs: JaxRunner, layers: int, width: int, steps: int
     fastest too."""
     import warnings
 
-    from spmdzero.monitor import compile_count, graph_count
-
     ours = SpmdzeroRunner(layers, width, variant)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # engine.compile() runs several graphs per step: warned, and counted below
@@ -178,43 +201,46 @@ def compare(variant: str, theirs: JaxRunner, layers: int, width: int, steps: int
         ours.wait()
         theirs.step()
         theirs.wait()
-        compiles, graphs = compile_count(), graph_count()
-        t_ours, t_theirs, host = [], [], []
+        compiles, graphs = ours.counts()
+        t_ours, t_theirs, host, cpu = [], [], [], []
         for _ in range(repeats):
-            ours.host = dict.fromkeys(ours.host, 0.0)
+            ours.host, ours.cpu = dict.fromkeys(ours.host, 0.0), dict.fromkeys(ours.cpu, 0.0)
             t_ours.append(timed(ours, steps))
             host.append({k: v / steps for k, v in ours.host.items()})
+            cpu.append({k: v / steps for k, v in ours.cpu.items()})
             t_theirs.append(timed(theirs, steps))
     n = steps * repeats
+    compiles_after, graphs_after = ours.counts()
     step_ours, step_theirs = min(t_ours), min(t_theirs)
     tracing = min(sum(h.values()) for h in host)
     return {"config": variant, "ours_ms": 1e3 * step_ours, "jax_ms": 1e3 * step_theirs, "ratio": step_ours / step_theirs,
             "tracing_share": tracing / step_ours, "update_ms": 1e3 * min(h["update"] for h in host),
-            "graphs_per_step": (graph_count() - graphs) / n, "recompiles": compile_count() - compiles}
+            "graphs_per_step": (graphs_after - graphs) / n, "recompiles": compiles_after - compiles,
+            "cpu_ms": {k: 1e3 * min(c[k] for c in cpu) for k in cpu[0]}}
 
 
 FIRST_STEP = """
 import json, sys, time
 start = time.perf_counter()
 sys.path.insert(0, {here!r})
-import spmdzero, torch_xla.core.xla_model as xm
-from trace_overhead import gpt2, batch, config
-engine, *_ = spmdzero.initialize(model=gpt2({layers}, {width}), config=config({scan}))
+import spmdzero
+from trace_overhead import gpt2, batch, config, wait
+engine, *_ = spmdzero.initialize(model=gpt2({layers}, {width}), config=config({variant!r}))
 ids, mask = batch()
 ready = time.perf_counter()
 out = engine(input_ids=ids, attention_mask=mask, labels=ids)
 engine.backward(out.loss)
 engine.step()
-xm.wait_device_ops()
+wait(engine)
 print(json.dumps({{"first_step_s": time.perf_counter() - ready}}))
 """
 
 
-def first_step(layers: int, width: int, scan: bool) -> float | None:
-    code = FIRST_STEP.format(here=HERE, layers=layers, width=width, scan=scan)
+def first_step(layers: int, width: int, variant: str) -> float | None:
+    code = FIRST_STEP.format(here=HERE, layers=layers, width=width, variant=variant)
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
-        print(f"first step ({layers} layers, scan_layers={scan}) failed: {proc.stderr.strip().splitlines()[-1]}",
+        print(f"first step ({layers} layers, {variant}) failed: {proc.stderr.strip().splitlines()[-1]}",
               file=sys.stderr)
         return None
     return json.loads(proc.stdout.strip().splitlines()[-1])["first_step_s"]
@@ -247,6 +273,7 @@ def main() -> None:
           "engine.step tracing (ms) | graphs/step | recompiles | first step (s) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     show = lambda s: "failed" if s is None else f"{s:.1f}"  # noqa: E731
+    cpu_lines = []
     for layers, width in sizes:
         theirs = JaxRunner(layers, width)
         for _ in range(3):
@@ -254,10 +281,15 @@ def main() -> None:
         theirs.wait()
         for variant in configs:
             r = compare(variant, theirs, layers, width, args.steps, args.repeats)
-            cold = show(first_step(layers, width, variant == "scan_layers")) if variant != "compile" else "-"
+            cold = show(first_step(layers, width, variant)) if variant != "compile" else "-"
             print(f"| {layers} | {width} | {variant} | {r['ours_ms']:.1f} | {r['jax_ms']:.1f} | {r['ratio']:.2f} | "
                   f"{100 * r['tracing_share']:.0f}% | {r['update_ms']:.1f} | {r['graphs_per_step']:.2f} | "
                   f"{r['recompiles']} | {cold} |", flush=True)
+            cpu = ", ".join(f"{k} {v:.1f} ms" for k, v in r["cpu_ms"].items())
+            cpu_lines.append(f"{layers} x {width} {variant}: {cpu}")
+    # Wall time in a call counts waiting too: a jitted program's dispatch (torchax) waits while its
+    # inputs are still in use by the running one. The host's own CPU time in each call, per step:
+    print("\nhost CPU time per step (thread time, fastest repeat):\n  " + "\n  ".join(cpu_lines))
 
 
 if __name__ == "__main__":

@@ -293,6 +293,8 @@ class SpmdConfig(Section):
     compile_cache_dir: Optional[str] = None
     trust_client_state: bool = False  # unpickle a checkpoint's client_state even if it is not plain data
     scan_layers: bool = False  # trace and compile the model's identical blocks once (spmdzero.scan)
+    # "torchax": the module traced once under jax.jit through torchax (spmdzero.backend_torchax)
+    backend: Literal["torch_xla", "torchax"] = "torch_xla"
 
 
 class DeepSpeedConfig(BaseModel):

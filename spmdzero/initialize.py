@@ -37,6 +37,11 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"spmdzero.initialize: model must be a torch.nn.Module, got {type(model).__name__}")
     cfg = load_config(args, config, config_params)
+    if cfg.spmd.backend == "torchax":  # the same API and plan, the module traced once by JAX
+        from . import backend_torchax
+
+        return backend_torchax.initialize(model, cfg, mesh, optimizer, model_parameters, training_data, lr_scheduler,
+                                          collate_fn, _config_dict(cfg, args, config, config_params))
     if cfg.spmd.compile_cache_dir:
         runtime.enable_compile_cache(cfg.spmd.compile_cache_dir)
 

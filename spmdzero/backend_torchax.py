@@ -1,0 +1,685 @@
+"""The torchax backend (``"spmd": {"backend": "torchax"}``): the same engine API and sharding
+plan, with the module traced once by JAX instead of re-traced by torch_xla every step.
+
+torch_xla traces the forward and the backward again at every step (several ms per GPT-2 layer
+on the host, docs/benchmarks.md). Here the module runs as a pure function of its parameters
+under ``jax.jit`` through torchax (torch ops lowered to JAX), so a step is two cached programs:
+
+* ``engine(batch)`` in training runs ONE program: the outputs and ``jax.value_and_grad`` of
+  the loss the module returns, the gradients constrained to the plan's gradient spec (the
+  ZeRO-2 shards) and added to the accumulated ones. ``engine.backward(loss)`` only commits
+  them: it must be given the loss that forward returned, since the gradient was taken there;
+* ``engine.step()`` at the boundary runs ONE program: DeepSpeed's global-norm clipping and the
+  config optimizer's own math (``SpmdOptimizer._math``, the function the torch_xla engine's
+  fused update runs under JAX too), parameters replicated, optimizer states laid out by the
+  plan, the old buffers donated. The hyperparameters (lr from the schedule included) are a
+  traced input, so a changing lr does not recompile.
+
+What the module returns must contain the loss: a scalar, an object with ``.loss`` (Hugging
+Face outputs), or a tuple whose first item is the scalar loss. The outputs come back as
+torchax tensors (JAX arrays seen as torch tensors; torch ops on them run eagerly in JAX).
+
+It runs on the JAX CPU devices, as many as the torch_xla runtime has (``CPU_NUM_DEVICES``):
+on a TPU VM torch_xla's runtime, started by ``import spmdzero``, holds the chips. fp32, or
+bf16 with fp32 master weights and DeepSpeed's overflow skip; what it refuses is checked by
+``check_config`` (docs/config.md, ``spmd.backend``).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import sys
+import warnings
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch.utils import _pytree as torch_pytree
+
+from .config import BatchSizes, ConfigError, DeepSpeedConfig, resolve_batch
+from .data import ShardedDataLoader, _concat, model_pad_id, pad_sequences
+from .mesh import check_user_mesh, data_parallel_size, mesh_shape, resolve_mesh_shape
+from .monitor import log_block
+from .optim import SpmdOptimizer, build_optimizer
+from .plan import ShardingPlan, make_plan, replicated
+from .precision import DTYPES, precision_policy
+from .schedules import build_scheduler
+
+CLIP_EPS = 1e-6  # DeepSpeed's: clip = (norm + 1e-6) / max_norm (as engine.CLIP_EPS)
+
+NEEDS_LOSS = ("the torchax backend needs the module to return its loss (a scalar, an object with .loss, or a tuple "
+              "whose first item is the scalar loss): the gradient is taken inside the traced forward, so "
+              "engine.backward(loss) must be given that loss, as forward returned it. Compute the loss in the "
+              "module's forward (wrap the model and the criterion in one module), or use the torch_xla backend")
+
+
+def check_config(cfg: DeepSpeedConfig, client_optimizer: Any = None) -> None:
+    """Refuse what this backend does not implement, naming the key."""
+    refused = {
+        "fp16.enabled": cfg.fp16.enabled,
+        "spmd.scan_layers": cfg.spmd.scan_layers,
+        "spmd.dcn_mesh": cfg.spmd.dcn_mesh is not None,
+        "spmd.max_recompiles": cfg.spmd.max_recompiles is not None,
+        "spmd.compile_cache_dir": cfg.spmd.compile_cache_dir is not None,
+        "tensorboard.enabled": cfg.tensorboard.enabled,
+        "csv_monitor.enabled": cfg.csv_monitor.enabled,
+        "communication_data_type": DTYPES.get(cfg.communication_data_type) == torch.float16,
+        "data_types.grad_accum_dtype": DTYPES.get(cfg.data_types.grad_accum_dtype) == torch.float16,
+    }
+    for key, on in refused.items():
+        if on:
+            raise ConfigError(f"{key} is not supported by the torchax backend (spmd.backend='torchax'; it trains "
+                              "in fp32 or bf16 with the config's optimizer, no checkpoints, monitors or loss "
+                              "scaling); remove it or use spmd.backend='torch_xla'")
+    if client_optimizer is not None:
+        raise ConfigError("spmd.backend='torchax' takes its optimizer from the config's 'optimizer' section; a "
+                          "client optimizer (initialize(optimizer=...)) is not supported")
+    if cfg.optimizer is None:
+        raise ConfigError("spmd.backend='torchax' needs an 'optimizer' section in the config")
+
+
+def initialize(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, client_optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, collate_fn=None, config_dict: Optional[dict] = None):
+    """``spmdzero.initialize`` for this backend: the same batch arithmetic, plan and return value."""
+    from . import runtime
+    from .initialize import _tied_embeddings
+
+    check_config(cfg, client_optimizer)
+    for name, sub in model.named_modules():
+        if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm) and sub.track_running_stats:
+            # torchax 0.0.13's batch norm leaves the running statistics as they were
+            raise ValueError(f"spmd.backend='torchax' does not update batch-norm running statistics: module "
+                             f"{name!r} ({type(sub).__name__}) tracks them; use spmd.backend='torch_xla'")
+    if mesh is not None:
+        check_user_mesh(mesh)
+        shape = mesh_shape(mesh)
+    else:
+        shape = resolve_mesh_shape(cfg.spmd.mesh, runtime.device_count())
+    if runtime.hosts()[1] > 1:
+        raise RuntimeError("spmd.backend='torchax' runs on one host (one process); use spmd.backend='torch_xla'")
+    batch = resolve_batch(cfg, data_parallel_size(shape))
+    log_block(batch.describe())
+    plan = make_plan([(n, p.shape) for n, p in model.named_parameters() if p.requires_grad], shape, cfg.zero_stage,
+                     tied_embeddings=_tied_embeddings(model))
+    params = model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(cfg.optimizer, params)
+    if not isinstance(optimizer, SpmdOptimizer):
+        raise ConfigError(f"optimizer.type {cfg.optimizer.type!r} is a torch.optim optimizer; spmd.backend='torchax' "
+                          "runs spmdzero's own (Adam/AdamW, Lamb, Lion, Adagrad, SGD) as JAX functions")
+    for group in optimizer.param_groups:  # as DeepSpeed's ZeRO optimizers: trainable parameters only
+        group["params"] = [p for p in group["params"] if p.requires_grad]
+    if lr_scheduler is not None:
+        scheduler = lr_scheduler(optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
+            else lr_scheduler
+    else:
+        scheduler = build_scheduler(cfg.scheduler, optimizer) if cfg.scheduler is not None else None
+    loader = None
+    if training_data is not None:
+        loader = HostBatchLoader(training_data, batch, None, plan.batch_spec, collate_fn=collate_fn,
+                                 drop_last=cfg.dataloader_drop_last, pad_to_multiple_of=cfg.spmd.pad_to_multiple_of,
+                                 pad_id=model_pad_id(model))
+    engine = TorchaxEngine(model, optimizer, scheduler, cfg, batch, plan, shape, runtime.device_count(), loader,
+                           config_dict)
+    return engine, optimizer, loader, scheduler
+
+
+class HostBatchLoader(ShardedDataLoader):
+    """DeepSpeed's loader (the same samplers and row order), yielding host batches: the engine
+    puts them on the JAX devices."""
+
+    def __iter__(self):
+        for per_rank in zip(*self.rank_loaders):
+            host_batch = _concat(per_rank, pad_id=self.pad_id)
+            if self.pad_to_multiple_of:
+                host_batch = pad_sequences(host_batch, self.pad_to_multiple_of, self.pad_id)
+            yield host_batch
+
+
+def jax_devices(count: int) -> list:
+    """``count`` JAX CPU devices, the torch_xla runtime's count. JAX's CPU backend has one device
+    unless told before it starts; one that started with fewer (spmdzero's fused update lowers
+    its op through JAX) is restarted when it holds no arrays yet but torchax's PRNG key."""
+    import jax
+    import jax.extend.backend
+    from jax._src import xla_bridge
+
+    import torch_xla.runtime as xr
+
+    if xr.device_type() != "CPU":
+        raise RuntimeError(f"spmd.backend='torchax' runs on JAX CPU devices only: the torch_xla runtime holds the "
+                           f"{xr.device_type()} devices of this process")
+    reseed = None
+    if xla_bridge.backends_are_initialized() and len(jax.devices("cpu")) < count:
+        # torchax's environment, once created (torch_xla's assume_pure does), holds a PRNG key
+        env = sys.modules["torchax"].default_env() if "torchax" in sys.modules else None
+        key = None if env is None else getattr(env.param.prng, "_base_array", env.param.prng)
+        live = [a for a in jax.live_arrays("cpu") if a is not key]
+        if not live:
+            jax.extend.backend.clear_backends()
+            reseed = env
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", count)
+    devices = jax.devices("cpu")
+    if reseed is not None:
+        reseed.manual_seed(torch.initial_seed() % (1 << 31))
+    if len(devices) < count:
+        raise RuntimeError(f"spmd.backend='torchax' needs {count} JAX CPU devices (as many as torch_xla's runtime) "
+                           f"but JAX started with {len(devices)} and holds arrays; set "
+                           f"XLA_FLAGS=--xla_force_host_platform_device_count={count} before JAX starts")
+    return devices[:count]
+
+
+def _jax_dtype(dtype: torch.dtype):
+    import jax.numpy as jnp
+
+    return jnp.dtype(str(dtype).removeprefix("torch."))
+
+
+def _jax_ops():
+    """The array namespace ``SpmdOptimizer._math`` is written against, on JAX (as fused.py's)."""
+    import jax.numpy as jnp
+
+    return SimpleNamespace(cast=lambda x, like: x.astype(like.dtype), sqrt=jnp.sqrt, where=jnp.where,
+                           sign=jnp.sign, norm=jnp.linalg.vector_norm, clamp=jnp.clip, ones_like=jnp.ones_like)
+
+
+@functools.lru_cache(maxsize=None)
+def _output_tensor_class():
+    """torchax tensors whose torch ops run in the torchax environment, whoever calls them, so
+    the outputs a training loop reads (``loss.item()``, ``logits.argmax(-1)``, ``loss * 2``)
+    work outside it; their results are such tensors too."""
+    import jax
+    import torchax
+    from torchax import tensor as ttensor
+
+    env = torchax.default_env()
+
+    class Output(ttensor.Tensor):
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            # host tensors mixed in (a target on the CPU) are copied to JAX, as the module's inputs
+            args, kwargs = torch_pytree.tree_map_only(
+                torch.Tensor, lambda t: t if isinstance(t, ttensor.Tensor) else ttensor.Tensor(env.t2j_copy(t), env),
+                (args, kwargs or {}))
+            with env:
+                result = func(*args, **kwargs)
+            return torch_pytree.tree_map_only(ttensor.Tensor, lambda t: Output(t._elem, env), result)
+
+        def detach(self):
+            return Output(jax.lax.stop_gradient(self._elem), env)
+
+    return Output
+
+
+class _NoLoss(Exception):
+    """Raised while tracing a training forward whose output holds no scalar loss."""
+
+
+def _find_loss(output) -> Optional[torch.Tensor]:
+    def scalar(t):
+        return isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point()
+
+    if scalar(output):
+        return output
+    loss = getattr(output, "loss", None)
+    if scalar(loss):
+        return loss
+    if isinstance(output, (tuple, list)) and output and scalar(output[0]):
+        return output[0]
+    return None
+
+
+class TorchaxEngine:
+    """DeepSpeed's engine API over two jitted programs (see the module docstring)."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: SpmdOptimizer, lr_scheduler: Any, cfg: DeepSpeedConfig,
+                 batch: BatchSizes, plan: ShardingPlan, mesh_shape: dict[str, int], device_count: int,
+                 training_dataloader: Any = None, config_dict: Optional[dict] = None):
+        import jax
+        import torchax
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        self._jax = jax
+        devices = np.array(jax_devices(device_count)).reshape(tuple(mesh_shape.values()))  # before any JAX array
+        self._env = torchax.default_env()
+        self._Output = _output_tensor_class()
+        self._module = module
+        self.optimizer = self.basic_optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.training_dataloader = training_dataloader
+        self.plan = plan
+        self._config = cfg
+        self.config = dict(config_dict) if config_dict is not None else cfg.model_dump(exclude_none=True)
+        self._batch = batch
+        self.dp_world_size = self.world_size = batch.ranks
+        self.global_steps = self.global_samples = self.micro_steps = 0
+        self.precision = precision_policy(cfg)
+        self._boundary_override: Optional[bool] = None
+        self.mesh = Mesh(devices, tuple(mesh_shape))
+        spec = lambda s: NamedSharding(self.mesh, PartitionSpec(*s))  # noqa: E731
+        self._sharding = spec
+        self._replicated = spec(())
+
+        # Trainable parameters by plan name; frozen ones and buffers are inputs that are not trained.
+        names = {id(p): n for n, p in module.named_parameters()}
+        optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        self._names = [n for n, p in module.named_parameters() if p.requires_grad and id(p) in optimized]
+        self._groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        trained = set(self._names)
+        self._param_specs = {n: spec(plan[n].param) for n in self._names}
+        self._grad_specs = {n: spec(plan[n].grad) for n in self._names}
+        # Under bf16 the optimizer updates fp32 master weights laid out like its states (plan.master)
+        # and the module's parameters are their bf16 casts, as in the torch_xla engine.
+        self._master_specs = {n: spec(plan[n].master) for n in self._names} if self.precision.master_weights else {}
+        self._masters = {n: self._put(p.float(), self._master_specs[n]) for n, p in module.named_parameters()
+                         if n in self._master_specs}
+        if self.precision.master_weights:
+            from .initialize import _move_in_place  # module.to(dtype), keeping the optimizer's Parameters
+
+            _move_in_place(module, self.precision.param_dtype)
+        self._params = {n: self._put(p.detach(), self._param_specs[n]) for n, p in module.named_parameters()
+                        if n in trained}
+        self._constants = {n: self._put(t.detach(), self._replicated)
+                           for n, t in [*module.named_parameters(), *module.named_buffers()] if n not in trained}
+        states, self._state_specs = {}, {}
+        for group, group_names in zip(optimizer.param_groups, self._groups):
+            for p, name in zip(group["params"], group_names):
+                initial = optimizer._initial_state(p.detach().float(), group)
+                self._state_specs[name] = {k: spec(plan[name].optimizer_state if tuple(v.shape) == tuple(p.shape)
+                                                   else replicated(v.dim())) for k, v in initial.items()}
+                states[name] = {k: self._put(v, self._state_specs[name][k]) for k, v in initial.items()}
+        self._opt_state = states
+        self._accum: Optional[dict] = None  # gradients committed since the last boundary (plan's grad spec)
+        self._retired: Optional[dict] = None  # the sum the last backward replaced
+        self._retired_inputs: tuple = ()  # the last update's inputs
+        self._pending: Optional[dict] = None  # the last training forward's accumulation, until backward commits it
+        self._last_output_loss = None  # the loss tensor the last training forward returned
+        self._last_loss = None
+        self._pending_rows = self._rows_since_step = 0  # training rows fed: global_samples
+        self._global_grad_norm = None
+        self._skipped = self._put(torch.zeros(()), self._replicated)  # steps skipped for non-finite gradients
+        self._last_skip = None
+        self._module_stale = False
+        self._rng = jax.random.key(torch.initial_seed() % (1 << 63))
+        self._programs: dict = {}  # jitted functions by static structure
+        self.traces: collections.Counter = collections.Counter()  # by program kind, counted while tracing
+        self.runs: collections.Counter = collections.Counter()  # programs executed, by kind
+        self._update = self._build_update()
+
+    # ---- placement ---------------------------------------------------------------------
+    def _put(self, t: torch.Tensor, sharding):
+        from torchax.ops import mappings
+
+        return self._jax.device_put(mappings.t2j(t.detach().cpu()), sharding)
+
+    def _place_inputs(self, leaves: list) -> list:
+        """Tensors to JAX arrays: those with the batch's leading dim split along the batch axes
+        (replicated when it does not divide), others replicated; torchax tensors as they are."""
+        from torchax import tensor as ttensor
+
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        rows = next((t.shape[0] for t in tensors if t.dim()), None)
+        split = rows is not None and rows % self._batch.dp_devices == 0
+        placed = []
+        for t in tensors:
+            if t.is_floating_point() and not isinstance(t, ttensor.Tensor):
+                t = t.to(self.precision.param_dtype)  # in the model dtype, as the torch_xla engine does
+            if isinstance(t, ttensor.Tensor):
+                placed.append(t._elem)
+            elif split and t.dim() and t.shape[0] == rows:
+                placed.append(self._put(t, self._sharding(self.plan.batch_spec(t.dim()))))
+            else:
+                placed.append(self._put(t, self._replicated))
+        return placed
+
+    # ---- DeepSpeed batch numbers -------------------------------------------------------
+    def train_batch_size(self) -> int:
+        return self._batch.global_batch
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._batch.rows_per_rank
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._batch.accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.plan.stage
+
+    def gradient_clipping(self) -> float:
+        return self._config.gradient_clipping
+
+    def bfloat16_enabled(self) -> bool:
+        return self.precision.param_dtype == torch.bfloat16
+
+    def fp16_enabled(self) -> bool:
+        return False
+
+    # ---- the module ----------------------------------------------------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        """The torch module, its parameters brought up to date from the devices when a step
+        changed them since the last read (a device-to-host copy)."""
+        if self._module_stale:
+            from torchax.ops import mappings
+
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # it is copied
+                for name, p in self._module.named_parameters():
+                    if name in self._params:
+                        p.copy_(mappings.j2t(self._params[name], use_dlpack=False))
+            self._module_stale = False
+        return self._module
+
+    def train(self, mode: bool = True) -> "TorchaxEngine":
+        self._module.train(mode)
+        return self
+
+    def eval(self) -> "TorchaxEngine":
+        return self.train(False)
+
+    @property
+    def training(self) -> bool:
+        return self._module.training
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def named_parameters(self, *args, **kwargs):
+        return self.module.named_parameters(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        """Attributes the engine lacks come from the module, as in DeepSpeed."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return getattr(self.module, name)
+        except AttributeError:
+            raise AttributeError(f"neither the engine nor its module ({type(self._module).__name__}) has an "
+                                 f"attribute {name!r}") from None
+
+    # ---- the training step -----------------------------------------------------------------
+    def __call__(self, *inputs, **kwargs):
+        return self.forward(*inputs, **kwargs)
+
+    def forward(self, *inputs, **kwargs):
+        """Run the module in one jitted program; in training (train mode, grad enabled) it also
+        takes the gradient of the loss the module returns (see the module docstring)."""
+        if self._config.spmd.pad_to_multiple_of:
+            inputs, kwargs = pad_sequences((inputs, kwargs), self._config.spmd.pad_to_multiple_of,
+                                           model_pad_id(self._module))
+        leaves, treespec = torch_pytree.tree_flatten((inputs, kwargs))
+        static = tuple((i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor))
+        arrays = self._place_inputs(leaves)
+        self._last_output_loss = None
+        rng = (self._rng, np.uint32(self.micro_steps))  # dropout draws anew at every micro-step
+        if self._module.training and torch.is_grad_enabled():
+            program = self._program("train" if self._accum is None else "accumulate", treespec, static)
+            ran = None if program.no_loss else program(self._params, self._constants, self._accum, rng, arrays)
+            if ran is not None:
+                self.runs["forward"] += 1
+                outputs, constants, self._pending = ran
+                self._pending_rows = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim()), 0)
+                self._constants = {**self._constants, **constants}
+                result = self._outputs(outputs, program)
+                self._last_output_loss = self._last_loss = program.loss_of(result)
+                return result
+            # the output holds no loss (found while tracing): a plain forward; backward will explain
+        program = self._program("forward", treespec, static)
+        self.runs["forward"] += 1
+        outputs, constants = program(self._params, self._constants, rng, arrays)
+        self._constants = {**self._constants, **constants}
+        return self._outputs(outputs, program)
+
+    def _outputs(self, arrays: list, program):
+        spec, others = program.out_spec
+        leaves = [self._Output(a, self._env) for a in arrays]
+        for i, value in others:
+            leaves.insert(i, value)
+        return torch_pytree.tree_unflatten(leaves, spec)
+
+    def _program(self, kind: str, treespec, static: tuple):
+        key = (kind, treespec, _hashable(static))
+        if key not in self._programs:
+            self._programs[key] = self._build_forward(kind, treespec, static)
+        return self._programs[key]
+
+    def _build_forward(self, kind: str, treespec, static: tuple):
+        """A jitted run of the module for one input structure: ``kind`` "forward":
+        ``(params, constants, rng, inputs) -> (outputs, changed buffers)``; "train" (the first
+        micro-step) and "accumulate" (later ones): ``(params, constants, accum, rng, inputs) ->
+        (outputs, changed buffers, accumulated gradients)``, or None when the output holds no loss."""
+        import jax
+
+        env, module, names, policy = self._env, self._module, set(self._names), self.precision
+        gas = self.gradient_accumulation_steps()
+        out_spec: list = []  # (treespec, [(index, non-tensor leaf)]), filled while tracing
+        loss_leaf: list = []
+
+        def flatten_output(output) -> list:
+            """The output's tensors as JAX arrays; its other leaves are kept if they are plain
+            values, else dropped (None): a transformers cache holds traced arrays."""
+            leaves, spec = torch_pytree.tree_flatten(output)
+            plain = (int, float, str, bool, type(None))
+            out_spec[:] = [spec, [(i, v if isinstance(v, plain) else None) for i, v in enumerate(leaves)
+                                  if not isinstance(v, torch.Tensor)]]
+            return [env.t2j_iso(t) for t in leaves if isinstance(t, torch.Tensor)]
+
+        def run(params, constants, rng, arrays):
+            leaves = list(arrays)
+            for i, value in static:
+                leaves.insert(i, value)
+            inputs, kwargs = torch_pytree.tree_unflatten(leaves, treespec)
+            tensors = env.j2t_iso({**params, **constants})
+            inputs, kwargs = env.j2t_iso((inputs, kwargs))
+            with env, env.override_property(prng=jax.random.fold_in(*rng)):
+                output = torch.func.functional_call(module, tensors, inputs, kwargs)
+            # buffers the module updated in place (running statistics) are returned as new values
+            changed = {n: t._elem for n, t in tensors.items() if n not in names and t._elem is not constants[n]}
+            return output, changed
+
+        def program_forward(params, constants, rng, arrays):
+            self.traces["forward"] += 1
+            output, changed = run(params, constants, rng, arrays)
+            return flatten_output(output), changed
+
+        def program_train(params, constants, accum, rng, arrays):
+            self.traces["train_forward"] += 1
+
+            def objective(params):
+                output, changed = run(params, constants, rng, arrays)
+                loss = _find_loss(output)
+                if loss is None:
+                    raise _NoLoss
+                outputs = flatten_output(output)
+                tensors = [t for t in torch_pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+                loss_leaf[:] = [next(i for i, t in enumerate(tensors) if t is loss)]
+                value = env.t2j_iso(loss).reshape(())
+                # DeepSpeed's backward scales the loss by 1/gradient_accumulation_steps
+                return (value / gas if gas > 1 else value), (outputs, changed)
+
+            grads, (outputs, changed) = jax.grad(objective, has_aux=True)(params)
+            # reduced in communication_data_type, accumulated in grad_accum_dtype (both the model's by default)
+            comm, accumulated = _jax_dtype(policy.communication_dtype), _jax_dtype(policy.grad_accum_dtype)
+            grads = {n: jax.lax.with_sharding_constraint(g.astype(comm), self._grad_specs[n]).astype(accumulated)
+                     for n, g in grads.items()}
+            if kind == "accumulate":
+                grads = {n: jax.lax.with_sharding_constraint(accum[n] + g, self._grad_specs[n])
+                         for n, g in grads.items()}
+            return outputs, changed, grads
+
+        if kind != "forward":
+            jitted = jax.jit(program_train)
+
+            def call(params, constants, accum, rng, arrays):
+                try:
+                    return jitted(params, constants, accum, rng, arrays)
+                except _NoLoss:
+                    call.no_loss = True
+                    return None
+        else:
+            jitted = jax.jit(program_forward)
+
+            def call(params, constants, rng, arrays):
+                return jitted(params, constants, rng, arrays)
+        call.no_loss = False
+        call.out_spec = out_spec
+        call.loss_of = lambda result: [t for t in torch_pytree.tree_leaves(result)
+                                       if isinstance(t, torch.Tensor)][loss_leaf[0]]
+        return call
+
+    def backward(self, loss, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """Commit the gradients the training forward took of ``loss``. Returns the loss scaled
+        by 1/gradient_accumulation_steps, as DeepSpeed does."""
+        if loss is None or loss is not self._last_output_loss:
+            raise RuntimeError(f"engine.backward(loss): {NEEDS_LOSS}")
+        if not scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            raise ValueError("engine.backward(scale_wrt_gas=False) is not supported by the torchax backend: the "
+                             "traced forward scales the loss by 1/gradient_accumulation_steps")
+        self._retired = self._accum  # released one micro-step later (see _take_model_step)
+        self._accum, self._pending, self._last_output_loss = self._pending, None, None
+        self._rows_since_step += self._pending_rows
+        gas = self.gradient_accumulation_steps()
+        return loss / gas if gas > 1 else loss
+
+    def step(self, lr_kwargs: Optional[dict] = None) -> None:
+        """Apply the update at an accumulation boundary; count every call."""
+        if self.is_gradient_accumulation_boundary():
+            if self._accum is None:
+                raise RuntimeError("engine.step() at a gradient accumulation boundary with no engine.backward() "
+                                   "since the last optimizer step: there are no gradients to apply")
+            self._take_model_step(lr_kwargs)
+        self.micro_steps += 1
+
+    def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
+        hyper = [np.array(list(self.optimizer._hyper_values(g).values()), dtype=np.float32)
+                 for g in self.optimizer.param_groups]
+        # The inputs, donated, are released at the next boundary: dropping the last reference to an
+        # array that a dispatched program still uses blocks the host until that program has run.
+        self._retired_inputs = (self._params, self._masters, self._opt_state, self._accum, self._skipped)
+        self._accum = None
+        self.runs["update"] += 1
+        with warnings.catch_warnings():  # the gradients are donated to be freed, not to hold results
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            (self._params, self._masters, self._opt_state, self._global_grad_norm, self._skipped,
+             self._last_skip) = self._update(*self._retired_inputs, hyper)
+        self._module_stale = True
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.global_steps += 1
+        self.global_samples += self._rows_since_step or self.train_batch_size()
+        self._rows_since_step = 0
+
+    def _build_update(self):
+        """``(params, masters, states, grads, skipped, hyperparameters) -> (params, masters, states,
+        norm, skipped, skip)``, jitted, all but the hyperparameters donated: the engine's boundary
+        step (clipping, the optimizer's math, the overflow skip under bf16)."""
+        import jax
+        import jax.numpy as jnp
+
+        optimizer, ops, clipping = self.optimizer, _jax_ops(), self._config.gradient_clipping
+        groups = [(names, list(optimizer._hyper_values(g)), {k: v for k, v in g.items() if isinstance(v, bool)})
+                  for names, g in zip(self._groups, optimizer.param_groups)]
+        order, policy = self._names, self.precision
+        param_dtype = _jax_dtype(policy.param_dtype)
+
+        def update(params, masters, states, grads, skipped, hyper):
+            self.traces["update"] += 1
+            sum_sq = 0  # the torch_xla engine's global norm: fp32, in parameter order
+            for name in order:
+                g = grads[name].astype(jnp.float32)
+                sum_sq = sum_sq + (g * g).sum()
+            norm = jnp.sqrt(sum_sq)
+            inverse = None
+            if clipping > 0:
+                inverse = 1.0 / jnp.maximum((norm + CLIP_EPS) / clipping, 1.0)
+            # a non-finite sum is an overflow: the old values are kept (DeepSpeed skips the step)
+            skip = ~jnp.isfinite(sum_sq) if policy.check_overflow else None
+            targets = masters if masters else params
+            new_targets, new_states = dict(targets), dict(states)
+            for (names, keys, static), values in zip(groups, hyper):
+                hp = {k: values[i] for i, k in enumerate(keys)}
+                for name in names:
+                    new_targets[name], new_states[name] = optimizer.scaled_math(
+                        targets[name], grads[name], states[name], hp, static, ops, grad_scale=inverse, skip=skip)
+            skip = jnp.zeros((), bool) if skip is None else skip
+            if not masters:
+                return new_targets, masters, new_states, norm, skipped + skip, skip
+            new_params = {n: t.astype(param_dtype) for n, t in new_targets.items()}  # all-gathered in bf16
+            return new_params, new_targets, new_states, norm, skipped + skip, skip
+
+        rep = self._replicated
+        shardings = (self._param_specs, self._master_specs, self._state_specs, rep, rep, rep)
+        return jax.jit(update, out_shardings=shardings, donate_argnums=(0, 1, 2, 3, 4))
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients (DeepSpeed sets them to None)."""
+        self._accum = self._pending = None
+
+    # ---- accumulation boundary ---------------------------------------------------------------
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self._boundary_override = is_boundary
+
+    # ---- reporting -------------------------------------------------------------------------------
+    def get_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def get_mom(self) -> list:
+        return [tuple(g["betas"]) if "betas" in g else g.get("momentum") for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        return None if self._global_grad_norm is None else float(self._global_grad_norm)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients (bf16's overflow check); reads the device."""
+        return int(self._skipped)
+
+    def was_step_applied(self) -> bool:
+        return self._last_skip is None or not bool(self._last_skip)
+
+    def last_loss(self) -> Optional[float]:
+        return None if self._last_loss is None else float(self._last_loss.numpy())
+
+    def optimizer_states(self) -> dict[str, dict[str, Any]]:
+        """The optimizer states by parameter name and key, as JAX arrays (laid out by the plan)."""
+        return self._opt_state
+
+    def params(self) -> dict[str, Any]:
+        """The trainable parameters by name, as JAX arrays (replicated)."""
+        return self._params
+
+    def wait(self) -> None:
+        """Block until the dispatched programs have run."""
+        self._jax.block_until_ready((self._params, self._opt_state, self._accum))
+
+    def compile(self, *args, **kwargs) -> None:
+        raise NotImplementedError("engine.compile() does not apply to the torchax backend: its programs are "
+                                  "compiled by jax.jit")
+
+    def save_checkpoint(self, *args, **kwargs):
+        raise NotImplementedError("checkpoints are not supported by the torchax backend (spmd.backend='torchax'); "
+                                  "engine.module holds the trained weights")
+
+    load_checkpoint = save_checkpoint
+
+    def destroy(self) -> None:
+        """Nothing to release: device memory goes with the arrays."""
+
+
+def _hashable(static: tuple) -> tuple:
+    try:
+        hash(static)
+        return static
+    except TypeError:
+        return tuple((i, repr(v)) for i, v in static)

@@ -1,0 +1,295 @@
+"""spmd.backend='torchax': the same results as the torch_xla engine, the plan's layouts on the JAX
+arrays, one trace per program, and clear refusals."""
+
+import pytest
+import torch
+
+import spmdzero
+from spmdzero.config import ConfigError
+
+from conftest import batches, tiny_mlp
+
+STEPS = 4
+
+
+class WithLoss(torch.nn.Module):
+    """The model and its criterion in one module: the torchax backend needs the loss returned."""
+
+    def __init__(self, net: torch.nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+
+def config(backend: str, gas: int = 1, **extra) -> dict:
+    return {"train_batch_size": 16 * gas, "gradient_accumulation_steps": gas,
+            "gradient_clipping": 0.05,  # below the gradients' norm: clipping is applied at every step
+            "zero_optimization": {"stage": 2},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": 1e-2}},
+            "spmd": {"backend": backend}, **extra}
+
+
+def train(backend: str, gas: int):
+    engine, *_ = spmdzero.initialize(model=WithLoss(tiny_mlp(seed=0)), config=config(backend, gas))
+    losses, traces = [], []
+    for x, y in batches(STEPS * gas, 16):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        traces.append(sum(engine.traces.values()) if backend == "torchax" else 0)
+    params = {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()}
+    return engine, losses, params, traces
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["gas1", "gas2"])
+def trained(request):
+    gas = request.param
+    return gas, train("torch_xla", gas), train("torchax", gas)
+
+
+def test_same_losses_and_parameters_as_the_torch_xla_engine(trained):
+    gas, (ref, ref_losses, ref_params, _), (engine, losses, params, _) = trained
+    assert engine.global_steps == ref.global_steps == STEPS
+    assert engine.get_lr() == pytest.approx(ref.get_lr())
+    assert losses == pytest.approx(ref_losses, abs=1e-5)
+    assert engine.get_global_grad_norm() > 0.05  # clipping was on
+    assert engine.get_global_grad_norm() == pytest.approx(ref.get_global_grad_norm(), rel=1e-5)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(params[name], value, atol=1e-5, rtol=1e-5)
+    initial = dict(WithLoss(tiny_mlp(seed=0)).named_parameters())
+    assert all((params[n] - p).abs().max() > 1e-3 for n, p in initial.items())  # it trained
+
+
+def test_no_retrace_after_warm_up(trained):
+    """One trace per program: the first micro-step's forward, the later ones' (gas > 1), the
+    update; a changing lr (the warm-up schedule) is an input, not a constant."""
+    gas, _, (engine, _, _, traces) = trained
+    assert traces[-1] == traces[gas] == (3 if gas > 1 else 2)
+    assert engine.traces["update"] == 1
+
+
+def test_optimizer_states_sharded_by_the_plan(trained):
+    from jax.sharding import PartitionSpec
+
+    _, _, (engine, *_) = trained
+    states = engine.optimizer_states()
+    for name in engine._names:
+        planned = engine.plan[name]
+        for key, value in states[name].items():
+            if key == "step":
+                assert value.sharding.is_fully_replicated
+                continue
+            assert value.sharding.spec == PartitionSpec(*planned.optimizer_state), (name, key)
+            shard = value.addressable_shards[0].data.shape
+            dim = planned.shard_dims[0]
+            assert shard[dim] == planned.shape[dim] // 8, (name, key)
+        assert engine.params()[name].sharding.is_fully_replicated
+    assert any(engine.plan[n].shard_dims for n in engine._names)
+
+
+def test_eval_forward_leaves_the_gradients_alone(trained):
+    gas, _, (engine, *_) = trained
+    x, y = batches(1, 16)[0]
+    engine.eval()
+    with torch.no_grad():
+        loss = engine(x, y)
+    engine.train()
+    assert torch.isfinite(torch.tensor(loss.item()))
+    assert engine._accum is None
+    with pytest.raises(RuntimeError, match="no engine.backward"):
+        engine.set_gradient_accumulation_boundary(True)
+        try:
+            engine.step()
+        finally:
+            engine.set_gradient_accumulation_boundary(None)
+
+
+def test_a_loss_computed_outside_the_module_is_refused_clearly():
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(seed=0), config=config("torchax"))
+    x, y = batches(1, 16)[0]
+    out = engine(x)
+    assert tuple(out.shape) == (16, 8)
+    loss = torch.nn.functional.mse_loss(out, y)  # runs, eagerly in JAX
+    with pytest.raises(RuntimeError, match="needs the module to return its loss"):
+        engine.backward(loss)
+    engine(x)
+    assert engine.traces == {"train_forward": 1, "forward": 1}  # the lossless output is not traced again
+
+
+@pytest.mark.parametrize("extra, key", [
+    ({"fp16": {"enabled": True}}, "fp16.enabled"),
+    ({"spmd": {"backend": "torchax", "scan_layers": True}}, "spmd.scan_layers"),
+    ({"optimizer": {"type": "RMSprop", "params": {"lr": 1e-3}}}, "optimizer.type 'RMSprop'"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}, "optimizer.type 'AdamW'"),
+    ({"optimizer": None}, "'optimizer' section"),
+])
+def test_refused_options_name_the_key(extra, key):
+    cfg = {k: v for k, v in {**config("torchax"), **extra}.items() if v is not None}
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.").replace("(", r"\(")):
+        spmdzero.initialize(model=WithLoss(tiny_mlp()), config=cfg)
+
+
+def test_a_client_optimizer_is_refused():
+    model = WithLoss(tiny_mlp())
+    with pytest.raises(ConfigError, match="client optimizer"):
+        spmdzero.initialize(model=model, config=config("torchax"), optimizer=torch.optim.SGD(model.parameters(), 0.1))
+
+
+def test_an_unknown_backend_is_refused():
+    with pytest.raises(ConfigError, match="spmd.backend"):
+        spmdzero.initialize(model=tiny_mlp(), config=config("jax"))
+
+
+def test_batch_norm_running_statistics_are_refused():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.BatchNorm1d(8))
+    with pytest.raises(ValueError, match="'1' \\(BatchNorm1d\\)"):
+        spmdzero.initialize(model=model, config=config("torchax"))
+
+
+class LossFirst(WithLoss):
+    def forward(self, x, y):
+        out = self.net(x)
+        return torch.nn.functional.mse_loss(out, y), out
+
+
+def test_a_tuple_output_gives_its_first_item_as_the_loss():
+    engine, *_ = spmdzero.initialize(model=LossFirst(tiny_mlp()), config=config("torchax"))
+    x, y = batches(1, 16)[0]
+    loss, out = engine(x, y)
+    assert tuple(out.shape) == (16, 8) and loss.item() > 0
+    engine.backward(loss)
+    engine.step()
+    assert engine.global_steps == 1
+    with pytest.raises(RuntimeError, match="needs the module to return its loss"):
+        engine.backward(loss)  # its gradients were committed already
+
+
+def gpt2():
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=128, bos_token_id=0,
+                                  eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  attn_implementation="eager")
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def test_gpt2_with_attention_mask_matches_the_torch_xla_engine():
+    """A transformers model: the loss read from ``outputs.loss``, the tied embedding in the plan."""
+    ids = torch.randint(0, 128, (3, 16, 16), generator=torch.Generator().manual_seed(1))
+    results = {}
+    for backend in ("torch_xla", "torchax"):
+        engine, *_ = spmdzero.initialize(model=gpt2(), config=config(backend))
+        losses = []
+        for batch in ids:
+            out = engine(input_ids=batch, attention_mask=torch.ones_like(batch), labels=batch)
+            engine.backward(out.loss)
+            engine.step()
+            losses.append(out.loss.item())
+        assert tuple(out.logits.shape) == (16, 16, 128)
+        module = engine.module
+        assert module.lm_head.weight is module.transformer.wte.weight
+        results[backend] = losses, {n: p.detach().cpu() for n, p in module.named_parameters()}
+    assert results["torchax"][0] == pytest.approx(results["torch_xla"][0], abs=1e-5)
+    for name, value in results["torch_xla"][1].items():
+        torch.testing.assert_close(results["torchax"][1][name], value, atol=1e-5, rtol=1e-4)
+
+
+class Dropped(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Dropout(0.5), torch.nn.Linear(64, 1))
+
+    def forward(self, x):
+        return self.net(x).square().mean()
+
+
+def test_dropout_draws_anew_at_every_step_without_retracing():
+    engine, *_ = spmdzero.initialize(model=Dropped(), config=config("torchax"))
+    x = torch.ones(16, 16)
+    losses = []
+    for _ in range(3):
+        loss = engine(x)
+        engine.backward(loss)
+        losses.append(loss.item())
+        engine.zero_grad()
+        engine.micro_steps += 1  # a new micro-step without an update: the same weights, new masks
+    assert len(set(losses)) == 3
+    engine.eval()
+    with torch.no_grad():
+        assert engine(x).item() == engine(x).item()  # no dropout
+    assert engine.traces == {"train_forward": 1, "forward": 1}
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_zero_stages_0_and_1_follow_the_plan(stage):
+    from jax.sharding import PartitionSpec
+
+    results = {}
+    for backend in ("torch_xla", "torchax"):
+        cfg = config(backend, zero_optimization={"stage": stage})
+        engine, *_ = spmdzero.initialize(model=WithLoss(tiny_mlp(seed=0)), config=cfg)
+        for x, y in batches(2, 16):
+            engine.backward(engine(x, y))
+            engine.step()
+        results[backend] = {n: p.detach().cpu() for n, p in engine.module.named_parameters()}
+    for name, value in results["torch_xla"].items():
+        torch.testing.assert_close(results["torchax"][name], value, atol=1e-5, rtol=1e-5)
+    assert all(engine._grad_specs[n].is_fully_replicated for n in engine._names)  # below stage 2
+    states = engine.optimizer_states()
+    assert {states[n]["exp_avg"].sharding.spec for n in engine._names} == {
+        PartitionSpec(*engine.plan[n].optimizer_state) for n in engine._names}
+    assert any(not states[n]["exp_avg"].sharding.is_fully_replicated for n in engine._names) == (stage == 1)
+
+
+def test_bf16_matches_the_torch_xla_engine():
+    """bf16 parameters and activations, fp32 master weights and states laid out by the plan."""
+    from jax.sharding import PartitionSpec
+
+    results = {}
+    for backend in ("torch_xla", "torchax"):
+        cfg = config(backend, 2, bf16={"enabled": True})
+        engine, *_ = spmdzero.initialize(model=WithLoss(tiny_mlp(seed=0)), config=cfg)
+        losses = []
+        for x, y in batches(4, 16):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        results[backend] = losses, {n: p.detach().cpu() for n, p in engine.module.named_parameters()}
+    assert engine.bfloat16_enabled() and engine.skipped_steps == 0 and engine.was_step_applied()
+    assert results["torchax"][0] == pytest.approx(results["torch_xla"][0], rel=1e-2)  # a bf16 ulp is 2^-8
+    for name, value in results["torch_xla"][1].items():
+        assert results["torchax"][1][name].dtype == torch.bfloat16
+        torch.testing.assert_close(results["torchax"][1][name], value, atol=1e-2, rtol=1e-2)
+    for name, master in engine._masters.items():
+        assert master.dtype == "float32"
+        assert master.sharding.spec == PartitionSpec(*engine.plan[name].master)
+
+
+def test_bf16_skips_a_step_with_non_finite_gradients():
+    engine, *_ = spmdzero.initialize(model=WithLoss(tiny_mlp(seed=0)), config=config("torchax", bf16={"enabled": True}))
+    before = {n: p.clone() for n, p in engine.module.named_parameters()}
+    x, y = batches(1, 16)[0]
+    x[0, 0] = float("inf")
+    engine.backward(engine(x, y))
+    engine.step()
+    assert engine.skipped_steps == 1 and not engine.was_step_applied() and engine.global_steps == 1
+    for name, p in engine.module.named_parameters():
+        assert torch.equal(p, before[name])
+
+
+def test_the_training_loader_feeds_host_batches():
+    x, y = torch.randn(64, 16), torch.randn(64, 8)
+    engine, _, loader, _ = spmdzero.initialize(model=WithLoss(tiny_mlp()), config=config("torchax"),
+                                               training_data=torch.utils.data.TensorDataset(x, y))
+    assert len(loader) == 4 and loader.batch_size == 2  # 2 rows per rank, 8 ranks
+    for bx, by in loader:
+        assert bx.device.type == "cpu" and tuple(bx.shape) == (16, 16)
+        engine.backward(engine(bx, by))
+        engine.step()
+    assert engine.global_steps == 4 and engine.global_samples == 64
