@@ -87,7 +87,6 @@ class SpmdZeroEngine(torch.nn.Module):
         self._last_overflow: Any = False
         self._loss_scale = init_loss_scale(precision, self.device) if precision.scales_loss else None
         self._capture = None  # a spmdzero.aot.StepCapture while a step is being captured
-        self._pin_fresh_gradients = runtime.forms_reduce_scatter()  # see backward
         self._last_loss: Optional[torch.Tensor] = None
         self._backward_since_step = False  # an optimizer step needs gradients from a backward since the last one
         self._input_shapes: tuple = ()
@@ -229,14 +228,11 @@ class SpmdZeroEngine(torch.nn.Module):
                     # they would be all-reduced over every device first, all at once.
                     shard(reduced, self.mesh, stages[0])
                     stages = stages[1:]
-                elif self._pin_fresh_gradients or self._capture is not None:
-                    # For TPU (or GPU): pinned replicated, then a sharded copy. A sharded layout on the
-                    # gradient itself propagates back through the weight-gradient matmul into the
-                    # backward's activations (attention's get split two ways against the batch and
-                    # are fully rematerialized); pinned, the compiler turns the all-reduce + slice
-                    # into a reduce-scatter. XLA:CPU forms no reduce-scatter: the pin would make
-                    # every device all-reduce the full gradient, so there the gradient takes its
-                    # ZeRO layout directly, as a hand-written loop would (docs/benchmarks.md).
+                else:
+                    # Pinned replicated, then a sharded copy: a sharded layout on the gradient itself
+                    # propagates back through the weight-gradient matmul into the backward's
+                    # activations (attention's get split two ways against the batch and are fully
+                    # rematerialized). The compiler turns the all-reduce + slice into a reduce-scatter.
                     shard(reduced, self.mesh, replicated(reduced.dim()))
                 for stage in stages:
                     reduced = constrain(reduced, self.mesh, stage)

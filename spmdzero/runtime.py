@@ -104,14 +104,6 @@ def device_count() -> int:
     return xr.global_runtime_device_count()
 
 
-def forms_reduce_scatter() -> bool:
-    """Whether this backend's compiler turns an all-reduce followed by a slice into a
-    reduce-scatter (TPU, GPU). XLA:CPU has no reduce-scatter: there it all-reduces in full."""
-    import torch_xla.runtime as xr
-
-    return xr.device_type() != "CPU"
-
-
 def hosts() -> tuple[int, int]:
     """(this process's index, the number of processes): one process per host."""
     import torch_xla.runtime as xr

@@ -77,23 +77,6 @@ def test_stage_trains_like_single_device_pytorch(trained):
     assert engine.global_samples == 6 * engine.train_batch_size()
 
 
-def test_tpu_gradient_pin_trains_exactly_like_the_cpu_layout(trained):
-    """The fresh gradient is pinned replicated only where the compiler makes a reduce-scatter
-    of it (TPU, GPU, an AOT capture); on XLA:CPU it takes its ZeRO layout directly. Both
-    layouts must train the same: the TPU path, forced here, against the fixture's CPU path."""
-    stage, _, _, (losses, params), _ = trained
-    if stage != 2:
-        pytest.skip("the gradient layout differs at stage 2 only")
-    assert not spmdzero.runtime.forms_reduce_scatter()
-    engine, _, _, _ = spmdzero.initialize(model=tiny_mlp(), config=config(stage))
-    assert not engine._pin_fresh_gradients
-    engine._pin_fresh_gradients = True
-    pinned_losses, pinned_params = engine_run(engine, batches(12, MICRO_PER_DEVICE * N))
-    np.testing.assert_allclose(pinned_losses, losses, rtol=1e-6, atol=1e-6)
-    for name, value in params.items():
-        torch.testing.assert_close(pinned_params[name], value, rtol=1e-6, atol=1e-6, msg=name)
-
-
 def test_clipping_was_active(trained):
     _, engine, *_ = trained
     assert engine.get_global_grad_norm() > CLIP
