@@ -42,8 +42,11 @@ DEVICES = 8
 CASES = {  # name: (kind, size, batch rows per micro-step, optimizer steps per timed window, windows, rounds)
     "mlp-1M": ("mlp", 512, 64, 5, 3, 2),
     "mlp-17M": ("mlp", 2048, 64, 3, 3, 2),
-    "gpt2-100M": ("gpt2", 768, 8, 1, 2, 1),
+    "gpt2-100M": ("gpt2", 768, 8, 1, 2, 1),  # 8 x 32 tokens: fewer tokens per step than the model is wide
+    "gpt2-100M-2k": ("gpt2", 768, 8, 1, 2, 1),  # 8 x 256 tokens: more, as in real training
 }
+SEQUENCE = {"gpt2-100M": 32, "gpt2-100M-2k": 256}  # tokens per row
+DEFAULT_CASES = ("mlp-1M", "mlp-17M", "gpt2-100M")  # gpt2-100M-2k: 35 s and 15 GiB a step here, run it with --gas 1
 
 
 # ---- child: one variant of one case ---------------------------------------------------------------
@@ -65,9 +68,10 @@ def build(case: str, rows: int | None = None):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     # ~96M params, most of them in the 10 blocks; short sequences keep the CPU step short
-    config = GPT2Config(vocab_size=32768, n_positions=32, n_embd=size, n_layer=10, n_head=12)
+    seq = SEQUENCE[case]
+    config = GPT2Config(vocab_size=32768, n_positions=seq, n_embd=size, n_layer=10, n_head=12)
     model = GPT2LMHeadModel(config)
-    tokens = torch.randint(0, config.vocab_size, (rows, 32))
+    tokens = torch.randint(0, config.vocab_size, (rows, seq))
     return model, (tokens,), lambda m, t: m(input_ids=t, labels=t).loss
 
 
@@ -296,7 +300,7 @@ def main() -> None:
         aot_child(sys.argv[2], int(sys.argv[3]), sys.argv[4])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"of {', '.join(CASES)}")
     parser.add_argument("--gas", default="1,4")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per timed window (default: per case)")
     parser.add_argument("--windows", type=int, default=None, help="timed windows per process (default: per case)")
