@@ -80,6 +80,15 @@ def check_config(cfg: DeepSpeedConfig, client_optimizer: Any = None) -> None:
         raise ConfigError("spmd.backend='torchax' needs an 'optimizer' section in the config")
 
 
+def _require_torchax() -> None:
+    """torch_xla's wheel brings an older torchax that fails to import (it needs flax)."""
+    try:
+        import torchax  # noqa: F401
+    except ImportError as err:
+        raise ConfigError(f"spmd.backend='torchax' needs the torchax package ({err}): "
+                          "pip install 'spmdzero[torchax]' (torchax==0.0.13)") from err
+
+
 def initialize(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, client_optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, collate_fn=None, config_dict: Optional[dict] = None):
     """``spmdzero.initialize`` for this backend: the same batch arithmetic, plan and return value."""
@@ -87,6 +96,7 @@ def initialize(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, client_o
     from .initialize import _tied_embeddings
 
     check_config(cfg, client_optimizer)
+    _require_torchax()
     for name, sub in model.named_modules():
         if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm) and sub.track_running_stats:
             # torchax 0.0.13's batch norm leaves the running statistics as they were

@@ -293,3 +293,20 @@ def test_the_training_loader_feeds_host_batches():
         engine.backward(engine(bx, by))
         engine.step()
     assert engine.global_steps == 4 and engine.global_samples == 64
+
+
+def test_missing_torchax_is_a_clear_error(monkeypatch):
+    import builtins
+
+    from spmdzero import backend_torchax
+
+    real_import = builtins.__import__
+
+    def no_torchax(name, *args, **kwargs):
+        if name == "torchax" or name.startswith("torchax."):
+            raise ImportError("No module named 'flax'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_torchax)
+    with pytest.raises(ConfigError, match=r"spmdzero\[torchax\]"):
+        backend_torchax._require_torchax()
