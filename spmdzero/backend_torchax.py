@@ -40,6 +40,7 @@ from torch.utils import _pytree as torch_pytree
 
 from .config import BatchSizes, ConfigError, DeepSpeedConfig, resolve_batch
 from .data import ShardedDataLoader, _concat, model_pad_id, pad_sequences
+from .engine_api import DeepSpeedCounters
 from .mesh import check_user_mesh, data_parallel_size, mesh_shape, resolve_mesh_shape
 from .monitor import log_block
 from .optim import SpmdOptimizer, build_optimizer
@@ -242,7 +243,7 @@ def _find_loss(output) -> Optional[torch.Tensor]:
     return None
 
 
-class TorchaxEngine:
+class TorchaxEngine(DeepSpeedCounters):
     """DeepSpeed's engine API over two jitted programs (see the module docstring)."""
 
     def __init__(self, module: torch.nn.Module, optimizer: SpmdOptimizer, lr_scheduler: Any, cfg: DeepSpeedConfig,
@@ -344,28 +345,6 @@ class TorchaxEngine:
             else:
                 placed.append(self._put(t, self._replicated))
         return placed
-
-    # ---- DeepSpeed batch numbers -------------------------------------------------------
-    def train_batch_size(self) -> int:
-        return self._batch.global_batch
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self._batch.rows_per_rank
-
-    def gradient_accumulation_steps(self) -> int:
-        return self._batch.accumulation_steps
-
-    def zero_optimization_stage(self) -> int:
-        return self.plan.stage
-
-    def gradient_clipping(self) -> float:
-        return self._config.gradient_clipping
-
-    def bfloat16_enabled(self) -> bool:
-        return self.precision.param_dtype == torch.bfloat16
-
-    def fp16_enabled(self) -> bool:
-        return False
 
     # ---- the module ----------------------------------------------------------------------
     @property
@@ -630,15 +609,6 @@ class TorchaxEngine:
     def zero_grad(self) -> None:
         """Drop accumulated gradients (DeepSpeed sets them to None)."""
         self._accum = self._pending = None
-
-    # ---- accumulation boundary ---------------------------------------------------------------
-    def is_gradient_accumulation_boundary(self) -> bool:
-        if self._boundary_override is not None:
-            return self._boundary_override
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
-
-    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        self._boundary_override = is_boundary
 
     # ---- reporting -------------------------------------------------------------------------------
     def get_lr(self) -> list[float]:

@@ -32,6 +32,7 @@ from . import fused, runtime
 from .annotate import constrain, shard
 from .config import BatchSizes, DeepSpeedConfig
 from .data import batch_rows, map_tensors, model_pad_id, pad_sequences, to_device_sharded
+from .engine_api import DeepSpeedCounters
 from .monitor import RecompileGuard, StepLogger, ThroughputTimer, compile_count, notice_nonfinite
 from .optim import SpmdOptimizer, ZeroOptimizer
 from .plan import ShardingPlan, replicated
@@ -51,7 +52,7 @@ class Slot:
     #                                      grad_accum dtype); None when there are none
 
 
-class SpmdZeroEngine(torch.nn.Module):
+class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
     def __init__(self, *, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], lr_scheduler: Any,
                  config: DeepSpeedConfig, batch: BatchSizes, mesh, plan: ShardingPlan, precision: PrecisionPolicy,
                  master_weights: Optional[dict] = None, training_dataloader: Any = None,
@@ -113,28 +114,6 @@ class SpmdZeroEngine(torch.nn.Module):
         import torch_xla
 
         torch_xla.sync()  # materialize sharded states, masters and buffers before the first step
-
-    # ---- DeepSpeed batch numbers -------------------------------------------------
-    def train_batch_size(self) -> int:
-        return self._batch.global_batch
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self._batch.rows_per_rank
-
-    def gradient_accumulation_steps(self) -> int:
-        return self._batch.accumulation_steps
-
-    def zero_optimization_stage(self) -> int:
-        return self.plan.stage
-
-    def gradient_clipping(self) -> float:
-        return self._config.gradient_clipping
-
-    def bfloat16_enabled(self) -> bool:
-        return self.precision.param_dtype == torch.bfloat16
-
-    def fp16_enabled(self) -> bool:
-        return self.precision.param_dtype == torch.float16
 
     # ---- the training step -----------------------------------------------------------
     def forward(self, *inputs, **kwargs):
@@ -426,15 +405,6 @@ class SpmdZeroEngine(torch.nn.Module):
         for slot in self._slots:
             slot.param.grad = None
             slot.grad = None
-
-    # ---- accumulation boundary -----------------------------------------------------
-    def is_gradient_accumulation_boundary(self) -> bool:
-        if self._boundary_override is not None:
-            return self._boundary_override
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
-
-    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        self._boundary_override = is_boundary
 
     @contextlib.contextmanager
     def no_sync(self):
