@@ -192,27 +192,18 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
                     continue
                 slot.param.grad = None
                 planned = self.plan[slot.name]
-                spec, stages = planned.grad, planned.grad_stages
+                spec = planned.grad
                 reduced = grad.to(comm)
-                if stages and slot.name in self._scanned:
+                if planned.grad_stages and slot.name in self._scanned:
                     # Laid out through its stages inside the layer loop (spmdzero.scan): a replicated
                     # pin here would all-gather the reduce-scattered gradient again.
                     shard(reduced, self.mesh, spec)
                     stages = ()
-                elif (planned.tied_embedding and stages) or len(stages) > 1:
-                    # The first stage as the gradient's own layout. A tied table: propagated into
-                    # the scatter-add, it partitions the scatter by columns (see plan) instead of
-                    # all-reducing the table. Two stages (two fsdp axes): the matmul's partial sums
-                    # are reduce-scattered over ``fsdp`` inside the backward; pinned replicated,
-                    # they would be all-reduced over every device first, all at once.
-                    shard(reduced, self.mesh, stages[0])
-                    stages = stages[1:]
                 else:
-                    # Pinned replicated, then a sharded copy: a sharded layout on the gradient itself
-                    # propagates back through the weight-gradient matmul into the backward's
-                    # activations (attention's get split two ways against the batch and are fully
-                    # rematerialized). The compiler turns the all-reduce + slice into a reduce-scatter.
-                    shard(reduced, self.mesh, replicated(reduced.dim()))
+                    # The first layout as the gradient's own (see TensorPlan.grad_layouts), the
+                    # rest as sharded copies.
+                    first, *stages = planned.grad_layouts
+                    shard(reduced, self.mesh, first)
                 for stage in stages:
                     reduced = constrain(reduced, self.mesh, stage)
                 grad = reduced.to(accum)

@@ -60,6 +60,19 @@ class TensorPlan:
     # () when the gradient stays replicated.
     grad_stages: tuple[PartitionSpec, ...] = ()
 
+    @property
+    def grad_layouts(self) -> tuple[PartitionSpec, ...]:
+        """What the freshly computed gradient is laid out as, in turn, inside the backward.
+        One stage: pinned replicated first, so that the ZeRO layout stays off the
+        weight-gradient matmul (the partitioner would move the activations instead of
+        reducing the gradient) and the compiler makes the all-reduce + slice a
+        reduce-scatter. Two stages (two fsdp axes) or a tied table: the first stage is the
+        gradient's own layout (libtpu does not reduce-scatter a pinned gradient over 16
+        chips; a tied table's scatter-add stays partitioned by columns)."""
+        if (self.tied_embedding and self.grad_stages) or len(self.grad_stages) > 1:
+            return self.grad_stages
+        return (replicated(len(self.shape)),) + self.grad_stages
+
 
 @dataclass(frozen=True)
 class ShardingPlan:

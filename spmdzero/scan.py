@@ -35,7 +35,6 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .config import ConfigError
-from .plan import replicated
 
 _TENSOR = object()  # marks where a tensor argument goes back among the static ones
 QUALIFIES = ("transformers GPT-2 (transformer.h), Llama-style decoders (model.layers), "
@@ -116,12 +115,10 @@ def lay_out_gradients(module: torch.nn.Module, mesh, plan) -> None:
             continue
         first = next(iter(torch.nn.ModuleList.__iter__(stack)))
         layouts = {}
-        for name, weight in first.named_parameters():
+        for name, _ in first.named_parameters():
             planned = plan.get(f"{stack_name}.0.{name}")  # None: frozen, no gradient
-            stages = planned.grad_stages if planned is not None else ()
-            if stages:
-                pin = (replicated(weight.dim()),) if len(stages) == 1 else ()
-                layouts[name] = pin + tuple(stages)
+            if planned is not None and planned.grad_stages:
+                layouts[name] = planned.grad_layouts
         stack.gradient_layouts = (mesh, layouts) if layouts else None
         stack.__dict__.pop("_scan_fns", None)  # traced with the previous layouts
 
