@@ -19,6 +19,11 @@ cache is not needed to train and cannot be scanned; ``generate`` still uses one)
 ZeRO-2 each block's weight gradient gets the plan's layout inside the loop
 (``lay_out_gradients``), so that the TPU compiler reduce-scatters it there.
 
+What the loop keeps for the backward is chosen by AOTAutograd's min-cut partitioner, which
+recomputes cheap elementwise results in the backward instead of stacking them over the
+layers: the default partitioner kept every intermediate the backward reads (4.4x the
+unrolled step's temporaries on a small GPT-2, 1.2x with min-cut; docs/aot.md).
+
 Limits: the scanned blocks draw random numbers differently from the loop (dropout masks
 differ, and dropout is applied with a mask of the activations' dtype, attention's included,
 because torch_xla 2.9's scan cannot carry torch's boolean masks; turn dropout off for
@@ -150,6 +155,7 @@ class _ScanCall:
         self.stack = stack
 
     def __call__(self, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        from functorch.compile import min_cut_rematerialization_partition
         from torch_xla.experimental.scan import scan
 
         blocks = list(torch.nn.ModuleList.__iter__(self.stack))
@@ -166,7 +172,7 @@ class _ScanCall:
             weights[name] = torch.stack([_tensor(block, name) for block in blocks])
         shared = [t.expand(len(blocks), *t.shape) for t in tensors]
         fn = _layer_fn(self.stack, blocks[0], spec, static)
-        out, _ = scan(fn, hidden, (weights, shared), is_fn_pure=True)
+        out, _ = scan(fn, hidden, (weights, shared), is_fn_pure=True, partition_fn=min_cut_rematerialization_partition)
         return out
 
 
