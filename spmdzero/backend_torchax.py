@@ -19,8 +19,10 @@ What the module returns must contain the loss: a scalar, an object with ``.loss`
 Face outputs), or a tuple whose first item is the scalar loss. The outputs come back as
 torchax tensors (JAX arrays seen as torch tensors; torch ops on them run eagerly in JAX).
 
-It runs on the JAX CPU devices, as many as the torch_xla runtime has (``CPU_NUM_DEVICES``):
-on a TPU VM torch_xla's runtime, started by ``import spmdzero``, holds the chips. fp32, or
+Its devices: with ``SPMDZERO_BACKEND=torchax`` set before ``import spmdzero``, JAX's own (every
+TPU chip on a TPU VM, else ``CPU_NUM_DEVICES`` CPU devices) and torch_xla's runtime never starts
+(``spmdzero.jax_runtime``); without it, JAX CPU devices as many as torch_xla's runtime has, since
+that runtime, started by ``import spmdzero``, would hold any TPU. One host. fp32, or
 bf16 with fp32 master weights and DeepSpeed's overflow skip; what it refuses is checked by
 ``check_config`` (docs/config.md, ``spmd.backend``).
 """
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import sys
 import warnings
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -109,7 +110,8 @@ def initialize(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, client_o
     else:
         shape = resolve_mesh_shape(cfg.spmd.mesh, runtime.device_count())
     if runtime.hosts()[1] > 1:
-        raise RuntimeError("spmd.backend='torchax' runs on one host (one process); use spmd.backend='torch_xla'")
+        raise RuntimeError(f"spmd.backend='torchax' runs on one host (one process), this is one of "
+                           f"{runtime.hosts()[1]}; use spmd.backend='torch_xla'")
     batch = resolve_batch(cfg, data_parallel_size(shape))
     log_block(batch.describe())
     plan = make_plan([(n, p.shape) for n, p in model.named_parameters() if p.requires_grad], shape, cfg.zero_stage,
@@ -149,38 +151,21 @@ class HostBatchLoader(ShardedDataLoader):
 
 
 def jax_devices(count: int) -> list:
-    """``count`` JAX CPU devices, the torch_xla runtime's count. JAX's CPU backend has one device
-    unless told before it starts; one that started with fewer (spmdzero's fused update lowers
-    its op through JAX) is restarted when it holds no arrays yet but torchax's PRNG key."""
-    import jax
-    import jax.extend.backend
-    from jax._src import xla_bridge
+    """``count`` JAX devices: JAX's own under ``SPMDZERO_BACKEND=torchax`` (the TPU chips on a TPU
+    VM); else JAX CPU devices, as many as torch_xla's runtime has, since that runtime holds any TPU."""
+    from . import jax_runtime
 
+    if jax_runtime.selected():
+        return jax_runtime.devices()[:count]
     import torch_xla.runtime as xr
 
     if xr.device_type() != "CPU":
-        raise RuntimeError(f"spmd.backend='torchax' runs on JAX CPU devices only: the torch_xla runtime holds the "
-                           f"{xr.device_type()} devices of this process")
-    reseed = None
-    if xla_bridge.backends_are_initialized() and len(jax.devices("cpu")) < count:
-        # torchax's environment, once created (torch_xla's assume_pure does), holds a PRNG key
-        env = sys.modules["torchax"].default_env() if "torchax" in sys.modules else None
-        key = None if env is None else getattr(env.param.prng, "_base_array", env.param.prng)
-        live = [a for a in jax.live_arrays("cpu") if a is not key]
-        if not live:
-            jax.extend.backend.clear_backends()
-            reseed = env
-    if not xla_bridge.backends_are_initialized():
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", count)
-    devices = jax.devices("cpu")
-    if reseed is not None:
-        reseed.manual_seed(torch.initial_seed() % (1 << 31))
-    if len(devices) < count:
-        raise RuntimeError(f"spmd.backend='torchax' needs {count} JAX CPU devices (as many as torch_xla's runtime) "
-                           f"but JAX started with {len(devices)} and holds arrays; set "
-                           f"XLA_FLAGS=--xla_force_host_platform_device_count={count} before JAX starts")
-    return devices[:count]
+        raise RuntimeError(f"spmd.backend='torchax' on {xr.device_type()} needs {jax_runtime.VARIABLE}=torchax in "
+                           f"the environment before `import spmdzero`: without it, import spmdzero starts torch_xla's "
+                           f"runtime, which holds the {xr.device_type()} devices JAX would run on (in a notebook: "
+                           f"restart the kernel, set os.environ['{jax_runtime.VARIABLE}'] = 'torchax', then import "
+                           "spmdzero)")
+    return jax_runtime.cpu_devices(count)
 
 
 def _jax_dtype(dtype: torch.dtype):
