@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import collections
 import functools
+import queue
+import threading
 import warnings
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -287,7 +289,13 @@ class TorchaxEngine(DeepSpeedCounters):
                 self._state_specs[name] = {k: spec(plan[name].optimizer_state if tuple(v.shape) == tuple(p.shape)
                                                    else replicated(v.dim())) for k, v in initial.items()}
                 states[name] = {k: self._put(v, self._state_specs[name][k]) for k, v in initial.items()}
-        self._opt_state = states
+        # Every parameter steps together here (one update, one overflow skip): the optimizer's step
+        # counters are one array, not one per parameter, so fewer arrays pass through every update.
+        self._shared_state = {"step": states[self._names[0]]["step"]} if self._names and "step" in states[
+            self._names[0]] else {}
+        self._opt_state = {n: {k: v for k, v in st.items() if k not in self._shared_state} for n, st in states.items()}
+        self._state_specs = {n: {k: v for k, v in st.items() if k not in self._shared_state}
+                             for n, st in self._state_specs.items()}
         self._accum: Optional[dict] = None  # gradients committed since the last boundary (plan's grad spec)
         self._retired: Optional[dict] = None  # the sum the last backward replaced
         self._retired_inputs: tuple = ()  # the last update's inputs
@@ -515,6 +523,7 @@ class TorchaxEngine(DeepSpeedCounters):
         if not scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             raise ValueError("engine.backward(scale_wrt_gas=False) is not supported by the torchax backend: the "
                              "traced forward scales the loss by 1/gradient_accumulation_steps")
+        _release_in_background(self._retired)
         self._retired = self._accum  # released one micro-step later (see _take_model_step)
         self._accum, self._pending, self._last_output_loss = self._pending, None, None
         self._rows_since_step += self._pending_rows
@@ -535,12 +544,14 @@ class TorchaxEngine(DeepSpeedCounters):
                  for g in self.optimizer.param_groups]
         # The inputs, donated, are released at the next boundary: dropping the last reference to an
         # array that a dispatched program still uses blocks the host until that program has run.
-        self._retired_inputs = (self._params, self._masters, self._opt_state, self._accum, self._skipped)
+        _release_in_background(self._retired_inputs)
+        self._retired_inputs = (self._params, self._masters, self._opt_state, self._shared_state, self._accum,
+                                self._skipped)
         self._accum = None
         self.runs["update"] += 1
         with warnings.catch_warnings():  # the gradients are donated to be freed, not to hold results
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-            (self._params, self._masters, self._opt_state, self._global_grad_norm, self._skipped,
+            (self._params, self._masters, self._opt_state, self._shared_state, self._global_grad_norm, self._skipped,
              self._last_skip) = self._update(*self._retired_inputs, hyper)
         self._module_stale = True
         if self.lr_scheduler is not None:
@@ -550,9 +561,10 @@ class TorchaxEngine(DeepSpeedCounters):
         self._rows_since_step = 0
 
     def _build_update(self):
-        """``(params, masters, states, grads, skipped, hyperparameters) -> (params, masters, states,
-        norm, skipped, skip)``, jitted, all but the hyperparameters donated: the engine's boundary
-        step (clipping, the optimizer's math, the overflow skip under bf16)."""
+        """``(params, masters, states, shared states, grads, skipped, hyperparameters) -> (params,
+        masters, states, shared states, norm, skipped, skip)``, jitted, all but the hyperparameters
+        donated: the engine's boundary step (clipping, the optimizer's math, the overflow skip under
+        bf16). The shared states (the step counter) are every parameter's."""
         import jax
         import jax.numpy as jnp
 
@@ -562,7 +574,7 @@ class TorchaxEngine(DeepSpeedCounters):
         order, policy = self._names, self.precision
         param_dtype = _jax_dtype(policy.param_dtype)
 
-        def update(params, masters, states, grads, skipped, hyper):
+        def update(params, masters, states, shared, grads, skipped, hyper):
             self.traces["update"] += 1
             sum_sq = 0  # the torch_xla engine's global norm: fp32, in parameter order
             for name in order:
@@ -575,21 +587,25 @@ class TorchaxEngine(DeepSpeedCounters):
             # a non-finite sum is an overflow: the old values are kept (DeepSpeed skips the step)
             skip = ~jnp.isfinite(sum_sq) if policy.check_overflow else None
             targets = masters if masters else params
-            new_targets, new_states = dict(targets), dict(states)
+            new_targets, new_states, new_shared = dict(targets), dict(states), dict(shared)
             for (names, keys, static), values in zip(groups, hyper):
                 hp = {k: values[i] for i, k in enumerate(keys)}
                 for name in names:
-                    new_targets[name], new_states[name] = optimizer.scaled_math(
-                        targets[name], grads[name], states[name], hp, static, ops, grad_scale=inverse, skip=skip)
+                    new_targets[name], new_state = optimizer.scaled_math(
+                        targets[name], grads[name], {**states[name], **shared}, hp, static, ops, grad_scale=inverse,
+                        skip=skip)
+                    new_shared.update((k, new_state.pop(k)) for k in shared)  # the same value for every parameter
+                    new_states[name] = new_state
             skip = jnp.zeros((), bool) if skip is None else skip
             if not masters:
-                return new_targets, masters, new_states, norm, skipped + skip, skip
+                return new_targets, masters, new_states, new_shared, norm, skipped + skip, skip
             new_params = {n: t.astype(param_dtype) for n, t in new_targets.items()}  # all-gathered in bf16
-            return new_params, new_targets, new_states, norm, skipped + skip, skip
+            return new_params, new_targets, new_states, new_shared, norm, skipped + skip, skip
 
         rep = self._replicated
-        shardings = (self._param_specs, self._master_specs, self._state_specs, rep, rep, rep)
-        return jax.jit(update, out_shardings=shardings, donate_argnums=(0, 1, 2, 3, 4))
+        shardings = (self._param_specs, self._master_specs, self._state_specs, {k: rep for k in self._shared_state},
+                     rep, rep, rep)
+        return jax.jit(update, out_shardings=shardings, donate_argnums=(0, 1, 2, 3, 4, 5))
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (DeepSpeed sets them to None)."""
@@ -617,8 +633,9 @@ class TorchaxEngine(DeepSpeedCounters):
         return None if self._last_loss is None else float(self._last_loss.numpy())
 
     def optimizer_states(self) -> dict[str, dict[str, Any]]:
-        """The optimizer states by parameter name and key, as JAX arrays (laid out by the plan)."""
-        return self._opt_state
+        """The optimizer states by parameter name and key, as JAX arrays (laid out by the plan);
+        the step counter is one array, the same in every parameter's states."""
+        return {n: {**st, **self._shared_state} for n, st in self._opt_state.items()}
 
     def params(self) -> dict[str, Any]:
         """The trainable parameters by name, as JAX arrays (replicated)."""
@@ -640,6 +657,28 @@ class TorchaxEngine(DeepSpeedCounters):
 
     def destroy(self) -> None:
         """Nothing to release: device memory goes with the arrays."""
+
+
+def _release_in_background(arrays) -> None:
+    """Drop ``arrays`` (an update's inputs: some hundreds of JAX arrays) on a helper thread:
+    releasing a JAX array costs the host a few microseconds, milliseconds a step that the training
+    loop's thread would otherwise spend (docs/benchmarks.md, the torchax backend)."""
+    if arrays is not None:
+        _release_queue().put(arrays)
+
+
+@functools.lru_cache(maxsize=None)
+def _release_queue() -> queue.SimpleQueue:
+    """One daemon thread for the process (every engine), started at the first release."""
+    releases: queue.SimpleQueue = queue.SimpleQueue()
+
+    def release_forever():
+        while True:
+            arrays = releases.get()
+            del arrays  # the last reference: the arrays are released here, not in the training loop
+
+    threading.Thread(target=release_forever, name="spmdzero-release", daemon=True).start()
+    return releases
 
 
 def _hashable(static: tuple) -> tuple:
