@@ -89,6 +89,9 @@ def test_optimizer_states_sharded_by_the_plan(trained):
             assert shard[dim] == planned.shape[dim] // 8, (name, key)
         assert engine.params()[name].sharding.is_fully_replicated
     assert any(engine.plan[n].shard_dims for n in engine._names)
+    # every parameter steps together: one step counter, not one per parameter, goes through the update
+    assert len({id(states[n]["step"]) for n in engine._names}) == 1
+    assert int(states[engine._names[0]]["step"]) == STEPS
 
 
 def test_eval_forward_leaves_the_gradients_alone(trained):
