@@ -111,9 +111,10 @@ def initialize(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, client_o
         shape = mesh_shape(mesh)
     else:
         shape = resolve_mesh_shape(cfg.spmd.mesh, runtime.device_count())
-    if runtime.hosts()[1] > 1:
-        raise RuntimeError(f"spmd.backend='torchax' runs on one host (one process), this is one of "
-                           f"{runtime.hosts()[1]}; use spmd.backend='torch_xla'")
+    hosts = runtime.hosts()[1]
+    if hosts > 1:
+        raise RuntimeError(f"spmd.backend='torchax' runs on one host (one process), this is one of {hosts}; use "
+                           "spmd.backend='torch_xla'")
     batch = resolve_batch(cfg, data_parallel_size(shape))
     log_block(batch.describe())
     plan = make_plan([(n, p.shape) for n, p in model.named_parameters() if p.requires_grad], shape, cfg.zero_stage,

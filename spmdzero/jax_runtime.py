@@ -70,7 +70,8 @@ def devices() -> list:
     found = jax.devices()
     if found[0].platform != device_type.lower():
         raise RuntimeError(f"{VARIABLE}=torchax: this is a {device_type} host but JAX started on "
-                           f"{found[0].platform} devices (JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r}?)")
+                           f"{found[0].platform} devices (JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r}); "
+                           "to run on CPU devices, set PJRT_DEVICE=CPU")
     return found
 
 

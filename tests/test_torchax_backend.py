@@ -332,6 +332,9 @@ JAX_OWNED = """
         engine.wait()
         out[gas] = {"losses": losses, "norm": engine.get_global_grad_norm(), "mesh": engine.mesh.devices.size,
                     "params": {n: p.tolist() for n, p in params.items()}}
+    from spmdzero.compat.deepspeed import comm
+
+    out["deepspeed_world_size"] = comm.get_world_size()  # what a DeepSpeed script asks, answered by JAX
     try:
         spmdzero.initialize(model=WithLoss(tiny_mlp()), config=config("torch_xla"))
     except ConfigError as err:
@@ -376,6 +379,7 @@ def test_with_spmdzero_backend_torchax_torch_xla_never_starts(jax_owned):
     """Not at import, not in initialize, training, engine.wait() or the refusals."""
     assert not jax_owned["torch_xla_at_import"] and not jax_owned["torch_xla_imported"]
     assert not jax_owned["runtime_started"]
+    assert jax_owned["deepspeed_world_size"] == 1
     assert "spmd.backend='torch_xla'" in jax_owned["torch_xla_backend"]
     assert "SPMDZERO_BACKEND=torchax" in jax_owned["torch_xla_backend"]
     assert "one host" in jax_owned["hosts"] and "one of 2" in jax_owned["hosts"]
