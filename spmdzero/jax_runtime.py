@@ -67,7 +67,12 @@ def devices() -> list:
     if device_type == "CPU":
         return cpu_devices(_cpu_count())
     configure()
-    found = jax.devices()
+    try:
+        found = jax.devices()
+    except RuntimeError as err:
+        raise RuntimeError(f"{VARIABLE}=torchax: JAX could not open this host's {device_type} devices. A TPU chip "
+                           "serves one process: is another one using it (a training run, a notebook kernel that "
+                           "imported spmdzero without the variable)? JAX said: " + str(err)) from err
     if found[0].platform != device_type.lower():
         raise RuntimeError(f"{VARIABLE}=torchax: this is a {device_type} host but JAX started on "
                            f"{found[0].platform} devices (JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r}); "
@@ -83,7 +88,7 @@ def hosts() -> tuple[int, int]:
     """(this process's index, the number of processes), as JAX counts them."""
     import jax
 
-    configure()
+    devices()  # the devices first: the process count is known once they have started
     return jax.process_index(), jax.process_count()
 
 

@@ -437,11 +437,19 @@ def test_jax_owned_devices_on_a_tpu_vm_are_its_tpu_chips(monkeypatch):
     monkeypatch.setattr(jax_runtime, "configure", lambda: None)
     monkeypatch.setattr(jax, "devices", lambda *backend: chips)
     monkeypatch.setattr(jax, "process_count", lambda: 1)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
     assert backend_torchax.jax_devices(4) == chips and jax_runtime.device_count() == 4
     assert spmdzero.runtime.device_count() == 4 and spmdzero.runtime.hosts()[1] == 1
     monkeypatch.setattr(jax, "devices", lambda *backend: [SimpleNamespace(platform="cpu", id=0)])
     with pytest.raises(RuntimeError, match="TPU host but JAX started on cpu"):
         jax_runtime.devices()
+
+    def held(*backend):
+        raise RuntimeError("Unable to initialize backend 'tpu': TPU in use by process 1234")
+
+    monkeypatch.setattr(jax, "devices", held)
+    with pytest.raises(RuntimeError, match="SPMDZERO_BACKEND=torchax: JAX could not open .* TPU in use by process"):
+        spmdzero.runtime.hosts()
 
 
 def test_the_torchax_backend_on_a_tpu_vm_without_the_variable_says_to_set_it(monkeypatch):
