@@ -13,18 +13,34 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Optional
 
 VARIABLE = "SPMDZERO_BACKEND"
 CHOICES = ("torch_xla", "torchax")
 
+_decided: Optional[bool] = None  # the choice runtime.start() made; None until it runs
+
 
 def selected() -> bool:
-    """True when ``SPMDZERO_BACKEND=torchax``: the process's devices are JAX's."""
+    """True when the process's devices are JAX's: as decided when its runtime started (a variable
+    set later, in a notebook, changes nothing: the runtime that started holds the devices), else
+    as the variable says now."""
+    return from_environment() if _decided is None else _decided
+
+
+def from_environment() -> bool:
     value = os.environ.get(VARIABLE, "torch_xla")
     if value not in CHOICES:
         raise ValueError(f"{VARIABLE}={value!r} is not a backend: use 'torchax' (JAX takes the devices, for "
                          "spmd.backend='torchax') or 'torch_xla' (the default; or leave it unset)")
     return value == "torchax"
+
+
+def decide() -> bool:
+    """Fix the choice for this process (``runtime.start``)."""
+    global _decided
+    _decided = from_environment()
+    return _decided
 
 
 def _device_type() -> str:

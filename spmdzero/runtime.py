@@ -57,7 +57,7 @@ def start() -> None:
     (``bootstrap``), or JAX's devices under ``SPMDZERO_BACKEND=torchax`` (``spmdzero.jax_runtime``)."""
     from . import jax_runtime
 
-    if jax_runtime.selected():
+    if jax_runtime.decide():
         jax_runtime.configure()
     else:
         bootstrap()

@@ -389,14 +389,16 @@ def test_the_backend_variable_is_checked(monkeypatch):
     from spmdzero import jax_runtime
 
     monkeypatch.delenv("SPMDZERO_BACKEND", raising=False)
-    assert not jax_runtime.selected()
+    assert not jax_runtime.from_environment()
     monkeypatch.setenv("SPMDZERO_BACKEND", "torch_xla")
-    assert not jax_runtime.selected()
+    assert not jax_runtime.from_environment()
     monkeypatch.setenv("SPMDZERO_BACKEND", "torchax")
-    assert jax_runtime.selected()
+    assert jax_runtime.from_environment()
+    # this process's runtime started without it (conftest): set now, as in a notebook, it changes nothing
+    assert not jax_runtime.selected()
     monkeypatch.setenv("SPMDZERO_BACKEND", "jax")
     with pytest.raises(ValueError, match="SPMDZERO_BACKEND='jax'"):
-        jax_runtime.selected()
+        jax_runtime.from_environment()
 
 
 @pytest.mark.parametrize("device_type, jax_platforms, expected", [
@@ -432,7 +434,7 @@ def test_jax_owned_devices_on_a_tpu_vm_are_its_tpu_chips(monkeypatch):
     from spmdzero import backend_torchax, jax_runtime
 
     chips = [SimpleNamespace(platform="tpu", id=i) for i in range(4)]
-    monkeypatch.setenv("SPMDZERO_BACKEND", "torchax")
+    monkeypatch.setattr(jax_runtime, "_decided", True)  # as if started with SPMDZERO_BACKEND=torchax
     monkeypatch.setattr(jax_runtime, "_device_type", lambda: "TPU")
     monkeypatch.setattr(jax_runtime, "configure", lambda: None)
     monkeypatch.setattr(jax, "devices", lambda *backend: chips)
@@ -457,7 +459,7 @@ def test_the_torchax_backend_on_a_tpu_vm_without_the_variable_says_to_set_it(mon
 
     from spmdzero import backend_torchax
 
-    monkeypatch.delenv("SPMDZERO_BACKEND", raising=False)
+    monkeypatch.setenv("SPMDZERO_BACKEND", "torchax")  # set after `import spmdzero`: too late
     monkeypatch.setattr(xr, "device_type", lambda: "TPU")
     with pytest.raises(RuntimeError, match=r"SPMDZERO_BACKEND=torchax in the environment before `import spmdzero`"):
         backend_torchax.jax_devices(4)
