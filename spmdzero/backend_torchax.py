@@ -96,7 +96,7 @@ def _require_torchax() -> None:
 def initialize(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, client_optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, collate_fn=None, config_dict: Optional[dict] = None):
     """``spmdzero.initialize`` for this backend: the same batch arithmetic, plan and return value."""
-    from . import runtime
+    from . import jax_runtime, runtime
     from .initialize import _tied_embeddings
 
     check_config(cfg, client_optimizer)
@@ -106,6 +106,10 @@ def initialize(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, client_o
             # torchax 0.0.13's batch norm leaves the running statistics as they were
             raise ValueError(f"spmd.backend='torchax' does not update batch-norm running statistics: module "
                              f"{name!r} ({type(sub).__name__}) tracks them; use spmd.backend='torch_xla'")
+    if mesh is not None and jax_runtime.selected():
+        raise ConfigError(f"initialize(mesh=...) takes a torch_xla Mesh, and building one starts torch_xla's runtime, "
+                          f"which {jax_runtime.VARIABLE}=torchax keeps off the devices: give the mesh shape as "
+                          "'spmd.mesh' in the config instead")
     if mesh is not None:
         check_user_mesh(mesh)
         shape = mesh_shape(mesh)

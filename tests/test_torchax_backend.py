@@ -339,6 +339,10 @@ JAX_OWNED = """
         spmdzero.initialize(model=WithLoss(tiny_mlp()), config=config("torch_xla"))
     except ConfigError as err:
         out["torch_xla_backend"] = str(err)
+    try:
+        spmdzero.initialize(model=WithLoss(tiny_mlp()), config=config("torchax"), mesh=object())
+    except ConfigError as err:
+        out["mesh"] = str(err)
     jax.process_count = lambda: 2  # a pod slice's hosts, as JAX counts them
     try:
         spmdzero.initialize(model=WithLoss(tiny_mlp()), config=config("torchax"))
@@ -380,6 +384,7 @@ def test_with_spmdzero_backend_torchax_torch_xla_never_starts(jax_owned):
     assert not jax_owned["torch_xla_at_import"] and not jax_owned["torch_xla_imported"]
     assert not jax_owned["runtime_started"]
     assert jax_owned["deepspeed_world_size"] == 1
+    assert "'spmd.mesh'" in jax_owned["mesh"]  # a torch_xla Mesh would start torch_xla's runtime
     assert "spmd.backend='torch_xla'" in jax_owned["torch_xla_backend"]
     assert "SPMDZERO_BACKEND=torchax" in jax_owned["torch_xla_backend"]
     assert "one host" in jax_owned["hosts"] and "one of 2" in jax_owned["hosts"]
