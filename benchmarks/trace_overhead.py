@@ -16,7 +16,8 @@ configuration (``default``; ``scan_layers``: ``"spmd": {"scan_layers": true}``; 
 * engine.step tracing: host time of the boundary update (clipping, optimizer, annotations);
 * after the table, the host's CPU time (thread time) in forward, backward and the update: wall
   time in a call also counts waiting (the torchax engine's dispatch of a jitted program waits on
-  XLA:CPU while its inputs are still in use by the running one);
+  XLA:CPU while its inputs are still in use by the running one); for ``torchax`` also its helper
+  thread's, which releases the previous update's inputs (work moved off the training loop);
 * graphs per step and recompiles while timed (1 and 0, but ``compile`` runs a graph each for
   the forward, the backward and the update, and ``torchax`` one for the forward and backward
   and one for the update; its recompiles are traces of its jitted programs);
@@ -178,6 +179,15 @@ class JaxRunner:
         self.jax.block_until_ready(self.params)
 
 
+def release_thread_cpu() -> float:
+    """CPU time so far of the torchax backend's thread that releases the update's inputs, 0
+    before it starts."""
+    import threading
+
+    thread = next((t for t in threading.enumerate() if t.name == "spmdzero-release"), None)
+    return 0.0 if thread is None else time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
 def timed(runner, steps: int) -> float:
     runner.wait()
     start = time.perf_counter()
@@ -205,9 +215,12 @@ def compare(variant: str, theirs: JaxRunner, layers: int, width: int, steps: int
         t_ours, t_theirs, host, cpu = [], [], [], []
         for _ in range(repeats):
             ours.host, ours.cpu = dict.fromkeys(ours.host, 0.0), dict.fromkeys(ours.cpu, 0.0)
+            released = release_thread_cpu()
             t_ours.append(timed(ours, steps))
             host.append({k: v / steps for k, v in ours.host.items()})
             cpu.append({k: v / steps for k, v in ours.cpu.items()})
+            if variant == "torchax":
+                cpu[-1]["release thread"] = (release_thread_cpu() - released) / steps
             t_theirs.append(timed(theirs, steps))
     n = steps * repeats
     compiles_after, graphs_after = ours.counts()

@@ -1,7 +1,9 @@
 """spmdzero: DeepSpeed ZeRO-1/2 on TPUs, the GSPMD way.
 
 Importing spmdzero starts the XLA runtime in SPMD mode (see ``spmdzero.runtime``), so
-import it before creating any XLA tensor or running any backward pass.
+import it before creating any XLA tensor or running any backward pass. With
+``SPMDZERO_BACKEND=torchax`` it starts no runtime and JAX takes the devices, for
+``spmd.backend='torchax'`` (see ``spmdzero.jax_runtime``).
 """
 
 import os as _os
@@ -9,7 +11,7 @@ import os as _os
 from . import runtime as _runtime
 
 if _os.environ.get("SPMDZERO_NO_RUNTIME") != "1":  # set by the CLI, which needs no devices
-    _runtime.bootstrap()
+    _runtime.start()
 
 from .config import ConfigError  # noqa: E402
 from .engine import SpmdZeroEngine  # noqa: E402

@@ -19,8 +19,10 @@ What the module returns must contain the loss: a scalar, an object with ``.loss`
 Face outputs), or a tuple whose first item is the scalar loss. The outputs come back as
 torchax tensors (JAX arrays seen as torch tensors; torch ops on them run eagerly in JAX).
 
-It runs on the JAX CPU devices, as many as the torch_xla runtime has (``CPU_NUM_DEVICES``):
-on a TPU VM torch_xla's runtime, started by ``import spmdzero``, holds the chips. fp32, or
+Its devices: with ``SPMDZERO_BACKEND=torchax`` set before ``import spmdzero``, JAX's own (every
+TPU chip on a TPU VM, else ``CPU_NUM_DEVICES`` CPU devices) and torch_xla's runtime never starts
+(``spmdzero.jax_runtime``); without it, JAX CPU devices as many as torch_xla's runtime has, since
+that runtime, started by ``import spmdzero``, would hold any TPU. One host. fp32, or
 bf16 with fp32 master weights and DeepSpeed's overflow skip; what it refuses is checked by
 ``check_config`` (docs/config.md, ``spmd.backend``).
 """
@@ -29,7 +31,8 @@ from __future__ import annotations
 
 import collections
 import functools
-import sys
+import queue
+import threading
 import warnings
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -93,7 +96,7 @@ def _require_torchax() -> None:
 def initialize(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, client_optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, collate_fn=None, config_dict: Optional[dict] = None):
     """``spmdzero.initialize`` for this backend: the same batch arithmetic, plan and return value."""
-    from . import runtime
+    from . import jax_runtime, runtime
     from .initialize import _tied_embeddings
 
     check_config(cfg, client_optimizer)
@@ -103,13 +106,19 @@ def initialize(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, client_o
             # torchax 0.0.13's batch norm leaves the running statistics as they were
             raise ValueError(f"spmd.backend='torchax' does not update batch-norm running statistics: module "
                              f"{name!r} ({type(sub).__name__}) tracks them; use spmd.backend='torch_xla'")
+    if mesh is not None and jax_runtime.selected():
+        raise ConfigError(f"initialize(mesh=...) takes a torch_xla Mesh, and building one starts torch_xla's runtime, "
+                          f"which {jax_runtime.VARIABLE}=torchax keeps off the devices: give the mesh shape as "
+                          "'spmd.mesh' in the config instead")
     if mesh is not None:
         check_user_mesh(mesh)
         shape = mesh_shape(mesh)
     else:
         shape = resolve_mesh_shape(cfg.spmd.mesh, runtime.device_count())
-    if runtime.hosts()[1] > 1:
-        raise RuntimeError("spmd.backend='torchax' runs on one host (one process); use spmd.backend='torch_xla'")
+    hosts = runtime.hosts()[1]
+    if hosts > 1:
+        raise RuntimeError(f"spmd.backend='torchax' runs on one host (one process), this is one of {hosts}; use "
+                           "spmd.backend='torch_xla'")
     batch = resolve_batch(cfg, data_parallel_size(shape))
     log_block(batch.describe())
     plan = make_plan([(n, p.shape) for n, p in model.named_parameters() if p.requires_grad], shape, cfg.zero_stage,
@@ -149,38 +158,21 @@ class HostBatchLoader(ShardedDataLoader):
 
 
 def jax_devices(count: int) -> list:
-    """``count`` JAX CPU devices, the torch_xla runtime's count. JAX's CPU backend has one device
-    unless told before it starts; one that started with fewer (spmdzero's fused update lowers
-    its op through JAX) is restarted when it holds no arrays yet but torchax's PRNG key."""
-    import jax
-    import jax.extend.backend
-    from jax._src import xla_bridge
+    """``count`` JAX devices: JAX's own under ``SPMDZERO_BACKEND=torchax`` (the TPU chips on a TPU
+    VM); else JAX CPU devices, as many as torch_xla's runtime has, since that runtime holds any TPU."""
+    from . import jax_runtime
 
+    if jax_runtime.selected():
+        return jax_runtime.devices()[:count]
     import torch_xla.runtime as xr
 
     if xr.device_type() != "CPU":
-        raise RuntimeError(f"spmd.backend='torchax' runs on JAX CPU devices only: the torch_xla runtime holds the "
-                           f"{xr.device_type()} devices of this process")
-    reseed = None
-    if xla_bridge.backends_are_initialized() and len(jax.devices("cpu")) < count:
-        # torchax's environment, once created (torch_xla's assume_pure does), holds a PRNG key
-        env = sys.modules["torchax"].default_env() if "torchax" in sys.modules else None
-        key = None if env is None else getattr(env.param.prng, "_base_array", env.param.prng)
-        live = [a for a in jax.live_arrays("cpu") if a is not key]
-        if not live:
-            jax.extend.backend.clear_backends()
-            reseed = env
-    if not xla_bridge.backends_are_initialized():
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", count)
-    devices = jax.devices("cpu")
-    if reseed is not None:
-        reseed.manual_seed(torch.initial_seed() % (1 << 31))
-    if len(devices) < count:
-        raise RuntimeError(f"spmd.backend='torchax' needs {count} JAX CPU devices (as many as torch_xla's runtime) "
-                           f"but JAX started with {len(devices)} and holds arrays; set "
-                           f"XLA_FLAGS=--xla_force_host_platform_device_count={count} before JAX starts")
-    return devices[:count]
+        raise RuntimeError(f"spmd.backend='torchax' on {xr.device_type()} needs {jax_runtime.VARIABLE}=torchax in "
+                           f"the environment before `import spmdzero`: without it, import spmdzero starts torch_xla's "
+                           f"runtime, which holds the {xr.device_type()} devices JAX would run on (in a notebook: "
+                           f"restart the kernel, set os.environ['{jax_runtime.VARIABLE}'] = 'torchax', then import "
+                           "spmdzero)")
+    return jax_runtime.cpu_devices(count)
 
 
 def _jax_dtype(dtype: torch.dtype):
@@ -302,7 +294,13 @@ class TorchaxEngine(DeepSpeedCounters):
                 self._state_specs[name] = {k: spec(plan[name].optimizer_state if tuple(v.shape) == tuple(p.shape)
                                                    else replicated(v.dim())) for k, v in initial.items()}
                 states[name] = {k: self._put(v, self._state_specs[name][k]) for k, v in initial.items()}
-        self._opt_state = states
+        # Every parameter steps together here (one update, one overflow skip): the optimizer's step
+        # counters are one array, not one per parameter, so fewer arrays pass through every update.
+        self._shared_state = {"step": states[self._names[0]]["step"]} if self._names and "step" in states[
+            self._names[0]] else {}
+        self._opt_state = {n: {k: v for k, v in st.items() if k not in self._shared_state} for n, st in states.items()}
+        self._state_specs = {n: {k: v for k, v in st.items() if k not in self._shared_state}
+                             for n, st in self._state_specs.items()}
         self._accum: Optional[dict] = None  # gradients committed since the last boundary (plan's grad spec)
         self._retired: Optional[dict] = None  # the sum the last backward replaced
         self._retired_inputs: tuple = ()  # the last update's inputs
@@ -530,6 +528,7 @@ class TorchaxEngine(DeepSpeedCounters):
         if not scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             raise ValueError("engine.backward(scale_wrt_gas=False) is not supported by the torchax backend: the "
                              "traced forward scales the loss by 1/gradient_accumulation_steps")
+        _release_in_background(self._retired)
         self._retired = self._accum  # released one micro-step later (see _take_model_step)
         self._accum, self._pending, self._last_output_loss = self._pending, None, None
         self._rows_since_step += self._pending_rows
@@ -550,12 +549,14 @@ class TorchaxEngine(DeepSpeedCounters):
                  for g in self.optimizer.param_groups]
         # The inputs, donated, are released at the next boundary: dropping the last reference to an
         # array that a dispatched program still uses blocks the host until that program has run.
-        self._retired_inputs = (self._params, self._masters, self._opt_state, self._accum, self._skipped)
+        _release_in_background(self._retired_inputs)
+        self._retired_inputs = (self._params, self._masters, self._opt_state, self._shared_state, self._accum,
+                                self._skipped)
         self._accum = None
         self.runs["update"] += 1
         with warnings.catch_warnings():  # the gradients are donated to be freed, not to hold results
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-            (self._params, self._masters, self._opt_state, self._global_grad_norm, self._skipped,
+            (self._params, self._masters, self._opt_state, self._shared_state, self._global_grad_norm, self._skipped,
              self._last_skip) = self._update(*self._retired_inputs, hyper)
         self._module_stale = True
         if self.lr_scheduler is not None:
@@ -565,9 +566,10 @@ class TorchaxEngine(DeepSpeedCounters):
         self._rows_since_step = 0
 
     def _build_update(self):
-        """``(params, masters, states, grads, skipped, hyperparameters) -> (params, masters, states,
-        norm, skipped, skip)``, jitted, all but the hyperparameters donated: the engine's boundary
-        step (clipping, the optimizer's math, the overflow skip under bf16)."""
+        """``(params, masters, states, shared states, grads, skipped, hyperparameters) -> (params,
+        masters, states, shared states, norm, skipped, skip)``, jitted, all but the hyperparameters
+        donated: the engine's boundary step (clipping, the optimizer's math, the overflow skip under
+        bf16). The shared states (the step counter) are every parameter's."""
         import jax
         import jax.numpy as jnp
 
@@ -577,7 +579,7 @@ class TorchaxEngine(DeepSpeedCounters):
         order, policy = self._names, self.precision
         param_dtype = _jax_dtype(policy.param_dtype)
 
-        def update(params, masters, states, grads, skipped, hyper):
+        def update(params, masters, states, shared, grads, skipped, hyper):
             self.traces["update"] += 1
             sum_sq = 0  # the torch_xla engine's global norm: fp32, in parameter order
             for name in order:
@@ -590,21 +592,25 @@ class TorchaxEngine(DeepSpeedCounters):
             # a non-finite sum is an overflow: the old values are kept (DeepSpeed skips the step)
             skip = ~jnp.isfinite(sum_sq) if policy.check_overflow else None
             targets = masters if masters else params
-            new_targets, new_states = dict(targets), dict(states)
+            new_targets, new_states, new_shared = dict(targets), dict(states), dict(shared)
             for (names, keys, static), values in zip(groups, hyper):
                 hp = {k: values[i] for i, k in enumerate(keys)}
                 for name in names:
-                    new_targets[name], new_states[name] = optimizer.scaled_math(
-                        targets[name], grads[name], states[name], hp, static, ops, grad_scale=inverse, skip=skip)
+                    new_targets[name], new_state = optimizer.scaled_math(
+                        targets[name], grads[name], {**states[name], **shared}, hp, static, ops, grad_scale=inverse,
+                        skip=skip)
+                    new_shared.update((k, new_state.pop(k)) for k in shared)  # the same value for every parameter
+                    new_states[name] = new_state
             skip = jnp.zeros((), bool) if skip is None else skip
             if not masters:
-                return new_targets, masters, new_states, norm, skipped + skip, skip
+                return new_targets, masters, new_states, new_shared, norm, skipped + skip, skip
             new_params = {n: t.astype(param_dtype) for n, t in new_targets.items()}  # all-gathered in bf16
-            return new_params, new_targets, new_states, norm, skipped + skip, skip
+            return new_params, new_targets, new_states, new_shared, norm, skipped + skip, skip
 
         rep = self._replicated
-        shardings = (self._param_specs, self._master_specs, self._state_specs, rep, rep, rep)
-        return jax.jit(update, out_shardings=shardings, donate_argnums=(0, 1, 2, 3, 4))
+        shardings = (self._param_specs, self._master_specs, self._state_specs, {k: rep for k in self._shared_state},
+                     rep, rep, rep)
+        return jax.jit(update, out_shardings=shardings, donate_argnums=(0, 1, 2, 3, 4, 5))
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (DeepSpeed sets them to None)."""
@@ -632,8 +638,9 @@ class TorchaxEngine(DeepSpeedCounters):
         return None if self._last_loss is None else float(self._last_loss.numpy())
 
     def optimizer_states(self) -> dict[str, dict[str, Any]]:
-        """The optimizer states by parameter name and key, as JAX arrays (laid out by the plan)."""
-        return self._opt_state
+        """The optimizer states by parameter name and key, as JAX arrays (laid out by the plan);
+        the step counter is one array, the same in every parameter's states."""
+        return {n: {**st, **self._shared_state} for n, st in self._opt_state.items()}
 
     def params(self) -> dict[str, Any]:
         """The trainable parameters by name, as JAX arrays (replicated)."""
@@ -655,6 +662,28 @@ class TorchaxEngine(DeepSpeedCounters):
 
     def destroy(self) -> None:
         """Nothing to release: device memory goes with the arrays."""
+
+
+def _release_in_background(arrays) -> None:
+    """Drop ``arrays`` (an update's inputs: some hundreds of JAX arrays) on a helper thread:
+    releasing a JAX array costs the host a few microseconds, milliseconds a step that the training
+    loop's thread would otherwise spend (docs/benchmarks.md, the torchax backend)."""
+    if arrays is not None:
+        _release_queue().put(arrays)
+
+
+@functools.lru_cache(maxsize=None)
+def _release_queue() -> queue.SimpleQueue:
+    """One daemon thread for the process (every engine), started at the first release."""
+    releases: queue.SimpleQueue = queue.SimpleQueue()
+
+    def release_forever():
+        while True:
+            arrays = releases.get()
+            del arrays  # the last reference: the arrays are released here, not in the training loop
+
+    threading.Thread(target=release_forever, name="spmdzero-release", daemon=True).start()
+    return releases
 
 
 def _hashable(static: tuple) -> tuple:

@@ -8,7 +8,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from . import runtime
+from . import jax_runtime, runtime
 from .config import ConfigError, load_config, read_config_file, resolve_batch
 from .data import ShardedDataLoader, model_pad_id
 from .engine import SpmdZeroEngine
@@ -42,6 +42,11 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
 
         return backend_torchax.initialize(model, cfg, mesh, optimizer, model_parameters, training_data, lr_scheduler,
                                           collate_fn, _config_dict(cfg, args, config, config_params))
+    if jax_runtime.selected():
+        raise ConfigError(f"spmd.backend={cfg.spmd.backend!r} needs torch_xla's runtime, which was not started: "
+                          f"{jax_runtime.VARIABLE}=torchax gave this process's devices to JAX. Set spmd.backend to "
+                          f"'torchax', or unset {jax_runtime.VARIABLE} before `import spmdzero` (in a notebook: "
+                          "restart the kernel)")
     if cfg.spmd.compile_cache_dir:
         runtime.enable_compile_cache(cfg.spmd.compile_cache_dir)
 

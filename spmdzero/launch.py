@@ -120,7 +120,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from . import runtime
     from .compat import alias
 
-    runtime.bootstrap()
+    runtime.start()
     index, count = runtime.hosts()
     port = args.master_port or int(os.environ.get("MASTER_PORT", DEFAULT_PORT))
     set_launcher_env(index, count, _master_addr(args.master_addr, count), port)

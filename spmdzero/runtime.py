@@ -52,6 +52,17 @@ def visible_device_count() -> int:
     return int(os.environ.get("CPU_NUM_DEVICES", DEFAULT_CPU_DEVICES))
 
 
+def start() -> None:
+    """The process's runtime, at ``import spmdzero`` (and ``spmdzero launch``): torch_xla's
+    (``bootstrap``), or JAX's devices under ``SPMDZERO_BACKEND=torchax`` (``spmdzero.jax_runtime``)."""
+    from . import jax_runtime
+
+    if jax_runtime.decide():
+        jax_runtime.configure()
+    else:
+        bootstrap()
+
+
 def bootstrap() -> None:
     """Configure and start the XLA runtime in SPMD mode. Idempotent."""
     device_type = _select_device_type()
@@ -99,6 +110,10 @@ def register_torch_device_module() -> None:
 
 
 def device_count() -> int:
+    from . import jax_runtime
+
+    if jax_runtime.selected():  # torch_xla's runtime must not start: it would take the TPU
+        return jax_runtime.device_count()
     import torch_xla.runtime as xr
 
     return xr.global_runtime_device_count()
@@ -106,6 +121,10 @@ def device_count() -> int:
 
 def hosts() -> tuple[int, int]:
     """(this process's index, the number of processes): one process per host."""
+    from . import jax_runtime
+
+    if jax_runtime.selected():
+        return jax_runtime.hosts()
     import torch_xla.runtime as xr
 
     return xr.process_index(), xr.process_count()

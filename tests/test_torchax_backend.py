@@ -89,6 +89,9 @@ def test_optimizer_states_sharded_by_the_plan(trained):
             assert shard[dim] == planned.shape[dim] // 8, (name, key)
         assert engine.params()[name].sharding.is_fully_replicated
     assert any(engine.plan[n].shard_dims for n in engine._names)
+    # every parameter steps together: one step counter, not one per parameter, goes through the update
+    assert len({id(states[n]["step"]) for n in engine._names}) == 1
+    assert int(states[engine._names[0]]["step"]) == STEPS
 
 
 def test_eval_forward_leaves_the_gradients_alone(trained):
@@ -310,3 +313,158 @@ def test_missing_torchax_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_torchax)
     with pytest.raises(ConfigError, match=r"spmdzero\[torchax\]"):
         backend_torchax._require_torchax()
+
+
+# ---- SPMDZERO_BACKEND=torchax: JAX owns the devices, torch_xla's runtime never starts ----------------
+
+JAX_OWNED = """
+    import json, sys
+    sys.path.insert(0, "tests")
+    import jax, torch
+    import spmdzero
+    from spmdzero.config import ConfigError
+    from conftest import tiny_mlp
+    from test_torchax_backend import WithLoss, config, train
+
+    out = {"jax_devices": len(jax.devices()), "torch_xla_at_import": "torch_xla" in sys.modules}
+    for gas in (1, 2):  # two initialize() in one process, as a notebook re-run
+        engine, losses, params, _ = train("torchax", gas)
+        engine.wait()
+        out[gas] = {"losses": losses, "norm": engine.get_global_grad_norm(), "mesh": engine.mesh.devices.size,
+                    "params": {n: p.tolist() for n, p in params.items()}}
+    from spmdzero.compat.deepspeed import comm
+
+    out["deepspeed_world_size"] = comm.get_world_size()  # what a DeepSpeed script asks, answered by JAX
+    try:
+        spmdzero.initialize(model=WithLoss(tiny_mlp()), config=config("torch_xla"))
+    except ConfigError as err:
+        out["torch_xla_backend"] = str(err)
+    try:
+        spmdzero.initialize(model=WithLoss(tiny_mlp()), config=config("torchax"), mesh=object())
+    except ConfigError as err:
+        out["mesh"] = str(err)
+    jax.process_count = lambda: 2  # a pod slice's hosts, as JAX counts them
+    try:
+        spmdzero.initialize(model=WithLoss(tiny_mlp()), config=config("torchax"))
+    except RuntimeError as err:
+        out["hosts"] = str(err)
+    out["torch_xla_imported"] = "torch_xla" in sys.modules
+    import torch_xla, _XLAC
+    out["runtime_started"] = _XLAC._xla_runtime_is_initialized()
+    print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def jax_owned():
+    """One process with SPMDZERO_BACKEND=torchax and 4 CPU devices (this one has torch_xla's 8)."""
+    import json
+
+    from conftest import run_python
+
+    out = run_python(JAX_OWNED, env={"SPMDZERO_BACKEND": "torchax", "CPU_NUM_DEVICES": "4"})
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_with_spmdzero_backend_torchax_jax_owns_the_devices_and_trains_the_same(trained, jax_owned):
+    gas, (_, ref_losses, ref_params, _), (engine, losses, _, _) = trained
+    run = jax_owned[str(gas)]
+    assert jax_owned["jax_devices"] == run["mesh"] == 4  # CPU_NUM_DEVICES, JAX's own
+    assert run["losses"] == pytest.approx(ref_losses, abs=1e-5)
+    assert run["losses"] == pytest.approx(losses, abs=1e-5)
+    assert run["norm"] == pytest.approx(engine.get_global_grad_norm(), rel=1e-5)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(torch.tensor(run["params"][name]), value, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_with_spmdzero_backend_torchax_torch_xla_never_starts(jax_owned):
+    """Not at import, not in initialize, training, engine.wait() or the refusals."""
+    assert not jax_owned["torch_xla_at_import"] and not jax_owned["torch_xla_imported"]
+    assert not jax_owned["runtime_started"]
+    assert jax_owned["deepspeed_world_size"] == 1
+    assert "'spmd.mesh'" in jax_owned["mesh"]  # a torch_xla Mesh would start torch_xla's runtime
+    assert "spmd.backend='torch_xla'" in jax_owned["torch_xla_backend"]
+    assert "SPMDZERO_BACKEND=torchax" in jax_owned["torch_xla_backend"]
+    assert "one host" in jax_owned["hosts"] and "one of 2" in jax_owned["hosts"]
+
+
+def test_the_backend_variable_is_checked(monkeypatch):
+    from spmdzero import jax_runtime
+
+    monkeypatch.delenv("SPMDZERO_BACKEND", raising=False)
+    assert not jax_runtime.from_environment()
+    monkeypatch.setenv("SPMDZERO_BACKEND", "torch_xla")
+    assert not jax_runtime.from_environment()
+    monkeypatch.setenv("SPMDZERO_BACKEND", "torchax")
+    assert jax_runtime.from_environment()
+    # this process's runtime started without it (conftest): set now, as in a notebook, it changes nothing
+    assert not jax_runtime.selected()
+    monkeypatch.setenv("SPMDZERO_BACKEND", "jax")
+    with pytest.raises(ValueError, match="SPMDZERO_BACKEND='jax'"):
+        jax_runtime.from_environment()
+
+
+@pytest.mark.parametrize("device_type, jax_platforms, expected", [
+    ("TPU", None, [("jax_platforms", "tpu,cpu")]),
+    ("TPU", "tpu", []),  # the user's JAX_PLATFORMS stands
+    ("CPU", None, [("jax_platforms", "cpu"), ("jax_num_cpu_devices", 4)]),
+])
+def test_jax_is_told_which_devices_to_take(monkeypatch, device_type, jax_platforms, expected):
+    import jax
+    from jax._src import xla_bridge
+
+    from spmdzero import jax_runtime
+
+    updates = []
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.setattr(jax.config, "update", lambda key, value: updates.append((key, value)))
+    monkeypatch.setattr(jax_runtime, "_device_type", lambda: device_type)
+    monkeypatch.setenv("CPU_NUM_DEVICES", "4")
+    if jax_platforms is None:
+        monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    else:
+        monkeypatch.setenv("JAX_PLATFORMS", jax_platforms)
+    jax_runtime.configure()
+    assert updates == expected
+
+
+def test_jax_owned_devices_on_a_tpu_vm_are_its_tpu_chips(monkeypatch):
+    """What jax.devices() gives is checked against the host: a TPU JAX fell back from is an error."""
+    from types import SimpleNamespace
+
+    import jax
+
+    from spmdzero import backend_torchax, jax_runtime
+
+    chips = [SimpleNamespace(platform="tpu", id=i) for i in range(4)]
+    monkeypatch.setattr(jax_runtime, "_decided", True)  # as if started with SPMDZERO_BACKEND=torchax
+    monkeypatch.setattr(jax_runtime, "_device_type", lambda: "TPU")
+    monkeypatch.setattr(jax_runtime, "configure", lambda: None)
+    monkeypatch.setattr(jax, "devices", lambda *backend: chips)
+    monkeypatch.setattr(jax, "process_count", lambda: 1)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    assert backend_torchax.jax_devices(4) == chips and jax_runtime.device_count() == 4
+    assert spmdzero.runtime.device_count() == 4 and spmdzero.runtime.hosts()[1] == 1
+    monkeypatch.setattr(jax, "devices", lambda *backend: [SimpleNamespace(platform="cpu", id=0)])
+    with pytest.raises(RuntimeError, match="TPU host but JAX started on cpu"):
+        jax_runtime.devices()
+
+    def held(*backend):
+        raise RuntimeError("Unable to initialize backend 'tpu': TPU in use by process 1234")
+
+    monkeypatch.setattr(jax, "devices", held)
+    with pytest.raises(RuntimeError, match="SPMDZERO_BACKEND=torchax: JAX could not open .* TPU in use by process"):
+        spmdzero.runtime.hosts()
+
+
+def test_the_torchax_backend_on_a_tpu_vm_without_the_variable_says_to_set_it(monkeypatch):
+    import torch_xla.runtime as xr
+
+    from spmdzero import backend_torchax
+
+    monkeypatch.setenv("SPMDZERO_BACKEND", "torchax")  # set after `import spmdzero`: too late
+    monkeypatch.setattr(xr, "device_type", lambda: "TPU")
+    with pytest.raises(RuntimeError, match=r"SPMDZERO_BACKEND=torchax in the environment before `import spmdzero`"):
+        backend_torchax.jax_devices(4)
