@@ -193,6 +193,7 @@ def _run_aot(args) -> int:
         return 1
     env = {**os.environ, "CPU_NUM_DEVICES": str(devices), "PJRT_DEVICE": "CPU"}
     env.pop("SPMDZERO_NO_RUNTIME", None)
+    env.pop("SPMDZERO_BACKEND", None)  # the trace is torch_xla's (the default engine's step), whatever this shell runs
     command = [sys.executable, "-m", "spmdzero.aot", *sys_argv_after(args)]
     return subprocess.run(command, env=env).returncode
 

@@ -52,3 +52,25 @@ def test_console_entry_point_does_not_start_the_runtime(tmp_path):
         print("exit", code, "torch_xla loaded:", "torch_xla" in sys.modules)
     """, env={"CPU_NUM_DEVICES": "4"})
     assert "fsdp=4" in out and "exit 0 torch_xla loaded: False" in out
+
+
+def test_aot_traces_with_torch_xla_whatever_backend_the_shell_selects(tmp_path, monkeypatch):
+    """``spmdzero aot`` compiles the default engine's step, traced by torch_xla in a child:
+    the child must not inherit SPMDZERO_BACKEND=torchax (it would start no torch_xla runtime)
+    or SPMDZERO_NO_RUNTIME."""
+    import subprocess
+
+    seen = {}
+
+    def fake_run(command, env):
+        seen["command"], seen["env"] = command, env
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setenv("SPMDZERO_BACKEND", "torchax")
+    monkeypatch.setenv("SPMDZERO_NO_RUNTIME", "1")
+    path = write(tmp_path, {"train_batch_size": 8})
+    assert main(["aot", "--topology", "v5e:2x2", "--deepspeed_config", path]) == 0
+    assert seen["command"][1:3] == ["-m", "spmdzero.aot"]
+    assert "SPMDZERO_BACKEND" not in seen["env"] and "SPMDZERO_NO_RUNTIME" not in seen["env"]
+    assert seen["env"]["PJRT_DEVICE"] == "CPU" and seen["env"]["CPU_NUM_DEVICES"] == "4"

@@ -335,6 +335,14 @@ JAX_OWNED = """
     from spmdzero.compat.deepspeed import comm
 
     out["deepspeed_world_size"] = comm.get_world_size()  # what a DeepSpeed script asks, answered by JAX
+    from spmdzero.compat.deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()  # what a DeepSpeed script moves its batches to, counts and seeds
+    acc.manual_seed(0)
+    acc.synchronize()
+    out["accelerator"] = {"device": acc.device_name(0), "current": acc.current_device_name(),
+                          "count": acc.device_count(), "memory": acc.memory_allocated(),
+                          "rng": acc.get_rng_state().equal(torch.get_rng_state())}
     try:
         spmdzero.initialize(model=WithLoss(tiny_mlp()), config=config("torch_xla"))
     except ConfigError as err:
@@ -384,6 +392,8 @@ def test_with_spmdzero_backend_torchax_torch_xla_never_starts(jax_owned):
     assert not jax_owned["torch_xla_at_import"] and not jax_owned["torch_xla_imported"]
     assert not jax_owned["runtime_started"]
     assert jax_owned["deepspeed_world_size"] == 1
+    # DeepSpeed scripts keep their batches on the host (the engine places them); counts are JAX's
+    assert jax_owned["accelerator"] == {"device": "cpu", "current": "cpu", "count": 4, "memory": 0, "rng": True}
     assert "'spmd.mesh'" in jax_owned["mesh"]  # a torch_xla Mesh would start torch_xla's runtime
     assert "spmd.backend='torch_xla'" in jax_owned["torch_xla_backend"]
     assert "SPMDZERO_BACKEND=torchax" in jax_owned["torch_xla_backend"]

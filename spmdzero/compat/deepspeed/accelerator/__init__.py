@@ -212,10 +212,56 @@ class XlaAccelerator:
         self._compile_backend = backend
 
 
-_ACCELERATOR = XlaAccelerator()
+class JaxHostAccelerator(XlaAccelerator):
+    """Under ``SPMDZERO_BACKEND=torchax`` JAX owns the devices and torch_xla's runtime must not
+    start (``spmdzero.jax_runtime``): a script's tensors stay on the host (``cpu``) and the
+    torchax engine puts each batch on the devices; counts, memory and RNG come from JAX and
+    torch, never from torch_xla."""
+
+    def device_name(self, device_index=None) -> str:
+        return "cpu"
+
+    def current_device_name(self) -> str:
+        return "cpu"
+
+    def device_count(self) -> int:
+        from spmdzero import jax_runtime
+
+        return jax_runtime.device_count()
+
+    def synchronize(self, device_index=None) -> None:
+        pass  # JAX has no "wait for everything issued"; engine.wait() waits for the engine's work
+
+    def set_rng_state(self, new_state, device_index=None) -> None:
+        torch.set_rng_state(new_state)
+
+    def get_rng_state(self, device_index=None):
+        return torch.get_rng_state()
+
+    def manual_seed(self, seed) -> None:
+        torch.manual_seed(int(seed))  # the torchax engine takes its JAX key from torch's seed at initialize
+
+    def _memory(self) -> dict:
+        from spmdzero import jax_runtime
+
+        stats = jax_runtime.devices()[0].memory_stats() or {}  # None on CPU
+        return {"bytes_used": stats.get("bytes_in_use", 0), "peak_bytes_used": stats.get("peak_bytes_in_use", 0),
+                "bytes_limit": stats.get("bytes_limit", 0)}
+
+    def on_accelerator(self, tensor) -> bool:
+        return False  # the engine's arrays are JAX's; a torch tensor here is a host tensor
+
+
+_ACCELERATOR = None
 
 
 def get_accelerator() -> XlaAccelerator:
+    """The accelerator of this process's runtime (decided at ``import spmdzero``)."""
+    global _ACCELERATOR
+    if _ACCELERATOR is None:
+        from spmdzero import jax_runtime
+
+        _ACCELERATOR = JaxHostAccelerator() if jax_runtime.selected() else XlaAccelerator()
     return _ACCELERATOR
 
 
