@@ -64,7 +64,7 @@ CAPTURE = """
         P = sum(p.numel() for p in model.parameters())
         out[f"{stage}-scan" if scan else stage] = {
             "collectives": report.collectives, "ratio": CollectivesReport(n, report.collectives, 4 * P).ratio,
-            "temp": report.memory["temp"], "loops": report.loops}
+            "temp": report.memory["temp"], "loops": report.loops, "libtpu_args": report.libtpu_args}
     assert model.lm_head.weight is model.transformer.wte.weight
     out["P"], out["table"] = P, model.transformer.wte.weight.numel()
     out["matrices"] = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "wpe" not in name)
@@ -152,3 +152,49 @@ def test_zero2_with_scanned_layers_reduce_scatters_inside_the_loop(compiled):
     # bytes of temporaries to the unrolled step's (measured: 0.43 MiB more of 4.5 on v5e:2x2)
     n = TOPOLOGIES[topology]
     assert scanned["temp"] - unrolled["temp"] < 4 * got["blocks"] * (n - 1) / n
+
+
+@pytest.mark.slow
+def test_the_compile_uses_spmdzeros_libtpu_flags(compiled):
+    """The AOT compile runs with the flags a TPU VM's bootstrap sets (spmdzero.libtpu_flags)."""
+    from spmdzero.libtpu_flags import FLAGS
+
+    _, got = compiled
+    for name, value in FLAGS.items():
+        assert f"--{name}={value}" in got["2"]["libtpu_args"]
+
+
+# GPT-2's tied [50257, 768] table's gradient, as its matmul part reaches the partitioner: tokens
+# sharded over 4 chips, the output split by columns (192-column shards).
+TABLE = """
+    import json, os
+    os.environ.update(TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    from spmdzero import libtpu_flags
+    libtpu_flags.apply()
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from spmdzero.tpu_compile import summarize_collectives
+    mesh = Mesh(np.array(topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices), ("f",))
+    tokens = NamedSharding(mesh, P("f", None))
+    a = jax.ShapeDtypeStruct((4096, 50257), jnp.float32, sharding=tokens)
+    b = jax.ShapeDtypeStruct((4096, 768), jnp.float32, sharding=tokens)
+    step = jax.jit(lambda a, b: a.T @ b, out_shardings=NamedSharding(mesh, P(None, "f")))
+    print(json.dumps(summarize_collectives(step.lower(a, b).compile().as_text())))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", ["1", "0"])
+def test_the_flags_make_libtpu_reduce_scatter_a_vocabulary_tables_gradient(flags):
+    """With spmdzero's flags libtpu reduce-scatters the table (3/4 of it sent per chip);
+    without (SPMDZERO_LIBTPU_FLAGS=0) it all-reduces it in full (the tile rule, docs/tpu.md).
+    When a libtpu makes the second case reduce-scatter too, the flag is no longer needed."""
+    pytest.importorskip("libtpu")
+    out = run_python(TABLE, env={"SPMDZERO_LIBTPU_FLAGS": flags, "SPMDZERO_NO_RUNTIME": "1"})
+    got = json.loads(out.strip().splitlines()[-1])
+    table = 50257 * 768 * 4
+    if flags == "1":
+        assert set(got) == {"reduce-scatter"} and got["reduce-scatter"]["sent"] == 3 * table // 4
+    else:
+        assert set(got) == {"all-reduce"} and got["all-reduce"]["bytes"] == table
