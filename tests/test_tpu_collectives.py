@@ -164,10 +164,11 @@ def test_the_compile_uses_spmdzeros_libtpu_flags(compiled):
         assert f"--{name}={value}" in got["2"]["libtpu_args"]
 
 
-# GPT-2's tied [50257, 768] table's gradient, as its matmul part reaches the partitioner: tokens
-# sharded over 4 chips, the output split by columns (192-column shards).
-TABLE = """
-    import json, os
+# What spmdzero's libtpu flags are for, compiled with JAX on v5e:2x2: GPT-2's tied [50257, 768]
+# table's gradient as its matmul part reaches the partitioner (tokens sharded over 4 chips, the
+# output split by columns: 192-column shards), and dropout's random bits sharded by batch.
+FLAGGED = """
+    import json, os, re
     os.environ.update(TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
     from spmdzero import libtpu_flags
     libtpu_flags.apply()
@@ -176,25 +177,35 @@ TABLE = """
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from spmdzero.tpu_compile import summarize_collectives
     mesh = Mesh(np.array(topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices), ("f",))
-    tokens = NamedSharding(mesh, P("f", None))
-    a = jax.ShapeDtypeStruct((4096, 50257), jnp.float32, sharding=tokens)
-    b = jax.ShapeDtypeStruct((4096, 768), jnp.float32, sharding=tokens)
-    step = jax.jit(lambda a, b: a.T @ b, out_shardings=NamedSharding(mesh, P(None, "f")))
-    print(json.dumps(summarize_collectives(step.lower(a, b).compile().as_text())))
+    rows = NamedSharding(mesh, P("f"))
+    a = jax.ShapeDtypeStruct((4096, 50257), jnp.float32, sharding=rows)
+    b = jax.ShapeDtypeStruct((4096, 768), jnp.float32, sharding=rows)
+    table = jax.jit(lambda a, b: a.T @ b, out_shardings=NamedSharding(mesh, P(None, "f"))).lower(a, b).compile()
+    def dropout(key, x):
+        _, bits = jax.lax.rng_bit_generator(key, x.shape, dtype=jnp.uint32)
+        return jnp.where(jax.lax.with_sharding_constraint(bits, rows) < jnp.uint32(2**31), x, 0.0)
+    key = jax.ShapeDtypeStruct((4,), jnp.uint32, sharding=NamedSharding(mesh, P()))
+    x = jax.ShapeDtypeStruct((16, 4, 256, 256), jnp.float32, sharding=rows)
+    rng = jax.jit(dropout, out_shardings=rows).lower(key, x).compile().as_text()
+    print(json.dumps({"table": summarize_collectives(table.as_text()),
+                      "rng": re.findall(r"= (\\w+\\[[\\d,]*\\])\\S* rng-bit-generator", rng)}))
 """
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flags", ["1", "0"])
-def test_the_flags_make_libtpu_reduce_scatter_a_vocabulary_tables_gradient(flags):
-    """With spmdzero's flags libtpu reduce-scatters the table (3/4 of it sent per chip);
-    without (SPMDZERO_LIBTPU_FLAGS=0) it all-reduces it in full (the tile rule, docs/tpu.md).
-    When a libtpu makes the second case reduce-scatter too, the flag is no longer needed."""
+def test_what_the_libtpu_flags_change(flags):
+    """With spmdzero's flags libtpu reduce-scatters the table (3/4 of it sent per chip) and
+    each chip draws only its shard of the random bits. Without (SPMDZERO_LIBTPU_FLAGS=0) it
+    all-reduces the table in full (the tile rule, docs/tpu.md) and every chip draws the bits of
+    the whole batch. When a libtpu does the first without the flags, they are not needed."""
     pytest.importorskip("libtpu")
-    out = run_python(TABLE, env={"SPMDZERO_LIBTPU_FLAGS": flags, "SPMDZERO_NO_RUNTIME": "1"})
-    got = json.loads(out.strip().splitlines()[-1])
+    got = json.loads(run_python(FLAGGED, env={"SPMDZERO_LIBTPU_FLAGS": flags, "SPMDZERO_NO_RUNTIME": "1"})
+                     .strip().splitlines()[-1])
     table = 50257 * 768 * 4
     if flags == "1":
-        assert set(got) == {"reduce-scatter"} and got["reduce-scatter"]["sent"] == 3 * table // 4
+        assert set(got["table"]) == {"reduce-scatter"} and got["table"]["reduce-scatter"]["sent"] == 3 * table // 4
+        assert got["rng"] == ["u32[4,4,256,256]"]
     else:
-        assert set(got) == {"all-reduce"} and got["all-reduce"]["bytes"] == table
+        assert set(got["table"]) == {"all-reduce"} and got["table"]["all-reduce"]["bytes"] == table
+        assert got["rng"] == ["u32[16,4,256,256]"]
