@@ -344,8 +344,9 @@ def compile_mlir(mlir: str, topology: str, donate=(), timeout: int = 3600) -> di
         if proc.returncode != 0 or not os.path.exists(out):
             how = (f"killed by signal {-proc.returncode}" + (" (out of host memory?)" if proc.returncode == -9 else "")
                    if proc.returncode < 0 else f"exit status {proc.returncode}")
+            unknown = "Unknown command line flag" in proc.stderr
             hint = ("\n(libtpu does not know a flag in LIBTPU_INIT_ARGS: fix or unset it; "
-                    "SPMDZERO_LIBTPU_FLAGS=0 leaves out spmdzero's own)") if "Unknown command line flag" in proc.stderr else ""
+                    "SPMDZERO_LIBTPU_FLAGS=0 leaves out spmdzero's own)") if unknown else ""
             raise RuntimeError(f"TPU compilation for {topology} failed ({how}):\n{proc.stderr[-3000:]}{hint}")
         with open(out) as f:
             result = json.load(f)

@@ -121,7 +121,8 @@ def _collectives(hlo_text: str):
 
 
 def _sent(collectives: list) -> int:
-    return sum(times * (sent_per_device(kind, shape_bytes(shape), group) or 0) for kind, shape, group, times in collectives)
+    return sum(times * (sent_per_device(kind, shape_bytes(shape), group) or 0)
+               for kind, shape, group, times in collectives)
 
 
 def _output_shape(ins) -> str:

@@ -42,3 +42,15 @@ def test_the_tpu_bootstrap_applies_them_and_the_cpu_one_does_not(monkeypatch):
     monkeypatch.setenv("PJRT_DEVICE", "TPU")
     runtime.bootstrap()
     assert runtime.os.environ["LIBTPU_INIT_ARGS"] == libtpu_flags.merged("--xla_user=1")
+
+
+@pytest.mark.slow
+def test_a_flag_libtpu_does_not_know_is_a_clear_aot_error(monkeypatch):
+    """libtpu exits on an unknown flag while it loads; the AOT compile says which variable."""
+    pytest.importorskip("libtpu")
+    from spmdzero.aot import compile_mlir
+
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_no_such_flag=true")
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    with pytest.raises(RuntimeError, match="(?s)xla_tpu_no_such_flag.*libtpu does not know a flag in LIBTPU_INIT_ARGS"):
+        compile_mlir("module {}", "v5e:2x2")
