@@ -76,8 +76,11 @@ CAPTURE = """
 TOPOLOGIES = {"v5e:2x2": 4, "v5e:4x4": 16}
 # On v5e:4x4 the plan reduces a block matrix over fsdp (8 chips) then fsdp_inner (2): libtpu
 # 0.0.21 turns a 16-chip reduce-scatter into an all-reduce and a slice (docs/tpu.md). The tied
-# table keeps one 16-chip column split, which libtpu all-reduces (a two-stage split costs more:
-# the scatter's token rows are all-gathered). When libtpu reduce-scatters it, the 4x4 cases fail.
+# table keeps one 16-chip column split, which libtpu all-reduces at this size (a two-stage split
+# costs more: the scatter's token rows are all-gathered; GPT-2's 50257-row table it reduces with a
+# windowed einsum ring, near the minimum: 1.04x for 124M). No libtpu flag made the 16-chip
+# reduce-scatter survive (docs/tpu.md#libtpu-flags). When libtpu reduce-scatters it, the 4x4
+# cases fail.
 TWO_AXES = {"v5e:4x4"}
 
 
