@@ -61,6 +61,7 @@ class AotReport:
     loops: list = field(default_factory=list)  # trip counts of the program's while loops (scanned layers)
     all_reduces: list = field(default_factory=list)  # the largest all-reduced arrays (tpu_compile.largest_all_reduces)
     gradient_names: dict = field(default_factory=dict)  # HLO shape of a gradient -> the parameters of that shape
+    libtpu_args: Optional[str] = None  # the LIBTPU_INIT_ARGS compiled with (spmdzero.libtpu_flags); None on CPU
 
     @property
     def chip(self) -> ChipSpec:
@@ -129,7 +130,7 @@ class AotReport:
                "fits": self.fits, "over_by": self.over_by, "out_of_memory": self.out_of_memory,
                "collectives": self.collectives, "cost": self.cost, "gradient_bytes": self.gradient_bytes,
                "model_flops": self.model_flops, "loops": self.loops, "roofline": self.roofline(),
-               "all_reduced_gradients": self.all_reduced_gradients()}
+               "all_reduced_gradients": self.all_reduced_gradients(), "libtpu_args": self.libtpu_args}
         if self.memory is not None:
             out["traffic"] = {"sent_per_chip": traffic.total_traffic, "minimum": traffic.minimum_traffic,
                               "ratio": traffic.ratio}
@@ -148,6 +149,8 @@ class AotReport:
         if self.micro_batch is not None:
             head += f", micro-batch {self.micro_batch}/chip"
         lines = [f"{head}: compiled in {self.compile_seconds:.1f} s"]
+        if self.libtpu_args is not None:
+            lines.append(f"  libtpu flags: {self.libtpu_args or '(none)'}")
         if self.memory is None:
             lines.append(f"  the compiler ran out of HBM: needs {_gib(self.total_bytes)} per chip of "
                          f"{_gib(self.out_of_memory.get('capacity', self.chip.hbm_bytes))} usable: {self.verdict()}")
@@ -341,7 +344,10 @@ def compile_mlir(mlir: str, topology: str, donate=(), timeout: int = 3600) -> di
         if proc.returncode != 0 or not os.path.exists(out):
             how = (f"killed by signal {-proc.returncode}" + (" (out of host memory?)" if proc.returncode == -9 else "")
                    if proc.returncode < 0 else f"exit status {proc.returncode}")
-            raise RuntimeError(f"TPU compilation for {topology} failed ({how}):\n{proc.stderr[-3000:]}")
+            unknown = "Unknown command line flag" in proc.stderr
+            hint = ("\n(libtpu does not know a flag in LIBTPU_INIT_ARGS: fix or unset it; "
+                    "SPMDZERO_LIBTPU_FLAGS=0 leaves out spmdzero's own)") if unknown else ""
+            raise RuntimeError(f"TPU compilation for {topology} failed ({how}):\n{proc.stderr[-3000:]}{hint}")
         with open(out) as f:
             result = json.load(f)
     if "error" in result:

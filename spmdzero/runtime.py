@@ -4,6 +4,8 @@ Everything here runs once, on ``import spmdzero``, before any XLA tensor exists:
 
 * pick the PJRT device: every TPU chip on a TPU VM, else the CPU client with
   ``CPU_NUM_DEVICES`` virtual devices (8 when unset), the embedded default;
+* on a TPU, add spmdzero's libtpu compiler flags to ``LIBTPU_INIT_ARGS``
+  (``spmdzero.libtpu_flags``, the flags ``spmdzero aot`` compiles with);
 * switch torch_xla into SPMD mode (it must precede the first XLA tensor);
 * start the runtime now. PyTorch's autograd engine sizes its per-device queues
   at the first ``backward()`` of the process. If that backward runs on CPU before
@@ -69,6 +71,10 @@ def bootstrap() -> None:
     os.environ["PJRT_DEVICE"] = device_type
     if device_type == "CPU":
         os.environ.setdefault("CPU_NUM_DEVICES", str(DEFAULT_CPU_DEVICES))
+    elif device_type == "TPU":  # the compiler flags spmdzero aot compiles with, before libtpu loads
+        from . import libtpu_flags
+
+        libtpu_flags.apply()
 
     import torch_xla.runtime as xr
 

@@ -15,6 +15,8 @@ import re
 import sys
 import time
 
+from . import libtpu_flags
+
 LIBTPU_HINT = "install it with: pip install 'spmdzero[aot]' (libtpu==0.0.21, the version torch_xla 2.9 pins)"
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "pred": 1, "s8": 1, "u8": 1}
 
@@ -75,7 +77,8 @@ def _collectives(hlo_text: str):
     def add(kind: str, shape: str, group: int, times: int) -> None:
         found.append((kind, shape, group, times))
 
-    def walk(body: list, times: int) -> None:
+    def walk(body: list, times: int, trips: int = 1) -> None:
+        nonlocal found
         for ins in body:
             op = ins.opcode.removesuffix("-start")
             if op == "all-reduce" and is_cpu_reduce_scatter(computations, body, ins):
@@ -96,10 +99,30 @@ def _collectives(hlo_text: str):
             elif op == "while":
                 loop = re.search(r"body=%([\w.\-]+)", ins.rest)
                 if loop and loop.group(1) in computations:
-                    walk(computations[loop.group(1)], times * trip_count(computations, ins))
+                    count = trip_count(computations, ins, body)
+                    walk(computations[loop.group(1)], times * count, count)
+            elif op == "conditional":
+                # Count the branch that sends the most, every time (an upper bound), except in
+                # libtpu's windowed einsum: its ring skips the permute in the last trip of the loop
+                # (the other branch is ``last_iteration_noop``).
+                names = re.findall(r"(?:true_computation|false_computation)=%([\w.\-]+)", ins.rest)
+                listed = re.search(r"branch_computations=\{([^}]*)\}", ins.rest)
+                names += re.findall(r"%([\w.\-]+)", listed.group(1)) if listed else []
+                runs = times - times // trips if any(n.startswith("last_iteration_noop") for n in names) else times
+                outer, branches = found, []
+                for name in (n for n in names if n in computations):
+                    found = []
+                    walk(computations[name], runs)
+                    branches.append(found)
+                found = outer + max(branches, key=_sent, default=[])
 
     walk(computations.get("ENTRY", []), 1)
     return found
+
+
+def _sent(collectives: list) -> int:
+    return sum(times * (sent_per_device(kind, shape_bytes(shape), group) or 0)
+               for kind, shape, group, times in collectives)
 
 
 def _output_shape(ins) -> str:
@@ -138,20 +161,69 @@ def sent_per_device(kind: str, size: int, group: int) -> int | None:
     return (group - 1) * size // group
 
 
-def trip_count(computations: dict, ins) -> int:
+def trip_count(computations: dict, ins, caller: list = ()) -> int:
     """A while loop's trip count: XLA:CPU states it (``known_trip_count``); XLA:TPU's loops
-    compare the induction variable against it in the condition (``compare(i, N),
-    direction=LT``). 1 when neither is found."""
+    compare the induction variable against a bound in the condition (``compare(i, N),
+    direction=LT``), and a loop libtpu unrolled (a windowed einsum's ``wide.`` loop) steps it
+    by more than 1: the count is ceil((N - start) / step), the start read from the loop's
+    initial tuple in ``caller`` (0 when not found), the step from the body's root. 1 when
+    there is no such compare."""
     known = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.rest)
     if known:
         return int(known.group(1))
     condition = re.search(r"condition=%([\w.\-]+)", ins.rest)
-    body = computations.get(condition.group(1), []) if condition else []
-    constants = {i.name: int(m.group(1)) for i in body
-                 if i.opcode == "constant" and (m := re.match(r"(-?\d+)\)", i.rest))}
-    bounds = [constants[m.group(1)] for i in body if i.opcode == "compare" and "direction=LT" in i.rest
-              and (m := re.search(r",\s*%([\w.\-]+)\)", i.rest)) and m.group(1) in constants]
-    return max([b for b in bounds if b > 0], default=1)
+    cond = computations.get(condition.group(1), []) if condition else []
+    constants = _scalar_constants(cond)
+    elements = {i.name: int(m.group(1)) for i in cond
+                if i.opcode == "get-tuple-element" and (m := re.search(r"index=(\d+)", i.rest))}
+    counts = []
+    for i in cond:
+        m = re.match(r"%([\w.\-]+),\s*%([\w.\-]+)\)", i.rest)
+        if i.opcode != "compare" or "direction=LT" not in i.rest or not m or m.group(2) not in constants:
+            continue
+        bound, index = constants[m.group(2)], elements.get(m.group(1))
+        loop = re.search(r"body=%([\w.\-]+)", ins.rest)
+        step = _loop_step(computations.get(loop.group(1), []) if loop else [], index)
+        start = _loop_start(caller, ins, index)
+        if bound - start > 0:
+            counts.append(-(-(bound - start) // step))
+    return max(counts, default=1)
+
+
+def _scalar_constants(body: list) -> dict[str, int]:
+    return {i.name: int(m.group(1)) for i in body if i.opcode == "constant" and (m := re.match(r"(-?\d+)\)", i.rest))}
+
+
+def _loop_step(body: list, index: int | None) -> int:
+    """How much the loop body adds to tuple element ``index`` (1 when it cannot tell)."""
+    root = body[-1] if body and body[-1].opcode == "tuple" else None  # HLO text prints the ROOT last
+    if root is None or index is None:
+        return 1
+    operands = re.findall(r"%([\w.\-]+)", root.rest.split(")")[0])
+    if index >= len(operands):
+        return 1
+    by_name = {i.name: i for i in body}
+    update = by_name.get(operands[index])
+    constants = _scalar_constants(body)
+    if update is None or update.opcode != "add":
+        return 1
+    steps = [constants[a] for a in re.findall(r"%([\w.\-]+)", update.rest.split(")")[0]) if a in constants]
+    return steps[0] if len(steps) == 1 and steps[0] > 0 else 1
+
+
+def _loop_start(caller: list, ins, index: int | None) -> int:
+    """The initial value of the loop's tuple element ``index`` when it is a constant (through
+    copies) in the calling computation; 0 otherwise."""
+    by_name = {i.name: i for i in caller}
+    init = re.match(r"%([\w.\-]+)\)", ins.rest)
+    tuple_ins = by_name.get(init.group(1)) if init else None
+    if tuple_ins is None or tuple_ins.opcode != "tuple" or index is None:
+        return 0
+    operands = re.findall(r"%([\w.\-]+)", tuple_ins.rest.split(")")[0])
+    name = operands[index] if index < len(operands) else None
+    while name in by_name and by_name[name].opcode == "copy":
+        name = re.match(r"%([\w.\-]+)", by_name[name].rest).group(1)
+    return _scalar_constants(caller).get(name, 0)
 
 
 def loop_trip_counts(hlo_text: str) -> list[int]:
@@ -160,7 +232,7 @@ def loop_trip_counts(hlo_text: str) -> list[int]:
     from .inspect import split_computations
 
     computations = split_computations(hlo_text)
-    return [trip_count(computations, ins) for body in computations.values() for ins in body
+    return [trip_count(computations, ins, body) for body in computations.values() for ins in body
             if ins.opcode == "while"]
 
 
@@ -175,6 +247,7 @@ def _cpu_devices(count: int) -> list:
 def _tpu_devices(topology: str) -> list:
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server: this is not a TPU VM
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    libtpu_flags.apply()  # as spmdzero.runtime does on a TPU VM, before libtpu loads
     import importlib.util
 
     if importlib.util.find_spec("libtpu") is None:
@@ -258,6 +331,8 @@ def compile_for_tpu(mlir_text: str, topology: str, donate: list[tuple[int, int]]
     on_cpu = topology.startswith("cpu:")
     devices = _cpu_devices(int(topology[4:])) if on_cpu else _tpu_devices(topology)
     result = {"topology": topology, "chips": len(devices), "device_kind": devices[0].device_kind}
+    if not on_cpu:
+        result["libtpu_args"] = os.environ.get("LIBTPU_INIT_ARGS", "")
     with mlir.make_ir_context():
         module = mlir.ir.Module.parse(mlir_text)
         propagate = prepare_module(module, list(donate))

@@ -388,6 +388,63 @@ ENTRY %main (a: f32[8]) -> f32[8] {
     assert collectives["all-gather"]["count"] == 1
 
 
+# libtpu's windowed einsum reduce-scatter, as it compiles one (unidirectional): a loop libtpu
+# unrolled by 2 (its counter steps by 2 from a copied 0 up to 8: 4 trips), a collective-permute
+# of a partial shard inside a conditional that skips it in the last trip.
+WINDOWED_HLO = """HloModule step
+
+%window_collective_permute (w: f32[64,8]) -> f32[64,8] {
+  %w = f32[64,8]{0,1} parameter(0)
+  %collective-permute-start = (f32[64,8]{0,1}, f32[64,8]{0,1}, u32[], u32[]) collective-permute-start(%w), source_target_pairs={{0,1},{1,0}}
+  ROOT %collective-permute-done = f32[64,8]{0,1} collective-permute-done(%collective-permute-start)
+}
+
+%last_iteration_noop (w.1: f32[64,8]) -> f32[64,8] {
+  ROOT %w.1 = f32[64,8]{0,1} parameter(0)
+}
+
+%wide.body (p: (f32[64,8], u32[])) -> (f32[64,8], u32[]) {
+  %p = (f32[64,8], u32[]) parameter(0)
+  %get-tuple-element.1 = f32[64,8]{0,1} get-tuple-element(%p), index=0
+  %get-tuple-element.2 = u32[] get-tuple-element(%p), index=1
+  %constant.2 = u32[] constant(2)
+  %compare.2 = pred[] compare(%get-tuple-element.2, %constant.2), direction=EQ
+  %conditional.1 = f32[64,8]{0,1} conditional(%compare.2, %get-tuple-element.1, %get-tuple-element.1), true_computation=%window_collective_permute, false_computation=%last_iteration_noop
+  %add.1 = u32[] add(%get-tuple-element.2, %constant.2)
+  ROOT %tuple.1 = (f32[64,8], u32[]) tuple(%conditional.1, %add.1)
+}
+
+%wide.cond (p.1: (f32[64,8], u32[])) -> pred[] {
+  %p.1 = (f32[64,8], u32[]) parameter(0)
+  %constant.8 = u32[] constant(8)
+  %get-tuple-element.3 = u32[] get-tuple-element(%p.1), index=1
+  ROOT %compare.1 = pred[] compare(%get-tuple-element.3, %constant.8), direction=LT
+}
+
+ENTRY %main (a: f32[64,8]) -> f32[64,8] {
+  %a = f32[64,8]{0,1} parameter(0)
+  %constant.0 = u32[] constant(0)
+  %copy.1 = u32[] copy(%constant.0)
+  %tuple.0 = (f32[64,8], u32[]) tuple(%a, %copy.1)
+  %while.1 = (f32[64,8], u32[]) while(%tuple.0), condition=%wide.cond, body=%wide.body
+  ROOT %get-tuple-element.9 = f32[64,8]{0,1} get-tuple-element(%while.1), index=0
+}
+"""
+
+
+def test_a_windowed_einsum_ring_counts_its_trips_and_skipped_permutes():
+    """Read naively, this loop runs 8 times and permutes every time: 8 shards, twice what the
+    ring sends. It runs 4 times (unrolled, step 2) and skips its last permute: 3."""
+    from spmdzero.tpu_compile import loop_trip_counts, summarize_collectives
+
+    assert loop_trip_counts(WINDOWED_HLO) == [4]
+    permutes = summarize_collectives(WINDOWED_HLO)["collective-permute"]
+    assert permutes["count"] == 3 and permutes["sent"] == 3 * 64 * 8 * 4
+    # a conditional of another kind counts its costlier branch every time (an upper bound)
+    other = WINDOWED_HLO.replace("last_iteration_noop", "skip")
+    assert summarize_collectives(other)["collective-permute"]["count"] == 4
+
+
 def test_roofline_of_a_looped_program_floors_compute_and_gives_no_mfu():
     from spmdzero.aot import AotReport
 

@@ -64,7 +64,7 @@ CAPTURE = """
         P = sum(p.numel() for p in model.parameters())
         out[f"{stage}-scan" if scan else stage] = {
             "collectives": report.collectives, "ratio": CollectivesReport(n, report.collectives, 4 * P).ratio,
-            "temp": report.memory["temp"], "loops": report.loops}
+            "temp": report.memory["temp"], "loops": report.loops, "libtpu_args": report.libtpu_args}
     assert model.lm_head.weight is model.transformer.wte.weight
     out["P"], out["table"] = P, model.transformer.wte.weight.numel()
     out["matrices"] = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "wpe" not in name)
@@ -76,8 +76,11 @@ CAPTURE = """
 TOPOLOGIES = {"v5e:2x2": 4, "v5e:4x4": 16}
 # On v5e:4x4 the plan reduces a block matrix over fsdp (8 chips) then fsdp_inner (2): libtpu
 # 0.0.21 turns a 16-chip reduce-scatter into an all-reduce and a slice (docs/tpu.md). The tied
-# table keeps one 16-chip column split, which libtpu all-reduces (a two-stage split costs more:
-# the scatter's token rows are all-gathered). When libtpu reduce-scatters it, the 4x4 cases fail.
+# table keeps one 16-chip column split, which libtpu all-reduces at this size (a two-stage split
+# costs more: the scatter's token rows are all-gathered; GPT-2's 50257-row table it reduces with a
+# windowed einsum ring, near the minimum: 1.04x for 124M). No libtpu flag made the 16-chip
+# reduce-scatter survive (docs/tpu.md#libtpu-flags). When libtpu reduce-scatters it, the 4x4
+# cases fail.
 TWO_AXES = {"v5e:4x4"}
 
 
@@ -152,3 +155,60 @@ def test_zero2_with_scanned_layers_reduce_scatters_inside_the_loop(compiled):
     # bytes of temporaries to the unrolled step's (measured: 0.43 MiB more of 4.5 on v5e:2x2)
     n = TOPOLOGIES[topology]
     assert scanned["temp"] - unrolled["temp"] < 4 * got["blocks"] * (n - 1) / n
+
+
+@pytest.mark.slow
+def test_the_compile_uses_spmdzeros_libtpu_flags(compiled):
+    """The AOT compile runs with the flags a TPU VM's bootstrap sets (spmdzero.libtpu_flags)."""
+    from spmdzero.libtpu_flags import FLAGS
+
+    _, got = compiled
+    for name, value in FLAGS.items():
+        assert f"--{name}={value}" in got["2"]["libtpu_args"]
+
+
+# What spmdzero's libtpu flags are for, compiled with JAX on v5e:2x2: GPT-2's tied [50257, 768]
+# table's gradient as its matmul part reaches the partitioner (tokens sharded over 4 chips, the
+# output split by columns: 192-column shards), and dropout's random bits sharded by batch.
+FLAGGED = """
+    import json, os, re
+    os.environ.update(TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    from spmdzero import libtpu_flags
+    libtpu_flags.apply()
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from spmdzero.tpu_compile import summarize_collectives
+    mesh = Mesh(np.array(topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices), ("f",))
+    rows = NamedSharding(mesh, P("f"))
+    a = jax.ShapeDtypeStruct((4096, 50257), jnp.float32, sharding=rows)
+    b = jax.ShapeDtypeStruct((4096, 768), jnp.float32, sharding=rows)
+    table = jax.jit(lambda a, b: a.T @ b, out_shardings=NamedSharding(mesh, P(None, "f"))).lower(a, b).compile()
+    def dropout(key, x):
+        _, bits = jax.lax.rng_bit_generator(key, x.shape, dtype=jnp.uint32)
+        return jnp.where(jax.lax.with_sharding_constraint(bits, rows) < jnp.uint32(2**31), x, 0.0)
+    key = jax.ShapeDtypeStruct((4,), jnp.uint32, sharding=NamedSharding(mesh, P()))
+    x = jax.ShapeDtypeStruct((16, 4, 256, 256), jnp.float32, sharding=rows)
+    rng = jax.jit(dropout, out_shardings=rows).lower(key, x).compile().as_text()
+    print(json.dumps({"table": summarize_collectives(table.as_text()),
+                      "rng": re.findall(r"= (\\w+\\[[\\d,]*\\])\\S* rng-bit-generator", rng)}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", ["1", "0"])
+def test_what_the_libtpu_flags_change(flags):
+    """With spmdzero's flags libtpu reduce-scatters the table (3/4 of it sent per chip) and
+    each chip draws only its shard of the random bits. Without (SPMDZERO_LIBTPU_FLAGS=0) it
+    all-reduces the table in full (the tile rule, docs/tpu.md) and every chip draws the bits of
+    the whole batch. When a libtpu does the first without the flags, they are not needed."""
+    pytest.importorskip("libtpu")
+    got = json.loads(run_python(FLAGGED, env={"SPMDZERO_LIBTPU_FLAGS": flags, "SPMDZERO_NO_RUNTIME": "1"})
+                     .strip().splitlines()[-1])
+    table = 50257 * 768 * 4
+    if flags == "1":
+        assert set(got["table"]) == {"reduce-scatter"} and got["table"]["reduce-scatter"]["sent"] == 3 * table // 4
+        assert got["rng"] == ["u32[4,4,256,256]"]
+    else:
+        assert set(got["table"]) == {"all-reduce"} and got["table"]["all-reduce"]["bytes"] == table
+        assert got["rng"] == ["u32[16,4,256,256]"]
