@@ -58,7 +58,7 @@ class AotReport:
     out_of_memory: Optional[dict] = None
     stage: Optional[int] = None
     micro_batch: Optional[int] = None
-    loops: list = field(default_factory=list)  # trip counts of the program's while loops (scanned layers)
+    loops: list = field(default_factory=list)  # trip counts of the program's while loops (scanned layers, rings)
     all_reduces: list = field(default_factory=list)  # the largest all-reduced arrays (tpu_compile.largest_all_reduces)
     gradient_names: dict = field(default_factory=dict)  # HLO shape of a gradient -> the parameters of that shape
     libtpu_args: Optional[str] = None  # the LIBTPU_INIT_ARGS compiled with (spmdzero.libtpu_flags); None on CPU
@@ -112,9 +112,9 @@ class AotReport:
                      mfu=useful / (step * spec.peak_bf16_flops) if step and not looped else None,
                      mfu_flops="6 x params x tokens" if self.model_flops is not None else "compiled FLOPs")
         if looped:  # an MFU from a compute floor of 6PT would be 100% by construction
-            parts["note"] = ("the program loops over its layers (scan_layers) and the compiler's cost analysis counts "
-                             "a loop body once: compute is floored at 6 x params x tokens, HBM bytes are "
-                             "under-stated, no MFU")
+            parts["note"] = ("the program has a while loop (scanned layers, or a windowed einsum's ring of "
+                             "collective-permutes) and the compiler's cost analysis counts a loop body once: "
+                             "compute is floored at 6 x params x tokens, HBM bytes are under-stated, no MFU")
         return parts
 
     def verdict(self) -> str:
