@@ -115,6 +115,9 @@ def test_libtpu_lock_and_unknown_topology_are_clear_errors(monkeypatch):
         raise RuntimeError('ABORTED: Internal error when accessing libtpu multi-process lockfile. Run '
                            '"$ sudo rm /tmp/libtpu_lockfile".')
 
+    for name in ("LIBTPU_INIT_ARGS", "TPU_SKIP_MDS_QUERY", "TPU_WORKER_HOSTNAMES"):  # _tpu_devices sets them
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setattr(topologies, "get_topology_desc", locked)
     with pytest.raises(RuntimeError, match="ALLOW_MULTIPLE_LIBTPU_LOAD=1"):
         tpu_compile._tpu_devices("v5e:2x2")
