@@ -228,6 +228,34 @@ def test_transformers_config_bf16_zero1_shape_only_as_json(tmp_path):
     assert report["roofline"]["mfu_flops"] == "6 x params x tokens"
 
 
+@pytest.mark.slow
+def test_find_max_batch_on_real_compiles_stops_where_libtpu_runs_out_of_memory(tmp_path):
+    """The search against libtpu itself: the answer fits and one more sequence per chip does
+    not, by the compiler's own verdict. One layer, 4096 tokens and 64 heads: the attention
+    scores (batch x heads x 4096^2) outgrow a v5e's HBM within a few sequences, in two
+    compiles of about 20 s (the bisection itself is tested above with a fake compiler)."""
+    model = {"model_type": "gpt2", "vocab_size": 256, "n_positions": 4096, "n_embd": 64, "n_layer": 1,
+             "n_head": 64, "attn_implementation": "eager"}
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+    json.dump(model, open(tmp_path / "config.json", "w"))
+    json.dump(config, open(tmp_path / "ds.json", "w"))
+    out = run_python(f"""
+        import spmdzero_cli
+        spmdzero_cli.main(["aot", "--topology", "v5e:2x2", "--deepspeed_config", {str(tmp_path / 'ds.json')!r},
+                           "--model", {str(tmp_path)!r}, "--stages", "2", "--seq-len", "4096",
+                           "--find-max-batch", "--json"])
+    """)
+    result = json.loads(out[out.index("{"):])
+    search = result["max_micro_batch"]["2"]
+    tried = {int(batch): fits for batch, fits in search["tried"].items()}
+    best = search["max_micro_batch"]
+    assert best >= 1 and tried[best] is True and tried[best + 1] is False, tried
+    assert all(fits == (batch <= best) for batch, fits in tried.items()), tried
+    assert search["compiles"] == len(tried)
+    assert result["reports"][0]["micro_batch"] == 1 and result["reports"][0]["fits"]
+
+
 def test_capture_leaves_the_engine_state_untouched():
     """The traced update is dropped: the next sync must not execute it."""
     import torch
