@@ -2,6 +2,7 @@
 without gradient accumulation, and the peak host memory each one needs.
 
     python benchmarks/engine_overhead.py [--cases mlp-1M,mlp-17M,gpt2-100M] [--gas 1,4]
+    python benchmarks/engine_overhead.py --paired --windows 8   # both sides in one process
     python benchmarks/engine_overhead.py --memory v5e:2x4   # where the host memory goes
 
 For each model and gradient_accumulation_steps, the engine (ZeRO-2, AdamW, no clipping) and
@@ -13,6 +14,10 @@ less than the wall time). Each process also reports its own peak RSS, next to Ze
 accounting of the model states all 8 devices hold together (8 x (4P + 12P/8) bytes:
 replicated fp32 params, sharded fp32 gradients and Adam moments). The hand loop's RSS is
 what XLA:CPU needs for the same work without the engine.
+
+``--paired`` runs both sides in one process instead, their timed windows alternating, and
+adds the median of the adjacent windows' ratios: run to run, separate processes moved the
+ratio by 10-25% on the shared two-core machine (docs/benchmarks.md).
 
 ``--memory TOPOLOGY`` explains the RSS instead: the temporaries XLA:CPU's buffer assignment
 gives each device for the engine's step programs, against the TPU program of the same step
@@ -165,6 +170,31 @@ def child(variant: str, case: str, gas: int, steps: int, windows: int) -> None:
                       "recompiles": met.metric_data("CompileTime")[0] - compiles}), flush=True)
 
 
+def paired_child(case: str, gas: int, steps: int, windows: int) -> None:
+    """Both sides in one process, their timed windows alternating (engine, hand, engine, ...):
+    whatever else the machine does at a moment falls on both, where separate processes each
+    meet their own share of it."""
+    import spmdzero  # noqa: F401  (starts the runtime)
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
+
+    runners = {"engine": Engine(case, gas), "hand": Hand(case, gas)}
+    for runner in runners.values():
+        for _ in range(2):  # warm-up: every program compiled (and run once compiled)
+            runner.step()
+    xm.wait_device_ops()
+    compiles = met.metric_data("CompileTime")[0]
+    times = {name: [] for name in runners}
+    for _ in range(windows):
+        for name, runner in runners.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                runner.step()
+            xm.wait_device_ops()
+            times[name].append((time.perf_counter() - start) / steps)
+    print(json.dumps({"times": times, "recompiles": met.metric_data("CompileTime")[0] - compiles}), flush=True)
+
+
 def step_rss() -> int:
     """Peak RSS since the last reset of the process's high-water mark (VmHWM)."""
     with open("/proc/self/status") as f:
@@ -211,6 +241,33 @@ def timing(args) -> None:
                   f"{best['engine'] / best['hand']:.3f} | {cpu['engine']:.2f} | {cpu['hand']:.2f} | "
                   f"{cpu['engine'] / cpu['hand']:.3f} | {accounting(P) / gib:.2f} | {peak['engine'] / gib:.2f} | "
                   f"{peak['hand'] / gib:.2f} | {recompiles} |", flush=True)
+    print(f"\nload average {os.getloadavg()[0]:.1f} at the end ({os.cpu_count()} CPUs)")
+
+
+def paired(args) -> None:
+    """``--paired``: engine and hand loop in one process per case and gas (see paired_child).
+    The ratio of each adjacent pair of windows, and their median: a load change between
+    pairs moves both sides of a pair together."""
+    print(f"{DEVICES} CPU devices; both sides in one process, windows alternating; load average "
+          f"{os.getloadavg()[0]:.1f} at the start\n")
+    print("| model | gas | windows x steps | engine step, min (ms) | hand step, min (ms) | engine / hand, min | "
+          "engine / hand, median of pairs | pair ratios, range | recompiles while timed |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for case in args.cases:
+        for gas in args.gas:
+            steps, windows = window(case, args)
+            env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(DEVICES), "PYTHONPATH": REPO}
+            cmd = [sys.executable, __file__, "--paired-child", case, str(gas), str(steps), str(windows)]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
+            if proc.returncode != 0:
+                raise RuntimeError(f"paired {case} gas={gas} failed:\n{proc.stderr[-3000:]}")
+            result = json.loads(proc.stdout.strip().splitlines()[-1])
+            engine, hand = result["times"]["engine"], result["times"]["hand"]
+            pairs = sorted(e / h for e, h in zip(engine, hand))
+            median = pairs[len(pairs) // 2] if len(pairs) % 2 else (pairs[len(pairs) // 2 - 1] + pairs[len(pairs) // 2]) / 2
+            print(f"| {case} | {gas} | {windows} x {steps} | {min(engine) * 1e3:.1f} | {min(hand) * 1e3:.1f} | "
+                  f"{min(engine) / min(hand):.3f} | {median:.3f} | {pairs[0]:.3f}-{pairs[-1]:.3f} | "
+                  f"{result['recompiles']} |", flush=True)
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end ({os.cpu_count()} CPUs)")
 
 
@@ -296,6 +353,10 @@ def main() -> None:
         variant, case, gas, steps, windows = sys.argv[2:7]
         child(variant, case, int(gas), int(steps), int(windows))
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "--paired-child":
+        case, gas, steps, windows = sys.argv[2:6]
+        paired_child(case, int(gas), int(steps), int(windows))
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "--aot-child":
         aot_child(sys.argv[2], int(sys.argv[3]), sys.argv[4])
         return
@@ -306,6 +367,8 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=None, help="timed windows per process (default: per case)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="processes per variant, interleaved (default: per case)")
+    parser.add_argument("--paired", action="store_true",
+                        help="both sides in one process, windows alternating (step time only; no RSS)")
     parser.add_argument("--memory", metavar="TOPOLOGY", default=None,
                         help="instead of timing: host memory against the TPU step compiled for TOPOLOGY (8 chips)")
     args = parser.parse_args()
@@ -314,7 +377,7 @@ def main() -> None:
     unknown = [c for c in args.cases if c not in CASES]
     if unknown:
         parser.error(f"--cases: unknown {', '.join(unknown)} (choose from {', '.join(CASES)})")
-    memory(args) if args.memory else timing(args)
+    memory(args) if args.memory else paired(args) if args.paired else timing(args)
 
 
 if __name__ == "__main__":
