@@ -275,7 +275,7 @@ class JaxRunner:
         from spmdzero.tpu_compile import summarize_collectives
 
         text = self._step.lower(self.weights, self.opt_state, self.x).compile().as_text()
-        return CollectivesReport(self.n, summarize_collectives(text), self.params * 4).total_traffic
+        return CollectivesReport(self.n, summarize_collectives(text, cpu_program=True), self.params * 4).total_traffic
 
 
 # ---- parent: all device counts, one table -----------------------------------------------------------------

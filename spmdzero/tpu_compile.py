@@ -32,15 +32,21 @@ def shape_bytes(shape: str) -> int:
     return total
 
 
-def summarize_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+def summarize_collectives(hlo_text: str, cpu_program: bool = False) -> dict[str, dict[str, int]]:
     """Collectives of the program by kind: count, tensors, bytes (output size) and bytes sent
     per device, per step. TPU's reduce-scatter is a ``kCustom`` fusion calling an
     ``all-reduce-scatter`` computation; it is reported as ``reduce-scatter``. Other
     collectives may start inside a fusion too (``async-collective-start``). A while loop's
     body (a scanned layer stack, a windowed einsum's ring of collective-permutes) counts as
-    many times as its trip count."""
+    many times as its trip count.
+
+    ``cpu_program``: the HLO is XLA:CPU's, which has no reduce-scatter and writes one as an
+    all-reduce whose result only partition-indexed slices read; that is reported as
+    ``reduce-scatter (CPU: all-reduce + slice)``, with a reduce-scatter's bytes. In a TPU
+    program the same pattern is libtpu's own choice (it decomposes the 16-chip reduce-scatters
+    it cannot run as one) and sends what an all-reduce sends, so there it counts as one."""
     out: dict[str, dict[str, int]] = {}
-    for kind, shape, group, times in _collectives(hlo_text):
+    for kind, shape, group, times in _collectives(hlo_text, cpu_program):
         row = out.setdefault(kind, {"count": 0, "tensors": 0, "bytes": 0, "sent": 0})
         row["count"] += times
         row["tensors"] += times * max(1, shape.count("["))
@@ -55,7 +61,7 @@ def largest_all_reduces(hlo_text: str, min_bytes: int = 2**20) -> list[dict]:
     ``{"shape", "bytes", "count"}``: under ZeRO-2 a gradient of that shape was all-reduced in
     full instead of reduce-scattered (what to look at when the traffic ratio is high)."""
     found: dict[str, int] = {}
-    for kind, shape, _, times in _collectives(hlo_text):
+    for kind, shape, _, times in _collectives(hlo_text, cpu_program=False):
         if kind != "all-reduce":
             continue
         for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape):
@@ -66,7 +72,7 @@ def largest_all_reduces(hlo_text: str, min_bytes: int = 2**20) -> list[dict]:
                   key=lambda r: -r["bytes"])
 
 
-def _collectives(hlo_text: str):
+def _collectives(hlo_text: str, cpu_program: bool):
     """``(kind, output shape, replica group size, times per step)`` for every collective, as
     ``summarize_collectives`` counts them."""
     from .inspect import COLLECTIVE_OPS, is_cpu_reduce_scatter, split_computations
@@ -81,7 +87,7 @@ def _collectives(hlo_text: str):
         nonlocal found
         for ins in body:
             op = ins.opcode.removesuffix("-start")
-            if op == "all-reduce" and is_cpu_reduce_scatter(computations, body, ins):
+            if op == "all-reduce" and cpu_program and is_cpu_reduce_scatter(computations, body, ins):
                 add("reduce-scatter (CPU: all-reduce + slice)", ins.shape, group_size(ins.rest), times)
             elif op in COLLECTIVE_OPS:
                 add(op, _output_shape(ins), group_size(ins.rest), times)

@@ -39,6 +39,34 @@ def test_bytes_sent_follow_each_collectives_replica_group():
     assert got["reduce-scatter"]["sent"] == 7 * size // 8 + size // 16 == 15 * size // 16
     assert got["all-gather"]["sent"] == 15 * size // 16
 
+# libtpu's decomposed 16-chip reduce-scatter: an all-reduce only a partition-indexed slice reads
+# (XLA:CPU writes every reduce-scatter so).
+SLICED_ALL_REDUCE_HLO = """
+ENTRY %main (g: f32[2048,256]) -> f32[128,256] {
+  %g = f32[2048,256]{1,0} parameter(0)
+  %partition-id = u32[] partition-id()
+  %ar = f32[2048,256]{1,0} all-reduce(%g), replica_groups=[1,16]<=[16], to_apply=%add
+  %zero = u32[] constant(0)
+  ROOT %ds = f32[128,256]{1,0} dynamic-slice(%ar, %partition-id, %zero), dynamic_slice_sizes={128,256}
+}
+"""
+
+
+def test_a_sliced_all_reduce_is_an_all_reduce_in_a_tpu_program_and_a_reduce_scatter_on_cpu():
+    """In a TPU program it sends what an all-reduce sends, 2 x 15/16 of the array, and is
+    listed among the arrays all-reduced in full; XLA:CPU has no reduce-scatter, so there the
+    pattern is one (15/16)."""
+    from spmdzero.tpu_compile import largest_all_reduces
+
+    size = 2048 * 256 * 4
+    tpu = summarize_collectives(SLICED_ALL_REDUCE_HLO)
+    assert list(tpu) == ["all-reduce"] and tpu["all-reduce"]["sent"] == 2 * 15 * size // 16
+    assert largest_all_reduces(SLICED_ALL_REDUCE_HLO) == [{"shape": "f32[2048,256]", "bytes": size, "count": 1}]
+    cpu = summarize_collectives(SLICED_ALL_REDUCE_HLO, cpu_program=True)
+    assert list(cpu) == ["reduce-scatter (CPU: all-reduce + slice)"]
+    assert cpu["reduce-scatter (CPU: all-reduce + slice)"]["sent"] == 15 * size // 16
+
+
 CAPTURE = """
     import json, torch, spmdzero
     import torch_xla.runtime as xr
