@@ -66,12 +66,14 @@ def config(variant: str = "default") -> dict:
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
     if variant == "scan_layers":
         cfg["spmd"] = {"scan_layers": True}
+    if variant == "scan_stacked":
+        cfg["spmd"] = {"scan_layers": "stacked"}
     if variant == "torchax":
         cfg["spmd"] = {"backend": "torchax"}
     return cfg
 
 
-CONFIGS = ("default", "scan_layers", "compile", "torchax")
+CONFIGS = ("default", "scan_layers", "scan_stacked", "compile", "torchax")
 
 
 class SpmdzeroRunner:

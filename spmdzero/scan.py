@@ -82,16 +82,20 @@ def _check_torchax() -> None:
                           "pip install --no-deps --force-reinstall torchax==0.0.13")
 
 
-def apply_scan_layers(module: torch.nn.Module) -> str:
+def apply_scan_layers(module: torch.nn.Module, mode: bool | str = True) -> dict:
     """Swap the class of the model's block stack for ``ScannedLayers`` (in place; same
-    modules, same names). Returns the stack's name."""
+    modules). ``mode="stacked"`` also stacks the blocks' parameters (``stack_parameters``).
+    Returns {per-layer parameter: (stacked name, stacked parameter, layer)}, empty unless
+    stacked."""
     name, stack = find_layer_stack(module)
     _check_torchax()
     stack.__class__ = ScannedLayers
     config = getattr(module, "config", None)
     if getattr(config, "use_cache", False):  # transformers: no KV cache in training (a cache cannot be scanned)
         config.use_cache = False
-    return name
+    if mode != "stacked":
+        return {}
+    return {p: (f"{name}.{local}", stacked, layer) for p, (local, stacked, layer) in stack.stack_parameters().items()}
 
 
 def scanned_parameters(module: torch.nn.Module) -> frozenset[str]:
@@ -99,6 +103,71 @@ def scanned_parameters(module: torch.nn.Module) -> frozenset[str]:
     loop already laid out by ``lay_out_gradients``)."""
     return frozenset(f"{stack_name}.{name}" for stack_name, stack in module.named_modules()
                      if isinstance(stack, ScannedLayers) for name, _ in stack.named_parameters())
+
+
+def stacked_parameters(module: torch.nn.Module) -> frozenset[str]:
+    """The names of the stacked parameters (dim 0 the layers; ``make_plan(stacked=...)``)."""
+    return frozenset(f"{stack_name}.{name}" for stack_name, stack in module.named_modules()
+                     if isinstance(stack, ScannedLayers) for name in stack._parameters)
+
+
+def restack_groups(params, stacked_from: dict, where: str):
+    """``model_parameters`` (tensors, or param group dicts) with the per-layer parameters of
+    a stacked stack replaced by the stacked ones (``_restack``); None stays None."""
+    if params is None:
+        return None
+    params = list(params)
+    if all(isinstance(group, dict) for group in params):
+        lists = _restack([list(group["params"]) for group in params], stacked_from, where)
+        return [{**group, "params": new} for group, new in zip(params, lists)]
+    return _restack([params], stacked_from, where)[0]
+
+
+def restack_optimizer(optimizer: torch.optim.Optimizer, stacked_from: dict) -> None:
+    """A client optimizer built on the model's per-layer parameters (before ``initialize``)
+    updates the stacked ones instead: its param groups are rewritten in place."""
+    holding = sorted(stacked_from[p][0] for p in optimizer.state if p in stacked_from and optimizer.state[p])
+    if holding:
+        raise ConfigError(f"spmd.scan_layers='stacked': the optimizer already holds state for per-layer parameters "
+                          f"of {holding[0]!r} (and {len(holding) - 1} more), which are stacked into one parameter "
+                          "per name; load optimizer state after initialize (engine.load_checkpoint)")
+    lists = _restack([list(group["params"]) for group in optimizer.param_groups], stacked_from, "the optimizer")
+    for group, params in zip(optimizer.param_groups, lists):
+        group["params"] = params
+
+
+def _restack(groups: list[list], stacked_from: dict, where: str) -> list[list]:
+    """Each per-layer parameter replaced by its stacked parameter, placed where its first
+    layer was. All layers of one name must be in one group (they become one tensor with one
+    learning rate and weight decay), or none of them."""
+    by_id = {id(p): entry for p, entry in stacked_from.items()}
+    layers: dict[str, int] = {}
+    for name, _, _ in stacked_from.values():
+        layers[name] = layers.get(name, 0) + 1
+    seen: dict[str, tuple[int, set]] = {}
+    out = []
+    for index, params in enumerate(groups):
+        new = []
+        for p in params:
+            if id(p) not in by_id:
+                new.append(p)
+                continue
+            name, stacked, layer = by_id[id(p)]
+            group, found = seen.setdefault(name, (index, set()))
+            if group != index:
+                raise ConfigError(f"spmd.scan_layers='stacked': {where} puts layers of {name!r} in param groups "
+                                  f"{group} and {index}; its layers are one stacked parameter, which can be in "
+                                  "one group only (group by parameter name, not by layer)")
+            if not found:
+                new.append(stacked)
+            found.add(layer)
+        out.append(new)
+    for name, (group, found) in seen.items():
+        if len(found) != layers[name]:
+            missing = sorted(set(range(layers[name])) - found)
+            raise ConfigError(f"spmd.scan_layers='stacked': {where} has only some layers of {name!r} (layers "
+                              f"{missing} are missing); its layers are one stacked parameter, optimized as a whole")
+    return out
 
 
 def lay_out_gradients(module: torch.nn.Module, mesh, plan) -> None:
@@ -118,12 +187,11 @@ def lay_out_gradients(module: torch.nn.Module, mesh, plan) -> None:
     for stack_name, stack in module.named_modules():
         if not isinstance(stack, ScannedLayers):
             continue
-        first = next(iter(torch.nn.ModuleList.__iter__(stack)))
         layouts = {}
-        for name, _ in first.named_parameters():
-            planned = plan.get(f"{stack_name}.0.{name}")  # None: frozen, no gradient
-            if planned is not None and planned.grad_stages:
-                layouts[name] = planned.grad_layouts
+        for name in stack.block_parameter_names():
+            planned = plan.get(f"{stack_name}.{name}" if stack.stacked else f"{stack_name}.0.{name}")
+            if planned is not None and planned.grad_stages:  # None: frozen, no gradient
+                layouts[name] = planned.layer_grad_layouts if stack.stacked else planned.grad_layouts
         stack.gradient_layouts = (mesh, layouts) if layouts else None
         stack.__dict__.pop("_scan_fns", None)  # traced with the previous layouts
 
@@ -133,6 +201,58 @@ class ScannedLayers(torch.nn.ModuleList):
     block through ``torch_xla.experimental.scan``."""
 
     gradient_layouts = None  # (mesh, {block parameter name: partition specs in turn}), see lay_out_gradients
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the blocks' parameters are stacked (``stack_parameters``)."""
+        return bool(self.stacked_weights())
+
+    def stacked_weights(self) -> dict[str, torch.Tensor]:
+        """{block parameter name: [layers, ...] tensor}: the stacked parameters, or for a
+        slice of the list, their slices."""
+        return self.__dict__.get("_stacked_slices") or dict(self._parameters)
+
+    def block_parameter_names(self) -> list[str]:
+        """The parameter names of one block (``attn.c_attn.weight``)."""
+        if self.stacked:
+            return list(self._parameters)
+        return [name for name, _ in _blocks(self)[0].named_parameters()]
+
+    def stack_parameters(self) -> dict:
+        """Make each block parameter name one parameter ``[layers, ...]`` of this list, named
+        as in a block (``transformer.h.attn.c_attn.weight``), and take the per-layer ones out
+        of the blocks. The step then has one tensor per name to update, lay out and gather,
+        not one per layer and name. Calling a block (eval, generation, ``stack[i](...)``)
+        lends it its layer's slices for the call (``_lend_layer``). Returns {per-layer
+        parameter: (name, stacked parameter, layer)}."""
+        blocks = _blocks(self)
+        names = [name for name, _ in blocks[0].named_parameters()]
+        owned = [id(_tensor(block, name)) for block in blocks for name in names]
+        if len(set(owned)) != len(owned):
+            raise ConfigError("spmd.scan_layers='stacked': the blocks of this model share parameters, which "
+                              "cannot be stacked one per layer; use spmd.scan_layers=true")
+        replaced = {}
+        for name in names:
+            per_layer = [_tensor(block, name) for block in blocks]
+            stacked = torch.nn.Parameter(torch.stack([p.detach() for p in per_layer]),
+                                         requires_grad=per_layer[0].requires_grad)
+            self._parameters[name] = stacked  # a dotted name: see _load_from_state_dict
+            replaced.update({p: (name, stacked, layer) for layer, p in enumerate(per_layer)})
+            for block in blocks:
+                owner, attr = _owner(block, name)
+                del owner._parameters[attr]
+        for layer, block in enumerate(blocks):
+            block.__dict__["_stacked_layer"] = (self, layer)
+            block.register_forward_pre_hook(_lend_layer)
+            block.register_forward_hook(_return_layer, always_call=True)
+        return replaced
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        """The stacked names are dotted (``attn.c_attn.weight``), which ``nn.Module``'s strict
+        check takes for a child module's keys and reports as unexpected."""
+        unexpected = args[-2]
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        unexpected[:] = [key for key in unexpected if key[len(prefix):] not in self._parameters]
 
     def __iter__(self):
         if not self.training:
@@ -147,6 +267,9 @@ class ScannedLayers(torch.nn.ModuleList):
         if isinstance(idx, slice):
             item.training, item.gradient_layouts = self.training, self.gradient_layouts
             item.__dict__["_scan_fns"] = self.__dict__.setdefault("_scan_fns", {})
+            whole = idx.indices(len(self)) == (0, len(self), 1)
+            item.__dict__["_stacked_slices"] = {name: w if whole else w[idx]
+                                                for name, w in self.stacked_weights().items()}
         return item
 
 
@@ -158,7 +281,7 @@ class _ScanCall:
         from functorch.compile import min_cut_rematerialization_partition
         from torch_xla.experimental.scan import scan
 
-        blocks = list(torch.nn.ModuleList.__iter__(self.stack))
+        blocks = _blocks(self.stack)
         leaves, spec = tree_flatten((args, kwargs))
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         static = tuple(_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
@@ -167,7 +290,7 @@ class _ScanCall:
                 raise TypeError(f"spmd.scan_layers: a {type(blocks[0]).__name__} block is called with a "
                                 f"{type(leaf).__name__} argument; only tensors and plain numbers can be passed "
                                 "to scanned blocks (is a KV cache in use while training?)")
-        weights = {}
+        weights = dict(self.stack.stacked_weights())  # the parameters themselves, no copy
         for name, _ in list(blocks[0].named_parameters()) + list(blocks[0].named_buffers()):
             weights[name] = torch.stack([_tensor(block, name) for block in blocks])
         shared = [t.expand(len(blocks), *t.shape) for t in tensors]
@@ -176,9 +299,33 @@ class _ScanCall:
         return out
 
 
-def _tensor(block: torch.nn.Module, name: str) -> torch.Tensor:
+def _blocks(stack: ScannedLayers) -> list[torch.nn.Module]:
+    return list(torch.nn.ModuleList.__iter__(stack))
+
+
+def _owner(block: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
     owner, _, attr = name.rpartition(".")
-    return getattr(block.get_submodule(owner) if owner else block, attr)
+    return (block.get_submodule(owner) if owner else block), attr
+
+
+def _tensor(block: torch.nn.Module, name: str) -> torch.Tensor:
+    owner, attr = _owner(block, name)
+    return getattr(owner, attr)
+
+
+def _lend_layer(block: torch.nn.Module, args) -> None:
+    """Forward pre-hook of a block whose parameters are stacked: its layer's slices, for the call."""
+    stack, layer = block.__dict__["_stacked_layer"]
+    for name, stacked in stack._parameters.items():
+        owner, attr = _owner(block, name)
+        owner._parameters[attr] = stacked[layer]
+
+
+def _return_layer(block: torch.nn.Module, args, output) -> None:
+    stack, _ = block.__dict__["_stacked_layer"]
+    for name in stack._parameters:
+        owner, attr = _owner(block, name)
+        owner._parameters.pop(attr, None)
 
 
 def _layer_fn(stack: ScannedLayers, first: torch.nn.Module, spec, static: tuple):
@@ -188,7 +335,18 @@ def _layer_fn(stack: ScannedLayers, first: torch.nn.Module, spec, static: tuple)
     key = (repr(spec), static)
     if key in cache:
         return cache[key]
-    template = copy.deepcopy(first).to("meta")  # weights come from the stacked tensors
+    # Weights come from the stacked tensors. A block whose parameters are stacked keeps the
+    # list it belongs to (not copied) and gets meta placeholders instead of the lending hooks.
+    owner_stack = first.__dict__.get("_stacked_layer", (None,))[0]
+    template = copy.deepcopy(first, memo={id(owner_stack): owner_stack}).to("meta")
+    if owner_stack is not None:
+        template.__dict__.pop("_stacked_layer")
+        template._forward_pre_hooks.clear()
+        template._forward_hooks.clear()
+        for name, stacked in owner_stack._parameters.items():
+            owner, attr = _owner(template, name)
+            owner._parameters[attr] = torch.nn.Parameter(torch.empty(stacked.shape[1:], dtype=stacked.dtype,
+                                                                     device="meta"), stacked.requires_grad)
     mesh, layouts = stack.gradient_layouts or (None, {})
 
     def one_layer(carry, xs):
