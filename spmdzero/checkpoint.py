@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from .annotate import shard
+from .scan import stacking_mismatch
 
 FORMAT_VERSION = 2
 STATE_DIR, META_FILE, CLIENT_FILE, LATEST_FILE = "state", "meta.json", "client_state.pt", "latest"
@@ -562,7 +563,8 @@ def _select(engine, saved: dict, strict: bool, full_state: bool) -> dict:
     missing, unexpected = sorted(module_keys - saved_module), sorted(saved_module - module_keys)
     if strict and (missing or unexpected):
         raise CheckpointError("checkpoint does not match the model (load_module_strict=True): "
-                              f"missing keys {missing}, unexpected keys {unexpected}")
+                              f"missing keys {missing}, unexpected keys {unexpected}"
+                              + stacking_mismatch(missing, unexpected))
     source = {k: (f"master.{k[6:]}" if k.startswith("model.") and f"master.{k[6:]}" in saved else k)
               for k in module_keys & saved_module}
     if full_state:

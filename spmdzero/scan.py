@@ -34,6 +34,7 @@ position ids) are passed to every block unchanged.
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import torch
@@ -108,7 +109,7 @@ def scanned_parameters(module: torch.nn.Module) -> frozenset[str]:
 def stacked_parameters(module: torch.nn.Module) -> frozenset[str]:
     """The names of the stacked parameters (dim 0 the layers; ``make_plan(stacked=...)``)."""
     return frozenset(f"{stack_name}.{name}" for stack_name, stack in module.named_modules()
-                     if isinstance(stack, ScannedLayers) for name in stack._parameters)
+                     if isinstance(stack, ScannedLayers) for name in stack.stacked_weights())
 
 
 def restack_groups(params, stacked_from: dict, where: str):
@@ -170,6 +171,22 @@ def _restack(groups: list[list], stacked_from: dict, where: str) -> list[list]:
     return out
 
 
+def stacking_mismatch(missing: list[str], unexpected: list[str]) -> str:
+    """A sentence for a checkpoint whose keys differ from the model's only by stacking
+    (``transformer.h.0.attn.c_attn.weight`` against ``transformer.h.attn.c_attn.weight``),
+    else ''."""
+    def unstacked(keys):
+        return {re.sub(r"\.\d+\.", ".", key, count=1) for key in keys}
+
+    if set(missing) & unstacked(unexpected):
+        return ("; the checkpoint has per-layer parameters and this model stacks them "
+                "(spmd.scan_layers='stacked'): load it with the scan_layers setting it was saved with")
+    if set(unexpected) & unstacked(missing):
+        return ("; the checkpoint has stacked layer parameters (saved with spmd.scan_layers='stacked') and this "
+                "model has per-layer ones: load it with spmd.scan_layers='stacked'")
+    return ""
+
+
 def lay_out_gradients(module: torch.nn.Module, mesh, plan) -> None:
     """Give each scanned stack the layouts its blocks' weight gradients go through inside the
     loop (ZeRO-2; nothing below stage 2), as ``engine.backward`` lays out an unrolled
@@ -198,7 +215,9 @@ def lay_out_gradients(module: torch.nn.Module, mesh, plan) -> None:
 
 class ScannedLayers(torch.nn.ModuleList):
     """An ``nn.ModuleList`` whose iteration, in training, yields one callable running every
-    block through ``torch_xla.experimental.scan``."""
+    block through ``torch_xla.experimental.scan``. Its blocks are the children named by
+    index; with stacked parameters it also has ``StackedParameters`` children (by block
+    submodule name), which ``len``, iteration and indexing leave out."""
 
     gradient_layouts = None  # (mesh, {block parameter name: partition specs in turn}), see lay_out_gradients
 
@@ -210,21 +229,28 @@ class ScannedLayers(torch.nn.ModuleList):
     def stacked_weights(self) -> dict[str, torch.Tensor]:
         """{block parameter name: [layers, ...] tensor}: the stacked parameters, or for a
         slice of the list, their slices."""
-        return self.__dict__.get("_stacked_slices") or dict(self._parameters)
+        if "_stacked_slices" in self.__dict__:
+            return self.__dict__["_stacked_slices"]
+        weights = dict(self._parameters)
+        for key, holder in self._modules.items():
+            if isinstance(holder, StackedParameters):
+                weights.update(holder.named_parameters(prefix=key))
+        return weights
 
     def block_parameter_names(self) -> list[str]:
         """The parameter names of one block (``attn.c_attn.weight``)."""
         if self.stacked:
-            return list(self._parameters)
+            return list(self.stacked_weights())
         return [name for name, _ in _blocks(self)[0].named_parameters()]
 
     def stack_parameters(self) -> dict:
-        """Make each block parameter name one parameter ``[layers, ...]`` of this list, named
-        as in a block (``transformer.h.attn.c_attn.weight``), and take the per-layer ones out
-        of the blocks. The step then has one tensor per name to update, lay out and gather,
-        not one per layer and name. Calling a block (eval, generation, ``stack[i](...)``)
-        lends it its layer's slices for the call (``_lend_layer``). Returns {per-layer
-        parameter: (name, stacked parameter, layer)}."""
+        """Make each block parameter name one parameter ``[layers, ...]`` of this list, under
+        the block's name for it (``transformer.h.attn.c_attn.weight``: ``StackedParameters``
+        children mirror the block's submodules), and take the per-layer ones out of the
+        blocks. The step then has one tensor per name to update, lay out and gather, not one
+        per layer and name. Calling a block (eval, generation, ``stack[i](...)``) lends it
+        its layer's slices for the call (``_lend_layer``). Returns {per-layer parameter:
+        (name, stacked parameter, layer)}."""
         blocks = _blocks(self)
         names = [name for name, _ in blocks[0].named_parameters()]
         owned = [id(_tensor(block, name)) for block in blocks for name in names]
@@ -236,7 +262,13 @@ class ScannedLayers(torch.nn.ModuleList):
             per_layer = [_tensor(block, name) for block in blocks]
             stacked = torch.nn.Parameter(torch.stack([p.detach() for p in per_layer]),
                                          requires_grad=per_layer[0].requires_grad)
-            self._parameters[name] = stacked  # a dotted name: see _load_from_state_dict
+            *path, attr = name.split(".")
+            holder = self
+            for part in path:
+                if part not in holder._modules:
+                    holder.add_module(part, StackedParameters())
+                holder = holder._modules[part]
+            holder.register_parameter(attr, stacked)
             replaced.update({p: (name, stacked, layer) for layer, p in enumerate(per_layer)})
             for block in blocks:
                 owner, attr = _owner(block, name)
@@ -247,30 +279,41 @@ class ScannedLayers(torch.nn.ModuleList):
             block.register_forward_hook(_return_layer, always_call=True)
         return replaced
 
-    def _load_from_state_dict(self, state_dict, prefix, *args):
-        """The stacked names are dotted (``attn.c_attn.weight``), which ``nn.Module``'s strict
-        check takes for a child module's keys and reports as unexpected."""
-        unexpected = args[-2]
-        super()._load_from_state_dict(state_dict, prefix, *args)
-        unexpected[:] = [key for key in unexpected if key[len(prefix):] not in self._parameters]
+    def __len__(self) -> int:
+        return sum(1 for key in self._modules if key.isdigit())
 
     def __iter__(self):
         if not self.training:
-            return super().__iter__()
+            return iter(_blocks(self))
         return iter([_ScanCall(self)])
 
     def __getitem__(self, idx):
         """A slice (Llama's ``self.layers[: config.num_hidden_layers]``, every forward) is a new
-        list: it keeps the train/eval mode, the gradient layouts and the traced functions
-        (otherwise each step would trace the block again, without the layouts)."""
-        item = super().__getitem__(idx)
-        if isinstance(idx, slice):
-            item.training, item.gradient_layouts = self.training, self.gradient_layouts
-            item.__dict__["_scan_fns"] = self.__dict__.setdefault("_scan_fns", {})
+        list: it keeps the train/eval mode, the gradient layouts, the traced functions
+        (otherwise each step would trace the block again, without the layouts) and the
+        stacked parameters' slices."""
+        if not isinstance(idx, slice):
+            return super().__getitem__(idx)
+        item = ScannedLayers(_blocks(self)[idx])
+        item.training, item.gradient_layouts = self.training, self.gradient_layouts
+        item.__dict__["_scan_fns"] = self.__dict__.setdefault("_scan_fns", {})
+        if self.stacked:
             whole = idx.indices(len(self)) == (0, len(self), 1)
             item.__dict__["_stacked_slices"] = {name: w if whole else w[idx]
                                                 for name, w in self.stacked_weights().items()}
         return item
+
+    def _fixed(self, *args):
+        raise TypeError("spmd.scan_layers: the scanned block list is fixed once the engine is built")
+
+    insert = append = extend = pop = _fixed
+
+
+class StackedParameters(torch.nn.Module):
+    """Holds stacked parameters under a block submodule's name (``transformer.h.attn``), so
+    that their names are a block's names with the layer index left out, and
+    ``get_parameter``, attribute access and strict ``load_state_dict`` work as for any
+    module. Not callable: the blocks compute, with slices lent for the call."""
 
 
 class _ScanCall:
@@ -300,7 +343,7 @@ class _ScanCall:
 
 
 def _blocks(stack: ScannedLayers) -> list[torch.nn.Module]:
-    return list(torch.nn.ModuleList.__iter__(stack))
+    return [block for key, block in stack._modules.items() if key.isdigit()]
 
 
 def _owner(block: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
@@ -316,14 +359,14 @@ def _tensor(block: torch.nn.Module, name: str) -> torch.Tensor:
 def _lend_layer(block: torch.nn.Module, args) -> None:
     """Forward pre-hook of a block whose parameters are stacked: its layer's slices, for the call."""
     stack, layer = block.__dict__["_stacked_layer"]
-    for name, stacked in stack._parameters.items():
+    for name, stacked in stack.stacked_weights().items():
         owner, attr = _owner(block, name)
         owner._parameters[attr] = stacked[layer]
 
 
 def _return_layer(block: torch.nn.Module, args, output) -> None:
     stack, _ = block.__dict__["_stacked_layer"]
-    for name in stack._parameters:
+    for name in stack.stacked_weights():
         owner, attr = _owner(block, name)
         owner._parameters.pop(attr, None)
 
@@ -343,7 +386,7 @@ def _layer_fn(stack: ScannedLayers, first: torch.nn.Module, spec, static: tuple)
         template.__dict__.pop("_stacked_layer")
         template._forward_pre_hooks.clear()
         template._forward_hooks.clear()
-        for name, stacked in owner_stack._parameters.items():
+        for name, stacked in owner_stack.stacked_weights().items():
             owner, attr = _owner(template, name)
             owner._parameters[attr] = torch.nn.Parameter(torch.empty(stacked.shape[1:], dtype=stacked.dtype,
                                                                      device="meta"), stacked.requires_grad)
