@@ -303,11 +303,6 @@ class ScannedLayers(torch.nn.ModuleList):
                                                 for name, w in self.stacked_weights().items()}
         return item
 
-    def _fixed(self, *args):
-        raise TypeError("spmd.scan_layers: the scanned block list is fixed once the engine is built")
-
-    insert = append = extend = pop = _fixed
-
 
 class StackedParameters(torch.nn.Module):
     """Holds stacked parameters under a block submodule's name (``transformer.h.attn``), so
