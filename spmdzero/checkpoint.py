@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from .annotate import shard
-from .scan import stacking_mismatch
+from .scan import stacked_layers, stacking_mismatch, unstack
 
 FORMAT_VERSION = 2
 STATE_DIR, META_FILE, CLIENT_FILE, LATEST_FILE = "state", "meta.json", "client_state.pt", "latest"
@@ -350,6 +350,7 @@ def _host_state(engine, tensors: dict, tag: str, has_client_state: bool) -> dict
         "param_dtype": str(engine.precision.param_dtype),
         "tensors": tensor_index({k: t for k, (t, _) in tensors.items()}),
         "module_keys": module_keys(engine.module),
+        "stacked_layers": stacked_layers(engine.module),  # for consolidate: per-layer names again
     }
 
 
@@ -740,6 +741,7 @@ def consolidate(ckpt_dir: str, out_path: str, tag: Optional[str] = None, dtype: 
                 raise CheckpointError(f"cannot read {source!r} from {path!r}: {_dcp_failure(err)}") from None
             loaded[key] = target.to(out_dtype) if target.is_floating_point() and kind == "model" else target
         result[name] = loaded[key]
+    result = unstack(result, meta.get("stacked_layers") or {})
     if safetensors:
         try:
             from safetensors.torch import save_file

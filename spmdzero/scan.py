@@ -171,6 +171,28 @@ def _restack(groups: list[list], stacked_from: dict, where: str) -> list[list]:
     return out
 
 
+def stacked_layers(module: torch.nn.Module) -> dict[str, str]:
+    """{stacked parameter name: the name of its stack} (``transformer.h.attn.c_attn.weight``:
+    ``transformer.h``)."""
+    return {f"{stack_name}.{name}": stack_name for stack_name, stack in module.named_modules()
+            if isinstance(stack, ScannedLayers) for name in stack.stacked_weights()}
+
+
+def unstack(state_dict: dict, stacks: dict[str, str]) -> dict:
+    """A state dict with each stacked tensor (``stacked_layers``) written as its layers under
+    the per-layer names the plain model has: what the model without
+    ``spmd.scan_layers='stacked'`` loads."""
+    out = {}
+    for name, tensor in state_dict.items():
+        stack = stacks.get(name)
+        if stack is None:
+            out[name] = tensor
+            continue
+        local = name[len(stack) + 1:]
+        out.update({f"{stack}.{layer}.{local}": tensor[layer].clone() for layer in range(tensor.shape[0])})
+    return out
+
+
 def stacking_mismatch(missing: list[str], unexpected: list[str]) -> str:
     """A sentence for a checkpoint whose keys differ from the model's only by stacking
     (``transformer.h.0.attn.c_attn.weight`` against ``transformer.h.attn.c_attn.weight``),

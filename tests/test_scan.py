@@ -8,7 +8,7 @@ import torch
 import torch_xla.debug.metrics as met
 
 import spmdzero
-from spmdzero.checkpoint import CheckpointError
+from spmdzero.checkpoint import CheckpointError, consolidate
 from spmdzero.config import ConfigError, parse_config
 from spmdzero.inspect import split_computations
 from spmdzero.plan import make_plan
@@ -350,6 +350,13 @@ def test_a_stacked_run_resumes_exactly_and_refuses_per_layer_checkpoints(tmp_pat
     assert [step(resumed, 3), step(resumed, 4)] == after
     for (name, p), q in zip(engine.module.named_parameters(), resumed.module.parameters()):
         assert torch.equal(q.detach().cpu(), p.detach().cpu()), name
+    consolidate(str(tmp_path), str(tmp_path / "plain.pt"), tag="one")
+    plain = tiny_gpt()
+    plain.load_state_dict(torch.load(tmp_path / "plain.pt"))  # strict: the per-layer names again
+    resumed.load_checkpoint(str(tmp_path), tag="one")
+    saved = unstacked({n: p.detach().cpu() for n, p in resumed.module.named_parameters()}, stack="blocks")
+    for name, p in plain.named_parameters():
+        assert torch.equal(p.detach(), saved[name]), name
     per_layer = make(scan=True)
     with pytest.raises(CheckpointError, match="checkpoint has stacked layer parameters .* load it with "
                                               "spmd.scan_layers='stacked'"):
