@@ -25,8 +25,10 @@ configuration (``default``; ``scan_layers``: ``"spmd": {"scan_layers": true}``; 
   and one for the update; its recompiles are traces of its jitted programs);
 * time to the first step (compilation included) of every configuration but ``compile``, each
   in a fresh process so that no compile cache is shared. ``--first-step`` measures only that,
-  with XLA's compile time, and prints per configuration the deepest size's time over the
-  shallowest's (issue #14: how the first step grows with depth).
+  with XLA's compile time and the step program's fused computations (from XLA's HLO dump,
+  independent of the host's load; the dump adds a little to the time), and prints per
+  configuration the deepest size's over the shallowest's (issue #14: how the first step grows
+  with depth).
 
 The JAX side is ``torchax.extract_jax`` of the same module with optax's AdamW, parameters
 replicated and optimizer states sharded like spmdzero's ZeRO-2, under one ``jax.jit``.
@@ -35,10 +37,12 @@ replicated and optimizer states sharded like spmdzero's ZeRO-2, under one ``jax.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -258,15 +262,33 @@ print(json.dumps({{"first_step_s": time.perf_counter() - ready,
 """
 
 
-def first_step(layers: int, width: int, variant: str) -> dict | None:
-    """{"first_step_s", "compile_s" (XLA compile time within it; None under torchax)}, or None if it failed."""
+def first_step(layers: int, width: int, variant: str, count_fusions: bool = False) -> dict | None:
+    """{"first_step_s", "compile_s" (XLA compile time within it; None under torchax), "fusions"
+    (with ``count_fusions``)}, or None if it failed."""
     code = FIRST_STEP.format(here=HERE, layers=layers, width=width, variant=variant)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
-    if proc.returncode != 0:
-        print(f"first step ({layers} layers, {variant}) failed: {proc.stderr.strip().splitlines()[-1]}",
-              file=sys.stderr)
+    with tempfile.TemporaryDirectory() as dump:
+        env = dict(os.environ)
+        if count_fusions:  # XLA writes each compiled program's optimized HLO
+            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text"
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            print(f"first step ({layers} layers, {variant}) failed: {proc.stderr.strip().splitlines()[-1]}",
+                  file=sys.stderr)
+            return None
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        if count_fusions:
+            result["fusions"] = step_fusions(dump)
+    return result
+
+
+def step_fusions(dump: str) -> int | None:
+    """Fused computations in the largest optimized program XLA dumped (the training step): a
+    load-independent measure of how much it compiles, where wall times on a shared host are not."""
+    programs = glob.glob(os.path.join(dump, "*after_optimizations.txt"))
+    if not programs:
         return None
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    with open(max(programs, key=os.path.getsize)) as f:
+        return sum(1 for line in f if line.startswith("%fused_computation"))
 
 
 def first_steps(sizes: list, configs: list, repeats: int) -> None:
@@ -277,14 +299,15 @@ def first_steps(sizes: list, configs: list, repeats: int) -> None:
     for _ in range(repeats):
         for layers, width in sizes:
             for variant in configs:
-                result = first_step(layers, width, variant)
+                result = first_step(layers, width, variant, count_fusions=True)
                 if result is not None:
                     runs.setdefault((layers, width, variant), []).append(result)
     best = {key: min(results, key=lambda r: r["first_step_s"]) for key, results in runs.items()}
-    print("| layers | n_embd | config | first step (s) | XLA compile (s) |\n|---|---|---|---|---|")
+    print("| layers | n_embd | config | first step (s) | XLA compile (s) | step program fusions |\n"
+          "|---|---|---|---|---|---|")
     for (layers, width, variant), r in best.items():
         compiled = "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}"
-        print(f"| {layers} | {width} | {variant} | {r['first_step_s']:.1f} | {compiled} |")
+        print(f"| {layers} | {width} | {variant} | {r['first_step_s']:.1f} | {compiled} | {r['fusions']} |")
     for width in sorted({w for _, w in sizes}):
         depths = sorted(l for l, w in sizes if w == width)
         if len(depths) < 2:
@@ -292,8 +315,10 @@ def first_steps(sizes: list, configs: list, repeats: int) -> None:
         for variant in configs:
             deep, shallow = best.get((depths[-1], width, variant)), best.get((depths[0], width, variant))
             if deep and shallow:
-                print(f"{variant}, n_embd {width}: first step at {depths[-1]} / {depths[0]} layers = "
-                      f"{deep['first_step_s'] / shallow['first_step_s']:.2f}x")
+                fusions = (f", fusions {deep['fusions'] / shallow['fusions']:.2f}x"
+                           if deep["fusions"] and shallow["fusions"] else "")
+                print(f"{variant}, n_embd {width}: {depths[-1]} / {depths[0]} layers: first step "
+                      f"{deep['first_step_s'] / shallow['first_step_s']:.2f}x{fusions}")
 
 
 def main() -> None:
