@@ -78,8 +78,9 @@ def test_scanned_layers_train_like_the_loop(make):
     assert compiles[1] == compiles[-1]  # nothing compiles after the first step
 
 
-@pytest.mark.parametrize("make", [tiny_gpt, tiny_llama], ids=["tinygpt", "llama"])
-def test_zero2_lays_out_each_block_gradient_inside_the_scanned_backward(make):
+@pytest.mark.parametrize("make,scan", [(tiny_gpt, True), (tiny_llama, True), (tiny_gpt, "stacked")],
+                         ids=["tinygpt", "llama", "tinygpt-stacked"])
+def test_zero2_lays_out_each_block_gradient_inside_the_scanned_backward(make, scan):
     """The per-iteration backward graph gives each block weight's gradient its ZeRO layout
     (after a replicated pin): on TPU each loop trip reduce-scatters it
     (tests/test_tpu_collectives.py). Annotated only after the loop, libtpu all-reduced it in
@@ -91,7 +92,7 @@ def test_zero2_lays_out_each_block_gradient_inside_the_scanned_backward(make):
     stack_name, stack = find_layer_stack(model)
     block = [n for n, _ in stack[0].named_parameters()]
     engine, *_ = spmdzero.initialize(model=model, config={
-        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": True},
+        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": scan},
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1))
     if isinstance(model, TinyGPT):
@@ -103,7 +104,8 @@ def test_zero2_lays_out_each_block_gradient_inside_the_scanned_backward(make):
     layouts = [re.search(r"sharding=\{(\w+)", ins.rest).group(1)
                for name, body in split_computations(hlo).items() if name.startswith("FnComputation")
                for ins in body if ins.opcode == "custom-call" and 'custom_call_target="Sharding"' in ins.rest]
-    assert all(engine.plan[f"{stack_name}.0.{n}"].grad_stages for n in block)  # all sharded on 8 devices
+    planned = [engine.plan[f"{stack_name}.{n}" if scan == "stacked" else f"{stack_name}.0.{n}"] for n in block]
+    assert all(p.grad_stages for p in planned)  # all sharded on 8 devices
     assert layouts.count("replicated") == len(block)
     assert layouts.count("devices") == len(block)
     engine.zero_grad()
