@@ -741,7 +741,11 @@ def consolidate(ckpt_dir: str, out_path: str, tag: Optional[str] = None, dtype: 
                 raise CheckpointError(f"cannot read {source!r} from {path!r}: {_dcp_failure(err)}") from None
             loaded[key] = target.to(out_dtype) if target.is_floating_point() and kind == "model" else target
         result[name] = loaded[key]
-    result = unstack(result, meta.get("stacked_layers") or {})
+    stacks = meta.get("stacked_layers") or {}
+    if not isinstance(stacks, dict) or not all(isinstance(stack, str) and isinstance(name, str)
+                                               and name.startswith(f"{stack}.") for name, stack in stacks.items()):
+        raise CheckpointError(f"{path!r}: 'stacked_layers' in its meta is not {{stacked name: its stack's name}}")
+    result = unstack(result, stacks)
     if safetensors:
         try:
             from safetensors.torch import save_file

@@ -103,7 +103,7 @@ def apply_scan_layers(module: torch.nn.Module, mode: bool | str = True) -> dict:
     config = getattr(module, "config", None)
     if getattr(config, "use_cache", False):  # transformers: no KV cache in training (a cache cannot be scanned)
         config.use_cache = False
-    if mode != "stacked":
+    if mode != "stacked" or stack.stacked:  # (already stacked by an earlier initialize)
         return {}
     return {p: (f"{name}.{local}", stacked, layer) for p, (local, stacked, layer) in stack.stack_parameters().items()}
 
