@@ -1,5 +1,5 @@
-"""Opt-in ``"spmd": {"scan_layers": true}`` (or ``"stacked"``): a model's stack of identical blocks traced and
-compiled once, as an XLA while loop over the stacked block weights
+"""Opt-in ``"spmd": {"scan_layers": true}`` (or ``"stacked"``): a model's stack of identical
+blocks traced and compiled once, as an XLA while loop over the stacked block weights
 (``torch_xla.experimental.scan``), instead of once per layer.
 
 Tracing and compile time then hardly grow with depth. What qualifies: a model with an
@@ -19,14 +19,15 @@ cache is not needed to train and cannot be scanned; ``generate`` still uses one)
 ZeRO-2 each block's weight gradient gets the plan's layout inside the loop
 (``lay_out_gradients``), so that the TPU compiler reduce-scatters it there.
 
-``"scan_layers": "stacked"`` goes further: the per-layer weights are stacked before the loop
-every step, and the stacked gradient sliced, laid out, updated and all-gathered per layer and
-name after it, so the step program still grows with depth (1,046 fusions at 12 GPT-2 layers
-against 318 at 2). Stacked, each block parameter name is one parameter ``[layers, ...]``
+With ``true`` the per-layer weights are still stacked before the loop every step, and the
+stacked gradient sliced, laid out, updated and all-gathered per layer and name after it, so
+the step program still grows with depth (1,046 fusions at 12 GPT-2 layers against 318 at 2).
+``"stacked"`` makes each block parameter name one parameter ``[layers, ...]``
 (``ScannedLayers.stack_parameters``), which the loop scans directly and the engine handles
-as one tensor: the step program is the same size at any depth (docs/benchmarks.md). Names
-change (``transformer.h.attn.c_attn.weight``), and with them checkpoints; a client
-optimizer built on the per-layer parameters is rewritten (``restack_optimizer``).
+as one tensor: the step program is the same size at any depth (238 fusions at 2 and 12;
+docs/benchmarks.md). Names change (``transformer.h.attn.c_attn.weight``), and with them
+checkpoints; a client optimizer built on the per-layer parameters is rewritten
+(``restack_optimizer``).
 
 What the loop keeps for the backward is chosen by AOTAutograd's min-cut partitioner, which
 recomputes cheap elementwise results in the backward instead of stacking them over the
@@ -313,6 +314,9 @@ class ScannedLayers(torch.nn.ModuleList):
     def __len__(self) -> int:
         return sum(1 for key in self._modules if key.isdigit())
 
+    # ModuleList's repr iterates over the list, which in training is the scan
+    __repr__ = torch.nn.Module.__repr__
+
     def __iter__(self):
         if not self.training:
             return iter(_blocks(self))
@@ -340,6 +344,9 @@ class StackedParameters(torch.nn.Module):
     that their names are a block's names with the layer index left out, and
     ``get_parameter``, attribute access and strict ``load_state_dict`` work as for any
     module. Not callable: the blocks compute, with slices lent for the call."""
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{name}: {list(p.shape)}" for name, p in self._parameters.items())
 
 
 class _ScanCall:
@@ -410,8 +417,9 @@ def _layer_fn(stack: ScannedLayers, first: torch.nn.Module, spec, static: tuple)
     template = copy.deepcopy(first, memo={id(owner_stack): owner_stack}).to("meta")
     if owner_stack is not None:
         template.__dict__.pop("_stacked_layer")
-        template._forward_pre_hooks.clear()
-        template._forward_hooks.clear()
+        for hooks in (template._forward_pre_hooks, template._forward_hooks):
+            for key in [key for key, hook in hooks.items() if hook in (_lend_layer, _return_layer)]:
+                del hooks[key]
         for name, stacked in owner_stack.stacked_weights().items():
             owner, attr = _owner(template, name)
             owner._parameters[attr] = torch.nn.Parameter(torch.empty(stacked.shape[1:], dtype=stacked.dtype,
