@@ -11,6 +11,7 @@ import spmdzero
 from spmdzero.checkpoint import CheckpointError, consolidate
 from spmdzero.config import ConfigError, parse_config
 from spmdzero.inspect import split_computations
+from spmdzero.monitor import graph_count
 from spmdzero.plan import make_plan
 from spmdzero.scan import apply_scan_layers, find_layer_stack, restack_optimizer
 
@@ -289,7 +290,7 @@ def train_gpt2(scan, steps: int = 3):
     engine, *_ = spmdzero.initialize(model=model, optimizer=optimizer, config={
         "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": scan}})
     tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1))
-    losses, compiles = [], []
+    losses, compiles, graphs = [], [], []
     for _ in range(steps):
         loss = engine(input_ids=tokens[:, :-1], attention_mask=torch.ones(8, 16, dtype=torch.long),
                       labels=tokens[:, :-1]).loss
@@ -297,6 +298,8 @@ def train_gpt2(scan, steps: int = 3):
         engine.step()
         losses.append(loss)
         compiles.append(met.metric_data("CompileTime")[0])
+        graphs.append(graph_count())
+    assert graphs[-1] - graphs[-2] == 1  # one graph per step: nothing read back to the host
     engine.module.eval()
     with torch.no_grad():
         logits = engine(input_ids=tokens[:, :-1]).logits.cpu()
