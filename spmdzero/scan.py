@@ -418,8 +418,8 @@ def _layer_fn(stack: ScannedLayers, first: torch.nn.Module, spec, static: tuple)
     if owner_stack is not None:
         template.__dict__.pop("_stacked_layer")
         for hooks in (template._forward_pre_hooks, template._forward_hooks):
-            for key in [key for key, hook in hooks.items() if hook in (_lend_layer, _return_layer)]:
-                del hooks[key]
+            for handle in [handle for handle, hook in hooks.items() if hook in (_lend_layer, _return_layer)]:
+                del hooks[handle]
         for name, stacked in owner_stack.stacked_weights().items():
             owner, attr = _owner(template, name)
             owner._parameters[attr] = torch.nn.Parameter(torch.empty(stacked.shape[1:], dtype=stacked.dtype,

@@ -291,7 +291,7 @@ def train_gpt2(scan, steps: int = 3):
     engine, *_ = spmdzero.initialize(model=model, optimizer=optimizer, config={
         "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": scan}})
     tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1))
-    losses, compiles, graphs = [], [], []
+    losses, compiles, graphs, traced = [], [], [], []
     for _ in range(steps):
         loss = engine(input_ids=tokens[:, :-1], attention_mask=torch.ones(8, 16, dtype=torch.long),
                       labels=tokens[:, :-1]).loss
@@ -300,7 +300,9 @@ def train_gpt2(scan, steps: int = 3):
         losses.append(loss)
         compiles.append(met.metric_data("CompileTime")[0])
         graphs.append(graph_count())
+        traced.append(list(engine.module.transformer.h.__dict__.get("_scan_fns", {}).values()))
     assert graphs[-1] - graphs[-2] == 1  # one graph per step: nothing read back to the host
+    assert traced[0] == traced[-1]  # one layer function, whose traced graphs torch_xla's scan reuses
     engine.module.eval()
     with torch.no_grad():
         logits = engine(input_ids=tokens[:, :-1]).logits.cpu()
