@@ -14,7 +14,7 @@ from spmdzero.config import ConfigError, parse_config
 from spmdzero.inspect import split_computations
 from spmdzero.monitor import graph_count
 from spmdzero.plan import make_plan
-from spmdzero.scan import apply_scan_layers, find_layer_stack, restack_optimizer
+from spmdzero.scan import apply_scan_layers, find_layer_stack, restack_optimizer, stacking_mismatch
 
 from conftest import REPO, run_python, tiny_mlp
 
@@ -409,3 +409,11 @@ def test_libtpu_reduce_scatters_stacked_gradients_inside_the_loop():
     # every layer's slice of every stacked matrix, each a quarter per chip
     assert got["collectives"]["reduce-scatter"]["bytes"] * 4 == pytest.approx(4 * sum(got["stacked"].values()) +
                                                                              4 * 2048 * 256, rel=0.02)
+
+
+def test_a_checkpoint_mismatch_by_stacking_alone_is_named():
+    per_layer = ["model.transformer.h.0.ln_1.weight", "model.transformer.h.1.ln_1.weight"]
+    stacked = ["model.transformer.h.ln_1.weight"]
+    assert "this model stacks them" in stacking_mismatch(missing=stacked, unexpected=per_layer)
+    assert "load it with spmd.scan_layers='stacked'" in stacking_mismatch(missing=per_layer, unexpected=stacked)
+    assert stacking_mismatch(missing=["model.head.weight"], unexpected=["model.lm_head.weight"]) == ""
