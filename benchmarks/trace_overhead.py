@@ -2,11 +2,13 @@
 as one ``jax.jit`` step (torchax), on 8 CPU devices, measured side by side in one process.
 
     python benchmarks/trace_overhead.py            # re-runs itself with 8 CPU devices for both
+    python benchmarks/trace_overhead.py --first-step --sizes 2x64,12x64 --configs scan_layers,scan_stacked
 
 For a transformers GPT-2 built from its config (batch 8, ``attention_mask`` passed, dropout
 off, eager attention: transformers' sdpa path reads an all-ones mask back to the host) at 2
 and 12 layers, n_embd 64 (host-bound on CPU) and 256, it prints per size and spmdzero
-configuration (``default``; ``scan_layers``: ``"spmd": {"scan_layers": true}``; ``compile``:
+configuration (``default``; ``scan_layers``: ``"spmd": {"scan_layers": true}``; ``scan_stacked``:
+``"spmd": {"scan_layers": "stacked"}``, one parameter per block parameter name; ``compile``:
 ``engine.compile()``, dynamo's openxla backend on the forward and backward; ``torchax``:
 ``"spmd": {"backend": "torchax"}``, the module traced once under ``jax.jit``):
 
@@ -26,7 +28,11 @@ configuration (``default``; ``scan_layers``: ``"spmd": {"scan_layers": true}``; 
   the forward, the backward and the update, and ``torchax`` one for the forward and backward
   and one for the update; its recompiles are traces of its jitted programs);
 * time to the first step (compilation included) of every configuration but ``compile``, each
-  in a fresh process so that no compile cache is shared.
+  in a fresh process so that no compile cache is shared. ``--first-step`` measures only that,
+  with XLA's compile time and the step program's fused computations (from XLA's HLO dump,
+  independent of the host's load; the dump adds a little to the time), and prints per
+  configuration the deepest size's over the shallowest's (issue #14: how the first step grows
+  with depth).
 
 The JAX side is ``torchax.extract_jax`` of the same module with optax's AdamW, parameters
 replicated and optimizer states sharded like spmdzero's ZeRO-2, under one ``jax.jit``.
@@ -35,10 +41,12 @@ replicated and optimizer states sharded like spmdzero's ZeRO-2, under one ``jax.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -70,12 +78,14 @@ def config(variant: str = "default") -> dict:
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
     if variant == "scan_layers":
         cfg["spmd"] = {"scan_layers": True}
+    if variant == "scan_stacked":
+        cfg["spmd"] = {"scan_layers": "stacked"}
     if variant == "torchax":
         cfg["spmd"] = {"backend": "torchax"}
     return cfg
 
 
-CONFIGS = ("default", "scan_layers", "compile", "torchax")
+CONFIGS = ("default", "scan_layers", "scan_stacked", "compile", "torchax")
 
 
 class SpmdzeroRunner:
@@ -251,18 +261,70 @@ out = engine(input_ids=ids, attention_mask=mask, labels=ids)
 engine.backward(out.loss)
 engine.step()
 wait(engine)
-print(json.dumps({{"first_step_s": time.perf_counter() - ready}}))
+import torch_xla.debug.metrics as met
+compile_time = met.metric_data("CompileTime")  # (count, total ns, samples); None if nothing compiled
+print(json.dumps({{"first_step_s": time.perf_counter() - ready,
+                  "compile_s": compile_time[1] / 1e9 if compile_time else None}}))
 """
 
 
-def first_step(layers: int, width: int, variant: str) -> float | None:
+def first_step(layers: int, width: int, variant: str, count_fusions: bool = False) -> dict | None:
+    """{"first_step_s", "compile_s" (XLA compile time within it; None under torchax), "fusions"
+    (with ``count_fusions``)}, or None if it failed."""
     code = FIRST_STEP.format(here=HERE, layers=layers, width=width, variant=variant)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
-    if proc.returncode != 0:
-        print(f"first step ({layers} layers, {variant}) failed: {proc.stderr.strip().splitlines()[-1]}",
-              file=sys.stderr)
+    with tempfile.TemporaryDirectory() as dump:
+        env = dict(os.environ)
+        if count_fusions:  # XLA writes each compiled program's optimized HLO
+            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text"
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            print(f"first step ({layers} layers, {variant}) failed: {proc.stderr.strip().splitlines()[-1]}",
+                  file=sys.stderr)
+            return None
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        if count_fusions:
+            result["fusions"] = step_fusions(dump)
+    return result
+
+
+def step_fusions(dump: str) -> int | None:
+    """Fused computations in the largest optimized program XLA dumped (the training step): a
+    load-independent measure of how much it compiles, where wall times on a shared host are not."""
+    programs = glob.glob(os.path.join(dump, "*after_optimizations.txt"))
+    if not programs:
         return None
-    return json.loads(proc.stdout.strip().splitlines()[-1])["first_step_s"]
+    with open(max(programs, key=os.path.getsize)) as f:
+        return sum(1 for line in f if line.startswith("%fused_computation"))
+
+
+def first_steps(sizes: list, configs: list, repeats: int) -> None:
+    """Only the time to first step (trace, compile, run) per size and configuration, each in a
+    fresh process, ``repeats`` rounds interleaved, the fastest kept; then per configuration
+    and width the deepest size's time over the shallowest's."""
+    runs: dict = {}
+    for _ in range(repeats):
+        for layers, width in sizes:
+            for variant in configs:
+                result = first_step(layers, width, variant, count_fusions=True)
+                if result is not None:
+                    runs.setdefault((layers, width, variant), []).append(result)
+    best = {key: min(results, key=lambda r: r["first_step_s"]) for key, results in runs.items()}
+    print("| layers | n_embd | config | first step (s) | XLA compile (s) | step program fusions |\n"
+          "|---|---|---|---|---|---|")
+    for (layers, width, variant), r in best.items():
+        compiled = "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}"
+        print(f"| {layers} | {width} | {variant} | {r['first_step_s']:.1f} | {compiled} | {r['fusions']} |")
+    for width in sorted({w for _, w in sizes}):
+        depths = sorted(l for l, w in sizes if w == width)
+        if len(depths) < 2:
+            continue
+        for variant in configs:
+            deep, shallow = best.get((depths[-1], width, variant)), best.get((depths[0], width, variant))
+            if deep and shallow:
+                fusions = (f", fusions {deep['fusions'] / shallow['fusions']:.2f}x"
+                           if deep["fusions"] and shallow["fusions"] else "")
+                print(f"{variant}, n_embd {width}: {depths[-1]} / {depths[0]} layers: first step "
+                      f"{deep['first_step_s'] / shallow['first_step_s']:.2f}x{fusions}")
 
 
 def main() -> None:
@@ -271,6 +333,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sizes", default=",".join(f"{l}x{w}" for l, w in SIZES), help="layers x n_embd, ...")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"spmdzero configurations, of {CONFIGS}")
+    parser.add_argument("--first-step", action="store_true",
+                        help="only the time to first step, each in a fresh process, --repeats rounds")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = [tuple(int(v) for v in size.split("x")) for size in args.sizes.split(",")]
@@ -278,14 +342,18 @@ def main() -> None:
         env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(DEVICES), "JAX_PLATFORMS": "cpu",
                "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"}
         command = [sys.executable, __file__, "--child", "--steps", str(args.steps), "--repeats", str(args.repeats),
-                   "--sizes", args.sizes, "--configs", args.configs]
+                   "--sizes", args.sizes, "--configs", args.configs] + ["--first-step"] * args.first_step
         sys.exit(subprocess.run(command, env=env, cwd=REPO).returncode)
-    import spmdzero  # noqa: F401  (starts the 8-device runtime before anything else)
-
     configs = [c for c in args.configs.split(",") if c]
-    unknown = sorted(set(configs) - set(CONFIGS))
+    unknown = sorted(set(configs) - set(CONFIGS) | ({"compile"} & set(configs) if args.first_step else set()))
     if unknown:
-        parser.error(f"--configs: unknown {unknown}; known: {', '.join(CONFIGS)}")
+        parser.error(f"--configs: unknown {unknown}; known: {', '.join(CONFIGS)} (compile: not with --first-step)")
+    if args.first_step:
+        print(f"{DEVICES} CPU devices; GPT-2, batch {BATCH}, seq {SEQ}, vocab {VOCAB}; time to the first step "
+              f"(trace, compile, run), each in a fresh process, fastest of {args.repeats}\n")
+        first_steps(sizes, configs, args.repeats)
+        return
+    import spmdzero  # noqa: F401  (starts the 8-device runtime before anything else)
     print(f"{DEVICES} CPU devices; GPT-2, batch {BATCH}, seq {SEQ}, vocab {VOCAB}; fastest of {args.repeats} "
           f"interleaved repeats of {args.steps} steps\n")
     print("| layers | n_embd | config | spmdzero step (ms) | JAX step (ms) | spmdzero / JAX | tracing share | "
@@ -300,7 +368,8 @@ def main() -> None:
         theirs.wait()
         for variant in configs:
             r = compare(variant, theirs, layers, width, args.steps, args.repeats)
-            cold = show(first_step(layers, width, variant)) if variant != "compile" else "-"
+            first = first_step(layers, width, variant) if variant != "compile" else None
+            cold = show(first and first["first_step_s"]) if variant != "compile" else "-"
             print(f"| {layers} | {width} | {variant} | {r['ours_ms']:.1f} | {r['jax_ms']:.1f} | {r['ratio']:.2f} | "
                   f"{100 * r['tracing_share']:.0f}% | {100 * r['cpu_share']:.0f}% | {r['update_ms']:.1f} | {r['graphs_per_step']:.2f} | "
                   f"{r['recompiles']} | {cold} |", flush=True)

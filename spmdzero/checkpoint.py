@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from .annotate import shard
+from .scan import stacked_layers, stacking_mismatch, unstack
 
 FORMAT_VERSION = 2
 STATE_DIR, META_FILE, CLIENT_FILE, LATEST_FILE = "state", "meta.json", "client_state.pt", "latest"
@@ -349,6 +350,7 @@ def _host_state(engine, tensors: dict, tag: str, has_client_state: bool) -> dict
         "param_dtype": str(engine.precision.param_dtype),
         "tensors": tensor_index({k: t for k, (t, _) in tensors.items()}),
         "module_keys": module_keys(engine.module),
+        "stacked_layers": stacked_layers(engine.module),  # for consolidate: per-layer names again
     }
 
 
@@ -562,7 +564,8 @@ def _select(engine, saved: dict, strict: bool, full_state: bool) -> dict:
     missing, unexpected = sorted(module_keys - saved_module), sorted(saved_module - module_keys)
     if strict and (missing or unexpected):
         raise CheckpointError("checkpoint does not match the model (load_module_strict=True): "
-                              f"missing keys {missing}, unexpected keys {unexpected}")
+                              f"missing keys {missing}, unexpected keys {unexpected}"
+                              + stacking_mismatch(missing, unexpected))
     source = {k: (f"master.{k[6:]}" if k.startswith("model.") and f"master.{k[6:]}" in saved else k)
               for k in module_keys & saved_module}
     if full_state:
@@ -738,6 +741,11 @@ def consolidate(ckpt_dir: str, out_path: str, tag: Optional[str] = None, dtype: 
                 raise CheckpointError(f"cannot read {source!r} from {path!r}: {_dcp_failure(err)}") from None
             loaded[key] = target.to(out_dtype) if target.is_floating_point() and kind == "model" else target
         result[name] = loaded[key]
+    stacks = meta.get("stacked_layers") or {}
+    if not isinstance(stacks, dict) or not all(isinstance(stack, str) and isinstance(name, str)
+                                               and name.startswith(f"{stack}.") for name, stack in stacks.items()):
+        raise CheckpointError(f"{path!r}: 'stacked_layers' in its meta is not {{stacked name: its stack's name}}")
+    result = unstack(result, stacks)
     if safetensors:
         try:
             from safetensors.torch import save_file

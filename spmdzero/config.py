@@ -292,9 +292,18 @@ class SpmdConfig(Section):
     max_recompiles: Optional[int] = Field(None, ge=0)
     compile_cache_dir: Optional[str] = None
     trust_client_state: bool = False  # unpickle a checkpoint's client_state even if it is not plain data
-    scan_layers: bool = False  # trace and compile the model's identical blocks once (spmdzero.scan)
+    # Trace and compile the model's identical blocks once (spmdzero.scan); "stacked": each block
+    # parameter name is one parameter [layers, ...] (the step's cost then does not grow with depth).
+    scan_layers: Union[bool, Literal["stacked"]] = False
     # "torchax": the module traced once under jax.jit through torchax (spmdzero.backend_torchax)
     backend: Literal["torch_xla", "torchax"] = "torch_xla"
+
+    @field_validator("scan_layers", mode="before")
+    @classmethod
+    def _scan_layers(cls, v: Any) -> Any:
+        if v is True or v is False or v == "stacked":
+            return v
+        raise ValueError('must be true, false or "stacked"')
 
 
 class DeepSpeedConfig(BaseModel):

@@ -16,7 +16,7 @@ from .mesh import build_mesh, check_user_mesh, data_parallel_size, mesh_shape
 from .monitor import log_block
 from .optim import build_optimizer, materialize_state
 from .plan import make_plan
-from .scan import apply_scan_layers, lay_out_gradients
+from .scan import apply_scan_layers, lay_out_gradients, restack_groups, restack_optimizer, stacked_parameters
 from .precision import attach_master_weights, precision_policy
 from .schedules import build_scheduler
 
@@ -64,9 +64,16 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
 
     module = _move_in_place(model, runtime.device())
     if cfg.spmd.scan_layers:
-        apply_scan_layers(module)
+        if model_parameters is not None and not isinstance(model_parameters, (list, tuple)):
+            model_parameters = list(model_parameters)  # a generator over the module, before stacking
+        stacked_from = apply_scan_layers(module, cfg.spmd.scan_layers)
+        if stacked_from:  # the client's per-layer parameters become the stacked ones
+            model_parameters = restack_groups(model_parameters, stacked_from, "model_parameters")
+            if isinstance(optimizer, torch.optim.Optimizer):
+                restack_optimizer(optimizer, stacked_from)
     trainable = [(n, p.shape) for n, p in module.named_parameters() if p.requires_grad]
-    plan = make_plan(trainable, shape, cfg.zero_stage, tied_embeddings=_tied_embeddings(module))
+    plan = make_plan(trainable, shape, cfg.zero_stage, tied_embeddings=_tied_embeddings(module),
+                     stacked=stacked_parameters(module))
     if cfg.spmd.scan_layers:
         lay_out_gradients(module, mesh, plan)
 

@@ -31,6 +31,11 @@ The rule, per tensor:
   over every chip and half the table is still all-reduced (docs/tpu.md). Tensors that do
   not split in two stages (vectors, odd shapes) split their largest dim over both axes at
   once;
+* a stacked parameter (``"spmd": {"scan_layers": "stacked"}``: one tensor ``[layers, ...]``
+  holding a block parameter of every layer, spmdzero.scan) never splits its layer dim 0: the
+  layer loop slices it, one layer per trip. Its ZeRO spec is that of one layer's slice with
+  dim 0 replicated in front, and inside the loop each layer's gradient is laid out as that
+  slice's spec (``layer_grad_layouts``);
 * stage 0: everything replicated. Stage 1: optimizer states (and fp32 master weights,
   under mixed precision) use the ZeRO spec, gradients replicated. Stage 2: gradients too.
 """
@@ -59,6 +64,7 @@ class TensorPlan:
     # The layouts the fresh gradient is constrained to in turn, the last being ``grad``;
     # () when the gradient stays replicated.
     grad_stages: tuple[PartitionSpec, ...] = ()
+    stacked: bool = False  # dim 0 is the layer dim of a scanned stack (never split)
 
     @property
     def grad_layouts(self) -> tuple[PartitionSpec, ...]:
@@ -72,6 +78,14 @@ class TensorPlan:
         if (self.tied_embedding and self.grad_stages) or len(self.grad_stages) > 1:
             return self.grad_stages
         return (replicated(len(self.shape)),) + self.grad_stages
+
+    @property
+    def layer_grad_layouts(self) -> tuple[PartitionSpec, ...]:
+        """A stacked parameter's ``grad_layouts`` for one layer's gradient inside the layer
+        loop: each without the (replicated) layer dim."""
+        if not self.stacked:
+            raise ValueError(f"{self.name} is not a stacked parameter: it has no per-layer gradient layout")
+        return tuple(spec[1:] for spec in self.grad_layouts)
 
 
 @dataclass(frozen=True)
@@ -165,18 +179,26 @@ def batch_spec(mesh_shape: Mapping[str, int], ndim: int) -> PartitionSpec:
 
 
 def make_plan(named_shapes: Iterable[tuple[str, Sequence[int]]], mesh_shape: Mapping[str, int],
-              stage: int, tied_embeddings: Iterable[str] = ()) -> ShardingPlan:
-    """``tied_embeddings``: the names of embedding tables that are also another module's weight."""
+              stage: int, tied_embeddings: Iterable[str] = (), stacked: Iterable[str] = ()) -> ShardingPlan:
+    """``tied_embeddings``: the names of embedding tables that are also another module's weight;
+    ``stacked``: the names of stacked layer parameters (dim 0 the layers)."""
     if stage not in (0, 1, 2):
         raise ValueError(f"ZeRO stage must be 0, 1 or 2, got {stage!r}")
     if FSDP_AXIS not in mesh_shape:
         raise ValueError(f"mesh axes {tuple(mesh_shape)} have no {FSDP_AXIS!r} axis")
-    tied_embeddings = set(tied_embeddings)
+    tied_embeddings, stacked = set(tied_embeddings), set(stacked)
     tensors = []
     for name, shape in named_shapes:
         shape = tuple(int(s) for s in shape)
+        if name in stacked and not shape:
+            raise ValueError(f"stacked parameter {name!r} has no layer dim (shape ())")
         rep = replicated(len(shape))
-        stages = zero_spec(shape, mesh_shape, name in tied_embeddings) if stage >= 1 else ()
+        if stage < 1:
+            stages = ()
+        elif name in stacked:  # one layer's spec, the layer dim in front, never split
+            stages = tuple((None,) + spec for spec in zero_spec(shape[1:], mesh_shape))
+        else:
+            stages = zero_spec(shape, mesh_shape, name in tied_embeddings)
         sharded = stages[-1] if stages else rep
         tensors.append(TensorPlan(
             name=name, shape=shape, param=rep,
@@ -186,5 +208,6 @@ def make_plan(named_shapes: Iterable[tuple[str, Sequence[int]]], mesh_shape: Map
             shard_dims=shard_dims(sharded),
             tied_embedding=name in tied_embeddings,
             grad_stages=stages if stage >= 2 else (),
+            stacked=name in stacked,
         ))
     return ShardingPlan(stage, tuple(mesh_shape.items()), tuple(tensors))

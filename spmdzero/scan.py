@@ -1,5 +1,5 @@
-"""Opt-in ``"spmd": {"scan_layers": true}``: a model's stack of identical blocks traced and
-compiled once, as an XLA while loop over the stacked block weights
+"""Opt-in ``"spmd": {"scan_layers": true}`` (or ``"stacked"``): a model's stack of identical
+blocks traced and compiled once, as an XLA while loop over the stacked block weights
 (``torch_xla.experimental.scan``), instead of once per layer.
 
 Tracing and compile time then hardly grow with depth. What qualifies: a model with an
@@ -19,6 +19,16 @@ cache is not needed to train and cannot be scanned; ``generate`` still uses one)
 ZeRO-2 each block's weight gradient gets the plan's layout inside the loop
 (``lay_out_gradients``), so that the TPU compiler reduce-scatters it there.
 
+With ``true`` the per-layer weights are still stacked before the loop every step, and the
+stacked gradient sliced, laid out, updated and all-gathered per layer and name after it, so
+the step program still grows with depth (1,046 fusions at 12 GPT-2 layers against 318 at 2).
+``"stacked"`` makes each block parameter name one parameter ``[layers, ...]``
+(``ScannedLayers.stack_parameters``), which the loop scans directly and the engine handles
+as one tensor: the step program is the same size at any depth (238 fusions at 2 and 12;
+docs/benchmarks.md). Names change (``transformer.h.attn.c_attn.weight``), and with them
+checkpoints; a client optimizer built on the per-layer parameters is rewritten
+(``restack_optimizer``).
+
 What the loop keeps for the backward is chosen by AOTAutograd's min-cut partitioner, which
 recomputes cheap elementwise results in the backward instead of stacking them over the
 layers: the default partitioner kept every intermediate the backward reads (4.4x the
@@ -34,6 +44,7 @@ position ids) are passed to every block unchanged.
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import torch
@@ -82,16 +93,20 @@ def _check_torchax() -> None:
                           "pip install --no-deps --force-reinstall torchax==0.0.13")
 
 
-def apply_scan_layers(module: torch.nn.Module) -> str:
+def apply_scan_layers(module: torch.nn.Module, mode: bool | str = True) -> dict:
     """Swap the class of the model's block stack for ``ScannedLayers`` (in place; same
-    modules, same names). Returns the stack's name."""
+    modules). ``mode="stacked"`` also stacks the blocks' parameters (``stack_parameters``).
+    Returns {per-layer parameter: (stacked name, stacked parameter, layer)}, empty unless
+    stacked."""
     name, stack = find_layer_stack(module)
     _check_torchax()
     stack.__class__ = ScannedLayers
     config = getattr(module, "config", None)
     if getattr(config, "use_cache", False):  # transformers: no KV cache in training (a cache cannot be scanned)
         config.use_cache = False
-    return name
+    if mode != "stacked" or stack.stacked:  # (already stacked by an earlier initialize)
+        return {}
+    return {p: (f"{name}.{local}", stacked, layer) for p, (local, stacked, layer) in stack.stack_parameters().items()}
 
 
 def scanned_parameters(module: torch.nn.Module) -> frozenset[str]:
@@ -99,6 +114,109 @@ def scanned_parameters(module: torch.nn.Module) -> frozenset[str]:
     loop already laid out by ``lay_out_gradients``)."""
     return frozenset(f"{stack_name}.{name}" for stack_name, stack in module.named_modules()
                      if isinstance(stack, ScannedLayers) for name, _ in stack.named_parameters())
+
+
+def stacked_parameters(module: torch.nn.Module) -> frozenset[str]:
+    """The names of the stacked parameters (dim 0 the layers; ``make_plan(stacked=...)``)."""
+    return frozenset(f"{stack_name}.{name}" for stack_name, stack in module.named_modules()
+                     if isinstance(stack, ScannedLayers) for name in stack.stacked_weights())
+
+
+def restack_groups(params, stacked_from: dict, where: str):
+    """``model_parameters`` (tensors, or param group dicts) with the per-layer parameters of
+    a stacked stack replaced by the stacked ones (``_restack``); None stays None."""
+    if params is None:
+        return None
+    params = list(params)
+    if all(isinstance(group, dict) for group in params):
+        lists = _restack([list(group["params"]) for group in params], stacked_from, where)
+        return [{**group, "params": new} for group, new in zip(params, lists)]
+    return _restack([params], stacked_from, where)[0]
+
+
+def restack_optimizer(optimizer: torch.optim.Optimizer, stacked_from: dict) -> None:
+    """A client optimizer built on the model's per-layer parameters (before ``initialize``)
+    updates the stacked ones instead: its param groups are rewritten in place."""
+    holding = sorted(stacked_from[p][0] for p in optimizer.state if p in stacked_from and optimizer.state[p])
+    if holding:
+        raise ConfigError(f"spmd.scan_layers='stacked': the optimizer already holds state for per-layer parameters "
+                          f"of {holding[0]!r} (and {len(holding) - 1} more), which are stacked into one parameter "
+                          "per name; load optimizer state after initialize (engine.load_checkpoint)")
+    lists = _restack([list(group["params"]) for group in optimizer.param_groups], stacked_from, "the optimizer")
+    for group, params in zip(optimizer.param_groups, lists):
+        group["params"] = params
+
+
+def _restack(groups: list[list], stacked_from: dict, where: str) -> list[list]:
+    """Each per-layer parameter replaced by its stacked parameter, placed where its first
+    layer was. All layers of one name must be in one group (they become one tensor with one
+    learning rate and weight decay), or none of them."""
+    by_id = {id(p): entry for p, entry in stacked_from.items()}
+    layers: dict[str, int] = {}
+    for name, _, _ in stacked_from.values():
+        layers[name] = layers.get(name, 0) + 1
+    seen: dict[str, tuple[int, set]] = {}
+    out = []
+    for index, params in enumerate(groups):
+        new = []
+        for p in params:
+            if id(p) not in by_id:
+                new.append(p)
+                continue
+            name, stacked, layer = by_id[id(p)]
+            group, found = seen.setdefault(name, (index, set()))
+            if group != index:
+                raise ConfigError(f"spmd.scan_layers='stacked': {where} puts layers of {name!r} in param groups "
+                                  f"{group} and {index}; its layers are one stacked parameter, which can be in "
+                                  "one group only (group by parameter name, not by layer)")
+            if not found:
+                new.append(stacked)
+            found.add(layer)
+        out.append(new)
+    for name, (group, found) in seen.items():
+        if len(found) != layers[name]:
+            missing = sorted(set(range(layers[name])) - found)
+            raise ConfigError(f"spmd.scan_layers='stacked': {where} has only some layers of {name!r} (layers "
+                              f"{missing} are missing); its layers are one stacked parameter, optimized as a whole")
+    return out
+
+
+def stacked_layers(module: torch.nn.Module) -> dict[str, str]:
+    """{stacked parameter name: the name of its stack} (``transformer.h.attn.c_attn.weight``:
+    ``transformer.h``)."""
+    return {f"{stack_name}.{name}": stack_name for stack_name, stack in module.named_modules()
+            if isinstance(stack, ScannedLayers) for name in stack.stacked_weights()}
+
+
+def unstack(state_dict: dict, stacks: dict[str, str]) -> dict:
+    """A state dict with each stacked tensor (``stacked_layers``) written as its layers under
+    the per-layer names the plain model has: what the model without
+    ``spmd.scan_layers='stacked'`` loads."""
+    out = {}
+    for name, tensor in state_dict.items():
+        stack = stacks.get(name)
+        if stack is None:
+            out[name] = tensor
+            continue
+        local = name[len(stack) + 1:]
+        out.update({f"{stack}.{layer}.{local}": tensor[layer].clone() for layer in range(tensor.shape[0])})
+    return out
+
+
+def stacking_mismatch(missing: list[str], unexpected: list[str]) -> str:
+    """A sentence for a checkpoint whose keys differ from the model's only by stacking
+    (``transformer.h.0.attn.c_attn.weight`` against ``transformer.h.attn.c_attn.weight``),
+    else ''."""
+    def unstacked(keys):
+        return {re.sub(r"\.\d+\.", ".", key, count=1) for key in keys}
+
+    if set(missing) & unstacked(unexpected):
+        return ("; the checkpoint has per-layer parameters and this model stacks them "
+                "(spmd.scan_layers='stacked'): load it with the scan_layers setting it was saved with")
+    if set(unexpected) & unstacked(missing):
+        return ("; the checkpoint has stacked layer parameters (saved with spmd.scan_layers='stacked') and this "
+                "model has per-layer ones: load it with spmd.scan_layers='stacked'")
+    return ""
 
 
 def lay_out_gradients(module: torch.nn.Module, mesh, plan) -> None:
@@ -118,36 +236,117 @@ def lay_out_gradients(module: torch.nn.Module, mesh, plan) -> None:
     for stack_name, stack in module.named_modules():
         if not isinstance(stack, ScannedLayers):
             continue
-        first = next(iter(torch.nn.ModuleList.__iter__(stack)))
         layouts = {}
-        for name, _ in first.named_parameters():
-            planned = plan.get(f"{stack_name}.0.{name}")  # None: frozen, no gradient
-            if planned is not None and planned.grad_stages:
-                layouts[name] = planned.grad_layouts
+        for name in stack.block_parameter_names():
+            planned = plan.get(f"{stack_name}.{name}" if stack.stacked else f"{stack_name}.0.{name}")
+            if planned is not None and planned.grad_stages:  # None: frozen, no gradient
+                layouts[name] = planned.layer_grad_layouts if stack.stacked else planned.grad_layouts
         stack.gradient_layouts = (mesh, layouts) if layouts else None
         stack.__dict__.pop("_scan_fns", None)  # traced with the previous layouts
 
 
 class ScannedLayers(torch.nn.ModuleList):
     """An ``nn.ModuleList`` whose iteration, in training, yields one callable running every
-    block through ``torch_xla.experimental.scan``."""
+    block through ``torch_xla.experimental.scan``. Its blocks are the children named by
+    index; with stacked parameters it also has ``StackedParameters`` children (by block
+    submodule name), which ``len``, iteration and indexing leave out."""
 
     gradient_layouts = None  # (mesh, {block parameter name: partition specs in turn}), see lay_out_gradients
 
+    @property
+    def stacked(self) -> bool:
+        """Whether the blocks' parameters are stacked (``stack_parameters``)."""
+        return bool(self.stacked_weights())
+
+    def stacked_weights(self) -> dict[str, torch.Tensor]:
+        """{block parameter name: [layers, ...] tensor}: the stacked parameters, or for a
+        slice of the list, their slices."""
+        if "_stacked_slices" in self.__dict__:
+            return self.__dict__["_stacked_slices"]
+        weights = dict(self._parameters)
+        for key, holder in self._modules.items():
+            if isinstance(holder, StackedParameters):
+                weights.update(holder.named_parameters(prefix=key))
+        return weights
+
+    def block_parameter_names(self) -> list[str]:
+        """The parameter names of one block (``attn.c_attn.weight``)."""
+        if self.stacked:
+            return list(self.stacked_weights())
+        return [name for name, _ in _blocks(self)[0].named_parameters()]
+
+    def stack_parameters(self) -> dict:
+        """Make each block parameter name one parameter ``[layers, ...]`` of this list, under
+        the block's name for it (``transformer.h.attn.c_attn.weight``: ``StackedParameters``
+        children mirror the block's submodules), and take the per-layer ones out of the
+        blocks. The step then has one tensor per name to update, lay out and gather, not one
+        per layer and name. Calling a block (eval, generation, ``stack[i](...)``) lends it
+        its layer's slices for the call (``_lend_layer``). Returns {per-layer parameter:
+        (name, stacked parameter, layer)}."""
+        blocks = _blocks(self)
+        names = [name for name, _ in blocks[0].named_parameters()]
+        owned = [id(_tensor(block, name)) for block in blocks for name in names]
+        if len(set(owned)) != len(owned):
+            raise ConfigError("spmd.scan_layers='stacked': the blocks of this model share parameters, which "
+                              "cannot be stacked one per layer; use spmd.scan_layers=true")
+        replaced = {}
+        for name in names:
+            per_layer = [_tensor(block, name) for block in blocks]
+            stacked = torch.nn.Parameter(torch.stack([p.detach() for p in per_layer]),
+                                         requires_grad=per_layer[0].requires_grad)
+            *path, attr = name.split(".")
+            holder = self
+            for part in path:
+                if part not in holder._modules:
+                    holder.add_module(part, StackedParameters())
+                holder = holder._modules[part]
+            holder.register_parameter(attr, stacked)
+            replaced.update({p: (name, stacked, layer) for layer, p in enumerate(per_layer)})
+            for block in blocks:
+                owner, attr = _owner(block, name)
+                del owner._parameters[attr]
+        for layer, block in enumerate(blocks):
+            block.__dict__["_stacked_layer"] = (self, layer)
+            block.register_forward_pre_hook(_lend_layer)
+            block.register_forward_hook(_return_layer, always_call=True)
+        return replaced
+
+    def __len__(self) -> int:
+        return sum(1 for key in self._modules if key.isdigit())
+
+    # ModuleList's repr iterates over the list, which in training is the scan
+    __repr__ = torch.nn.Module.__repr__
+
     def __iter__(self):
         if not self.training:
-            return super().__iter__()
+            return iter(_blocks(self))
         return iter([_ScanCall(self)])
 
     def __getitem__(self, idx):
         """A slice (Llama's ``self.layers[: config.num_hidden_layers]``, every forward) is a new
-        list: it keeps the train/eval mode, the gradient layouts and the traced functions
-        (otherwise each step would trace the block again, without the layouts)."""
-        item = super().__getitem__(idx)
-        if isinstance(idx, slice):
-            item.training, item.gradient_layouts = self.training, self.gradient_layouts
-            item.__dict__["_scan_fns"] = self.__dict__.setdefault("_scan_fns", {})
+        list: it keeps the train/eval mode, the gradient layouts, the traced functions
+        (otherwise each step would trace the block again, without the layouts) and the
+        stacked parameters' slices."""
+        if not isinstance(idx, slice):
+            return super().__getitem__(idx)
+        item = ScannedLayers(_blocks(self)[idx])
+        item.training, item.gradient_layouts = self.training, self.gradient_layouts
+        item.__dict__["_scan_fns"] = self.__dict__.setdefault("_scan_fns", {})
+        if self.stacked:
+            whole = idx.indices(len(self)) == (0, len(self), 1)
+            item.__dict__["_stacked_slices"] = {name: w if whole else w[idx]
+                                                for name, w in self.stacked_weights().items()}
         return item
+
+
+class StackedParameters(torch.nn.Module):
+    """Holds stacked parameters under a block submodule's name (``transformer.h.attn``), so
+    that their names are a block's names with the layer index left out, and
+    ``get_parameter``, attribute access and strict ``load_state_dict`` work as for any
+    module. Not callable: the blocks compute, with slices lent for the call."""
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{name}: {list(p.shape)}" for name, p in self._parameters.items())
 
 
 class _ScanCall:
@@ -158,7 +357,7 @@ class _ScanCall:
         from functorch.compile import min_cut_rematerialization_partition
         from torch_xla.experimental.scan import scan
 
-        blocks = list(torch.nn.ModuleList.__iter__(self.stack))
+        blocks = _blocks(self.stack)
         leaves, spec = tree_flatten((args, kwargs))
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         static = tuple(_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
@@ -167,7 +366,7 @@ class _ScanCall:
                 raise TypeError(f"spmd.scan_layers: a {type(blocks[0]).__name__} block is called with a "
                                 f"{type(leaf).__name__} argument; only tensors and plain numbers can be passed "
                                 "to scanned blocks (is a KV cache in use while training?)")
-        weights = {}
+        weights = dict(self.stack.stacked_weights())  # the parameters themselves, no copy
         for name, _ in list(blocks[0].named_parameters()) + list(blocks[0].named_buffers()):
             weights[name] = torch.stack([_tensor(block, name) for block in blocks])
         shared = [t.expand(len(blocks), *t.shape) for t in tensors]
@@ -176,9 +375,33 @@ class _ScanCall:
         return out
 
 
-def _tensor(block: torch.nn.Module, name: str) -> torch.Tensor:
+def _blocks(stack: ScannedLayers) -> list[torch.nn.Module]:
+    return [block for key, block in stack._modules.items() if key.isdigit()]
+
+
+def _owner(block: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
     owner, _, attr = name.rpartition(".")
-    return getattr(block.get_submodule(owner) if owner else block, attr)
+    return (block.get_submodule(owner) if owner else block), attr
+
+
+def _tensor(block: torch.nn.Module, name: str) -> torch.Tensor:
+    owner, attr = _owner(block, name)
+    return getattr(owner, attr)
+
+
+def _lend_layer(block: torch.nn.Module, args) -> None:
+    """Forward pre-hook of a block whose parameters are stacked: its layer's slices, for the call."""
+    stack, layer = block.__dict__["_stacked_layer"]
+    for name, stacked in stack.stacked_weights().items():
+        owner, attr = _owner(block, name)
+        owner._parameters[attr] = stacked[layer]
+
+
+def _return_layer(block: torch.nn.Module, args, output) -> None:
+    stack, _ = block.__dict__["_stacked_layer"]
+    for name in stack.stacked_weights():
+        owner, attr = _owner(block, name)
+        owner._parameters.pop(attr, None)
 
 
 def _layer_fn(stack: ScannedLayers, first: torch.nn.Module, spec, static: tuple):
@@ -188,7 +411,19 @@ def _layer_fn(stack: ScannedLayers, first: torch.nn.Module, spec, static: tuple)
     key = (repr(spec), static)
     if key in cache:
         return cache[key]
-    template = copy.deepcopy(first).to("meta")  # weights come from the stacked tensors
+    # Weights come from the stacked tensors. A block whose parameters are stacked keeps the
+    # list it belongs to (not copied) and gets meta placeholders instead of the lending hooks.
+    owner_stack = first.__dict__.get("_stacked_layer", (None,))[0]
+    template = copy.deepcopy(first, memo={id(owner_stack): owner_stack}).to("meta")
+    if owner_stack is not None:
+        template.__dict__.pop("_stacked_layer")
+        for hooks in (template._forward_pre_hooks, template._forward_hooks):
+            for handle in [handle for handle, hook in hooks.items() if hook in (_lend_layer, _return_layer)]:
+                del hooks[handle]
+        for name, stacked in owner_stack.stacked_weights().items():
+            owner, attr = _owner(template, name)
+            owner._parameters[attr] = torch.nn.Parameter(torch.empty(stacked.shape[1:], dtype=stacked.dtype,
+                                                                     device="meta"), stacked.requires_grad)
     mesh, layouts = stack.gradient_layouts or (None, {})
 
     def one_layer(carry, xs):

@@ -1,5 +1,6 @@
 """spmd.scan_layers: the same training with the block stack scanned, and clear refusals."""
 
+import json
 import re
 import sys
 
@@ -8,11 +9,14 @@ import torch
 import torch_xla.debug.metrics as met
 
 import spmdzero
-from spmdzero.config import ConfigError
+from spmdzero.checkpoint import CheckpointError, consolidate
+from spmdzero.config import ConfigError, parse_config
 from spmdzero.inspect import split_computations
-from spmdzero.scan import find_layer_stack
+from spmdzero.monitor import graph_count
+from spmdzero.plan import make_plan
+from spmdzero.scan import apply_scan_layers, find_layer_stack, restack_optimizer, stacking_mismatch
 
-from conftest import REPO, tiny_mlp
+from conftest import REPO, run_python, tiny_mlp
 
 sys.path.insert(0, f"{REPO}/examples")
 from model import TinyGPT  # noqa: E402
@@ -76,8 +80,9 @@ def test_scanned_layers_train_like_the_loop(make):
     assert compiles[1] == compiles[-1]  # nothing compiles after the first step
 
 
-@pytest.mark.parametrize("make", [tiny_gpt, tiny_llama], ids=["tinygpt", "llama"])
-def test_zero2_lays_out_each_block_gradient_inside_the_scanned_backward(make):
+@pytest.mark.parametrize("make,scan", [(tiny_gpt, True), (tiny_llama, True), (tiny_gpt, "stacked")],
+                         ids=["tinygpt", "llama", "tinygpt-stacked"])
+def test_zero2_lays_out_each_block_gradient_inside_the_scanned_backward(make, scan):
     """The per-iteration backward graph gives each block weight's gradient its ZeRO layout
     (after a replicated pin): on TPU each loop trip reduce-scatters it
     (tests/test_tpu_collectives.py). Annotated only after the loop, libtpu all-reduced it in
@@ -89,7 +94,7 @@ def test_zero2_lays_out_each_block_gradient_inside_the_scanned_backward(make):
     stack_name, stack = find_layer_stack(model)
     block = [n for n, _ in stack[0].named_parameters()]
     engine, *_ = spmdzero.initialize(model=model, config={
-        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": True},
+        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": scan},
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1))
     if isinstance(model, TinyGPT):
@@ -101,7 +106,8 @@ def test_zero2_lays_out_each_block_gradient_inside_the_scanned_backward(make):
     layouts = [re.search(r"sharding=\{(\w+)", ins.rest).group(1)
                for name, body in split_computations(hlo).items() if name.startswith("FnComputation")
                for ins in body if ins.opcode == "custom-call" and 'custom_call_target="Sharding"' in ins.rest]
-    assert all(engine.plan[f"{stack_name}.0.{n}"].grad_stages for n in block)  # all sharded on 8 devices
+    planned = [engine.plan[f"{stack_name}.{n}" if scan == "stacked" else f"{stack_name}.0.{n}"] for n in block]
+    assert all(p.grad_stages for p in planned)  # all sharded on 8 devices
     assert layouts.count("replicated") == len(block)
     assert layouts.count("devices") == len(block)
     engine.zero_grad()
@@ -169,3 +175,245 @@ def test_attention_written_out_matches_torch():
                    {"scale": 0.3, "is_causal": True}):
         torch.testing.assert_close(_attention_with_float_mask_dropout(q, k, v, **kwargs),
                                    torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs))
+
+
+# ---- "spmd": {"scan_layers": "stacked"}: one parameter [layers, ...] per block parameter name ----
+
+def stacked_gpt2():
+    model = gpt2()
+    return model, apply_scan_layers(model, "stacked")
+
+
+def unstacked(params: dict, stack: str = "transformer.h") -> dict:
+    """Per-layer tensors under per-layer names, from stacked ones."""
+    out = {}
+    for name, value in params.items():
+        if name.startswith(f"{stack}.") and not name[len(stack) + 1].isdigit():
+            out.update({f"{stack}.{i}.{name[len(stack) + 1:]}": layer for i, layer in enumerate(value)})
+        else:
+            out[name] = value
+    return out
+
+
+def test_the_plan_never_splits_the_layer_dim_of_a_stacked_parameter():
+    shapes = [("h.w", (12, 64, 256)), ("h.b", (12, 4)), ("h.tall", (64, 16)), ("tall", (64, 16))]
+    stacked = ["h.w", "h.b", "h.tall"]
+    plan = make_plan(shapes, {"fsdp": 8}, 2, stacked=stacked)
+    assert plan["h.w"].grad == plan["h.w"].optimizer_state == (None, None, "fsdp")
+    assert plan["h.w"].layer_grad_layouts == ((None, None), (None, "fsdp"))  # one layer's, in the loop
+    assert plan["h.b"].grad == (None, None)  # 4 per layer: too small to split, whatever the layer count
+    assert plan["h.tall"].grad == (None, "fsdp")  # the layer dim is the largest, and still not split
+    assert plan["tall"].grad == ("fsdp", None)  # the same shape unstacked splits its rows
+    assert all(t.param == (None,) * len(t.shape) for t in plan.tensors)
+    two_axes = make_plan(shapes, {"fsdp": 4, "fsdp_inner": 2}, 2, stacked=stacked)
+    assert two_axes["h.w"].grad_stages == ((None, "fsdp", None), (None, "fsdp", "fsdp_inner"))
+    assert two_axes["h.w"].layer_grad_layouts == (("fsdp", None), ("fsdp", "fsdp_inner"))
+    assert make_plan(shapes, {"fsdp": 8}, 1, stacked=stacked)["h.tall"].optimizer_state == (None, "fsdp")
+    with pytest.raises(ValueError, match="tall is not a stacked parameter"):
+        plan["tall"].layer_grad_layouts
+
+
+def test_stacked_parameters_replace_the_per_layer_ones_under_block_names():
+    model, _ = stacked_gpt2()
+    stack = model.transformer.h
+    names = dict(model.named_parameters())
+    assert names["transformer.h.attn.c_attn.weight"].shape == (3, 32, 96)
+    assert model.get_parameter("transformer.h.attn.c_attn.weight") is model.transformer.h.attn.c_attn.weight
+    assert not any(n.startswith("transformer.h.0.") for n in names)
+    assert len(names) == 4 + 12  # embeddings and final norm, 12 block names
+    assert len(stack) == 3 and isinstance(stack[1], type(gpt2().transformer.h[0]))
+    assert list(stack[1].parameters()) == []  # a block lends its slices for a call only
+    hidden = torch.randn(2, 5, 32)
+    reference = gpt2().transformer.h[1]
+    torch.testing.assert_close(stack[1](hidden)[0], reference(hidden)[0])
+    assert list(stack[1].parameters()) == []
+    fresh, _ = stacked_gpt2()  # strict load_state_dict by the stacked names
+    fresh.load_state_dict({k: v + 1 for k, v in model.state_dict().items()})
+    torch.testing.assert_close(fresh.transformer.h.ln_1.bias, model.transformer.h.ln_1.bias + 1)
+    with pytest.raises(RuntimeError, match="Missing key.*transformer.h.ln_1.weight"):
+        fresh.load_state_dict(gpt2().state_dict())
+
+
+def test_a_stacked_model_evaluates_and_generates_like_the_loop():
+    """Out of training the blocks run one by one, each with its layer's slices: transformers'
+    KV cache (per-layer ``layer_idx``) works as before."""
+    model, reference = stacked_gpt2()[0].eval(), gpt2().eval()
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+        kwargs = dict(max_new_tokens=5, do_sample=False, use_cache=True, pad_token_id=0)
+        assert torch.equal(model.generate(ids, **kwargs), reference.generate(ids, **kwargs))
+
+
+def decay_groups(model) -> list[dict]:
+    """Weight decay by name, as DeepSpeed examples group it."""
+    named = list(model.named_parameters())
+    no_decay = [p for n, p in named if "bias" in n or "ln_" in n]
+    return [{"params": [p for n, p in named if not ("bias" in n or "ln_" in n)], "weight_decay": 0.1},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def test_a_client_optimizer_built_on_per_layer_parameters_updates_the_stacked_ones():
+    model = gpt2()
+    optimizer = torch.optim.AdamW(decay_groups(model), lr=1e-3)
+    restack_optimizer(optimizer, apply_scan_layers(model, "stacked"))
+    names = {id(p): n for n, p in model.named_parameters()}
+    grouped = [{names[id(p)] for p in g["params"]} for g in optimizer.param_groups]
+    assert grouped == [{names[id(p)] for p in g["params"]} for g in decay_groups(model)]  # same rule, stacked names
+    assert "transformer.h.attn.c_attn.weight" in grouped[0] and "transformer.h.ln_1.weight" in grouped[1]
+    assert sum(len(g) for g in grouped) == len(names)
+
+
+def test_optimizer_groups_that_split_the_layers_of_a_name_are_refused():
+    model = gpt2()
+    by_layer = torch.optim.SGD([{"params": model.transformer.h[0].parameters(), "lr": 0.1},
+                                {"params": [p for n, p in model.named_parameters() if not n.startswith("transformer.h.0.")]}],
+                               lr=0.01)
+    with pytest.raises(ConfigError, match=r"layers of 'transformer.h.ln_1.weight' in param groups 0 and 1"):
+        restack_optimizer(by_layer, apply_scan_layers(model, "stacked"))
+    model = gpt2()
+    first_layer_only = torch.optim.SGD(model.transformer.h[0].parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match=r"only some layers of 'transformer.h.ln_1.weight' \(layers \[1, 2\]"):
+        restack_optimizer(first_layer_only, apply_scan_layers(model, "stacked"))
+
+
+def test_scan_layers_takes_true_false_or_stacked():
+    assert parse_config({"train_batch_size": 8, "spmd": {"scan_layers": "stacked"}}).spmd.scan_layers == "stacked"
+    for bad in ("yes", 1, "Stacked"):
+        with pytest.raises(ConfigError, match=r'spmd.scan_layers: .*must be true, false or "stacked"'):
+            parse_config({"train_batch_size": 8, "spmd": {"scan_layers": bad}})
+
+
+def train_gpt2(scan, steps: int = 3):
+    """A client optimizer built before initialize with weight decay grouped by name."""
+    model = gpt2()
+    optimizer = torch.optim.SGD(decay_groups(model), lr=0.1)
+    engine, *_ = spmdzero.initialize(model=model, optimizer=optimizer, config={
+        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": scan}})
+    tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1))
+    losses, compiles, graphs, traced = [], [], [], []
+    for _ in range(steps):
+        loss = engine(input_ids=tokens[:, :-1], attention_mask=torch.ones(8, 16, dtype=torch.long),
+                      labels=tokens[:, :-1]).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss)
+        compiles.append(met.metric_data("CompileTime")[0])
+        graphs.append(graph_count())
+        traced.append(list(engine.module.transformer.h.__dict__.get("_scan_fns", {}).values()))
+    assert graphs[-1] - graphs[-2] == 1  # one graph per step: nothing read back to the host
+    assert traced[0] == traced[-1]  # one layer function, whose traced graphs torch_xla's scan reuses
+    engine.module.eval()
+    with torch.no_grad():
+        logits = engine(input_ids=tokens[:, :-1]).logits.cpu()
+    params = {n: p.detach().cpu() for n, p in engine.module.named_parameters()}
+    return [l.item() for l in losses], params, compiles, logits
+
+
+def test_stacked_layers_train_like_the_loop():
+    loop_losses, loop_params, _, loop_logits = train_gpt2(False)
+    losses, params, compiles, logits = train_gpt2("stacked")
+    assert losses == pytest.approx(loop_losses, rel=1e-5)
+    assert "transformer.h.mlp.c_fc.weight" in params
+    params = unstacked(params)
+    assert params.keys() == loop_params.keys()
+    for name in loop_params:
+        torch.testing.assert_close(params[name], loop_params[name], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits, loop_logits, rtol=1e-5, atol=1e-5)  # eval: the blocks one by one
+    assert compiles[1] == compiles[-1]  # nothing compiles after the first step
+
+
+@pytest.mark.slow
+def test_stacked_and_per_layer_scans_train_alike():
+    scan_losses, scan_params, _, _ = train_gpt2(True)
+    losses, params, _, _ = train_gpt2("stacked")
+    assert losses == pytest.approx(scan_losses, rel=1e-5)
+    params = unstacked(params)
+    for name in scan_params:
+        torch.testing.assert_close(params[name], scan_params[name], rtol=1e-5, atol=1e-6)
+
+
+def test_a_stacked_run_resumes_exactly_and_refuses_per_layer_checkpoints(tmp_path):
+    def make(scan="stacked"):
+        engine, *_ = spmdzero.initialize(model=tiny_gpt(), config={
+            "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": scan},
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}}})
+        return engine
+
+    def step(engine, seed):
+        tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(seed))
+        loss = engine(tokens[:, :-1], tokens[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    engine = make()
+    assert engine.plan["blocks.qkv.weight"].shape[0] == 3
+    step(engine, 2)
+    engine.save_checkpoint(str(tmp_path), tag="one")
+    after = [step(engine, 3), step(engine, 4)]
+    resumed = make()
+    resumed.load_checkpoint(str(tmp_path), tag="one")
+    assert resumed.global_steps == 1
+    assert [step(resumed, 3), step(resumed, 4)] == after
+    for (name, p), q in zip(engine.module.named_parameters(), resumed.module.parameters()):
+        assert torch.equal(q.detach().cpu(), p.detach().cpu()), name
+    consolidate(str(tmp_path), str(tmp_path / "plain.pt"), tag="one")
+    plain = tiny_gpt()
+    plain.load_state_dict(torch.load(tmp_path / "plain.pt"))  # strict: the per-layer names again
+    resumed.load_checkpoint(str(tmp_path), tag="one")
+    saved = unstacked({n: p.detach().cpu() for n, p in resumed.module.named_parameters()}, stack="blocks")
+    for name, p in plain.named_parameters():
+        assert torch.equal(p.detach(), saved[name]), name
+    per_layer = make(scan=True)
+    with pytest.raises(CheckpointError, match="checkpoint has stacked layer parameters .* load it with "
+                                              "spmd.scan_layers='stacked'"):
+        per_layer.load_checkpoint(str(tmp_path), tag="one")
+
+
+STACKED_ON_TPU = """
+    import json, torch, spmdzero
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from spmdzero.aot import CollectivesReport, capture
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=2048, n_positions=64, n_embd=256, n_layer=3, n_head=4))
+    engine, *_ = spmdzero.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+        "spmd": {"scan_layers": "stacked"}})
+    tokens = torch.randint(0, 2048, (8, 64))
+    with capture(engine) as step:
+        loss = engine(input_ids=tokens, labels=tokens).loss
+        engine.backward(loss)
+        step.loss = loss
+        engine.step()
+    report = step.compile("v5e:2x2")
+    P = sum(p.numel() for p in model.parameters())
+    print(json.dumps({"loops": report.loops, "ratio": CollectivesReport(4, report.collectives, 4 * P).ratio,
+                      "all_reduced": report.all_reduced_gradients(), "collectives": report.collectives,
+                      "stacked": {n: p.numel() for n, p in model.named_parameters() if p.dim() == 3}}))
+"""
+
+
+@pytest.mark.slow
+def test_libtpu_reduce_scatters_stacked_gradients_inside_the_loop():
+    """The TPU compiler (libtpu, compile-only) on v5e:2x2: each layer's slice of a stacked
+    matrix is reduce-scattered in its loop trip (the plan's layout without the layer dim), no
+    gradient is all-reduced, and the traffic stays at the data-parallel minimum."""
+    out = run_python(STACKED_ON_TPU, env={"CPU_NUM_DEVICES": "4", "PJRT_DEVICE": "CPU",
+                                          "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"})
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["loops"] == [3, 3]  # the forward's loop and the backward's
+    assert got["all_reduced"] == []
+    assert got["ratio"] <= 1.05
+    # every layer's slice of every stacked matrix, each a quarter per chip
+    assert got["collectives"]["reduce-scatter"]["bytes"] * 4 == pytest.approx(4 * sum(got["stacked"].values()) +
+                                                                             4 * 2048 * 256, rel=0.02)
+
+
+def test_a_checkpoint_mismatch_by_stacking_alone_is_named():
+    per_layer = ["model.transformer.h.0.ln_1.weight", "model.transformer.h.1.ln_1.weight"]
+    stacked = ["model.transformer.h.ln_1.weight"]
+    assert "this model stacks them" in stacking_mismatch(missing=stacked, unexpected=per_layer)
+    assert "load it with spmd.scan_layers='stacked'" in stacking_mismatch(missing=per_layer, unexpected=stacked)
+    assert stacking_mismatch(missing=["model.head.weight"], unexpected=["model.lm_head.weight"]) == ""
