@@ -56,12 +56,12 @@ def summarize_collectives(hlo_text: str, cpu_program: bool = False) -> dict[str,
     return out
 
 
-def largest_all_reduces(hlo_text: str, min_bytes: int = 2**20) -> list[dict]:
+def largest_all_reduces(hlo_text: str, min_bytes: int = 2**20, cpu_program: bool = False) -> list[dict]:
     """The program's all-reduced arrays of at least ``min_bytes``, largest first, as
     ``{"shape", "bytes", "count"}``: under ZeRO-2 a gradient of that shape was all-reduced in
     full instead of reduce-scattered (what to look at when the traffic ratio is high)."""
     found: dict[str, int] = {}
-    for kind, shape, _, times in _collectives(hlo_text, cpu_program=False):
+    for kind, shape, _, times in _collectives(hlo_text, cpu_program):
         if kind != "all-reduce":
             continue
         for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape):
@@ -366,8 +366,8 @@ def compile_for_tpu(mlir_text: str, topology: str, donate: list[tuple[int, int]]
                         "alias": stats.alias_size_in_bytes, "temp": stats.temp_size_in_bytes,
                         "generated_code": stats.generated_code_size_in_bytes}
     hlo = executable.hlo_modules()[0].to_string()
-    result["collectives"] = summarize_collectives(hlo)
-    result["all_reduces"] = largest_all_reduces(hlo)
+    result["collectives"] = summarize_collectives(hlo, cpu_program=on_cpu)
+    result["all_reduces"] = largest_all_reduces(hlo, cpu_program=on_cpu)
     result["loops"] = loop_trip_counts(hlo)
     result["cost"] = _cost(executable)
     return result

@@ -45,6 +45,11 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(cfg)
 
 
+def gpt2_loss(engine, tokens):
+    return engine(input_ids=tokens[:, :-1], attention_mask=torch.ones(8, 16, dtype=torch.long),
+                  labels=tokens[:, :-1]).loss
+
+
 def train(model, scan: bool, steps: int = 4):
     """SGD, so that parameters differ only as much as the gradients do (Adam would turn a
     rounding difference in a near-zero gradient into a step of size lr)."""
@@ -54,11 +59,7 @@ def train(model, scan: bool, steps: int = 4):
     tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1))
     losses, compiles = [], []
     for _ in range(steps):
-        if isinstance(model, TinyGPT):
-            loss = engine(tokens[:, :-1], tokens[:, 1:])
-        else:
-            loss = engine(input_ids=tokens[:, :-1], attention_mask=torch.ones(8, 16, dtype=torch.long),
-                          labels=tokens[:, :-1]).loss
+        loss = engine(tokens[:, :-1], tokens[:, 1:]) if isinstance(model, TinyGPT) else gpt2_loss(engine, tokens)
         engine.backward(loss)
         engine.step()
         losses.append(loss)
@@ -293,8 +294,7 @@ def train_gpt2(scan, steps: int = 3):
     tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1))
     losses, compiles, graphs, traced = [], [], [], []
     for _ in range(steps):
-        loss = engine(input_ids=tokens[:, :-1], attention_mask=torch.ones(8, 16, dtype=torch.long),
-                      labels=tokens[:, :-1]).loss
+        loss = gpt2_loss(engine, tokens)
         engine.backward(loss)
         engine.step()
         losses.append(loss)
