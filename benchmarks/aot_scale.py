@@ -4,6 +4,7 @@ the peak host RSS of the whole answer (trace + compile).
 
     python benchmarks/aot_scale.py                       # every case, one at a time
     python benchmarks/aot_scale.py --cases gpt2-124m@v5e:2x2 --out results.jsonl
+    python benchmarks/aot_scale.py --cases llama-7b@v5p:2x4x4 --stacked   # scanned cases with stacked parameters
 
 Each case runs ``python -m spmdzero.aot --json`` in its own process (shape-only trace, one
 CPU device per chip; the TPU compile in a grandchild). Peak RSS is the largest of that
@@ -42,14 +43,16 @@ CASES = [  # in the order they run: 4-chip cases first (16-chip figures depend o
 ]
 
 
-def run_case(model: str, ds: str, topology: str, stages: str, scan: bool, seq_len: int, micro_batch: int) -> dict:
+def run_case(model: str, ds: str, topology: str, stages: str, scan: bool | str, seq_len: int,
+             micro_batch: int) -> dict:
     from spmdzero.aot_retarget import trace_devices
 
     env = {**os.environ, "CPU_NUM_DEVICES": str(trace_devices(topology)), "PJRT_DEVICE": "CPU"}
     command = [sys.executable, "-m", "spmdzero.aot", "--json", "--topology", topology, "--stages", stages,
                "--model", os.path.join(CONFIGS, f"{model}.json"),
                "--deepspeed_config", os.path.join(CONFIGS, f"{ds}.json"),
-               "--seq-len", str(seq_len), "--micro-batch", str(micro_batch)] + (["--scan-layers"] if scan else [])
+               "--seq-len", str(seq_len), "--micro-batch", str(micro_batch)]
+    command += ["--scan-layers"] + ([scan] if isinstance(scan, str) else []) if scan else []
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(command, env=env, stdout=out, stderr=err, text=True)
@@ -88,7 +91,8 @@ def table(rows: list[dict]) -> str:
              "| MFU | compile (s) | case wall (s) | peak host RSS (GiB) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        name = row["model"] + (" (scan_layers)" if row.get("scan_layers") else "")
+        scan = row.get("scan_layers")
+        name = row["model"] + (f" (scan_layers {scan})" if isinstance(scan, str) else " (scan_layers)" if scan else "")
         if "error" in row:
             lines.append(f"| {name} | {row['topology']} | | error: {row['error'][:120]} | | | | | | "
                          f"{row['seconds']:.0f} | {row['peak_rss_gib']:.1f} |")
@@ -115,6 +119,8 @@ def main() -> int:
                         help="JSON lines, appended as cases finish")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per chip")
+    parser.add_argument("--stacked", action="store_true",
+                        help="compile the scanned cases with stacked layer parameters (spmd.scan_layers='stacked')")
     parser.add_argument("--table", default=None, metavar="JSONL",
                         help="print the table of earlier results; run nothing")
     args = parser.parse_args()
@@ -128,6 +134,7 @@ def main() -> int:
         if wanted is not None and f"{model}@{topology}" not in wanted:
             continue
         print(f"{model} on {topology} (stages {stages}) ...", file=sys.stderr, flush=True)
+        scan = "stacked" if scan and args.stacked else scan
         row = run_case(model, ds, topology, stages, scan, args.seq_len, args.micro_batch)
         rows.append(row)
         with open(args.out, "a") as f:

@@ -518,6 +518,12 @@ def stages_table(reports: list[AotReport]) -> str:
     return "\n".join(lines)
 
 
+def _scan_layers_value(value: str) -> str:
+    if value != "stacked":
+        raise argparse.ArgumentTypeError(f"{value!r}: give no value (spmd.scan_layers=true) or 'stacked'")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's options (shared with ``spmdzero aot``)."""
     parser.add_argument("--topology", required=True, help="e.g. v5e:2x2, v5e:4x4, v5e:16x16, v5p:2x4x4, v6e:2x2")
@@ -530,9 +536,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequences per chip per micro-step (default: the config's)")
     parser.add_argument("--materialize", action="store_true",
                         help="trace with real parameters instead of shape-only (needs N x the model in host RAM)")
-    parser.add_argument("--scan-layers", action="store_true",
+    parser.add_argument("--scan-layers", nargs="?", const=True, default=False, type=_scan_layers_value,
+                        metavar="stacked",
                         help="compile the step as the engine runs it with spmd.scan_layers: one loop over the layer "
-                             "stack instead of every layer unrolled (needed for 7B-scale compiles on a small host)")
+                             "stack instead of every layer unrolled (needed for 7B-scale compiles on a small host); "
+                             "'--scan-layers stacked' as with spmd.scan_layers='stacked' (one parameter per block "
+                             "parameter name: the update around the loop does not grow with depth)")
     parser.add_argument("--find-max-batch", action="store_true",
                         help="also find the largest micro-batch per chip that fits (a few compiles per stage)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
@@ -551,7 +560,7 @@ def main(argv=None) -> int:
         check_traceable(args.topology)
         config = read_config_file(args.deepspeed_config)
         if args.scan_layers:
-            config.setdefault("spmd", {})["scan_layers"] = True
+            config.setdefault("spmd", {})["scan_layers"] = args.scan_layers
         source = load_model_source(args.model, args.seq_len)
         reports = [compile_step(source, config, args.topology, stage, args.micro_batch, shape_only)
                    for stage in stages]

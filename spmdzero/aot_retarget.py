@@ -110,7 +110,8 @@ def check_same_plan(plan, target_mesh: dict) -> None:
 
     named = [(t.name, t.shape) for t in plan.tensors]
     tied = [t.name for t in plan.tensors if t.tied_embedding]
-    other = make_plan(named, target_mesh, plan.stage, tied)
+    stacked = [t.name for t in plan.tensors if t.stacked]
+    other = make_plan(named, target_mesh, plan.stage, tied, stacked)
     differ = [t.name for t, u in zip(plan.tensors, other.tensors) if t != u]  # every spec and split dim
     if differ:
         raise ValueError(f"the ZeRO plan on mesh {target_mesh} shards {differ[:3]} differently from the traced mesh "

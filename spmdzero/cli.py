@@ -207,4 +207,6 @@ def sys_argv_after(args) -> list[str]:
             out += [flag, str(value)]
     out += [flag for flag, on in (("--materialize", args.materialize), ("--find-max-batch", args.find_max_batch),
                                   ("--scan-layers", args.scan_layers), ("--json", args.json)) if on]
+    if args.scan_layers == "stacked":
+        out.insert(out.index("--scan-layers") + 1, "stacked")
     return out

@@ -348,6 +348,9 @@ def test_retarget_moves_each_sharding_to_the_same_axes_of_a_larger_mesh():
     check_same_plan(plan, {"fsdp": 256})  # every tensor split over fsdp at both sizes
     with pytest.raises(ValueError, match=r"shards \['bias'\] differently"):
         check_same_plan(make_plan([("bias", (100,))], {"fsdp": 64}, 2), {"fsdp": 256})
+    # stacked layer parameters (spmd.scan_layers='stacked') keep their layer dim whole at both sizes
+    stacked = make_plan([("layers.w", (32, 4096, 4096))], {"fsdp": 32, "fsdp_inner": 2}, 2, stacked=["layers.w"])
+    check_same_plan(stacked, {"fsdp": 128, "fsdp_inner": 2})
 
 
 RETRACE = """

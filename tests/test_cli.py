@@ -74,3 +74,25 @@ def test_aot_traces_with_torch_xla_whatever_backend_the_shell_selects(tmp_path, 
     assert seen["command"][1:3] == ["-m", "spmdzero.aot"]
     assert "SPMDZERO_BACKEND" not in seen["env"] and "SPMDZERO_NO_RUNTIME" not in seen["env"]
     assert seen["env"]["PJRT_DEVICE"] == "CPU" and seen["env"]["CPU_NUM_DEVICES"] == "4"
+
+
+@pytest.mark.parametrize("given, passed", [([], []), (["--scan-layers"], ["--scan-layers"]),
+                                           (["--scan-layers", "stacked"], ["--scan-layers", "stacked"])])
+def test_aot_passes_scan_layers_and_its_stacked_value_to_the_trace(tmp_path, monkeypatch, given, passed):
+    import subprocess
+
+    seen = {}
+    monkeypatch.setattr(subprocess, "run", lambda command, env: seen.update(command=command)
+                        or subprocess.CompletedProcess(command, 0))
+    path = write(tmp_path, {"train_batch_size": 8})
+    assert main(["aot", "--topology", "v5e:2x2", "--deepspeed_config", path, *given, "--json"]) == 0
+    command = seen["command"]
+    tail = command[command.index("--scan-layers"):-1] if "--scan-layers" in command else []
+    assert tail == passed and command[-1] == "--json"
+
+
+def test_aot_refuses_another_scan_layers_value(tmp_path, capsys):
+    path = write(tmp_path, {"train_batch_size": 8})
+    with pytest.raises(SystemExit):
+        main(["aot", "--topology", "v5e:2x2", "--deepspeed_config", path, "--scan-layers", "yes"])
+    assert "'yes': give no value (spmd.scan_layers=true) or 'stacked'" in capsys.readouterr().err
