@@ -98,6 +98,7 @@ def table(rows: list[dict]) -> str:
                          f"{row['seconds']:.0f} | {row['peak_rss_gib']:.1f} |")
             continue
         for r in row["result"]["reports"]:
+            label = name + (f", {r['micro_batch']} seq/chip" if r.get("micro_batch") not in (None, 4) else "")
             roof = r["roofline"] or {}
             fits = "yes" if r["fits"] else f"NO (+{r['over_by'] / 2**30:.2f})"
             ratio = f"{r['traffic']['ratio']:.2f}" if "traffic" in r else "-"
@@ -106,7 +107,7 @@ def table(rows: list[dict]) -> str:
             oom = r.get("out_of_memory")  # the compiler's usable HBM, a little under the chip's
             hbm = (f"{oom['capacity'] / 2**30:.2f} usable" if oom and "capacity" in oom
                    else f"{r['hbm_per_chip'] / 2**30:.0f}")
-            lines.append(f"| {name} | {row['topology']} | {r['stage']} | {r['total_bytes'] / 2**30:.2f} "
+            lines.append(f"| {label} | {row['topology']} | {r['stage']} | {r['total_bytes'] / 2**30:.2f} "
                          f"of {hbm} | {fits} | {ratio} | {step} | {mfu} | "
                          f"{r['compile_seconds']:.0f} | {row['seconds']:.0f} | {row['peak_rss_gib']:.1f} |")
     return "\n".join(lines)
