@@ -45,14 +45,14 @@ CASES = [  # in the order they run: 4-chip cases first (16-chip figures depend o
 
 def run_case(model: str, ds: str, topology: str, stages: str, scan: bool | str, seq_len: int,
              micro_batch: int) -> dict:
+    from spmdzero.aot import scan_layers_args
     from spmdzero.aot_retarget import trace_devices
 
     env = {**os.environ, "CPU_NUM_DEVICES": str(trace_devices(topology)), "PJRT_DEVICE": "CPU"}
     command = [sys.executable, "-m", "spmdzero.aot", "--json", "--topology", topology, "--stages", stages,
                "--model", os.path.join(CONFIGS, f"{model}.json"),
                "--deepspeed_config", os.path.join(CONFIGS, f"{ds}.json"),
-               "--seq-len", str(seq_len), "--micro-batch", str(micro_batch)]
-    command += ["--scan-layers"] + ([scan] if isinstance(scan, str) else []) if scan else []
+               "--seq-len", str(seq_len), "--micro-batch", str(micro_batch)] + scan_layers_args(scan)
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(command, env=env, stdout=out, stderr=err, text=True)

@@ -524,6 +524,12 @@ def _scan_layers_value(value: str) -> str:
     return value
 
 
+def scan_layers_args(value: bool | str) -> list[str]:
+    """``--scan-layers`` as a command line gives it (``spmd.scan_layers``: False, True or
+    "stacked")."""
+    return ["--scan-layers"] + ([value] if isinstance(value, str) else []) if value else []
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's options (shared with ``spmdzero aot``)."""
     parser.add_argument("--topology", required=True, help="e.g. v5e:2x2, v5e:4x4, v5e:16x16, v5p:2x4x4, v6e:2x2")

@@ -200,13 +200,13 @@ def _run_aot(args) -> int:
 
 def sys_argv_after(args) -> list[str]:
     """The ``aot`` options again, for the child process."""
+    from .aot import scan_layers_args
+
     out = ["--topology", args.topology, "--deepspeed_config", args.deepspeed_config, "--model", args.model,
            "--stages", args.stages]
     for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch)):
         if value is not None:
             out += [flag, str(value)]
-    out += [flag for flag, on in (("--materialize", args.materialize), ("--find-max-batch", args.find_max_batch),
-                                  ("--scan-layers", args.scan_layers), ("--json", args.json)) if on]
-    if args.scan_layers == "stacked":
-        out.insert(out.index("--scan-layers") + 1, "stacked")
-    return out
+    out += [flag for flag, on in (("--materialize", args.materialize), ("--find-max-batch", args.find_max_batch))
+            if on]
+    return out + scan_layers_args(args.scan_layers) + (["--json"] if args.json else [])

@@ -16,7 +16,7 @@ from .mesh import build_mesh, check_user_mesh, data_parallel_size, mesh_shape
 from .monitor import log_block
 from .optim import build_optimizer, materialize_state
 from .plan import make_plan
-from .scan import apply_scan_layers, lay_out_gradients, restack_groups, restack_optimizer, stacked_parameters
+from .scan import apply_scan_layers, lay_out_gradients, restack_groups, restack_optimizer, stacked_layers
 from .precision import attach_master_weights, precision_policy
 from .schedules import build_scheduler
 
@@ -73,7 +73,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
                 restack_optimizer(optimizer, stacked_from)
     trainable = [(n, p.shape) for n, p in module.named_parameters() if p.requires_grad]
     plan = make_plan(trainable, shape, cfg.zero_stage, tied_embeddings=_tied_embeddings(module),
-                     stacked=stacked_parameters(module))
+                     stacked=stacked_layers(module))
     if cfg.spmd.scan_layers:
         lay_out_gradients(module, mesh, plan)
 

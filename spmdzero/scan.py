@@ -116,12 +116,6 @@ def scanned_parameters(module: torch.nn.Module) -> frozenset[str]:
                      if isinstance(stack, ScannedLayers) for name, _ in stack.named_parameters())
 
 
-def stacked_parameters(module: torch.nn.Module) -> frozenset[str]:
-    """The names of the stacked parameters (dim 0 the layers; ``make_plan(stacked=...)``)."""
-    return frozenset(f"{stack_name}.{name}" for stack_name, stack in module.named_modules()
-                     if isinstance(stack, ScannedLayers) for name in stack.stacked_weights())
-
-
 def restack_groups(params, stacked_from: dict, where: str):
     """``model_parameters`` (tensors, or param group dicts) with the per-layer parameters of
     a stacked stack replaced by the stacked ones (``_restack``); None stays None."""
@@ -182,8 +176,9 @@ def _restack(groups: list[list], stacked_from: dict, where: str) -> list[list]:
 
 
 def stacked_layers(module: torch.nn.Module) -> dict[str, str]:
-    """{stacked parameter name: the name of its stack} (``transformer.h.attn.c_attn.weight``:
-    ``transformer.h``)."""
+    """{stacked parameter name (dim 0 the layers): the name of its stack}
+    (``transformer.h.attn.c_attn.weight``: ``transformer.h``); its keys are
+    ``make_plan(stacked=...)``."""
     return {f"{stack_name}.{name}": stack_name for stack_name, stack in module.named_modules()
             if isinstance(stack, ScannedLayers) for name in stack.stacked_weights()}
 
