@@ -62,6 +62,8 @@ class AotReport:
     all_reduces: list = field(default_factory=list)  # the largest all-reduced arrays (tpu_compile.largest_all_reduces)
     gradient_names: dict = field(default_factory=dict)  # HLO shape of a gradient -> the parameters of that shape
     libtpu_args: Optional[str] = None  # the LIBTPU_INIT_ARGS compiled with (spmdzero.libtpu_flags); None on CPU
+    cost_per_step: Optional[dict] = None  # ``cost`` with loop bodies counted per trip (tpu_compile.per_step_cost)
+    cost_per_step_error: Optional[str] = None  # why there is none for a looped program
 
     @property
     def chip(self) -> ChipSpec:
@@ -94,27 +96,35 @@ class AotReport:
     def roofline(self) -> dict:
         """A lower bound on the step time with compute, HBM traffic and ICI traffic fully
         overlapped: max of FLOPs / peak, bytes accessed / HBM bandwidth and bytes sent per
-        chip / ICI bandwidth (the compiler's cost analysis and the chip's published figures)."""
+        chip / ICI bandwidth (the compiler's cost analysis and the chip's published figures).
+        A program with loops (scanned layers, a windowed einsum's ring) is costed per trip."""
         if not self.cost:
             return {}
         spec = self.chip
-        flops = self.cost.get("flops", 0.0)
         looped = any(trips > 1 for trips in self.loops)
-        if looped and self.model_flops is not None:
+        cost = self.cost_per_step if looped and self.cost_per_step else self.cost
+        flops = cost.get("flops", 0.0)
+        unscaled = looped and not self.cost_per_step
+        if unscaled and self.model_flops is not None:
             # the cost analysis counts a loop body once: 6 x params x tokens is the better floor
             flops = max(flops, self.model_flops)
         parts = {"compute_s": flops / spec.peak_bf16_flops,
-                 "hbm_s": self.cost.get("bytes accessed", 0.0) / spec.hbm_bandwidth,
+                 "hbm_s": cost.get("bytes accessed", 0.0) / spec.hbm_bandwidth,
                  "ici_s": self.traffic.total_traffic / spec.ici_bandwidth}
         step = max(parts.values())
-        useful = self.model_flops if self.model_flops is not None else self.cost.get("flops", 0.0)
+        useful = self.model_flops if self.model_flops is not None else flops
         parts.update(step_s=step, bound=max(parts, key=parts.get).removesuffix("_s"),
-                     mfu=useful / (step * spec.peak_bf16_flops) if step and not looped else None,
+                     mfu=useful / (step * spec.peak_bf16_flops) if step and not unscaled else None,
                      mfu_flops="6 x params x tokens" if self.model_flops is not None else "compiled FLOPs")
-        if looped:  # an MFU from a compute floor of 6PT would be 100% by construction
+        if looped and not unscaled:
+            parts["note"] = (f"loop bodies counted per trip ({'; '.join(map(str, self.loops))} trips): "
+                             "XLA's cost analysis of each body, times its trip count")
+        elif unscaled:  # an MFU from a compute floor of 6PT would be 100% by construction
             parts["note"] = ("the program has a while loop (scanned layers, or a windowed einsum's ring of "
                              "collective-permutes) and the compiler's cost analysis counts a loop body once: "
-                             "compute is floored at 6 x params x tokens, HBM bytes are under-stated, no MFU")
+                             "compute is floored at 6 x params x tokens, HBM bytes are under-stated, no MFU"
+                             + (f" (per-trip costing failed: {self.cost_per_step_error})"
+                                if self.cost_per_step_error else ""))
         return parts
 
     def verdict(self) -> str:
@@ -128,7 +138,8 @@ class AotReport:
                "stage": self.stage, "micro_batch": self.micro_batch, "compile_seconds": self.compile_seconds,
                "hbm_per_chip": self.chip.hbm_bytes, "memory": self.memory, "total_bytes": self.total_bytes,
                "fits": self.fits, "over_by": self.over_by, "out_of_memory": self.out_of_memory,
-               "collectives": self.collectives, "cost": self.cost, "gradient_bytes": self.gradient_bytes,
+               "collectives": self.collectives, "cost": self.cost, "cost_per_step": self.cost_per_step,
+               "gradient_bytes": self.gradient_bytes,
                "model_flops": self.model_flops, "loops": self.loops, "roofline": self.roofline(),
                "all_reduced_gradients": self.all_reduced_gradients(), "libtpu_args": self.libtpu_args}
         if self.memory is not None:

@@ -479,18 +479,68 @@ def test_a_windowed_einsum_ring_counts_its_trips_and_skipped_permutes():
     assert summarize_collectives(other)["collective-permute"]["count"] == 4
 
 
-def test_roofline_of_a_looped_program_floors_compute_and_gives_no_mfu():
+def test_roofline_of_a_looped_program_counts_each_loop_body_per_trip():
     from spmdzero.aot import AotReport
 
     memory = {"argument": 1, "output": 1, "alias": 1, "temp": 1, "generated_code": 1}
     cost = {"flops": 1e12, "bytes accessed": 1e9}
     plain = AotReport("v5e:2x2", 4, "TPU v5 lite", 1.0, memory, {}, cost, 4, model_flops=6e12, stage=2)
-    looped = AotReport("v5e:2x2", 4, "TPU v5 lite", 1.0, memory, {}, cost, 4, model_flops=6e12, stage=2, loops=[32])
     assert plain.roofline()["compute_s"] == pytest.approx(1e12 / 197e12) and plain.roofline()["mfu"] > 0
+    per_step = {"flops": 7e12, "bytes accessed": 3e10}
+    looped = AotReport("v5e:2x2", 4, "TPU v5 lite", 1.0, memory, {}, cost, 4, model_flops=6e12, stage=2,
+                       loops=[32], cost_per_step=per_step)
     roof = looped.roofline()
+    assert roof["compute_s"] == pytest.approx(7e12 / 197e12) and roof["hbm_s"] == pytest.approx(3e10 / 819e9)
+    assert roof["mfu"] == pytest.approx(6e12 / (roof["step_s"] * 197e12))
+    assert "counted per trip" in looped.summary() and "MFU <=" in looped.summary()
+    # without the per-trip cost (it failed): compute floored at 6PT, no MFU, and the reason
+    failed = AotReport("v5e:2x2", 4, "TPU v5 lite", 1.0, memory, {}, cost, 4, model_flops=6e12, stage=2,
+                       loops=[32], cost_per_step_error="ValueError: no parse")
+    roof = failed.roofline()
     assert roof["compute_s"] == pytest.approx(6e12 / 197e12) and roof["mfu"] is None
-    assert "loop body once" in roof["note"]
-    assert "loop body once" in looped.summary() and "MFU <=" not in looped.summary()
+    assert "loop body once" in roof["note"] and "no parse" in roof["note"]
+    assert "MFU <=" not in failed.summary()
+
+
+PER_TRIP = """
+    import json
+    import jax, jax.numpy as jnp
+    jax.config.update("jax_platforms", "cpu")
+    from spmdzero.tpu_compile import loop_trip_counts, per_step_cost
+
+    def scanned(w, x):
+        def layer(h, wl):
+            return jnp.tanh(h @ wl), None
+        return (jax.lax.scan(layer, x, w)[0] ** 2).sum()
+
+    def unrolled(w, x):
+        for layer in range(w.shape[0]):
+            x = jnp.tanh(x @ w[layer])
+        return (x ** 2).sum()
+
+    w, x = jnp.zeros((6, 256, 256)), jnp.zeros((128, 256))
+    out = {}
+    for name, fn in (("scanned", scanned), ("unrolled", unrolled)):
+        compiled = jax.jit(jax.grad(fn)).lower(w, x).compile()
+        cost = {k: float(v) for k, v in compiled.cost_analysis().items() if k in ("flops", "bytes accessed")}
+        hlo = compiled.as_text()
+        out[name] = {"cost": cost, "loops": loop_trip_counts(hlo), "per_step": per_step_cost(hlo, cost)}
+    print(json.dumps(out))
+"""
+
+
+def test_per_step_cost_counts_a_scanned_loop_as_often_as_it_runs():
+    """XLA's cost analysis counts a loop body once: a 6-layer scan's forward and backward
+    come out at about a sixth of the FLOPs of the same layers unrolled. Counted per trip,
+    they match the unrolled program's."""
+    got = json.loads(run_python(PER_TRIP, env={"SPMDZERO_NO_RUNTIME": "1"}).strip().splitlines()[-1])
+    scanned, unrolled = got["scanned"], got["unrolled"]
+    assert scanned["loops"] == [6, 6] and unrolled["loops"] == []
+    assert scanned["cost"]["flops"] < 0.5 * unrolled["cost"]["flops"]  # what the compiler says
+    assert unrolled["per_step"] == unrolled["cost"]  # no loop, nothing to scale
+    # the scan also computes the first layer's input gradient, which the unrolled program skips
+    assert scanned["per_step"]["flops"] == pytest.approx(unrolled["cost"]["flops"], rel=0.1)
+    assert scanned["per_step"]["flops"] >= unrolled["cost"]["flops"]
 
 
 def test_report_names_gradients_all_reduced_in_full_at_stage_2():
