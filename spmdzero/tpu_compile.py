@@ -375,9 +375,6 @@ def compile_for_tpu(mlir_text: str, topology: str, donate: list[tuple[int, int]]
             result["cost_per_step"] = per_step_cost(hlo, result["cost"])
         except Exception as err:  # the report keeps the compiler's figures and says why
             result["cost_per_step_error"] = f"{type(err).__name__}: {str(err)[:300]}"
-    if os.environ.get("SPMDZERO_SAVE_HLO"):
-        with open(os.environ["SPMDZERO_SAVE_HLO"], "w") as f:
-            f.write(hlo)
     return result
 
 

@@ -190,8 +190,8 @@ def test_zero2_with_scanned_layers_reduce_scatters_inside_the_loop(compiled):
 def test_the_scanned_steps_cost_is_counted_per_loop_trip(compiled):
     """libtpu's cost analysis counts the scanned layers' loop bodies once; per trip
     (tpu_compile.per_step_cost) the scanned step does the unrolled step's FLOPs. Its bytes
-    come out higher: XLA's cost model counts some in-place updates of the stacked buffers
-    whole (measured 1.20x on v5e:2x2), so the roofline's HBM term is an over-estimate there."""
+    come out higher (1.20x on v5e:2x2): the loop copies its carried activations and writes
+    the backward's residuals into stacked buffers (docs/aot.md)."""
     _, got = compiled
     scanned, unrolled = got["2-scan"], got["2"]
     assert unrolled["per_step"] is None and scanned["loops"]
