@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from .annotate import shard
+from . import restack
 from .scan import stacked_layers, stacking_mismatch, unstack
 
 FORMAT_VERSION = 2
@@ -505,13 +506,13 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
         _check_optimizer(engine, meta, path, full_state)
         tensors.update(_loss_scale_tensors(engine, meta.pop("loss_scaler")))
         index = tensor_index(tensors)
-        selected = _select(engine, index, load_module_strict, full_state)
+        selected = _select(engine, index, load_module_strict, full_state, meta)
         _commit(engine, selected, _stage(engine, selected, index, tensors))
         client_state = meta["client_state"]
     else:
         meta = read_meta(path, trust_client_state)
         _check_optimizer(engine, meta, path, full_state)
-        selected = _select(engine, meta["tensors"], load_module_strict, full_state)
+        selected = _select(engine, meta["tensors"], load_module_strict, full_state, meta)
         client_state = read_client_state(path, meta, trust_client_state)
         _load_tensors(engine, path, selected, meta["tensors"])
     _restore_host_state(engine, meta, full_state, load_lr_scheduler_states and not load_module_only)
@@ -535,7 +536,10 @@ def _check_optimizer(engine, meta: dict, path: str, full_state: bool) -> None:
     if len(groups) != len(live_groups):
         raise CheckpointError(f"checkpoint {path!r} has {len(groups)} optimizer param groups, this engine's "
                               f"optimizer {len(live_groups)}; pass load_optimizer_states=False to load the module only")
-    unknown = sorted(set(meta["optimizer"]["host_state"]) - set(engine._target_names.values()))
+    live_stacked, saved_stacked = _layer_names(engine, meta)
+    known = set(engine._target_names.values()) | {layer for layers in live_stacked.values() for layer in layers}
+    known |= {name for name, layers in saved_stacked.items() if set(layers) <= known}
+    unknown = sorted(set(meta["optimizer"]["host_state"]) - known)
     if unknown:
         raise CheckpointError(f"checkpoint {path!r} has optimizer state for {unknown}, which this engine does not "
                               "optimize; pass load_optimizer_states=False to load the module only")
@@ -554,34 +558,68 @@ def _loss_scale_tensors(engine, fields: dict) -> dict:
     return {f"loss_scale.{k}": torch.tensor(float(v)) for k, v in fields.items()}
 
 
-def _select(engine, saved: dict, strict: bool, full_state: bool) -> dict:
-    """{live key: (checkpoint key, live tensor, spec)} to load, after checking them against the
-    checkpoint. A master weight missing on one side is taken from the other: a bf16 run's
-    fp32 masters become an fp32 run's params, an fp32 run's params a bf16 run's masters."""
+def _layer_names(engine, meta: dict) -> tuple[dict, dict]:
+    """The engine's stacked names and the checkpoint's, each with its per-layer names
+    (``restack.layer_names``); the layer counts come from the parameters' shapes."""
+    live_shapes = {name: tuple(p.shape) for name, p in engine.module.named_parameters()}
+    live = stacked_layers(engine.module)
+    saved = meta.get("stacked_layers") or {}
+    tensors = meta.get("tensors") or {}
+    saved = {name: stack for name, stack in saved.items() if f"model.{name}" in tensors}
+    return (restack.layer_names(live, {name: live_shapes[name][0] for name in live}),
+            restack.layer_names(saved, {name: tuple(tensors[f"model.{name}"][0])[0] for name in saved}))
+
+
+def _select(engine, saved: dict, strict: bool, full_state: bool, meta: dict) -> dict:
+    """{live key: (restack.Source, live tensor, spec)} to load, after checking them against
+    the checkpoint. A master weight missing on one side is taken from the other: a bf16 run's
+    fp32 masters become an fp32 run's params, an fp32 run's params a bf16 run's masters. A
+    checkpoint saved with ``spmd.scan_layers='stacked'`` and another setting loaded: each
+    tensor from its layers or its stack (``spmdzero.restack``)."""
     live = engine.state_tensors()
+    saved_shapes = {k: tuple(v[0]) for k, v in saved.items()}
+    live_shapes = {k: tuple(t.shape) for k, (t, _) in live.items()}
+    # a param's master and a master's param: where the two precisions meet
+    wanted = {**live_shapes, **{f"master.{k[6:]}": v for k, v in live_shapes.items() if k.startswith("model.")},
+              **{f"model.{k[7:]}": v for k, v in live_shapes.items() if k.startswith("master.")}}
+    aliases = restack.sources(wanted, saved_shapes, *_layer_names(engine, {**meta, "tensors": saved}))
+
+    def found(key: str) -> Optional[restack.Source]:
+        return restack.Source((key,)) if key in saved else aliases.get(key)
+
     module_keys = {k for k in live if k.startswith(("model.", "buffer."))}
     saved_module = {k for k in saved if k.startswith(("model.", "buffer."))}
-    missing, unexpected = sorted(module_keys - saved_module), sorted(saved_module - module_keys)
+    consumed = {k for key in module_keys if (src := found(key)) for k in src.keys}
+    missing = sorted(k for k in module_keys if found(k) is None)
+    unexpected = sorted(k for k in saved_module - module_keys if k not in consumed)
     if strict and (missing or unexpected):
         raise CheckpointError("checkpoint does not match the model (load_module_strict=True): "
                               f"missing keys {missing}, unexpected keys {unexpected}"
                               + stacking_mismatch(missing, unexpected))
-    source = {k: (f"master.{k[6:]}" if k.startswith("model.") and f"master.{k[6:]}" in saved else k)
-              for k in module_keys & saved_module}
+    source = {}
+    for key in module_keys:
+        src = (found(f"master.{key[6:]}") if key.startswith("model.") else None) or found(key)
+        if src is not None:
+            source[key] = src
     if full_state:
         state_keys = {k for k in live if k not in module_keys}
+        absent = []
         for key in state_keys:
             fallback = f"model.{key[7:]}" if key.startswith("master.") else key
-            source[key] = key if key in saved else fallback
-        absent = sorted(k for k in state_keys if source[k] not in saved)
+            src = found(key) or found(fallback)
+            if src is None:
+                absent.append(key)
+            else:
+                source[key] = src
         if absent:
-            raise CheckpointError(f"checkpoint has no optimizer/precision state for {absent} (saved with another "
-                                  "optimizer or precision?); pass load_optimizer_states=False to load the module only")
-    mismatched = [f"{k}: checkpoint {tuple(saved[s][0])} vs model {tuple(live[k][0].shape)}"
-                  for k, s in sorted(source.items()) if tuple(saved[s][0]) != tuple(live[k][0].shape)]
+            raise CheckpointError(f"checkpoint has no optimizer/precision state for {sorted(absent)} (saved with "
+                                  "another optimizer or precision?); pass load_optimizer_states=False to load the "
+                                  "module only")
+    mismatched = [f"{k}: checkpoint {restack.shape_of(src, saved_shapes)} vs model {live_shapes[k]}"
+                  for k, src in sorted(source.items()) if restack.shape_of(src, saved_shapes) != live_shapes[k]]
     if mismatched:
         raise CheckpointError("checkpoint shapes do not match the model: " + "; ".join(mismatched))
-    return {key: (saved_key, *live[key]) for key, saved_key in source.items()}
+    return {key: (src, *live[key]) for key, src in source.items()}
 
 
 def _stage(engine, selected: dict, saved: dict, host_tensors: Optional[dict] = None) -> dict:
@@ -591,16 +629,18 @@ def _stage(engine, selected: dict, saved: dict, host_tensors: Optional[dict] = N
     import torch_xla.distributed.spmd as xs
 
     staging = {}
-    for key, tensor, spec in selected.values():
-        if key in staging:  # one checkpoint tensor can feed two targets (a param and its master)
-            continue
-        if host_tensors is None:
-            staged = torch.zeros_like(tensor, dtype=_dtype(saved[key][1]))
-            shard(staged, engine.mesh, spec)
-        else:
-            sharding = xs.ShardingSpec(engine.mesh, tuple(spec))
-            staged = xm.send_cpu_data_to_device([host_tensors[key]], engine.device, sharding)[0]
-        staging[key] = staged
+    for source, tensor, spec in selected.values():
+        layout = source.layer_spec(spec)
+        for key in source.keys:
+            if key in staging:  # one checkpoint tensor can feed two targets (a param and its master)
+                continue
+            if host_tensors is None:
+                staged = torch.zeros(tuple(saved[key][0]), dtype=_dtype(saved[key][1]), device=tensor.device)
+                shard(staged, engine.mesh, layout)
+            else:
+                sharding = xs.ShardingSpec(engine.mesh, tuple(layout))
+                staged = xm.send_cpu_data_to_device([host_tensors[key]], engine.device, sharding)[0]
+            staging[key] = staged
     # DCP's SPMDLoadPlanner reads each staging tensor's device shard handles directly;
     # those are placeholders until the execution that creates them has finished, so
     # execute them and wait (torch_xla.sync() returns while it is still in flight).
@@ -614,8 +654,13 @@ def _commit(engine, selected: dict, staging: dict) -> None:
     import torch_xla
 
     with torch.no_grad():
-        for saved_key, tensor, _ in selected.values():
-            tensor.copy_(staging[saved_key])
+        for source, tensor, _ in selected.values():
+            if source.how == "stack":
+                tensor.copy_(torch.stack([staging[key] for key in source.keys]))
+            elif source.how == "slice":
+                tensor.copy_(staging[source.keys[0]][source.index])
+            else:
+                tensor.copy_(staging[source.keys[0]])
     engine._reannotate()
     torch_xla.sync()
 
@@ -681,8 +726,9 @@ def _restore_host_state(engine, meta: dict, full_state: bool, scheduler: bool) -
         for group, saved in zip(optimizer.param_groups, meta["optimizer"]["param_groups"]):
             group.update(saved)
         by_name = {name: target for target, name in engine._target_names.items()}
-        for name, entries in meta["optimizer"]["host_state"].items():
-            optimizer.state[by_name[name]].update(entries)
+        host_state = meta["optimizer"]["host_state"]
+        for name, saved_name in restack.host_state_names(by_name, host_state, *_layer_names(engine, meta)).items():
+            optimizer.state[by_name[name]].update(host_state[saved_name])
     if scheduler and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     rng = meta.get("rng")  # absent from imported DeepSpeed checkpoints

@@ -199,18 +199,20 @@ def unstack(state_dict: dict, stacks: dict[str, str]) -> dict:
 
 
 def stacking_mismatch(missing: list[str], unexpected: list[str]) -> str:
-    """A sentence for a checkpoint whose keys differ from the model's only by stacking
-    (``transformer.h.0.attn.c_attn.weight`` against ``transformer.h.attn.c_attn.weight``),
-    else ''."""
+    """A sentence for a checkpoint whose keys differ from the model's by stacking
+    (``transformer.h.0.attn.c_attn.weight`` against ``transformer.h.attn.c_attn.weight``) and
+    that ``spmdzero.restack`` could not map (layers missing), else ''."""
     def unstacked(keys):
         return {re.sub(r"\.\d+\.", ".", key, count=1) for key in keys}
 
     if set(missing) & unstacked(unexpected):
         return ("; the checkpoint has per-layer parameters and this model stacks them "
-                "(spmd.scan_layers='stacked'): load it with the scan_layers setting it was saved with")
+                "(spmd.scan_layers='stacked'), but not every layer of each stack is in the checkpoint "
+                "(a model of another depth?)")
     if set(unexpected) & unstacked(missing):
         return ("; the checkpoint has stacked layer parameters (saved with spmd.scan_layers='stacked') and this "
-                "model has per-layer ones: load it with spmd.scan_layers='stacked'")
+                "model has per-layer ones, but not every layer is in the checkpoint's stacks "
+                "(a model of another depth?)")
     return ""
 
 

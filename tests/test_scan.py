@@ -333,7 +333,7 @@ def test_stacked_and_per_layer_scans_train_alike():
         torch.testing.assert_close(params[name], scan_params[name], rtol=1e-5, atol=1e-6)
 
 
-def test_a_stacked_run_resumes_exactly_and_refuses_per_layer_checkpoints(tmp_path):
+def test_a_stacked_run_resumes_exactly_and_its_checkpoint_loads_into_per_layer_engines(tmp_path):
     def make(scan="stacked"):
         engine, *_ = spmdzero.initialize(model=tiny_gpt(), config={
             "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": scan},
@@ -365,10 +365,56 @@ def test_a_stacked_run_resumes_exactly_and_refuses_per_layer_checkpoints(tmp_pat
     saved = unstacked({n: p.detach().cpu() for n, p in resumed.module.named_parameters()}, stack="blocks")
     for name, p in plain.named_parameters():
         assert torch.equal(p.detach(), saved[name]), name
-    per_layer = make(scan=True)
-    with pytest.raises(CheckpointError, match="checkpoint has stacked layer parameters .* load it with "
-                                              "spmd.scan_layers='stacked'"):
+    # the other settings take each layer's slice of the stacks (spmdzero.restack), optimizer
+    # states included, and train on as the stacked run does
+    for scan in (True, False):
+        per_layer = make(scan=scan)
         per_layer.load_checkpoint(str(tmp_path), tag="one")
+        assert per_layer.global_steps == 1
+        assert [step(per_layer, 3), step(per_layer, 4)] == pytest.approx(after, rel=1e-5)
+
+
+def test_a_per_layer_checkpoint_loads_into_a_stacked_engine(tmp_path):
+    """A run switches to stacked parameters between a save and a load: each stacked
+    parameter and optimizer state is its layers' saved tensors, stacked."""
+    def make(scan):
+        engine, *_ = spmdzero.initialize(model=tiny_gpt(), config={
+            "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": scan},
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}}})
+        return engine
+
+    def step(engine, seed):
+        tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(seed))
+        loss = engine(tokens[:, :-1], tokens[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    def saved_state(engine):
+        return {key: tensor.detach().cpu().clone() for key, (tensor, _) in engine.state_tensors().items()}
+
+    plain = make(False)
+    step(plain, 2)
+    plain.save_checkpoint(str(tmp_path), tag="plain")
+    at_save = saved_state(plain)
+    after = [step(plain, 3), step(plain, 4)]
+    stacked = make("stacked")
+    stacked.load_checkpoint(str(tmp_path), tag="plain")
+    assert stacked.global_steps == 1
+    loaded = saved_state(stacked)
+    for key in ("model.blocks.qkv.weight", "optim.blocks.qkv.weight.exp_avg", "optim.blocks.qkv.weight.exp_avg_sq"):
+        assert torch.equal(loaded[key], torch.stack([at_save[key.replace("blocks.", f"blocks.{i}.", 1)]
+                                                     for i in range(3)])), key
+    assert torch.equal(loaded["optim.blocks.qkv.weight.step"], at_save["optim.blocks.0.qkv.weight.step"])
+    assert torch.equal(loaded["model.head.weight"], at_save["model.head.weight"])
+    assert [step(stacked, 3), step(stacked, 4)] == pytest.approx(after, rel=1e-5)
+    # a checkpoint with fewer layers than the stack is refused, and says why
+    torch.manual_seed(0)
+    deeper, *_ = spmdzero.initialize(model=TinyGPT(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=4),
+                                     config={"train_batch_size": 8, "zero_optimization": {"stage": 2},
+                                             "spmd": {"scan_layers": "stacked"}})
+    with pytest.raises(CheckpointError, match="missing keys .*model.blocks.qkv.weight.*not every layer"):
+        deeper.load_checkpoint(str(tmp_path), tag="plain", load_optimizer_states=False)
 
 
 STACKED_ON_TPU = """
@@ -415,5 +461,5 @@ def test_a_checkpoint_mismatch_by_stacking_alone_is_named():
     per_layer = ["model.transformer.h.0.ln_1.weight", "model.transformer.h.1.ln_1.weight"]
     stacked = ["model.transformer.h.ln_1.weight"]
     assert "this model stacks them" in stacking_mismatch(missing=stacked, unexpected=per_layer)
-    assert "load it with spmd.scan_layers='stacked'" in stacking_mismatch(missing=per_layer, unexpected=stacked)
+    assert "this model has per-layer ones" in stacking_mismatch(missing=per_layer, unexpected=stacked)
     assert stacking_mismatch(missing=["model.head.weight"], unexpected=["model.lm_head.weight"]) == ""
