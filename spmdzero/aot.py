@@ -166,6 +166,12 @@ class AotReport:
             lines.append(f"  the compiler ran out of HBM: needs {_gib(self.total_bytes)} per chip of "
                          f"{_gib(self.out_of_memory.get('capacity', self.chip.hbm_bytes))} usable: {self.verdict()}")
             lines.append(f"  ({self.out_of_memory['message'][:300]})")
+            largest = self.out_of_memory.get("largest_allocations") or []
+            if largest:
+                lines.append("  its largest allocations at the peak (libtpu's list):")
+            for a in largest:
+                where = ", ".join(x for x in (a["op"][-80:] or a["label"], a["source"], a["kind"]) if x)
+                lines.append(f"    {_gib(a['bytes']):>10}  {a['shape']:<28} {where}")
             return "\n".join(lines)
         m = self.memory
         lines += [f"  per-chip HBM: arguments {_mb(m['argument'])}, outputs {_mb(m['output'])}, "

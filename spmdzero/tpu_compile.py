@@ -498,7 +498,40 @@ def parse_resource_exhausted(message: str) -> dict | None:
         out["over_by"] = _bytes(over.group(1), over.group(2))
     elif "used" in out:
         out["over_by"] = out["used"] - out["capacity"]
+    usage = {kind: _bytes(m.group(1), m.group(2)) for kind in ("reserved", "program", "arguments")
+             if (m := re.search(rf"^\s*{kind}\s+{_SIZE}B?\s*$", message, re.MULTILINE))}
+    if usage:
+        out["usage"] = usage
+    largest = largest_allocations(message)
+    if largest:
+        out["largest_allocations"] = largest
     return out
+
+
+def largest_allocations(message: str, limit: int = 5) -> list[dict]:
+    """The "Largest program allocations in hbm" that libtpu lists in an out-of-memory error:
+    what the program was holding at its peak, the user's first clue to what to shrink. Each
+    as {bytes, shape, op (the operation's name), source (file:line, when the op has one),
+    label (the HLO instruction), kind (temporary, argument, ...)}."""
+    head = message.find("Largest program allocations")
+    if head < 0:
+        return []
+    found = []
+    for entry in re.split(r"\n\s*\d+\. Size: ", message[head:])[1:limit + 1]:
+        size = re.match(_SIZE, entry)
+        op = re.search(r'op_name="([^"]*)"', entry)
+        source = re.search(r'source_file="([^"]*)" source_line=(\d+)', entry)
+        shape = re.search(r"Shape: (\S+)", entry)
+        label = re.search(r"XLA label: ([\w.\-]+)", entry)
+        kind = re.search(r"Allocation type: (.+)", entry)
+        found.append({"bytes": _bytes(size.group(1), size.group(2)) if size else 0,
+                      "shape": shape.group(1).split("{")[0] if shape else "",
+                      "op": op.group(1) if op else "",
+                      "source": (f"{os.path.basename(source.group(1))}:{source.group(2)}"
+                                 if source and source.group(1) not in ("", "-") else ""),
+                      "label": label.group(1) if label else "",
+                      "kind": kind.group(1).strip() if kind else ""})
+    return found
 
 
 def _bytes(number: str, unit: str) -> int:

@@ -105,6 +105,56 @@ def test_out_of_memory_compile_becomes_a_verdict():
     assert "ran out of HBM" in report.summary()
 
 
+# libtpu 0.0.21's out-of-memory error, as it came for a JAX program on v5e:2x2 (two of its five
+# allocations kept)
+OOM_MESSAGE = """RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. \
+Used 56.25G of 15.75G hbm. Exceeded hbm capacity by 40.50G.
+
+Total hbm usage >= 56.50G:
+    reserved        258.00M 
+    program          56.25G 
+    arguments            0B 
+
+Output size 0B; shares 0B with arguments.
+
+Program hbm requirement 56.25G:
+    HLO temp         56.25G (100.0% utilization: Unpadded (56.25G) Padded (56.25G), 0.0% fragmentation (0B))
+
+  Largest program allocations in hbm:
+
+  1. Size: 16.00G
+     Operator: op_name="jit(f)/jvp()/dot_general" source_file="/tmp/oom.py" source_line=10 source_end_line=10
+     Shape: f32[64,8192,8192]{2,1,0:T(8,128)}
+     Unpadded size: 16.00G
+     XLA label: convolution_tanh_fusion = fusion(param, bitcast.34), kind=kOutput, calls=fused_computation.8
+     Allocation type: HLO temp
+
+  2. Size: 8.00G
+     Operator: op_name="jit(f)/transpose(jvp())/dot_general"
+     Shape: bf16[64,8192,8192]{2,1,0:T(8,128)(2,1)}
+     Unpadded size: 8.00G
+     XLA label: fusion.3 = fusion(convolution_exponential_fusion, convolution_tanh_fusion, bitcast.32), kind=kOutput
+     Allocation type: HLO temp
+
+"""
+
+
+def test_out_of_memory_report_lists_the_largest_allocations():
+    """What libtpu says the program held at its peak: the first clue to what to shrink."""
+    from spmdzero.aot import AotReport
+    from spmdzero.tpu_compile import parse_resource_exhausted
+
+    oom = parse_resource_exhausted(OOM_MESSAGE.replace("\\\n", ""))
+    assert oom["over_by"] == int(40.5 * 2**30) and oom["usage"]["program"] == int(56.25 * 2**30)
+    assert oom["usage"]["arguments"] == 0
+    first, second = oom["largest_allocations"]
+    assert first == {"bytes": 16 * 2**30, "shape": "f32[64,8192,8192]", "op": "jit(f)/jvp()/dot_general",
+                     "source": "oom.py:10", "label": "convolution_tanh_fusion", "kind": "HLO temp"}
+    assert second["shape"] == "bf16[64,8192,8192]" and second["source"] == ""
+    summary = AotReport("v5e:2x2", 4, "TPU v5 lite", 1.0, None, {}, {}, 0, out_of_memory=oom, stage=2).summary()
+    assert "largest allocations" in summary and "16.00 GiB  f32[64,8192,8192]" in summary
+
+
 def test_libtpu_lock_and_unknown_topology_are_clear_errors(monkeypatch):
     from jax.experimental import topologies
 
