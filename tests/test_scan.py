@@ -93,7 +93,7 @@ def test_zero2_lays_out_each_block_gradient_inside_the_scanned_backward(make, sc
 
     model = make()
     stack_name, stack = find_layer_stack(model)
-    block = [n for n, _ in stack[0].named_parameters()]
+    block, layers = [n for n, _ in stack[0].named_parameters()], len(stack)
     engine, *_ = spmdzero.initialize(model=model, config={
         "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": scan},
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
@@ -104,10 +104,14 @@ def test_zero2_lays_out_each_block_gradient_inside_the_scanned_backward(make, sc
         loss = engine(input_ids=tokens[:, :-1], labels=tokens[:, :-1]).loss
     engine.backward(loss)
     hlo = torch_xla._XLAC._get_xla_tensors_hlo(list(engine.grad_buffers().values()))
-    layouts = [re.search(r"sharding=\{(\w+)", ins.rest).group(1)
-               for name, body in split_computations(hlo).items() if name.startswith("FnComputation")
-               for ins in body if ins.opcode == "custom-call" and 'custom_call_target="Sharding"' in ins.rest]
     planned = [engine.plan[f"{stack_name}.{n}" if scan == "stacked" else f"{stack_name}.0.{n}"] for n in block]
+    # the loop also reads the stacked weights behind their replicated constraint (scan._replicated_inputs)
+    stacked = {"[" + ",".join(map(str, p.shape if scan == "stacked" else (layers, *p.shape))) + "]" for p in planned}
+    calls = [(re.search(r"\[[\d,]*\]", ins.shape).group(0), re.search(r"sharding=\{(\w+)", ins.rest).group(1))
+             for name, body in split_computations(hlo).items() if name.startswith("FnComputation")
+             for ins in body if ins.opcode == "custom-call" and 'custom_call_target="Sharding"' in ins.rest]
+    assert {layout for shape, layout in calls if shape in stacked} == {"replicated"}
+    layouts = [layout for shape, layout in calls if shape not in stacked]
     assert all(p.grad_stages for p in planned)  # all sharded on 8 devices
     assert layouts.count("replicated") == len(block)
     assert layouts.count("devices") == len(block)
