@@ -91,22 +91,27 @@ class Instruction:
         return re.search(r"%" + re.escape(name) + r"(?![\w.\-])", self.rest) is not None
 
 
-def split_computations(text: str) -> dict[str, list[Instruction]]:
-    """HLO module text -> {computation name: instructions}. The entry is under 'ENTRY'."""
-    comps: dict[str, list[Instruction]] = {}
+def computation_blocks(text: str) -> dict[str, list[str]]:
+    """HLO module text -> {computation name: its lines, header to closing brace}, in order.
+    The entry is under 'ENTRY'."""
+    blocks: dict[str, list[str]] = {}
     current = None
     for line in text.splitlines():
         header = re.match(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$", line)
         if header:
             current = "ENTRY" if header.group(1) else header.group(2)
-            comps[current] = []
-        elif line.startswith("}"):
-            current = None
+            blocks[current] = [line]
         elif current is not None:
-            m = _INSTR.match(line)
-            if m:
-                comps[current].append(Instruction(*m.groups()))
-    return comps
+            blocks[current].append(line)
+            if line.startswith("}"):
+                current = None
+    return blocks
+
+
+def split_computations(text: str) -> dict[str, list[Instruction]]:
+    """HLO module text -> {computation name: instructions}. The entry is under 'ENTRY'."""
+    return {name: [Instruction(*m.groups()) for line in lines[1:] if (m := _INSTR.match(line))]
+            for name, lines in computation_blocks(text).items()}
 
 
 def collective_counts(text: str) -> dict[str, int]:

@@ -402,11 +402,11 @@ def per_step_cost(hlo_text: str, cost: dict, client=None) -> dict:
     an XLA:CPU client, which gives a TPU program the same FLOPs and bytes as libtpu does."""
     from jax._src.lib import xla_client as xc
 
-    from .inspect import split_computations
+    from .inspect import computation_blocks, split_computations
 
     client = client or xc.make_cpu_client()
     computations = split_computations(hlo_text)
-    blocks = _computation_blocks(hlo_text)
+    blocks = computation_blocks(hlo_text)
     loops = []  # (body, trips, trips of the loops around it, enclosing body)
 
     def walk(name: str, times: int, enclosing, seen: set) -> None:
@@ -430,23 +430,6 @@ def per_step_cost(hlo_text: str, cost: dict, client=None) -> dict:
         for key in total:
             total[key] += (times * trips - 1) * own[key]
     return total
-
-
-def _computation_blocks(hlo_text: str) -> dict[str, list[str]]:
-    """HLO module text -> {computation name: its lines, header to closing brace}, in order;
-    the entry under 'ENTRY'."""
-    blocks: dict[str, list[str]] = {}
-    current = None
-    for line in hlo_text.splitlines():
-        header = re.match(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$", line)
-        if header:
-            current = "ENTRY" if header.group(1) else header.group(2)
-            blocks[current] = [line]
-        elif current is not None:
-            blocks[current].append(line)
-            if line.startswith("}"):
-                current = None
-    return blocks
 
 
 def _called(attributes: str, blocks: dict) -> list[str]:

@@ -367,29 +367,32 @@ def test_stacked_and_per_layer_scans_train_alike():
         torch.testing.assert_close(params[name], scan_params[name], rtol=1e-5, atol=1e-6)
 
 
+def adamw_tiny_gpt(scan="stacked", bf16: bool = False):
+    engine, *_ = spmdzero.initialize(model=tiny_gpt(), config={
+        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": scan},
+        "bf16": {"enabled": bf16}, "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}}})
+    return engine
+
+
+def train_step(engine, seed: int) -> float:
+    tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(seed))
+    loss = engine(tokens[:, :-1], tokens[:, 1:])
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
 def test_a_stacked_run_resumes_exactly_and_its_checkpoint_loads_into_per_layer_engines(tmp_path):
-    def make(scan="stacked"):
-        engine, *_ = spmdzero.initialize(model=tiny_gpt(), config={
-            "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": scan},
-            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}}})
-        return engine
-
-    def step(engine, seed):
-        tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(seed))
-        loss = engine(tokens[:, :-1], tokens[:, 1:])
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
-
+    make = adamw_tiny_gpt
     engine = make()
     assert engine.plan["blocks.qkv.weight"].shape[0] == 3
-    step(engine, 2)
+    train_step(engine, 2)
     engine.save_checkpoint(str(tmp_path), tag="one")
-    after = [step(engine, 3), step(engine, 4)]
+    after = [train_step(engine, 3), train_step(engine, 4)]
     resumed = make()
     resumed.load_checkpoint(str(tmp_path), tag="one")
     assert resumed.global_steps == 1
-    assert [step(resumed, 3), step(resumed, 4)] == after
+    assert [train_step(resumed, 3), train_step(resumed, 4)] == after
     for (name, p), q in zip(engine.module.named_parameters(), resumed.module.parameters()):
         assert torch.equal(q.detach().cpu(), p.detach().cpu()), name
     consolidate(str(tmp_path), str(tmp_path / "plain.pt"), tag="one")
@@ -405,7 +408,7 @@ def test_a_stacked_run_resumes_exactly_and_its_checkpoint_loads_into_per_layer_e
         per_layer = make(scan=scan)
         per_layer.load_checkpoint(str(tmp_path), tag="one")
         assert per_layer.global_steps == 1
-        assert [step(per_layer, 3), step(per_layer, 4)] == pytest.approx(after, rel=1e-5)
+        assert [train_step(per_layer, 3), train_step(per_layer, 4)] == pytest.approx(after, rel=1e-5)
 
 
 @pytest.mark.parametrize("bf16", [False, True])
@@ -413,27 +416,16 @@ def test_a_per_layer_checkpoint_loads_into_a_stacked_engine(tmp_path, bf16):
     """A run switches to stacked parameters between a save and a load: each stacked
     parameter, fp32 master and optimizer state is its layers' saved tensors, stacked."""
     def make(scan):
-        engine, *_ = spmdzero.initialize(model=tiny_gpt(), config={
-            "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": scan},
-            "bf16": {"enabled": bf16},
-            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}}})
-        return engine
-
-    def step(engine, seed):
-        tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(seed))
-        loss = engine(tokens[:, :-1], tokens[:, 1:])
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
+        return adamw_tiny_gpt(scan, bf16)
 
     def saved_state(engine):
         return {key: tensor.detach().cpu().clone() for key, (tensor, _) in engine.state_tensors().items()}
 
     plain = make(False)
-    step(plain, 2)
+    train_step(plain, 2)
     plain.save_checkpoint(str(tmp_path), tag="plain")
     at_save = saved_state(plain)
-    after = [step(plain, 3), step(plain, 4)]
+    after = [train_step(plain, 3), train_step(plain, 4)]
     stacked = make("stacked")
     stacked.load_checkpoint(str(tmp_path), tag="plain")
     assert stacked.global_steps == 1
@@ -445,7 +437,7 @@ def test_a_per_layer_checkpoint_loads_into_a_stacked_engine(tmp_path, bf16):
                                                      for i in range(3)])), key
     assert torch.equal(loaded["optim.blocks.qkv.weight.step"], at_save["optim.blocks.0.qkv.weight.step"])
     assert torch.equal(loaded["model.head.weight"], at_save["model.head.weight"])
-    assert [step(stacked, 3), step(stacked, 4)] == pytest.approx(after, rel=1e-2 if bf16 else 1e-5)
+    assert [train_step(stacked, 3), train_step(stacked, 4)] == pytest.approx(after, rel=1e-2 if bf16 else 1e-5)
     if bf16:
         return
     # a checkpoint with fewer layers than the stack is refused, and says why
