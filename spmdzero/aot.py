@@ -518,6 +518,36 @@ def find_max_batch(source, config: dict, topology: str, stage: int, shape_only: 
     return low, reports
 
 
+def search_summary(best: int, tried: list[AotReport], seconds: float) -> dict:
+    """What ``find_max_batch`` found, for the report: the answer, every size tried, the
+    per-chip total at the answer, and for the next size, by how much it misses and libtpu's
+    largest allocation there (what grows with the batch)."""
+    by_batch = {r.micro_batch: r for r in tried}
+    out = {"max_micro_batch": best, "compiles": len(tried), "seconds": seconds,
+           "tried": {r.micro_batch: r.fits for r in tried}}
+    if best in by_batch:
+        out["total_bytes"] = by_batch[best].total_bytes
+    miss = by_batch.get(best + 1)
+    if miss is not None and not miss.fits:
+        largest = (miss.out_of_memory or {}).get("largest_allocations") or []
+        out["next"] = {"micro_batch": best + 1, "over_by": miss.over_by,
+                       "largest_allocation": largest[0] if largest else None}
+    return out
+
+
+def describe_search(stage: int, found: dict, hbm_bytes: int) -> str:
+    line = f"stage {stage}: largest micro-batch per chip that fits: {found['max_micro_batch']}"
+    if "total_bytes" in found:
+        line += f" ({_gib(found['total_bytes'])} of {_gib(hbm_bytes)})"
+    following = found.get("next")
+    if following:
+        line += f"; {following['micro_batch']} misses by {_gib(following['over_by'])}"
+        largest = following.get("largest_allocation")
+        if largest:
+            line += f", its largest allocation {_gib(largest['bytes'])} {largest['shape']}"
+    return line + f" ({found['compiles']} compiles, {found['seconds']:.0f} s)"
+
+
 def stages_table(reports: list[AotReport]) -> str:
     head = f"{'':<28}" + "".join(f"{'stage ' + str(r.stage):>18}" for r in reports)
     rows = [("arguments (model states)", lambda r: _mb(r.memory["argument"]) if r.memory else "-"),
@@ -592,9 +622,7 @@ def main(argv=None) -> int:
             for stage in stages:
                 start = time.perf_counter()
                 best, tried = find_max_batch(source, config, args.topology, stage, shape_only)
-                searches[stage] = {"max_micro_batch": best, "compiles": len(tried),
-                                   "seconds": time.perf_counter() - start,
-                                   "tried": {r.micro_batch: r.fits for r in tried}}
+                searches[stage] = search_summary(best, tried, time.perf_counter() - start)
     except (ValueError, RuntimeError) as err:
         print(f"spmdzero aot: {err}", file=sys.stderr)
         return 1
@@ -606,8 +634,7 @@ def main(argv=None) -> int:
         print(report.summary(), end="\n\n")
     print(stages_table(reports))
     for stage, found in searches.items():
-        print(f"\nstage {stage}: largest micro-batch per chip that fits: {found['max_micro_batch']} "
-              f"({found['compiles']} compiles, {found['seconds']:.0f} s)")
+        print("\n" + describe_search(stage, found, chip_spec(args.topology).hbm_bytes))
     return 0
 
 

@@ -205,6 +205,22 @@ def test_find_max_batch_bisects_on_fits(monkeypatch):
     assert [r.micro_batch for r in tried] == [1, 2, 4, 8, 16, 12, 10, 11]
 
 
+def test_find_max_batch_says_what_stops_the_next_size():
+    from spmdzero.aot import AotReport, describe_search, search_summary
+
+    memory = {"argument": 2 * 2**30, "output": 2**30, "alias": 2**30, "temp": 10 * 2**30, "generated_code": 0}
+    fits = AotReport("v5e:2x2", 4, "TPU v5 lite", 1.0, memory, {}, {}, 4, stage=2, micro_batch=8)
+    oom = {"used": 20 * 2**30, "capacity": 16 * 2**30, "over_by": 4 * 2**30, "message": "RESOURCE_EXHAUSTED",
+           "largest_allocations": [{"bytes": 9 * 2**30, "shape": "f32[9,32,1024,1024]", "op": "", "source": "",
+                                    "label": "fusion.1", "kind": "HLO temp"}]}
+    misses = AotReport("v5e:2x2", 4, "TPU v5 lite", 1.0, None, {}, {}, 4, stage=2, micro_batch=9, out_of_memory=oom)
+    found = search_summary(8, [fits, misses], 12.0)
+    assert found["total_bytes"] == 12 * 2**30 and found["next"]["over_by"] == 4 * 2**30
+    line = describe_search(2, found, 16 * 2**30)
+    assert line.startswith("stage 2: largest micro-batch per chip that fits: 8 (12.00 GiB of 16.00 GiB); "
+                           "9 misses by 4.00 GiB, its largest allocation 9.00 GiB f32[9,32,1024,1024]")
+
+
 @pytest.mark.slow
 def test_bad_input_is_a_clear_error():
     out = run_python("""
