@@ -615,8 +615,8 @@ def _select(engine, saved: dict, strict: bool, full_state: bool, meta: dict) -> 
             raise CheckpointError(f"checkpoint has no optimizer/precision state for {sorted(absent)} (saved with "
                                   "another optimizer or precision?); pass load_optimizer_states=False to load the "
                                   "module only")
-    mismatched = [f"{k}: checkpoint {restack.shape_of(src, saved_shapes)} vs model {live_shapes[k]}"
-                  for k, src in sorted(source.items()) if restack.shape_of(src, saved_shapes) != live_shapes[k]]
+    mismatched = [f"{k}: checkpoint {src.shape(saved_shapes)} vs model {live_shapes[k]}"
+                  for k, src in sorted(source.items()) if src.shape(saved_shapes) != live_shapes[k]]
     if mismatched:
         raise CheckpointError("checkpoint shapes do not match the model: " + "; ".join(mismatched))
     return {key: (src, *live[key]) for key, src in source.items()}
@@ -655,12 +655,7 @@ def _commit(engine, selected: dict, staging: dict) -> None:
 
     with torch.no_grad():
         for source, tensor, _ in selected.values():
-            if source.how == "stack":
-                tensor.copy_(torch.stack([staging[key] for key in source.keys]))
-            elif source.how == "slice":
-                tensor.copy_(staging[source.keys[0]][source.index])
-            else:
-                tensor.copy_(staging[source.keys[0]])
+            tensor.copy_(source.assemble(staging))
     engine._reannotate()
     torch_xla.sync()
 

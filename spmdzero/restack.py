@@ -35,6 +35,25 @@ class Source:
             return (None, *spec)
         return tuple(spec)
 
+    def shape(self, saved: dict[str, tuple]) -> tuple:
+        """The shape this source assembles, from the saved shapes."""
+        first = tuple(saved[self.keys[0]])
+        if self.how == "stack":
+            return (len(self.keys), *first)
+        if self.how == "slice":
+            return first[1:]
+        return first
+
+    def assemble(self, values: dict):
+        """The live tensor's value from the read tensors (``values`` by checkpoint key)."""
+        if self.how == "stack":
+            import torch
+
+            return torch.stack([values[key] for key in self.keys])
+        if self.how == "slice":
+            return values[self.keys[0]][self.index]
+        return values[self.keys[0]]
+
 
 def layer_names(stacked: dict[str, str], layers: dict[str, int]) -> dict[str, list[str]]:
     """{stacked name: its per-layer names}, from ``{stacked name: stack}`` (``scan.stacked_layers``)
@@ -68,6 +87,7 @@ def sources(live: dict[str, tuple], saved: dict[str, tuple], live_stacked: dict[
     count, shaped like each layer's) takes layer 0's, which every layer shares in a run that
     steps them together. A live per-layer tensor takes its slice of the saved stacked one."""
     out: dict[str, Source] = {}
+    layer_of = {layer: (name, index) for name, layers in saved_stacked.items() for index, layer in enumerate(layers)}
     for key, shape in live.items():
         if key in saved:
             continue
@@ -79,7 +99,6 @@ def sources(live: dict[str, tuple], saved: dict[str, tuple], live_stacked: dict[
                 layered = len(shape) == len(saved[keys[0]]) + 1 and tuple(shape) == (len(keys), *saved[keys[0]])
                 out[key] = Source(keys, "stack") if layered else Source(keys[:1])
             continue
-        layer_of = {layer: (name, index) for name, layers in saved_stacked.items() for index, layer in enumerate(layers)}
         split = _split(key, layer_of)
         if split is not None:
             prefix, layer, rest = split
@@ -90,16 +109,6 @@ def sources(live: dict[str, tuple], saved: dict[str, tuple], live_stacked: dict[
                 sliced = len(stacked) == len(shape) + 1 and stacked[1:] == tuple(shape) and index < stacked[0]
                 out[key] = Source((stacked_key,), "slice", index) if sliced else Source((stacked_key,))
     return out
-
-
-def shape_of(source: Source, saved: dict[str, tuple]) -> tuple:
-    """The shape ``source`` assembles from the saved shapes."""
-    first = tuple(saved[source.keys[0]])
-    if source.how == "stack":
-        return (len(source.keys), *first)
-    if source.how == "slice":
-        return first[1:]
-    return first
 
 
 def host_state_names(live_names, saved_names, live_stacked: dict[str, list[str]],

@@ -1,7 +1,7 @@
 """spmdzero.restack: which checkpoint tensors make up each live one across
 spmd.scan_layers='stacked', by key arithmetic alone (no devices)."""
 
-from spmdzero.restack import Source, host_state_names, layer_names, sources, shape_of
+from spmdzero.restack import Source, host_state_names, layer_names, sources
 
 STACKED = {"h.attn.weight": "h"}
 LAYERS = layer_names(STACKED, {"h.attn.weight": 3})
@@ -31,7 +31,7 @@ def test_a_stacked_engine_takes_a_per_layer_checkpoint_layer_by_layer():
     # a step count is one per parameter either way: layer 0's
     assert got["optim.h.attn.weight.step"] == Source(("optim.h.0.attn.weight.step",))
     assert "model.wte.weight" not in got  # saved under its own name
-    assert shape_of(got["model.h.attn.weight"], per_layer()) == (3, 4, 8)
+    assert got["model.h.attn.weight"].shape(per_layer()) == (3, 4, 8)
     assert got["model.h.attn.weight"].layer_spec((None, "fsdp", None)) == ("fsdp", None)
 
 
@@ -40,7 +40,7 @@ def test_a_per_layer_engine_takes_its_slice_of_a_stacked_checkpoint():
     assert got["model.h.1.attn.weight"] == Source(("model.h.attn.weight",), "slice", 1)
     assert got["optim.h.2.attn.weight.exp_avg"] == Source(("optim.h.attn.weight.exp_avg",), "slice", 2)
     assert got["optim.h.0.attn.weight.step"] == Source(("optim.h.attn.weight.step",))
-    assert shape_of(got["model.h.1.attn.weight"], stacked()) == (4, 8)
+    assert got["model.h.1.attn.weight"].shape(stacked()) == (4, 8)
     assert got["model.h.1.attn.weight"].layer_spec(("fsdp", None)) == (None, "fsdp", None)
 
 
