@@ -28,6 +28,7 @@ works because torch.distributed.checkpoint reads whatever chunks each target sha
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -61,8 +62,6 @@ class CheckpointError(RuntimeError):
 def _quiet_dcp():
     """DCP warns that it runs single-process (we ask it to) and torch_xla's sharded tensor
     warns about an indexing idiom of its own; neither concerns the user."""
-    import contextlib
-
     stack = contextlib.ExitStack()
     stack.enter_context(warnings.catch_warnings())
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -168,12 +167,17 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
                     save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.api import CheckpointException
     import torch_xla.core.xla_model as xm
     from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
 
     tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}", save_dir)
     client_bytes = _pickle_client_state(client_state)
     prepare_dir(save_dir)
+    final = os.path.join(save_dir, tag)
+    if os.path.lexists(final) and not os.path.isdir(final):
+        raise CheckpointError(f"cannot save checkpoint {tag!r}: {final!r} exists and is not a directory")
+    _warn_if_mid_window(engine, tag)
 
     tensors = engine.state_tensors()
     if exclude_frozen_parameters:
@@ -196,13 +200,29 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
             writer = FileSystemWriter(os.path.join(staging, STATE_DIR), per_thread_copy_ahead=0)
             dcp.save({k: t for k, (t, _) in tensors.items()}, storage_writer=writer,
                      planner=SPMDSavePlanner(), no_dist=_no_dist())
+    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
         if _is_writer():
-            publish(save_dir, tag, staging, meta, client_bytes, save_latest)
+            shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(f"cannot write checkpoint {tag!r} to {staging!r} (the previous checkpoints are "
+                              f"untouched): {_dcp_failure(err)}") from None
     except BaseException:
         if _is_writer():
             shutil.rmtree(staging, ignore_errors=True)
         raise
+    if _is_writer():
+        publish(save_dir, tag, staging, meta, client_bytes, save_latest)
     return True
+
+
+def _warn_if_mid_window(engine, tag: str) -> None:
+    """The gradients accumulated so far in a window are not saved (nor by DeepSpeed): a run
+    resumed from this checkpoint starts a new window without them."""
+    gas = engine.gradient_accumulation_steps()
+    if gas > 1 and engine.micro_steps % gas:
+        warnings.warn(f"spmdzero: checkpoint {tag!r} is saved after micro-step {engine.micro_steps % gas} of a "
+                      f"{gas}-step gradient accumulation window; the gradients accumulated in it are not saved, "
+                      "and a run resumed from it starts a new window. Save after engine.step() at a boundary "
+                      "(engine.is_gradient_accumulation_boundary() before the step) to resume exactly.", stacklevel=3)
 
 
 def _pickle_client_state(client_state: Optional[dict]) -> Optional[bytes]:
@@ -255,8 +275,9 @@ def interrupted(save_dir: str) -> dict[str, tuple[str, str]]:
 def recover(save_dir: str) -> list[str]:
     """Repair what a save killed part-way left behind; returns what it did. A re-save
     killed between its two renames gets its complete new copy put in place if there is
-    one, else the old copy back. Then leftover staging and aside directories and temporary
-    ``latest`` files are removed."""
+    one, else the old copy back. Then leftover staging and aside directories (the user's
+    files in an aside copy moved into its tag first) and temporary ``latest`` files are
+    removed. Only names spmdzero makes are touched."""
     done = []
     for tag, (old, new) in interrupted(save_dir).items():
         source = new if _complete(new) else old
@@ -264,13 +285,29 @@ def recover(save_dir: str) -> list[str]:
         done.append(f"restored {tag!r} from {os.path.basename(source)}")
     for name in sorted(os.listdir(save_dir)):
         path = os.path.join(save_dir, name)
-        if name.startswith((STAGING, ASIDE, LEGACY_STAGING, LEGACY_ASIDE)) and os.path.isdir(path):
+        tag = _leftover_tag(name)
+        if tag is not None and os.path.isdir(path):
+            if name.startswith((ASIDE, LEGACY_ASIDE)) and os.path.isdir(os.path.join(save_dir, tag)):
+                carry_over(path, os.path.join(save_dir, tag))
             shutil.rmtree(path, ignore_errors=True)
             done.append(f"removed {name}")
-        elif name.startswith(LATEST_FILE + ".tmp."):
+        elif re.fullmatch(re.escape(LATEST_FILE) + r"\.tmp\.\d+", name) and not os.path.isdir(path):
             os.remove(path)
             done.append(f"removed {name}")
     return done
+
+
+def _leftover_tag(name: str) -> Optional[str]:
+    """The tag of a staging or aside directory's name, None for any other name (format-1
+    names end in ``.<pid>``: a user's ``.tmp.cache`` is not one)."""
+    for prefix in (STAGING, ASIDE):
+        if name.startswith(prefix) and len(name) > len(prefix):
+            return name[len(prefix):]
+    for prefix in (LEGACY_STAGING, LEGACY_ASIDE):
+        found = re.fullmatch(re.escape(prefix) + r"(.+)\.\d+", name)
+        if found:
+            return found.group(1)
+    return None
 
 
 def staging_dir(save_dir: str, tag: str) -> str:
@@ -286,30 +323,61 @@ def publish(save_dir: str, tag: str, staging: str, meta: str, client_bytes: Opti
             save_latest: bool) -> None:
     """Complete the staging directory (client state, then meta: its presence marks a
     complete checkpoint), rename it to ``tag``, then replace ``latest``. Each step is a
-    rename, so a reader sees the old checkpoint or the new one."""
-    if client_bytes:
-        _write_file(os.path.join(staging, CLIENT_FILE), lambda f: f.write(client_bytes))
-    _write_file(os.path.join(staging, META_FILE), lambda f: f.write(meta.encode()))
+    rename, so a reader sees the old checkpoint or the new one. Files of the user's in an
+    older copy of the tag (a tokenizer, a config) are moved into the new one."""
     final = os.path.join(save_dir, tag)
-    if os.path.exists(final):  # replace an older save of the same tag: move it aside first
-        aside = os.path.join(save_dir, ASIDE + tag)
-        os.replace(final, aside)
-        os.replace(staging, final)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.replace(staging, final)
+    try:
+        if client_bytes:
+            _write_file(os.path.join(staging, CLIENT_FILE), lambda f: f.write(client_bytes))
+        _write_file(os.path.join(staging, META_FILE), lambda f: f.write(meta.encode()))
+        if os.path.exists(final):  # replace an older save of the same tag: move it aside first
+            aside = os.path.join(save_dir, ASIDE + tag)
+            os.replace(final, aside)
+            os.replace(staging, final)
+            carry_over(aside, final)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(staging, final)
+    except OSError as err:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(f"cannot write checkpoint {tag!r} in {save_dir!r} (the previous checkpoints are "
+                              f"untouched): {err}") from None
     if save_latest:
-        _write_file(os.path.join(save_dir, LATEST_FILE), lambda f: f.write(tag.encode()))
+        latest = os.path.join(save_dir, LATEST_FILE)
+        try:
+            _write_file(latest, lambda f: f.write(tag.encode()))
+        except OSError as err:
+            raise CheckpointError(f"checkpoint {tag!r} was saved to {final!r}, but {latest!r} could not be updated "
+                                  f"to name it ({err}); load it with tag={tag!r}") from None
+
+
+# What spmdzero writes into a tag's directory; anything else there is the user's.
+OWN_FILES = (STATE_DIR, META_FILE, CLIENT_FILE, LEGACY_META)
+
+
+def carry_over(old: str, new: str) -> None:
+    """Move what the user added to an older copy of a tag into its new copy (DeepSpeed
+    leaves such files alone when it saves a tag again)."""
+    if not os.path.isdir(old):
+        return
+    for name in os.listdir(old):
+        if name not in OWN_FILES and not os.path.lexists(os.path.join(new, name)):
+            os.replace(os.path.join(old, name), os.path.join(new, name))
 
 
 def _write_file(path: str, write) -> None:
     """Write ``path`` whole or not at all: a temporary file, fsync, then rename over it."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def module_keys(module: torch.nn.Module) -> dict[str, str]:
@@ -372,8 +440,11 @@ def resolve_tag(load_dir: str, tag: Optional[str]) -> Optional[str]:
     latest = os.path.join(load_dir, LATEST_FILE)
     if not os.path.isfile(latest):
         return None
-    with open(latest) as f:
-        named = f.read().strip()
+    try:
+        with open(latest, encoding="utf-8") as f:
+            named = f.read().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"cannot read {latest!r}: {err}") from None
     try:
         return check_tag(named, load_dir)
     except CheckpointError:
@@ -386,15 +457,19 @@ def locate(load_dir: str, tag: str) -> str:
     path = os.path.join(load_dir, tag)
     if os.path.isdir(path):
         return path
-    if tag in interrupted(load_dir):
-        old, new = interrupted(load_dir)[tag]
+    try:
+        pending = interrupted(load_dir)
+        names = os.listdir(load_dir) if os.path.isdir(load_dir) else []
+    except OSError as err:
+        raise CheckpointError(f"no checkpoint tag {tag!r} in {load_dir!r}, which cannot be listed: {err}") from None
+    if tag in pending:
+        old, new = pending[tag]
         found = new if _complete(new) else old
         warnings.warn(f"spmdzero: a save of {tag!r} in {load_dir!r} was interrupted; loading its complete copy "
                       f"{os.path.basename(found)} (the next save_checkpoint into this directory repairs it)",
                       stacklevel=3)
         return found
-    tags = sorted(d for d in os.listdir(load_dir) if not d.startswith(".") and d != LATEST_FILE) \
-        if os.path.isdir(load_dir) else []
+    tags = sorted(d for d in names if not d.startswith(".") and os.path.isdir(os.path.join(load_dir, d)))
     raise CheckpointError(f"no checkpoint tag {tag!r} in {load_dir!r} (found: {', '.join(tags) or 'nothing'})")
 
 
@@ -413,8 +488,8 @@ def read_meta(path: str, trust_client_state: bool = False) -> dict:
     try:
         with open(meta_file, encoding="utf-8") as f:
             meta = from_json(json.load(f))
-    except (OSError, ValueError, TypeError, KeyError, CheckpointError) as err:
-        raise CheckpointError(f"cannot read {meta_file!r}: {err}") from None
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as err:
+        raise CheckpointError(f"cannot read {meta_file!r}: {type(err).__name__}: {err}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{meta_file!r} is not an spmdzero checkpoint of format {FORMAT_VERSION}")
     return _check_meta(meta, meta_file)
@@ -501,9 +576,11 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     full_state = load_optimizer_states and not load_module_only
     from .deepspeed_import import is_deepspeed_checkpoint, read_deepspeed_checkpoint
 
+    scheduler = load_lr_scheduler_states and not load_module_only
     if is_deepspeed_checkpoint(path):
         tensors, meta = read_deepspeed_checkpoint(path)
         _check_optimizer(engine, meta, path, full_state)
+        restore = _host_state_restorer(engine, meta, path, full_state, scheduler, load_module_only)
         tensors.update(_loss_scale_tensors(engine, meta.pop("loss_scaler")))
         index = tensor_index(tensors)
         selected = _select(engine, index, load_module_strict, full_state, meta)
@@ -512,10 +589,12 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     else:
         meta = read_meta(path, trust_client_state)
         _check_optimizer(engine, meta, path, full_state)
+        restore = _host_state_restorer(engine, meta, os.path.join(path, META_FILE), full_state, scheduler,
+                                       load_module_only)
         selected = _select(engine, meta["tensors"], load_module_strict, full_state, meta)
         client_state = read_client_state(path, meta, trust_client_state)
         _load_tensors(engine, path, selected, meta["tensors"])
-    _restore_host_state(engine, meta, full_state, load_lr_scheduler_states and not load_module_only)
+    restore()
     return path, client_state
 
 
@@ -615,6 +694,11 @@ def _select(engine, saved: dict, strict: bool, full_state: bool, meta: dict) -> 
             raise CheckpointError(f"checkpoint has no optimizer/precision state for {sorted(absent)} (saved with "
                                   "another optimizer or precision?); pass load_optimizer_states=False to load the "
                                   "module only")
+    else:  # the fp32 masters follow the loaded module (DeepSpeed refreshes them from it), else the
+        # next step would update the old masters and write them over the loaded parameters
+        for key in live:
+            if key.startswith("master.") and f"model.{key[7:]}" in source:
+                source[key] = source[f"model.{key[7:]}"]
     mismatched = [f"{k}: checkpoint {src.shape(saved_shapes)} vs model {live_shapes[k]}"
                   for k, src in sorted(source.items()) if src.shape(saved_shapes) != live_shapes[k]]
     if mismatched:
@@ -709,29 +793,89 @@ def _load_tensors(engine, path: str, selected: dict, saved: dict) -> None:
     _commit(engine, selected, staging)
 
 
-def _restore_host_state(engine, meta: dict, full_state: bool, scheduler: bool) -> None:
+def _host_state_restorer(engine, meta: dict, where: str, full_state: bool, scheduler: bool, module_only: bool):
+    """Check everything a load sets on the host (counters, param groups, host-side optimizer
+    state, the LR schedule, RNG states) against this engine, and return what sets it, to be
+    called once the tensors are in: a damaged value fails here, naming ``where`` and the key,
+    before anything is changed.
+
+    As DeepSpeed: ``load_module_only`` restores neither counters nor schedule (nor, here, the
+    RNG). ``micro_steps`` is put at the start of an accumulation window (``global_steps`` x
+    this engine's ``gradient_accumulation_steps``): DeepSpeed does not restore it, and the
+    accumulated gradients of a window are not saved."""
     import torch_xla.core.xla_model as xm
 
-    engine.global_steps = meta["global_steps"]
-    engine.global_samples = meta["global_samples"]
-    engine.skipped_steps = meta["skipped_steps"]
-    engine.micro_steps = meta["micro_steps"]
+    def bad(key: str, why: str) -> CheckpointError:
+        return CheckpointError(f"{where!r}: {key!r} {why}; the checkpoint is damaged or not this engine's")
+
+    counters = {}
+    if not module_only:
+        for key in ("global_steps", "global_samples", "skipped_steps"):
+            value = meta.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise bad(key, f"is {value!r}, not a count")
+            counters[key] = value
+        counters["micro_steps"] = counters["global_steps"] * engine.gradient_accumulation_steps()
     optimizer = engine.optimizer.optimizer if engine.optimizer is not None else None
+    groups, host_state = [], {}
     if full_state and optimizer is not None:
-        for group, saved in zip(optimizer.param_groups, meta["optimizer"]["param_groups"]):
-            group.update(saved)
+        groups = meta["optimizer"]["param_groups"]
+        for i, group in enumerate(groups):
+            if not isinstance(group, dict) or "params" in group:
+                raise bad(f"optimizer.param_groups[{i}]", "is not a dict of hyperparameters")
         by_name = {name: target for target, name in engine._target_names.items()}
-        host_state = meta["optimizer"]["host_state"]
-        for name, saved_name in restack.host_state_names(by_name, host_state, *_layer_names(engine, meta)).items():
-            optimizer.state[by_name[name]].update(host_state[saved_name])
-    if scheduler and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-    rng = meta.get("rng")  # absent from imported DeepSpeed checkpoints
+        saved = meta["optimizer"]["host_state"]
+        for name, saved_name in restack.host_state_names(by_name, saved, *_layer_names(engine, meta)).items():
+            if not isinstance(saved[saved_name], dict):
+                raise bad(f"optimizer.host_state.{saved_name}", "is not a dict")
+            host_state[by_name[name]] = saved[saved_name]
+    schedule = meta.get("lr_scheduler") if scheduler and engine.lr_scheduler is not None else None
+    if schedule is not None:
+        live = engine.lr_scheduler.state_dict()
+        if not isinstance(schedule, dict) or set(schedule) != set(live) or any(
+                isinstance(v, int) and not isinstance(v, bool) and not isinstance(schedule[k], int)
+                for k, v in live.items()):
+            raise CheckpointError(
+                f"{where!r}: the saved LR schedule state {repr(schedule)[:200]} does not fit this engine's "
+                f"{type(engine.lr_scheduler).__name__} (its state has {sorted(live)}; another scheduler?); pass "
+                "load_lr_scheduler_states=False to keep this engine's schedule")
+    rng = meta.get("rng") if not module_only else None  # absent from imported DeepSpeed checkpoints
     if rng is not None:
-        torch.set_rng_state(rng["torch"])
-        xm.set_rng_state(rng["xla"])
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
+        _check_rng(rng, bad)
+
+    def restore() -> None:
+        for key, value in counters.items():
+            setattr(engine, key, value)
+        for group, saved in zip(optimizer.param_groups if groups else (), groups):
+            group.update(saved)
+        for target, state in host_state.items():
+            optimizer.state[target].update(state)
+        if schedule is not None:
+            engine.lr_scheduler.load_state_dict(schedule)
+        if rng is not None:
+            torch.set_rng_state(rng["torch"])
+            xm.set_rng_state(rng["xla"])
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
+
+    return restore
+
+
+def _check_rng(rng: dict, bad) -> None:
+    """Each saved RNG state set on a throwaway generator of its kind first."""
+    def xla_seed(value) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise TypeError("not a non-negative int")
+
+    checks = {"torch": lambda v: torch.Generator().set_state(v), "python": lambda v: random.Random().setstate(v),
+              "numpy": lambda v: np.random.RandomState().set_state(v), "xla": xla_seed}
+    for key, check in checks.items():
+        if key not in rng:
+            raise bad(f"rng.{key}", "is missing")
+        try:
+            check(rng[key])
+        except Exception as err:
+            raise bad(f"rng.{key}", f"is not a {key} RNG state ({type(err).__name__}: {str(err)[:100]})") from None
 
 
 # ---- consolidation (no devices needed) ----------------------------------------------------------

@@ -137,6 +137,80 @@ def test_same_process_round_trip_restores_everything(saved, tmp_path):
     assert open(os.path.join(ckpt, "latest")).read() == "global_step3"
 
 
+@pytest.mark.parametrize("flag", ["load_module_only", "load_optimizer_states"])
+def test_a_module_only_load_under_bf16_refreshes_the_fp32_masters(saved_bf16, flag):
+    """Without the optimizer states, the fp32 masters follow the loaded module (DeepSpeed
+    refreshes them from it): else the next step would update the old masters and write
+    them over the loaded weights."""
+    ckpt, saved_params = saved_bf16
+    engine, *_ = spmdzero.initialize(model=make_model(seed=1), config={**CONFIG, "bf16": {"enabled": True}})
+    init = params(engine)
+    engine.load_checkpoint(str(ckpt), **{flag: flag == "load_module_only"})
+    for name, p in engine.module.named_parameters():
+        master = engine.state_tensors()[f"master.{name}"][0]
+        assert torch.equal(master.cpu().to(torch.bfloat16), p.detach().cpu())
+        assert p.detach().float().cpu().tolist() == saved_params[name]
+    train(engine, 6, 2)  # one optimizer step: near the loaded weights, far from the fresh ones
+    for name, values in params(engine).items():
+        moved = (torch.tensor(values) - torch.tensor(saved_params[name])).abs().max()
+        assert moved < 0.05 < (torch.tensor(values) - torch.tensor(init[name])).abs().max()
+
+
+@pytest.fixture(scope="module")
+def saved_bf16(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("ckpt_bf16")
+    engine, *_ = spmdzero.initialize(model=make_model(), config={**CONFIG, "bf16": {"enabled": True}})
+    train(engine, 0, 6)
+    engine.save_checkpoint(str(ckpt))
+    return ckpt, params(engine)
+
+
+def test_load_module_only_restores_no_counters_schedule_or_rng(saved):
+    """DeepSpeed's ``load_module_only`` loads the weights and nothing else: a warm start keeps
+    its own step count, schedule and seeds."""
+    import random
+
+    ckpt, _ = saved
+    engine, *_ = spmdzero.initialize(model=make_model(seed=1), config=CONFIG)
+    random.seed(1234)
+    torch.manual_seed(1234)
+    expected = (random.random(), torch.rand(1).item())
+    random.seed(1234)
+    torch.manual_seed(1234)
+    engine.load_checkpoint(str(ckpt), load_module_only=True)
+    assert (random.random(), torch.rand(1).item()) == expected
+    assert (engine.global_steps, engine.global_samples, engine.micro_steps, engine.skipped_steps) == (0, 0, 0, 0)
+    assert engine.lr_scheduler.last_batch_iteration == -1
+
+
+def test_a_load_starts_a_whole_accumulation_window_of_this_engines_size(saved):
+    """Saved with gradient_accumulation_steps 2 after 3 optimizer steps, loaded with 4: the
+    next optimizer step comes after 4 micro-steps, not 2 (DeepSpeed does not restore the
+    micro-step count)."""
+    ckpt, _ = saved
+    engine, *_ = spmdzero.initialize(model=make_model(seed=1), config={
+        **CONFIG, "train_batch_size": 32, "gradient_accumulation_steps": 4})
+    engine.load_checkpoint(str(ckpt))
+    assert (engine.global_steps, engine.micro_steps) == (3, 12)
+    boundaries = []
+    for i in range(4):
+        boundaries.append(engine.is_gradient_accumulation_boundary())
+        train(engine, i, 1)
+    assert boundaries == [False, False, False, True] and engine.global_steps == 4
+
+
+def test_saving_in_the_middle_of_an_accumulation_window_warns(tmp_path):
+    engine, *_ = spmdzero.initialize(model=make_model(), config=CONFIG)
+    train(engine, 0, 1)
+    with pytest.warns(UserWarning, match="micro-step 1 of a 2-step gradient accumulation window"):
+        engine.save_checkpoint(str(tmp_path), tag="mid")
+    train(engine, 1, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message=".*(storage_meta|TypedStorage).*")
+        engine.save_checkpoint(str(tmp_path), tag="boundary")
+
+
 def test_no_latest_returns_none_with_a_warning(tmp_path):
     engine, *_ = spmdzero.initialize(model=make_model(), config=CONFIG)
     with pytest.warns(UserWarning, match="Unable to find latest file"):

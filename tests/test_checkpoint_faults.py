@@ -205,6 +205,13 @@ def test_consolidation_output_must_be_a_file_in_an_existing_directory(engine, tm
     (lambda m: m["tensors"].update({"model.0.weight": "big"}), "not \\[shape, dtype\\]"),
     (lambda m: m["optimizer"]["param_groups"].append({"lr": 1.0}), "2 optimizer param groups"),
     (lambda m: m["optimizer"]["host_state"].update({"nope": {}}), "state for \\['nope'\\]"),
+    (lambda m: m.update(global_steps=-5), "'global_steps' is -5, not a count"),
+    (lambda m: m["optimizer"].update(param_groups=[5]), "'optimizer.param_groups\\[0\\]' is not a dict"),
+    (lambda m: m["optimizer"]["host_state"].update({"0.weight": 3}), "'optimizer.host_state.0.weight' is not a dict"),
+    (lambda m: m.update(rng={}), "'rng.torch' is missing"),
+    (lambda m: m["rng"].update(xla="abc"), "'rng.xla' is not a xla RNG state"),
+    (lambda m: m["rng"]["python"].update({"__tuple__": [3]}), "'rng.python' is not a python RNG state"),
+    (lambda m: m["rng"]["torch"]["__tensor__"].__setitem__(1, [7]), "cannot read .*meta.json.*RuntimeError"),
 ])
 def test_damaged_meta_is_refused_before_anything_is_loaded(engine, tmp_path, damage, message):
     import json
@@ -222,10 +229,107 @@ def test_damaged_meta_is_refused_before_anything_is_loaded(engine, tmp_path, dam
     assert all(torch.equal(before[n], p.detach().cpu()) for n, p in engine.module.named_parameters())
 
 
+def test_another_schedulers_state_is_refused_before_anything_is_loaded(tmp_path):
+    """A torch StepLR's state into an engine with DeepSpeed's WarmupLR, and back: refused,
+    naming both, with nothing changed (a schedule's load_state_dict would take any dict)."""
+    step_lr = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2)  # noqa: E731
+    warmup = {**CONFIG, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}
+    saved, *_ = spmdzero.initialize(model=tiny_mlp(), config=CONFIG, lr_scheduler=step_lr)
+    saved.save_checkpoint(str(tmp_path), tag="steplr")
+    other, *_ = spmdzero.initialize(model=tiny_mlp(), config=warmup)
+    other.save_checkpoint(str(tmp_path), tag="warmup")
+    for engine, tag, live in ((other, "steplr", "WarmupLR"), (saved, "warmup", "StepLR")):
+        engine.global_steps = 7
+        before = {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()}
+        with pytest.raises(CheckpointError, match=f"LR schedule state .* does not fit this engine's {live}"):
+            engine.load_checkpoint(str(tmp_path), tag=tag)
+        assert engine.global_steps == 7
+        assert all(torch.equal(before[n], p.detach().cpu()) for n, p in engine.module.named_parameters())
+        engine.load_checkpoint(str(tmp_path), tag=tag, load_lr_scheduler_states=False)  # the way out it names
+
+
 def test_an_empty_latest_file_is_named(engine, tmp_path):
     (tmp_path / "latest").write_text("\n")
     with pytest.raises(CheckpointError, match="latest.*names ''"):
         engine.load_checkpoint(str(tmp_path))
+
+
+def test_an_unreadable_latest_file_is_named(engine, tmp_path):
+    (tmp_path / "latest").write_bytes(b"\xff\xfe")
+    with pytest.raises(CheckpointError, match="cannot read .*latest"):
+        engine.load_checkpoint(str(tmp_path))
+
+
+def test_a_missing_tag_lists_only_directories(engine, tmp_path):
+    engine.save_checkpoint(str(tmp_path), tag="real")
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match=r"no checkpoint tag 'notes.txt' .*\(found: real\)"):
+        engine.load_checkpoint(str(tmp_path), tag="notes.txt")
+
+
+# ---- saving touches only what it writes ---------------------------------------------------------
+
+def test_resaving_a_tag_keeps_the_users_files_in_it(engine, tmp_path):
+    """DeepSpeed writes into a tag's directory and leaves the rest: so does a re-save here,
+    and so does the first save into a directory the user made."""
+    (tmp_path / "final" / "hf").mkdir(parents=True)
+    (tmp_path / "final" / "tokenizer.json").write_text("{}")
+    (tmp_path / "final" / "hf" / "config.json").write_text("{}")
+    for version in (1, 2):
+        engine.save_checkpoint(str(tmp_path), tag="final", client_state={"v": version})
+        assert listing(tmp_path / "final") == ["client_state.pt", "hf", "meta.json", "state", "tokenizer.json"]
+    assert (tmp_path / "final" / "hf" / "config.json").read_text() == "{}"
+    assert engine.load_checkpoint(str(tmp_path), tag="final")[1] == {"v": 2}
+
+
+def test_recovery_keeps_the_users_files_of_an_interrupted_resave(engine, tmp_path):
+    """Killed after the new copy was put in place, before the old one was removed: the next
+    save moves the user's files from the old copy into the tag, then removes the old copy."""
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    (tmp_path / "t" / "notes.txt").write_text("mine")
+    shutil.copytree(tmp_path / "t", tmp_path / ".replaced.t")
+    (tmp_path / "t" / "notes.txt").unlink()
+    engine.save_checkpoint(str(tmp_path), tag="other")
+    assert listing(tmp_path) == ["latest", "other", "t"]
+    assert (tmp_path / "t" / "notes.txt").read_text() == "mine"
+
+
+def test_recovery_leaves_the_users_hidden_directories_alone(engine, tmp_path):
+    for name in (".tmp.cache", ".old.runs", ".tmp.x.12", "latest.tmp.notes"):
+        (tmp_path / name).mkdir()
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    assert listing(tmp_path) == [".old.runs", ".tmp.cache", "latest", "latest.tmp.notes", "t"]  # .tmp.x.12: a format-1 leftover
+
+
+def test_a_tag_that_is_a_file_is_refused_before_anything_is_written(engine, tmp_path):
+    (tmp_path / "mine").write_text("data")
+    with pytest.raises(CheckpointError, match="'mine'.*exists and is not a directory"):
+        engine.save_checkpoint(str(tmp_path), tag="mine")
+    assert listing(tmp_path) == ["mine"] and (tmp_path / "mine").read_text() == "data"
+
+
+def test_a_failed_save_is_a_checkpoint_error_naming_the_tag(engine, tmp_path, monkeypatch):
+    """Whatever DCP raises (its CheckpointException is not even an Exception) or the disk
+    says: a CheckpointError, which ``except Exception`` catches, and the previous checkpoint intact."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    engine.save_checkpoint(str(tmp_path), tag="good")
+
+    def full_disk(*args, **kwargs):
+        raise CheckpointException("ranks:dict_keys([0])", {0: (OSError(28, "No space left on device"), None)})
+
+    monkeypatch.setattr(dcp, "save", full_disk)
+    with pytest.raises(CheckpointError, match="cannot write checkpoint 'next'.*No space left on device"):
+        engine.save_checkpoint(str(tmp_path), tag="next")
+    monkeypatch.undo()
+    assert listing(tmp_path) == ["good", "latest"]
+    (tmp_path / "latest").unlink()
+    (tmp_path / "latest").mkdir()
+    with pytest.raises(CheckpointError, match="'after' was saved to .*latest' could not be updated"):
+        engine.save_checkpoint(str(tmp_path), tag="after")
+    assert listing(tmp_path) == ["after", "good", "latest"]  # no temporary file left behind
+    assert engine.load_checkpoint(str(tmp_path), tag="after")[0].endswith("after")
 
 
 def test_a_deepspeed_file_of_the_wrong_shape_is_named(engine, tmp_path):
