@@ -461,6 +461,14 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
         return loss
 
     def loss_scale(self) -> float:
+        """DeepSpeed's: the configured static fp16 loss scale (0 for dynamic scaling), 1.0 under
+        bf16, 0 in fp32. The scale in use is ``optimizer.cur_scale``."""
+        if self.fp16_enabled():
+            return self._config.fp16.loss_scale
+        return 1.0 if self.bfloat16_enabled() else 0
+
+    def current_loss_scale(self) -> float:
+        """The loss scale in use (reads the device under dynamic fp16 scaling); 1.0 without one."""
         return 1.0 if self._loss_scale is None else float(self._loss_scale.scale)
 
     def overflow(self) -> bool:
@@ -492,6 +500,16 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
         """The gradients accumulated since the last boundary (laid out by the plan: the ZeRO-2
         shards), by parameter name. Empty after a boundary step or ``zero_grad()``."""
         return {s.name: s.grad for s in self._slots if s.grad is not None}
+
+    def refresh_fp32_params(self) -> None:
+        """The fp32 master weights take the module's current weights (after they were changed by
+        hand): DeepSpeed's ``optimizer.refresh_fp32_params()``. Nothing to do in fp32."""
+        with torch.no_grad():
+            for slot in self._slots:
+                if slot.target is not slot.param:  # laid out as the master first: copy_ keeps a layout
+                    value = constrain(slot.param.to(slot.target.dtype), self.mesh, self.plan[slot.name].master)
+                    slot.target.copy_(value)
+        self._reannotate()
 
     def master_weights(self) -> dict[str, torch.Tensor]:
         """The fp32 master weights by parameter name (empty in fp32 training)."""

@@ -4,6 +4,8 @@ precision policy. One definition, so the two backends cannot drift apart."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -32,6 +34,46 @@ class DeepSpeedCounters:
 
     def fp16_enabled(self) -> bool:
         return self.precision.param_dtype == torch.float16
+
+    # ---- DeepSpeed's config getters, as scripts call them -------------------------------
+    def zero_optimization(self) -> bool:
+        return self.plan.stage > 0
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.plan.stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        """False: parameters are never sharded at stages 0-2 (ZeRO-3 is out of scope)."""
+        return False
+
+    def steps_per_print(self) -> Optional[int]:
+        return self._config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return self._config.wall_clock_breakdown
+
+    def optimizer_name(self) -> Optional[str]:
+        """As DeepSpeed: the config's optimizer type, lower-case, else the client optimizer's
+        class name; None without an optimizer."""
+        if self._config.optimizer is not None:
+            return self._config.optimizer.type.lower()
+        client = getattr(getattr(self, "optimizer", None), "optimizer", None)
+        return type(client).__name__ if client is not None else None
+
+    def dynamic_loss_scale(self) -> bool:
+        return self.fp16_enabled() and self._config.fp16.loss_scale == 0
+
+    def get_data_parallel_rank(self) -> int:
+        """This process's rank among the data-parallel processes (one per host)."""
+        return getattr(self, "global_rank", 0)
+
+    def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict:
+        state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            frozen = {prefix + n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = type(state)((k, v) for k, v in state.items() if k not in frozen)
+        return state
 
     # ---- accumulation boundary -----------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:

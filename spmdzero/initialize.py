@@ -153,9 +153,11 @@ def _build_optimizer(client, model_parameters, module, cfg):
 
 def _drop_frozen(optimizer) -> None:
     """DeepSpeed's ZeRO optimizers keep only the parameters that require grad, so frozen
-    layers may come along in ``model_parameters=model.parameters()``."""
+    layers may come along in ``model_parameters=model.parameters()``; a group left empty is
+    dropped, as DeepSpeed drops it (``get_lr()`` has one entry per remaining group)."""
     for group in optimizer.param_groups:
         group["params"] = [p for p in group["params"] if p.requires_grad]
+    optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
 
 
 def _build_scheduler(client, optimizer, cfg):

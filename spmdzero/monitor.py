@@ -266,7 +266,7 @@ class StepLogger:
         if loss is not None:
             events.append(("Train/Samples/train_loss", loss, engine.global_samples))
         if engine.precision.scales_loss:
-            events.append(("Train/Samples/loss_scale", engine.loss_scale(), engine.global_samples))
+            events.append(("Train/Samples/loss_scale", engine.current_loss_scale(), engine.global_samples))
         if self.wall_clock_breakdown:
             events += [(f"Train/Samples/elapsed_time_ms_{k}", v, engine.global_samples)
                        for k, v in self.timers.summary_ms().items()]
@@ -285,7 +285,7 @@ class StepLogger:
         if norm is not None:
             parts.append(f"grad_norm={norm:.4f}")
         if engine.precision.scales_loss:
-            parts.append(f"loss_scale={engine.loss_scale():g}")
+            parts.append(f"loss_scale={engine.current_loss_scale():g}")
         parts.append(f"samples/sec={throughput:.1f}")
         # 6 FLOPs per parameter per sample (forward 2, backward 4): a rough model-FLOPs figure
         params = sum(p.numel() for p in engine.module.parameters())

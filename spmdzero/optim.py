@@ -422,9 +422,14 @@ class ZeroOptimizer:
 
     @property
     def loss_scale(self) -> float:
-        return self._engine.loss_scale()
+        return self._engine.current_loss_scale()
 
     cur_scale = loss_scale
+
+    def refresh_fp32_params(self) -> None:
+        """DeepSpeed's: after the module's weights were changed by hand, make the fp32 master
+        weights (mixed precision) take them, so the next step updates those values."""
+        self._engine.refresh_fp32_params()
 
     @property
     def overflow(self) -> bool:

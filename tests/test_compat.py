@@ -42,7 +42,8 @@ NAMES = [
     ("deepspeed.comm", "barrier"), ("deepspeed.comm", "all_reduce"), ("deepspeed.comm", "broadcast"),
     ("deepspeed.comm", "is_initialized"), ("deepspeed.comm", "init_distributed"), ("deepspeed.comm", "ReduceOp"),
     ("deepspeed.ops.adam", "FusedAdam"), ("deepspeed.ops.adam", "DeepSpeedCPUAdam"), ("deepspeed.ops.lamb", "FusedLamb"),
-    ("deepspeed.utils", "logger"), ("deepspeed.utils", "log_dist"),
+    ("deepspeed.utils", "logger"), ("deepspeed.utils", "log_dist"), ("deepspeed.utils", "RepeatingLoader"),
+    ("deepspeed.comm", "all_gather_into_tensor"), ("deepspeed.comm", "reduce_scatter_tensor"),
     ("deepspeed.runtime.lr_schedules", "VALID_LR_SCHEDULES"), ("deepspeed.runtime.lr_schedules", "WarmupLR"),
     ("deepspeed.runtime.lr_schedules", "WarmupDecayLR"), ("deepspeed.runtime.lr_schedules", "WarmupCosineLR"),
     ("deepspeed.runtime.lr_schedules", "OneCycle"), ("deepspeed.runtime.lr_schedules", "LRRangeTest"),
@@ -141,6 +142,23 @@ def test_init_distributed_creates_a_real_process_group(deepspeed):
     ds_dist.broadcast(value, src=0)
     assert value.device.type == "xla" and value.cpu().tolist() == [2.0, 2.0, 2.0]
     deepspeed.init_distributed()  # a second call keeps the group
+    handle = ds_dist.all_reduce(value, async_op=True)  # done already: the collectives run on a host copy
+    assert handle.wait() and handle.is_completed()
+    gathered, scattered = torch.zeros(3, device="xla"), torch.zeros(3, device="xla")
+    assert ds_dist.all_gather_into_tensor(gathered, value) is None
+    ds_dist.reduce_scatter_tensor(scattered, value)
+    assert gathered.cpu().tolist() == scattered.cpu().tolist() == [2.0, 2.0, 2.0]
+    with pytest.raises(AttributeError, match="deepspeed.comm' \\(spmdzero's compatibility layer\\) has no attribute"):
+        ds_dist.no_such_collective
+
+
+def test_repeating_loader_starts_the_loader_again(deepspeed):
+    from deepspeed.utils import RepeatingLoader
+
+    loader = RepeatingLoader([1, 2])
+    assert [next(loader) for _ in range(5)] == [1, 2, 1, 2, 1]
+    with pytest.raises(AttributeError, match="deepspeed.utils' \\(spmdzero's compatibility layer\\)"):
+        deepspeed.utils.no_such_helper
 
 
 def test_add_config_arguments_adds_deepspeed_flags(deepspeed):
@@ -260,6 +278,12 @@ def test_engine_deepspeed_api(deepspeed, tmp_path):
     with pytest.raises(AttributeError, match="neither the engine nor its module"):
         engine.no_such_attribute
     assert engine.zero_gather_16bit_weights_on_model_save() is True
+    # DeepSpeed's config getters, as its examples and save helpers call them
+    assert (engine.zero_optimization(), engine.zero_optimization_partition_gradients(),
+            engine.zero_optimization_partition_weights()) == (True, True, False)
+    assert (engine.steps_per_print(), engine.wall_clock_breakdown(), engine.optimizer_name()) == (None, False, "adam")
+    assert (engine.dynamic_loss_scale(), engine.loss_scale(), engine.get_data_parallel_rank()) == (False, 1.0, 0)
+    assert list(engine.module_state_dict()) == list(model.state_dict())
     seen, dropped = [], []
     engine.register_post_step_hook(lambda e: seen.append(e.global_steps))
     handle = engine.register_post_step_hook(lambda e: dropped.append(e.global_steps))

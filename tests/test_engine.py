@@ -278,3 +278,40 @@ def test_only_tensors_with_the_batch_dim_are_split():
     x, mask = to_device_sharded((torch.randn(16, 4), torch.ones(4, 4)), engine.mesh, engine.plan.batch_spec, 8)
     assert sharding_spec(x) == "{devices=[8,1]0,1,2,3,4,5,6,7}"
     assert sharding_spec(mask) in ("", "{replicated}")
+
+
+def test_param_groups_left_empty_by_frozen_parameters_are_dropped():
+    """DeepSpeed drops them: ``get_lr()`` has one entry per group that trains."""
+    model = tiny_mlp()
+    model[0].requires_grad_(False)
+    groups = [{"params": model[0].parameters(), "lr": 0.1}, {"params": model[2].parameters(), "lr": 0.2}]
+    opt = torch.optim.AdamW(groups)
+    engine, *_ = spmdzero.initialize(model=model, optimizer=opt, config={"train_batch_size": 16,
+                                                                         "zero_optimization": {"stage": 2}})
+    assert engine.get_lr() == [0.2] and len(engine.optimizer.param_groups) == 1
+
+
+def test_refresh_fp32_params_gives_the_masters_the_modules_weights():
+    """After the module's weights are changed by hand, DeepSpeed's ``refresh_fp32_params`` makes
+    the next step update them, not the old masters."""
+    engine, optimizer, *_ = spmdzero.initialize(model=tiny_mlp(), config={
+        "train_batch_size": 16, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
+    with torch.no_grad():
+        for p in engine.module.parameters():
+            p.fill_(0.5)
+    optimizer.refresh_fp32_params()
+    assert all(torch.all(m.cpu() == 0.5) for m in engine.master_weights().values())
+    x, y = batches(1, 16)[0]
+    engine.backward(torch.nn.functional.mse_loss(engine(x).float(), y.to(engine.device)))
+    engine.step()
+    assert all((p.detach().float().cpu() - 0.5).abs().max() < 0.01 for p in engine.module.parameters())
+
+
+@pytest.mark.parametrize("fp16,expected", [({"enabled": True}, 0), ({"enabled": True, "loss_scale": 128}, 128)])
+def test_loss_scale_is_deepspeeds_config_value_and_cur_scale_the_live_one(fp16, expected):
+    engine, optimizer, *_ = spmdzero.initialize(model=tiny_mlp(), config={
+        "train_batch_size": 16, "fp16": fp16, "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
+    assert engine.loss_scale() == expected and engine.dynamic_loss_scale() is (expected == 0)
+    assert optimizer.cur_scale == (2.0 ** 16 if expected == 0 else expected)

@@ -110,9 +110,24 @@ def _on_host(tensor: torch.Tensor, collective) -> torch.Tensor:
     return tensor
 
 
+class CompletedWork:
+    """What an ``async_op=True`` collective returns here: they run synchronously on a host
+    copy, so the work is done by the time the call returns (``.wait()`` is free)."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _handle(async_op: bool) -> Optional[CompletedWork]:
+    return CompletedWork() if async_op else None
+
+
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, prof=False, log_name="all_reduce", debug=None):
     _on_host(tensor, lambda t: dist.all_reduce(t, op=op, group=group))
-    return None
+    return _handle(async_op)
 
 
 def inference_all_reduce(tensor, op=ReduceOp.SUM, group=None):
@@ -121,12 +136,12 @@ def inference_all_reduce(tensor, op=ReduceOp.SUM, group=None):
 
 def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False, prof=False, log_name="reduce", debug=None):
     _on_host(tensor, lambda t: dist.reduce(t, dst, op=op, group=group))
-    return None
+    return _handle(async_op)
 
 
 def broadcast(tensor, src, group=None, async_op=False, prof=False, log_name="broadcast", debug=None):
     _on_host(tensor, lambda t: dist.broadcast(t, src, group=group))
-    return None
+    return _handle(async_op)
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False, prof=False, log_name="all_gather", debug=None):
@@ -135,7 +150,25 @@ def all_gather(tensor_list, tensor, group=None, async_op=False, prof=False, log_
     with torch.no_grad():
         for out, value in zip(tensor_list, host):
             out.copy_(value.to(out.device))
-    return None
+    return _handle(async_op)
+
+
+def all_gather_into_tensor(output_tensor, tensor, group=None, async_op=False, debug=None):
+    """Every process's ``tensor`` concatenated along dim 0 into ``output_tensor``."""
+    parts = [torch.empty_like(tensor, device="cpu") for _ in range(get_world_size(group))]
+    all_gather(parts, tensor, group=group)
+    with torch.no_grad():
+        output_tensor.copy_(torch.cat(parts).to(output_tensor.device))
+    return _handle(async_op)
+
+
+def reduce_scatter_tensor(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_op=False, debug=None):
+    """``tensor`` reduced over the processes, this process's dim-0 chunk into ``output_tensor``."""
+    total = tensor.detach().cpu().clone()
+    _on_host(total, lambda t: dist.all_reduce(t, op=op, group=group))
+    with torch.no_grad():
+        output_tensor.copy_(total.chunk(get_world_size(group))[get_rank(group)].to(output_tensor.device))
+    return _handle(async_op)
 
 
 def all_gather_object(object_list, obj, group=None):
