@@ -43,7 +43,7 @@ from torch.utils import _pytree as torch_pytree
 
 from .config import BatchSizes, ConfigError, DeepSpeedConfig, resolve_batch
 from .data import ShardedDataLoader, _concat, model_pad_id, pad_sequences
-from .engine_api import DeepSpeedCounters
+from .engine_api import TARGET_NAMES, DeepSpeedCounters
 from .mesh import check_user_mesh, data_parallel_size, mesh_shape, resolve_mesh_shape
 from .monitor import log_block
 from .optim import SpmdOptimizer, build_optimizer
@@ -324,9 +324,10 @@ class TorchaxEngine(DeepSpeedCounters):
 
         return self._jax.device_put(mappings.t2j(t.detach().cpu()), sharding)
 
-    def _place_inputs(self, leaves: list) -> list:
+    def _place_inputs(self, leaves: list, keep_dtype: frozenset = frozenset()) -> list:
         """Tensors to JAX arrays: those with the batch's leading dim split along the batch axes
-        (replicated when it does not divide), others replicated; torchax tensors as they are."""
+        (replicated when it does not divide), others replicated; torchax tensors as they are.
+        Floating ones in the model dtype, except those whose id is in ``keep_dtype`` (targets)."""
         from torchax import tensor as ttensor
 
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
@@ -334,7 +335,7 @@ class TorchaxEngine(DeepSpeedCounters):
         split = rows is not None and rows % self._batch.dp_devices == 0
         placed = []
         for t in tensors:
-            if t.is_floating_point() and not isinstance(t, ttensor.Tensor):
+            if t.is_floating_point() and not isinstance(t, ttensor.Tensor) and id(t) not in keep_dtype:
                 t = t.to(self.precision.param_dtype)  # in the model dtype, as the torch_xla engine does
             if isinstance(t, ttensor.Tensor):
                 placed.append(t._elem)
@@ -402,7 +403,9 @@ class TorchaxEngine(DeepSpeedCounters):
                                            model_pad_id(self._module))
         leaves, treespec = torch_pytree.tree_flatten((inputs, kwargs))
         static = tuple((i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor))
-        arrays = self._place_inputs(leaves)
+        targets = {id(t) for name in TARGET_NAMES & set(kwargs)
+                   for t in torch_pytree.tree_leaves(kwargs[name]) if isinstance(t, torch.Tensor)}
+        arrays = self._place_inputs(leaves, keep_dtype=targets)
         self._last_output_loss = None
         rng = (self._rng, np.uint32(self.micro_steps))  # dropout draws anew at every micro-step
         if self._module.training and torch.is_grad_enabled():

@@ -16,6 +16,7 @@ import difflib
 import json
 import os
 import warnings
+import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
@@ -143,6 +144,18 @@ REFUSED_KEYS: dict[str, str] = {
 STRICT = ConfigDict(strict=True, allow_inf_nan=False)
 
 
+def whole_floats_as_ints(model: type[BaseModel], data: Any) -> Any:
+    """``"steps_per_print": 1e5`` (a common idiom) or ``"min_loss_scale": 1.0`` for an integer
+    key: DeepSpeed reads them as the numbers they are. Other floats stay refused, and so do
+    whole ones beyond 2**53, where a float no longer holds every integer (``1e30``)."""
+    if not isinstance(data, Mapping):
+        return data
+    ints = {name for name, field in model.model_fields.items()
+            if field.annotation is int or int in typing.get_args(field.annotation)}
+    return {k: int(v) if k in ints and isinstance(v, float) and v.is_integer() and abs(v) <= 2**53 else v
+            for k, v in data.items()}
+
+
 class Section(BaseModel):
     """A config section: unknown keys refused; ``"auto"`` dropped so the default applies
     (DeepSpeed's rule for its pydantic sections); types strict (``STRICT``)."""
@@ -155,6 +168,8 @@ class Section(BaseModel):
         if isinstance(data, Mapping):
             return {k: v for k, v in data.items() if v != "auto"}
         return data
+
+    _whole_floats = model_validator(mode="before")(classmethod(lambda cls, data: whole_floats_as_ints(cls, data)))
 
 
 class ZeroConfig(Section):
@@ -320,6 +335,8 @@ class DeepSpeedConfig(BaseModel):
         if isinstance(data, Mapping):
             return {k: v for k, v in data.items() if v != "auto"}
         return data
+
+    _whole_floats = model_validator(mode="before")(classmethod(lambda cls, data: whole_floats_as_ints(cls, data)))
 
     train_batch_size: Optional[int] = Field(None, gt=0)
     train_micro_batch_size_per_gpu: Optional[int] = Field(None, gt=0)

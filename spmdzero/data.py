@@ -15,6 +15,7 @@ consistently with the attention mask, so the losses are unchanged.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import torch
@@ -31,9 +32,20 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(obj, (list, tuple)):
         mapped = [map_tensors(o, fn) for o in obj]
         return type(obj)(*mapped) if hasattr(obj, "_fields") else type(obj)(mapped)
-    if isinstance(obj, dict):
-        return type(obj)((k, map_tensors(v, fn)) for k, v in obj.items())
+    if isinstance(obj, Mapping):
+        return like(obj, ((k, map_tensors(v, fn)) for k, v in obj.items()))
     return obj
+
+
+def like(mapping: Mapping, items) -> Mapping:
+    """A mapping of ``mapping``'s type with ``items``: a dict, an OrderedDict, or a
+    ``transformers.BatchEncoding`` (what Hugging Face collators return: a ``UserDict``, not a
+    dict); a plain dict for a mapping type that cannot be built from pairs."""
+    items = list(items)
+    try:
+        return type(mapping)(items)
+    except Exception:
+        return dict(items)
 
 
 def _first_batch_size(obj: Any) -> Optional[int]:
@@ -73,10 +85,10 @@ def pad_sequences(obj: Any, multiple: int, pad_id: int = 0) -> Any:
     Host tensors only: padding a tensor already on the device would not change the
     step's input shapes."""
     if _has_host_mask(obj):
-        return type(obj)((k, _pad_dim1(v, v.shape[1] + -v.shape[1] % multiple, _pad_value(k, pad_id)))
-                         if k in _sequence_keys(obj) else (k, v) for k, v in obj.items())
-    if isinstance(obj, dict):
-        return type(obj)((k, pad_sequences(v, multiple, pad_id)) for k, v in obj.items())
+        return like(obj, ((k, _pad_dim1(v, v.shape[1] + -v.shape[1] % multiple, _pad_value(k, pad_id)))
+                          if k in _sequence_keys(obj) else (k, v) for k, v in obj.items()))
+    if isinstance(obj, Mapping):
+        return like(obj, ((k, pad_sequences(v, multiple, pad_id)) for k, v in obj.items()))
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
         return type(obj)(pad_sequences(o, multiple, pad_id) for o in obj)
     return obj
@@ -89,12 +101,12 @@ def _align_sequences(parts: tuple, pad_id: int) -> tuple:
         return parts
     keys = set.intersection(*(_sequence_keys(p) for p in parts))
     longest = {k: max(p[k].shape[1] for p in parts) for k in keys}
-    return tuple(type(p)((k, _pad_dim1(v, longest[k], _pad_value(k, pad_id)) if k in keys else v)
-                         for k, v in p.items()) for p in parts)
+    return tuple(like(p, ((k, _pad_dim1(v, longest[k], _pad_value(k, pad_id)) if k in keys else v)
+                          for k, v in p.items())) for p in parts)
 
 
 def _has_host_mask(obj: Any) -> bool:
-    mask = obj.get("attention_mask") if isinstance(obj, dict) else None
+    mask = obj.get("attention_mask") if isinstance(obj, Mapping) else None
     return isinstance(mask, torch.Tensor) and mask.dim() >= 2 and mask.device.type != "xla"
 
 
@@ -253,13 +265,13 @@ def _concat(parts: tuple, rows: Optional[tuple] = None, pad_id: int = 0, field: 
     if isinstance(first, (list, tuple)):
         merged = [_concat(tuple(p[i] for p in parts), rows, pad_id, f"{field}[{i}]") for i in range(len(first))]
         return type(first)(*merged) if hasattr(first, "_fields") else type(first)(merged)
-    if isinstance(first, dict):
+    if isinstance(first, Mapping):
         parts = _align_sequences(parts, pad_id)
-        return type(first)((k, _concat(tuple(p[k] for p in parts), rows, pad_id, f"{field}[{k!r}]")) for k in first)
+        return like(first, ((k, _concat(tuple(p[k] for p in parts), rows, pad_id, f"{field}[{k!r}]")) for k in first))
     return first
 
 
 def _is_row_list(obj: Any, rows: Optional[int]) -> bool:
     """A list with one plain value (not a tensor or container) per row of its batch."""
     return (isinstance(obj, list) and rows is not None and len(obj) == rows
-            and not any(isinstance(v, (torch.Tensor, list, tuple, dict)) for v in obj))
+            and not any(isinstance(v, (torch.Tensor, list, tuple, Mapping)) for v in obj))

@@ -32,7 +32,7 @@ from . import fused, runtime
 from .annotate import constrain, shard
 from .config import BatchSizes, DeepSpeedConfig
 from .data import batch_rows, map_tensors, model_pad_id, pad_sequences, to_device_sharded
-from .engine_api import DeepSpeedCounters
+from .engine_api import TARGET_NAMES, DeepSpeedCounters
 from .monitor import RecompileGuard, StepLogger, ThroughputTimer, compile_count, notice_nonfinite
 from .optim import SpmdOptimizer, ZeroOptimizer
 from .plan import ShardingPlan, replicated
@@ -118,8 +118,10 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
     # ---- the training step -----------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         """Move batch tensors to the device, split along the batch axes, cast floating
-        inputs to the model dtype, and run the module. A training forward's rows (read from
-        host-side shapes) are checked against the batch rule and counted in ``global_samples``."""
+        inputs to the model dtype (as DeepSpeed's ``fp16.auto_cast``; not the targets named in
+        ``TARGET_NAMES``: an fp16 cast can overflow a regression target), and run the module. A
+        training forward's rows (read from host-side shapes) are checked against the batch rule
+        and counted in ``global_samples``."""
         start = time.perf_counter()
         self.recompile_guard.step_started()
         if self._config.spmd.pad_to_multiple_of:
@@ -134,7 +136,9 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
                                            self._batch.dp_devices, self._batch.processes)
         dtype = self.precision.param_dtype
         if dtype != torch.float32:
-            inputs, kwargs = map_tensors((inputs, kwargs), lambda t: t.to(dtype) if t.is_floating_point() else t)
+            cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+            inputs = map_tensors(inputs, cast)
+            kwargs = {k: v if k in TARGET_NAMES else map_tensors(v, cast) for k, v in kwargs.items()}
         try:
             return self.module(*inputs, **kwargs)
         finally:

@@ -9,6 +9,12 @@ from typing import Optional
 import torch
 
 
+# Keyword inputs that are loss targets (transformers' ``labels``, the usual names): both engines
+# keep their dtype where they cast floating inputs to the model dtype (an fp16 cast can overflow
+# a regression target; DeepSpeed's fp16.auto_cast leaves keyword inputs alone).
+TARGET_NAMES = frozenset({"labels", "label", "target", "targets"})
+
+
 class DeepSpeedCounters:
     """Needs ``_batch`` (config.BatchSizes), ``plan``, ``_config``, ``precision``, ``micro_steps``
     and ``_boundary_override`` on the engine."""

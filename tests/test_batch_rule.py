@@ -237,6 +237,37 @@ def test_the_training_loader_aligns_and_pads_ranks_batches_on_the_host(pad):
         assert torch.equal(mask, (ids != 0).long()) and torch.equal(labels, ids.masked_fill(ids == 0, -100))
 
 
+def test_hugging_face_collators_batch_encodings_are_split_like_dicts():
+    """transformers' collators (DataCollatorWithPadding, ...ForLanguageModeling) return a
+    BatchEncoding, a UserDict and not a dict: every rank's rows reach the devices, padded, and
+    are counted (the first rank's alone used to be trained, on the host, with a warning that
+    called it a partial batch); passed to the engine directly, it is moved the same way."""
+    from transformers import BatchEncoding
+
+    engine, _, loader, _ = spmdzero.initialize(
+        model=TinyLM(), training_data=Sentences(), collate_fn=lambda items: BatchEncoding(pad_to_longest(items)),
+        config={"train_micro_batch_size_per_gpu": 1, "optimizer": ADAMW, "spmd": {"pad_to_multiple_of": 16}})
+    seen = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        for batch in loader:
+            assert isinstance(batch, BatchEncoding) and batch["input_ids"].device.type == "xla"
+            assert batch["input_ids"].shape == (8, 16)
+            seen += batch["input_ids"].shape[0]
+            engine.backward(engine(**batch))
+            engine.step()
+    assert seen == engine.global_samples == len(Sentences())
+
+    class WholeBatch(TinyLM):  # forward(batch), the BatchEncoding passed as it is
+        def forward(self, batch):
+            return super().forward(**batch)
+
+    engine = engine_for(micro=1, model=WholeBatch())
+    engine.backward(engine(BatchEncoding(pad_to_longest([Sentences()[i] for i in range(8)]))))
+    engine.step()
+    assert engine.global_samples == 8
+
+
 def test_ranks_batches_of_different_shapes_without_a_mask_are_a_clear_error():
     _, _, loader, _ = spmdzero.initialize(model=tiny_mlp(), training_data=Sentences(), config={
         "train_micro_batch_size_per_gpu": 1, "optimizer": ADAMW},

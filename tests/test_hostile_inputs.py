@@ -48,6 +48,15 @@ def test_strict_section_types(cfg, message):
         parse_config(cfg)
 
 
+def test_whole_numbers_written_as_floats_are_integers():
+    """``"steps_per_print": 1e5`` is a common idiom in Hugging Face-style configs."""
+    cfg = parse_config({"train_batch_size": 16.0, "steps_per_print": 1e5,
+                        "fp16": {"enabled": True, "min_loss_scale": 1.0, "loss_scale_window": 1000.0}})
+    assert (cfg.train_batch_size, cfg.steps_per_print, cfg.fp16.min_loss_scale, cfg.fp16.loss_scale_window) == \
+        (16, 100000, 1, 1000)
+    assert all(type(v) is int for v in (cfg.train_batch_size, cfg.steps_per_print, cfg.fp16.min_loss_scale))
+
+
 def test_strict_types_keep_what_deepspeed_configs_use():
     cfg = parse_config({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1,
                         "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8, "overlap_comm": True},

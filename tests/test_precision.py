@@ -2,6 +2,7 @@
 scaling, overflow skipping in the graph."""
 
 import json
+import math
 import pathlib
 import sys
 
@@ -151,3 +152,27 @@ def test_static_loss_scale_skips_overflow_without_changing_the_scale():
                                                                                     "loss_scale": 128}))
     run(engine, data(3), [0, 1, 0])
     assert optimizer.loss_scale == 128.0 and engine.skipped_steps == 1
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_floating_inputs_take_the_model_dtype_but_named_targets_keep_theirs(precision):
+    """``engine(x, target=y)``: x is cast to the model dtype (DeepSpeed's fp16.auto_cast); a
+    regression target of 80000 is not (in fp16 it would be inf, and every step skipped)."""
+    seen = {}
+
+    class Regression(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, x, target):
+            seen["x"], seen["target"] = x.dtype, target.dtype
+            return torch.nn.functional.mse_loss(self.lin(x).float().squeeze(-1) * 1e4, target)
+
+    engine, *_ = spmdzero.initialize(model=Regression(), config={
+        "train_batch_size": 8, precision: {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    loss = engine(torch.randn(8, 4), target=torch.full((8,), 80000.0))
+    engine.backward(loss)
+    engine.step()
+    assert seen == {"x": getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[precision]), "target": torch.float32}
+    assert math.isfinite(loss.item())  # an fp16 target of 80000 is inf
