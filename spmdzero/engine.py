@@ -131,6 +131,8 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
         self._input_shapes = tuple(shapes)
         if self.module.training and torch.is_grad_enabled():
             self._count_training_rows(*batch_rows((inputs, kwargs)))
+        else:
+            self.recompile_guard.note_evaluation()
         # positional and keyword inputs together: the first tensor's leading dim is the batch
         inputs, kwargs = to_device_sharded((inputs, kwargs), self.mesh, self.plan.batch_spec,
                                            self._batch.dp_devices, self._batch.processes)

@@ -85,6 +85,11 @@ class RecompileGuard:
         # Warm-up is counted in the optimizer steps this engine ran, not in global_steps: a run
         # resumed from a checkpoint at step 1000 compiles its programs afresh all the same.
         self._boundaries_seen = 0
+        self._evaluated = False  # an evaluation forward since the last step (note_evaluation)
+
+    def note_evaluation(self) -> None:
+        """Called by an evaluation forward: a recompile at the next step may be its graph."""
+        self._evaluated = True
 
     def _warming_up(self) -> bool:
         return self._boundaries_seen <= WARMUP_STEPS
@@ -127,10 +132,15 @@ class RecompileGuard:
             return
         self.recompiles += compiled
         where = "an optimizer (boundary) step" if boundary else "a gradient-accumulation micro-step"
+        evaluated, self._evaluated = self._evaluated, False
         if previous is not None and previous != input_shapes:
             cause = (f"The forward's input shapes changed: {list(previous)} -> {list(input_shapes)}. Variable "
                      "sequence lengths? Set \"spmd\": {\"pad_to_multiple_of\": 64} in the config to pad dict "
                      "inputs (input_ids, attention_mask, labels, ...) to a few shapes (docs/config.md).")
+        elif evaluated:
+            cause = ("An evaluation forward (engine.eval() or torch.no_grad()) ran since the last step: if its "
+                     "results were not read before training went on, its pending graph ran together with this "
+                     "step's, as another program. Read them (loss.item()) or call torch_xla.sync() after evaluating.")
         else:
             cause = ("Something in the traced step changed: a tensor shape, a Python number baked into the graph, "
                      "or a host read such as .item() splitting the step.")
@@ -182,7 +192,7 @@ class Monitors:
     def __init__(self, config):
         self.writers = []
         if config.csv_monitor.enabled:
-            self.writers.append(_CsvWriter(os.path.join(config.csv_monitor.output_path or "csv_monitor",
+            self.writers.append(_CsvWriter(os.path.join(config.csv_monitor.output_path or "",
                                                         config.csv_monitor.job_name)))
         if config.tensorboard.enabled:
             try:
@@ -191,7 +201,7 @@ class Monitors:
                 warnings.warn("spmdzero: tensorboard.enabled needs the 'tensorboard' package (pip install "
                               "tensorboard); not writing TensorBoard events", stacklevel=3)
             else:
-                path = os.path.join(config.tensorboard.output_path or "runs", config.tensorboard.job_name)
+                path = os.path.join(config.tensorboard.output_path or "", config.tensorboard.job_name)
                 self.writers.append(SummaryWriter(log_dir=path))
 
     def write(self, events: list[tuple[str, float, int]]) -> None:

@@ -145,7 +145,8 @@ class AdamW(SpmdOptimizer):
     in which case weight decay is L2 added to the gradient (classic Adam)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 bias_correction=True, adam_w_mode=True, amsgrad=False):
+                 bias_correction=True, adam_w_mode=True, amsgrad=False, set_grad_none=True):
+        # set_grad_none: FusedAdam's zero_grad option; the engine owns the gradients here
         if amsgrad:
             raise ValueError("amsgrad is not supported (DeepSpeed's FusedAdam refuses it too)")
         _check_hyper(lr, betas, eps, weight_decay)
@@ -279,8 +280,8 @@ class Lion(SpmdOptimizer):
     """DeepSpeed's FusedLion: p <- p * (1 - lr * wd) - lr * sign(b1 * m + (1 - b1) * g),
     then m <- b2 * m + (1 - b2) * g."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0):
-        _check_hyper(lr, betas, weight_decay=weight_decay)
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, set_grad_none=True):
+        _check_hyper(lr, betas, weight_decay=weight_decay)  # set_grad_none: as AdamW's
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
 
     def _hyper_values(self, group):

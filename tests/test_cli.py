@@ -96,3 +96,18 @@ def test_aot_refuses_another_scan_layers_value(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["aot", "--topology", "v5e:2x2", "--deepspeed_config", path, "--scan-layers", "yes"])
     assert "'yes': give no value (spmd.scan_layers=true) or 'stacked'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_python_dash_m_spmdzero_is_the_spmdzero_command(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    path = write(tmp_path, {"train_batch_size": 16, "steps_per_print": 1e5,
+                            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "set_grad_none": True}}})
+    proc = subprocess.run([sys.executable, "-m", "spmdzero", "config", "check", path], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={**__import__("os").environ, "PJRT_DEVICE": "CPU"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "set_grad_none=True" in proc.stdout

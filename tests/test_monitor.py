@@ -197,3 +197,30 @@ def test_tensorboard_monitor_writes_event_files(tmp_path):
     events.Reload()
     loss = events.Scalars("Train/Samples/train_loss")
     assert [e.step for e in loss] == [32, 64]
+
+
+def test_an_unread_evaluation_is_named_as_the_likely_cause_of_a_recompile():
+    """An evaluation forward whose result is not read joins the next step's graph: the
+    warning says so instead of listing causes that do not apply."""
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(d_in=13), config=config())
+    data = batches(8, 16, d_in=13)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in data[:6]:
+            step(engine, x, y)
+        engine.eval()
+        with torch.no_grad():
+            pending = engine(data[6][0])  # noqa: F841  (kept, never read)
+        engine.train()
+        step(engine, *data[7])
+    fired = [str(w.message) for w in caught if "recompiled after warm-up" in str(w.message)]
+    assert len(fired) == 1 and "An evaluation forward" in fired[0] and "torch_xla.sync()" in fired[0]
+
+
+def test_monitors_without_an_output_path_write_where_deepspeed_does(tmp_path, monkeypatch):
+    """DeepSpeed joins an empty output_path with the job name: ./JOB/ in the working directory."""
+    monkeypatch.chdir(tmp_path)
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(), config=config(
+        steps_per_print=1, csv_monitor={"enabled": True, "job_name": "csvjob"}))
+    step(engine, *batches(1, 16)[0])
+    assert (tmp_path / "csvjob" / "Train_Samples_train_loss.csv").exists()

@@ -1,0 +1,8 @@
+"""``python -m spmdzero``: the ``spmdzero`` command (the package import starts the XLA runtime,
+which the console script skips for the commands that need no devices)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
