@@ -599,6 +599,7 @@ def parse_config(raw: Mapping[str, Any], source: str = "config") -> DeepSpeedCon
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{source}: a DeepSpeed config must be a JSON object, got {type(raw).__name__}")
     raw = _deepspeed_aliases(dict(raw), source)
+    _warn_misspelled_keys(raw, source)
     raw, noop = _classify(raw, source)
     try:
         cfg = DeepSpeedConfig.model_validate(raw)
@@ -620,6 +621,26 @@ _DTYPE_MODE = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "fp16": "fp16
                "half": "fp16", "bf16": "bf16", "bfloat16": "bf16", "bfloat": "bf16"}
 
 
+def known_top_level_keys() -> set[str]:
+    """Every top-level key spmdzero reads, accepts as a no-op or refuses."""
+    return (set(DeepSpeedConfig.model_fields) | {k.split(".")[0] for k in (*NOOP_KEYS, *REFUSED_KEYS)}
+            | {"bfloat16"})
+
+
+def _warn_misspelled_keys(raw: Mapping[str, Any], source: str) -> None:
+    """DeepSpeed ignores unknown top-level keys, and so does spmdzero (scripts keep their own
+    settings there), but a near miss of a DeepSpeed key (``zero_optimisation``) would silently
+    train at ZeRO-0 or in fp32: say so, once per key."""
+    known = known_top_level_keys()
+    for key in raw:
+        if key in known or not isinstance(key, str):
+            continue
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+        if close:
+            _warn_once(f"misspelled:{key}", f"{source}: unknown top-level key {key!r} is ignored, as DeepSpeed "
+                                            f"ignores it; did you mean {close[0]!r}?")
+
+
 def _deepspeed_aliases(raw: dict, source: str) -> dict:
     """DeepSpeed's old spellings: ``"bfloat16"`` for ``"bf16"``, ``"zero_optimization": true``
     for stage 1 (``false``: stage 0)."""
@@ -638,6 +659,9 @@ def _enabled(key: str, value: Any) -> bool:
     a section by its ``enabled`` or ``device`` key, else by any enabled entry."""
     if value is None or value is False or value in OFF_VALUES.get(key, ()):
         return False
+    if key == "compression_training" and isinstance(value, Mapping):  # each technique's switch
+        return any(isinstance(t, Mapping) and _enabled(f"{key}.{name}", t.get("shared_parameters"))
+                   for name, t in value.items())
     if isinstance(value, str):
         return value.lower() != "none"
     if isinstance(value, Mapping):

@@ -42,7 +42,8 @@ OFF = {
     "gradient_allreduce_op": "mean", "data_types.buffer_dtype": None, "progressive_layer_drop": {"enabled": False},
     "curriculum_learning": {"enabled": False}, "data_efficiency": {"enabled": False},
     "quantize_training": {"enabled": False},
-    "compression_training": {"weight_quantization": {"shared_parameters": {"enabled": False}}},
+    "compression_training": {"weight_quantization": {"shared_parameters": {"enabled": False},  # its groups' numbers
+                                                     "different_groups": {"wq1": {"params": {"start_bits": 8}}}}},
     "elasticity": {"enabled": False}, "hybrid_engine": {"enabled": False, "max_out_tokens": 512},
     "tensor_parallel": {"autotp_size": 0}, "expert_parallel": {"enabled": False},
 }

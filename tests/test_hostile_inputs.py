@@ -124,3 +124,16 @@ def test_checkpoint_commands_on_missing_and_wrong_paths(tmp_path, capsys):
     ]:
         code, err = cli_error(capsys, argv)
         assert code == 2 and message in err, (argv, err)
+
+
+def test_a_near_miss_of_a_deepspeed_key_is_named_and_other_unknown_keys_pass_quietly():
+    """``zero_optimisation`` would silently train at ZeRO-0: ignored (as DeepSpeed does) but named."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = parse_config({"train_batch_size": 16, "zero_optimisation": {"stage": 2}, "my_run_name": "x"})
+    messages = [str(w.message) for w in caught]
+    assert cfg.zero_stage == 0
+    assert any("'zero_optimisation' is ignored" in m and "did you mean 'zero_optimization'" in m for m in messages)
+    assert not any("my_run_name" in m for m in messages)
