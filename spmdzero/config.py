@@ -49,6 +49,7 @@ OFF_VALUES: dict[str, tuple] = {
     "gradient_allreduce_op": ("mean", "MEAN", "Mean"),
     "checkpoint.tag_validation": ("Warn", "WARN", "warn", "Ignore", "IGNORE", "ignore"),
     "tensor_parallel": ({"autotp_size": 0}, {"autotp_size": 1}),
+    "seq_parallel_communication_data_type": ("fp32",),  # DeepSpeed's default, stated
 }
 
 # DeepSpeed 0.19 keys (dotted paths) that have no effect under GSPMD at stage 0-2: accepted,

@@ -46,6 +46,7 @@ OFF = {
                                                      "different_groups": {"wq1": {"params": {"start_bits": 8}}}}},
     "elasticity": {"enabled": False}, "hybrid_engine": {"enabled": False, "max_out_tokens": 512},
     "tensor_parallel": {"autotp_size": 0}, "expert_parallel": {"enabled": False},
+    "seq_parallel_communication_data_type": "fp32",
 }
 
 
