@@ -210,9 +210,13 @@ DTYPE_NAMES = ("fp32", "float32", "float", "fp16", "float16", "half", "bf16", "b
 
 
 def _check_dtype_name(value: Optional[str]) -> Optional[str]:
-    if value is not None and value not in DTYPE_NAMES:
-        raise ValueError(f"must be one of {', '.join(DTYPE_NAMES)}")
-    return value
+    """A dtype name as DeepSpeed reads them: any case, ``torch.`` in front or not."""
+    if value is None:
+        return None
+    name = value.lower().removeprefix("torch.") if isinstance(value, str) else value
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"must be one of {', '.join(DTYPE_NAMES)} (any case, 'torch.' in front or not)")
+    return name
 
 
 class DataTypesConfig(Section):

@@ -137,3 +137,10 @@ def test_a_near_miss_of_a_deepspeed_key_is_named_and_other_unknown_keys_pass_qui
     assert cfg.zero_stage == 0
     assert any("'zero_optimisation' is ignored" in m and "did you mean 'zero_optimization'" in m for m in messages)
     assert not any("my_run_name" in m for m in messages)
+
+
+@pytest.mark.parametrize("given,read", [("FP32", "fp32"), ("torch.bfloat16", "bfloat16"), ("BF16", "bf16")])
+def test_dtype_names_are_read_in_any_case_with_or_without_torch(given, read):
+    cfg = parse_config({"train_batch_size": 16, "communication_data_type": given,
+                        "data_types": {"grad_accum_dtype": given}})
+    assert cfg.communication_data_type == cfg.data_types.grad_accum_dtype == read
