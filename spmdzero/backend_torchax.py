@@ -42,7 +42,7 @@ import torch
 from torch.utils import _pytree as torch_pytree
 
 from .config import BatchSizes, ConfigError, DeepSpeedConfig, resolve_batch
-from .data import ShardedDataLoader, _concat, model_pad_id, pad_sequences
+from .data import ShardedDataLoader, _concat, like, model_pad_id, pad_sequences
 from .engine_api import TARGET_NAMES, DeepSpeedCounters
 from .mesh import check_user_mesh, data_parallel_size, mesh_shape, resolve_mesh_shape
 from .monitor import log_block
@@ -144,6 +144,18 @@ def initialize(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, client_o
                            config_dict)
     return engine, optimizer, loader, scheduler
 
+
+
+def _as_dicts(obj):
+    """Every non-dict mapping in ``obj`` (a ``BatchEncoding``) as a dict, for torch's pytree."""
+    from collections.abc import Mapping
+
+    if isinstance(obj, Mapping):
+        pairs = ((k, _as_dicts(v)) for k, v in obj.items())
+        return like(obj, pairs) if isinstance(obj, dict) else dict(pairs)
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_as_dicts(v) for v in obj)
+    return obj
 
 class HostBatchLoader(ShardedDataLoader):
     """DeepSpeed's loader (the same samplers and row order), yielding host batches: the engine
@@ -401,6 +413,8 @@ class TorchaxEngine(DeepSpeedCounters):
         if self._config.spmd.pad_to_multiple_of:
             inputs, kwargs = pad_sequences((inputs, kwargs), self._config.spmd.pad_to_multiple_of,
                                            model_pad_id(self._module))
+        # a mapping that is not a dict (transformers' BatchEncoding) is one leaf to torch's pytree
+        inputs, kwargs = _as_dicts(inputs), _as_dicts(kwargs)
         leaves, treespec = torch_pytree.tree_flatten((inputs, kwargs))
         static = tuple((i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor))
         targets = {id(t) for name in TARGET_NAMES & set(kwargs)

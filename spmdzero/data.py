@@ -132,6 +132,20 @@ def _pad_dim1(t: torch.Tensor, length: int, value: int) -> torch.Tensor:
     return torch.cat([t, pad], dim=1)
 
 
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside spmdzero and torch
+    (the user's ``engine(...)`` or ``for batch in loader``), from wherever it is raised."""
+    import os
+    import sys
+
+    package = os.path.dirname(os.path.abspath(__file__))
+    internal = (package, os.path.dirname(torch.__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(internal):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 _noted_replicated: set[tuple[int, int]] = set()
 
 
@@ -142,7 +156,7 @@ def _note_replicated(rows: int, devices: int) -> None:
     warnings.warn(f"spmdzero: a batch of {rows} rows does not divide over the {devices} data-parallel devices; it "
                   f"runs replicated along the batch (every device computes all {rows} rows, the same result at "
                   f"{devices}x the compute, and one more compiled program for this shape). Use a multiple of "
-                  f"{devices} rows to split it (noted once per shape).", stacklevel=6)  # engine(...)'s caller
+                  f"{devices} rows to split it (noted once per shape).", stacklevel=caller_stacklevel())
 
 
 def to_device_sharded(batch: Any, mesh, batch_spec: Callable[[int], tuple], dp_size: int,

@@ -31,7 +31,7 @@ import torch
 from . import fused, runtime
 from .annotate import constrain, shard
 from .config import BatchSizes, DeepSpeedConfig
-from .data import batch_rows, map_tensors, model_pad_id, pad_sequences, to_device_sharded
+from .data import batch_rows, caller_stacklevel, map_tensors, model_pad_id, pad_sequences, to_device_sharded
 from .engine_api import TARGET_NAMES, DeepSpeedCounters
 from .monitor import RecompileGuard, StepLogger, ThroughputTimer, compile_count, notice_nonfinite
 from .optim import SpmdOptimizer, ZeroOptimizer
@@ -161,7 +161,7 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
             warnings.warn(f"spmdzero: {batch.mismatch(global_rows)} This is normal for the last, partial batch "
                           "of an epoch (drop_last=False); if every batch is this small, the config and your "
                           "DataLoader disagree. global_samples and samples/s count the rows actually fed. "
-                          "(warned once)", stacklevel=5)  # the caller of engine(...)
+                          "(warned once)", stacklevel=caller_stacklevel())
         self._rows_since_step += global_rows
 
     def _consume_samples(self) -> int:

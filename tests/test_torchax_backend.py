@@ -171,6 +171,26 @@ def test_a_tuple_output_gives_its_first_item_as_the_loss():
         engine.backward(loss)  # its gradients were committed already
 
 
+def test_a_batch_encoding_passed_whole_reaches_the_module_as_a_dict():
+    """transformers' collators return a BatchEncoding, which torch's pytree takes as one leaf."""
+    from transformers import BatchEncoding
+
+    class ByBatch(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = tiny_mlp()
+
+        def forward(self, batch):
+            return torch.nn.functional.mse_loss(self.mlp(batch["x"]), batch["y"])
+
+    engine, *_ = spmdzero.initialize(model=ByBatch(), config=config("torchax"))
+    x, y = batches(1, 16)[0]
+    loss = engine(BatchEncoding({"x": x, "y": y}))
+    engine.backward(loss)
+    engine.step()
+    assert engine.global_steps == 1 and loss.item() > 0
+
+
 def gpt2():
     import transformers
 
