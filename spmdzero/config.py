@@ -558,9 +558,13 @@ def read_config_file(path: str | os.PathLike) -> dict:
     """Read a JSON (or HJSON, as DeepSpeed allows) file, refusing duplicate keys."""
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise ConfigError(f"DeepSpeed config file not found: {path!r}")
-    with open(path) as f:
-        text = f.read()
+        decoded = _base64_config(path)
+        if decoded is None:
+            raise ConfigError(f"DeepSpeed config file not found: {path!r} (nor is it a base64-encoded config)")
+        text, path = decoded, "config (base64)"
+    else:
+        with open(path) as f:
+            text = f.read()
     if not text.strip():
         raise ConfigError(f"DeepSpeed config file {path!r} is empty")
     hook = lambda pairs: _no_duplicate_keys(pairs, path)  # noqa: E731
@@ -577,6 +581,21 @@ def read_config_file(path: str | os.PathLike) -> dict:
             raise
         except Exception as err:
             raise ConfigError(f"{path}: neither valid JSON nor HJSON ({err})") from None
+
+
+def _base64_config(value: str) -> Optional[str]:
+    """DeepSpeed also takes the config as base64-encoded JSON (its launcher and autotuner pass
+    it so): the decoded text, or None when ``value`` is not that."""
+    import base64
+    import binascii
+
+    if not value or os.sep in value or value.endswith((".json", ".hjson")):
+        return None
+    try:
+        text = base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)).decode("utf-8")
+    except (binascii.Error, ValueError, UnicodeDecodeError):
+        return None
+    return text if text.lstrip().startswith("{") else None
 
 
 def _format_errors(err: ValidationError) -> str:
@@ -735,6 +754,13 @@ def load_config(args: Any = None, config: Any = None, config_params: Any = None)
         raise ConfigError("give the DeepSpeed config as `config` or `config_params`, not both")
     config = config if config is not None else config_params
     args_config = getattr(args, "deepspeed_config", None) if args is not None else None
+    old_name = getattr(args, "deepscale_config", None) if args is not None else None
+    if old_name is not None:  # DeepSpeed's deprecated flag
+        if args_config is not None:
+            raise ConfigError("give the config as --deepspeed_config or its deprecated name --deepscale_config, "
+                              "not both")
+        warnings.warn("spmdzero: --deepscale_config is deprecated, use --deepspeed_config", stacklevel=3)
+        args_config = old_name
     if config is not None and args_config is not None:
         raise ConfigError(
             "Not sure how to proceed, we were given deepspeed configs in the deepspeed arguments "

@@ -144,3 +144,23 @@ def test_dtype_names_are_read_in_any_case_with_or_without_torch(given, read):
     cfg = parse_config({"train_batch_size": 16, "communication_data_type": given,
                         "data_types": {"grad_accum_dtype": given}})
     assert cfg.communication_data_type == cfg.data_types.grad_accum_dtype == read
+
+
+def test_a_base64_config_and_the_deprecated_deepscale_config_are_read_as_deepspeed_reads_them():
+    import argparse
+    import base64
+    import json
+    import warnings
+
+    from spmdzero.config import load_config
+
+    encoded = base64.urlsafe_b64encode(json.dumps({"train_batch_size": 24}).encode()).decode()
+    assert load_config(config=encoded).train_batch_size == 24
+    with pytest.warns(UserWarning, match="deepscale_config is deprecated"):
+        assert load_config(args=argparse.Namespace(deepscale_config=encoded, deepspeed_config=None)).train_batch_size == 24
+    with pytest.raises(ConfigError, match="not found: 'nope.json'"):
+        load_config(config="nope.json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ConfigError, match="not found"):
+            load_config(config="notbase64!!")
