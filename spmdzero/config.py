@@ -52,6 +52,12 @@ OFF_VALUES: dict[str, tuple] = {
     "seq_parallel_communication_data_type": ("fp32",),  # DeepSpeed's default, stated
 }
 
+# No-op keys whose values DeepSpeed still checks (and refuses when invalid): checked here too.
+NOOP_VALID_VALUES: dict[str, tuple[str, ...]] = {
+    "checkpoint.tag_validation": ("ignore", "warn", "fail"),
+    "seq_parallel_communication_data_type": ("fp32", "fp16", "bf16"),
+}
+
 # DeepSpeed 0.19 keys (dotted paths) that have no effect under GSPMD at stage 0-2: accepted,
 # dropped before validation, and warned about once when enabled (see ``_enabled``).
 NOOP_KEYS: dict[str, str] = {
@@ -716,6 +722,10 @@ def _classify(raw: dict, source: str) -> tuple[dict, list[str]]:
         holder = raw.get(section) if section else raw
         if isinstance(holder, dict) and name in holder:
             value = holder.pop(name)
+            valid = NOOP_VALID_VALUES.get(key)
+            if valid is not None and value != "auto" and not (isinstance(value, str) and value.lower() in valid):
+                raise ConfigError(f"{source}: {key}={value!r} is not one of {', '.join(valid)} (any case), as "
+                                  "DeepSpeed requires")
             # ZeRO-3 knobs are dormant: stage 3 itself is refused, so their feature is never on
             if NOOP_KEYS[key] != ZERO3_REASON and value != "auto" and _enabled(key, value):
                 noop.append(key)

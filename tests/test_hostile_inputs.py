@@ -164,3 +164,13 @@ def test_a_base64_config_and_the_deprecated_deepscale_config_are_read_as_deepspe
         warnings.simplefilter("error")
         with pytest.raises(ConfigError, match="not found"):
             load_config(config="notbase64!!")
+
+
+@pytest.mark.parametrize("cfg,key", [({"checkpoint": {"tag_validation": "strict"}}, "checkpoint.tag_validation"),
+                                     ({"seq_parallel_communication_data_type": "int8"},
+                                      "seq_parallel_communication_data_type")])
+def test_a_no_op_keys_invalid_value_is_refused_as_deepspeed_refuses_it(cfg, key):
+    with pytest.raises(ConfigError, match=f"{key}=.* is not one of"):
+        parse_config({"train_batch_size": 16, **cfg})
+    parse_config({"train_batch_size": 16, **{k: ({"tag_validation": "FAIL"} if k == "checkpoint" else "bf16")
+                                              for k in cfg}})
