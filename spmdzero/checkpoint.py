@@ -882,11 +882,36 @@ def _check_rng(rng: dict, bad) -> None:
 
 def consolidate(ckpt_dir: str, out_path: str, tag: Optional[str] = None, dtype: str = "fp32",
                 safetensors: bool = False) -> dict[str, tuple[int, ...]]:
-    """Write one state dict that the plain ``nn.Module`` loads with ``load_state_dict``: the
+    """Write one state dict that the plain ``nn.Module`` loads with ``load_state_dict``
+    (``consolidated_state_dict``): the analog of DeepSpeed's zero_to_fp32.py. Returns
+    {name: shape}."""
+    if os.path.isdir(out_path):
+        raise CheckpointError(f"output {out_path!r} is a directory; give a file name")
+    out_parent = os.path.dirname(os.path.abspath(out_path))
+    if not os.path.isdir(out_parent):
+        raise CheckpointError(f"output directory {out_parent!r} does not exist")
+    result = consolidated_state_dict(ckpt_dir, tag, dtype)
+    if safetensors:
+        try:
+            from safetensors.torch import save_file
+        except ImportError:
+            raise CheckpointError("--safetensors needs the 'safetensors' package (pip install safetensors)") from None
+        seen: set[int] = set()  # safetensors refuses shared storage: tied names get their own copy
+        out = {}
+        for k, v in result.items():
+            out[k] = v.contiguous() if id(v) not in seen else v.clone()
+            seen.add(id(v))
+        save_file(out, out_path)
+    else:
+        torch.save(result, out_path)
+    return {k: tuple(v.shape) for k, v in result.items()}
+
+
+def consolidated_state_dict(ckpt_dir: str, tag: Optional[str] = None, dtype: str = "fp32") -> dict:
+    """The state dict a plain ``nn.Module`` loads with ``load_state_dict``, on the CPU: the
     fp32 master weights where the run kept them, else the parameters, plus module buffers,
-    under every name the module's state dict has (tied weights under each). The analog of
-    DeepSpeed's zero_to_fp32.py. Reads one tensor at a time on the CPU, so it needs about
-    the output's size in memory, and no accelerator. Returns {name: shape}."""
+    under every name the module's state dict has (tied weights under each). Reads one tensor
+    at a time, so it needs about the output's size in memory, and no accelerator."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -895,11 +920,6 @@ def consolidate(ckpt_dir: str, out_path: str, tag: Optional[str] = None, dtype: 
         raise CheckpointError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
     if not os.path.isdir(ckpt_dir):
         raise CheckpointError(f"checkpoint directory {ckpt_dir!r} does not exist")
-    out_parent = os.path.dirname(os.path.abspath(out_path))
-    if os.path.isdir(out_path):
-        raise CheckpointError(f"output {out_path!r} is a directory; give a file name")
-    if not os.path.isdir(out_parent):
-        raise CheckpointError(f"output directory {out_parent!r} does not exist")
     tag = resolve_tag(ckpt_dir, tag)
     if tag is None:
         raise CheckpointError(f"{ckpt_dir!r} has no 'latest' file; pass a tag")
@@ -930,18 +950,4 @@ def consolidate(ckpt_dir: str, out_path: str, tag: Optional[str] = None, dtype: 
     if not isinstance(stacks, dict) or not all(isinstance(stack, str) and isinstance(name, str)
                                                and name.startswith(f"{stack}.") for name, stack in stacks.items()):
         raise CheckpointError(f"{path!r}: 'stacked_layers' in its meta is not {{stacked name: its stack's name}}")
-    result = unstack(result, stacks)
-    if safetensors:
-        try:
-            from safetensors.torch import save_file
-        except ImportError:
-            raise CheckpointError("--safetensors needs the 'safetensors' package (pip install safetensors)") from None
-        seen: set[int] = set()  # safetensors refuses shared storage: tied names get their own copy
-        out = {}
-        for k, v in result.items():
-            out[k] = v.contiguous() if id(v) not in seen else v.clone()
-            seen.add(id(v))
-        save_file(out, out_path)
-    else:
-        torch.save(result, out_path)
-    return {k: tuple(v.shape) for k, v in result.items()}
+    return unstack(result, stacks)

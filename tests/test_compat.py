@@ -44,6 +44,9 @@ NAMES = [
     ("deepspeed.ops.adam", "FusedAdam"), ("deepspeed.ops.adam", "DeepSpeedCPUAdam"), ("deepspeed.ops.lamb", "FusedLamb"),
     ("deepspeed.utils", "logger"), ("deepspeed.utils", "log_dist"), ("deepspeed.utils", "RepeatingLoader"),
     ("deepspeed.comm", "all_gather_into_tensor"), ("deepspeed.comm", "reduce_scatter_tensor"),
+    ("deepspeed.utils.zero_to_fp32", "get_fp32_state_dict_from_zero_checkpoint"),
+    ("deepspeed.utils.zero_to_fp32", "convert_zero_checkpoint_to_fp32_state_dict"),
+    ("deepspeed.utils.zero_to_fp32", "load_state_dict_from_zero_checkpoint"),
     ("deepspeed.runtime.lr_schedules", "VALID_LR_SCHEDULES"), ("deepspeed.runtime.lr_schedules", "WarmupLR"),
     ("deepspeed.runtime.lr_schedules", "WarmupDecayLR"), ("deepspeed.runtime.lr_schedules", "WarmupCosineLR"),
     ("deepspeed.runtime.lr_schedules", "OneCycle"), ("deepspeed.runtime.lr_schedules", "LRRangeTest"),
@@ -150,6 +153,27 @@ def test_init_distributed_creates_a_real_process_group(deepspeed):
     assert gathered.cpu().tolist() == scattered.cpu().tolist() == [2.0, 2.0, 2.0]
     with pytest.raises(AttributeError, match="deepspeed.comm' \\(spmdzero's compatibility layer\\) has no attribute"):
         ds_dist.no_such_collective
+
+
+def test_zero_to_fp32_gives_the_fp32_masters_to_a_plain_module(deepspeed, tmp_path):
+    from deepspeed.utils.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
+                                              get_fp32_state_dict_from_zero_checkpoint,
+                                              load_state_dict_from_zero_checkpoint)
+
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(), config={
+        "train_batch_size": 16, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    x, y = batches(1, 16)[0]
+    engine.backward(torch.nn.functional.mse_loss(engine(x).float(), y.to(engine.device)))
+    engine.step()
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    masters = {name: t.cpu() for name, t in engine.master_weights().items()}
+    state = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ckpt"))
+    assert all(torch.equal(state[name], masters[name]) and state[name].dtype == torch.float32 for name in masters)
+    convert_zero_checkpoint_to_fp32_state_dict(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    assert set(torch.load(tmp_path / "out" / "pytorch_model.bin")) == set(state)
+    plain = load_state_dict_from_zero_checkpoint(tiny_mlp(seed=3), str(tmp_path / "ckpt"))
+    assert all(torch.equal(p, masters[name]) for name, p in plain.state_dict().items())
 
 
 def test_repeating_loader_starts_the_loader_again(deepspeed):
