@@ -200,14 +200,12 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
             writer = FileSystemWriter(os.path.join(staging, STATE_DIR), per_thread_copy_ahead=0)
             dcp.save({k: t for k, (t, _) in tensors.items()}, storage_writer=writer,
                      planner=SPMDSavePlanner(), no_dist=_no_dist())
-    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+    except BaseException as err:  # an interrupt too: nothing half-written stays behind
         if _is_writer():
             shutil.rmtree(staging, ignore_errors=True)
-        raise CheckpointError(f"cannot write checkpoint {tag!r} to {staging!r} (the previous checkpoints are "
-                              f"untouched): {_dcp_failure(err)}") from None
-    except BaseException:
-        if _is_writer():
-            shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(err, (Exception, CheckpointException)):  # DCP's CheckpointException is a BaseException
+            raise CheckpointError(f"cannot write checkpoint {tag!r} to {staging!r} (the previous checkpoints are "
+                                  f"untouched): {_dcp_failure(err)}") from None
         raise
     if _is_writer():
         publish(save_dir, tag, staging, meta, client_bytes, save_latest)

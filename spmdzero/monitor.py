@@ -127,12 +127,12 @@ class RecompileGuard:
     def check(self, compiled: int, global_steps: int, boundary: bool, input_shapes: tuple = ()) -> None:
         """``input_shapes``: the shapes of this step's forward inputs, to name a shape change."""
         previous, self._last_shapes = getattr(self, "_last_shapes", None), input_shapes
+        evaluated, self._evaluated = self._evaluated, False  # this step's, compiled or not
         self._boundaries_seen += boundary
         if compiled == 0 or self._warming_up():
             return
         self.recompiles += compiled
         where = "an optimizer (boundary) step" if boundary else "a gradient-accumulation micro-step"
-        evaluated, self._evaluated = self._evaluated, False
         if previous is not None and previous != input_shapes:
             cause = (f"The forward's input shapes changed: {list(previous)} -> {list(input_shapes)}. Variable "
                      "sequence lengths? Set \"spmd\": {\"pad_to_multiple_of\": 64} in the config to pad dict "

@@ -224,3 +224,20 @@ def test_monitors_without_an_output_path_write_where_deepspeed_does(tmp_path, mo
         steps_per_print=1, csv_monitor={"enabled": True, "job_name": "csvjob"}))
     step(engine, *batches(1, 16)[0])
     assert (tmp_path / "csvjob" / "Train_Samples_train_loss.csv").exists()
+
+
+def test_an_evaluation_read_before_training_is_not_blamed_for_a_later_recompile():
+    """The evaluation note lasts one step: a shape change many steps later is named as such."""
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(d_in=17), config=config())
+    data = batches(10, 16, d_in=17)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in data[:6]:
+            step(engine, x, y)
+        engine.eval()
+        with torch.no_grad():
+            engine(data[6][0]).sum().item()  # read: nothing pending
+        engine.train()
+        for x, y in data[7:9]:
+            step(engine, x, y)
+        assert engine.recompile_guard._evaluated is False
