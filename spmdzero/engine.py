@@ -217,6 +217,7 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
                     # In place: the sum's output takes the accumulator's own buffer (torch_xla
                     # donates a tensor updated in place), not a second shard-sized allocation.
                     grad = slot.grad.add_(grad)
+                    fused.settle([grad])
                 if grad is not reduced:  # a micro-step's output takes the compiler's layout unless annotated
                     shard(grad, self.mesh, spec)
                 slot.grad = grad
@@ -284,7 +285,9 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
             for slot in self._slots:  # the boundary consumed them: the next micro-step starts a new sum
                 slot.grad = None
             if policy.master_weights:  # the compiler all-gathers the cast master shards
-                torch._foreach_copy_([s.param for s in self._slots], [s.target for s in self._slots])
+                params = [s.param for s in self._slots]
+                torch._foreach_copy_(params, [s.target for s in self._slots])
+                fused.settle(params)
         self._global_grad_norm = norm
         if policy.check_overflow:
             applied = ~overflow
