@@ -128,8 +128,17 @@ def initialize(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, client_o
     if not isinstance(optimizer, SpmdOptimizer):
         raise ConfigError(f"optimizer.type {cfg.optimizer.type!r} is a torch.optim optimizer; spmd.backend='torchax' "
                           "runs spmdzero's own (Adam/AdamW, Lamb, Lion, Adagrad, SGD) as JAX functions")
-    for group in optimizer.param_groups:  # as DeepSpeed's ZeRO optimizers: trainable parameters only
-        group["params"] = [p for p in group["params"] if p.requires_grad]
+    from .initialize import _drop_frozen
+
+    _drop_frozen(optimizer)  # as DeepSpeed's ZeRO optimizers: trainable parameters only, no empty groups
+    members = {id(p) for p in model.parameters()}
+    for i, group in enumerate(optimizer.param_groups):
+        strays = [tuple(p.shape) for p in group["params"] if id(p) not in members]
+        if strays:
+            raise ValueError(f"spmd.backend='torchax' trains the module's parameters only: param group {i} of "
+                             f"model_parameters holds {len(strays)} tensor(s) that are not parameters of the model "
+                             f"(shapes {strays[:3]}); register them on the module (nn.Parameter) or use "
+                             "spmd.backend='torch_xla'")
     if lr_scheduler is not None:
         scheduler = lr_scheduler(optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
             else lr_scheduler
@@ -324,6 +333,13 @@ class TorchaxEngine(DeepSpeedCounters):
         self._skipped = self._put(torch.zeros(()), self._replicated)  # steps skipped for non-finite gradients
         self._last_skip = None
         self._module_stale = False
+        self._buffers_stale: set[str] = set()  # buffers a forward changed on the devices
+        self._trainable = self._requires_grad()
+        self._host_versions = self._versions()
+        self._deferred = None  # an eval-mode forward whose loss backward may still ask gradients of
+        self._warned_fewer_rows = False
+        _refuse_optimizer_state(optimizer)
+        _sync_before_state_dict(module, self)
         self._rng = jax.random.key(torch.initial_seed() % (1 << 63))
         self._programs: dict = {}  # jitted functions by static structure
         self.traces: collections.Counter = collections.Counter()  # by program kind, counted while tracing
@@ -362,16 +378,57 @@ class TorchaxEngine(DeepSpeedCounters):
     def module(self) -> torch.nn.Module:
         """The torch module, its parameters brought up to date from the devices when a step
         changed them since the last read (a device-to-host copy)."""
-        if self._module_stale:
+        if self._module_stale or self._buffers_stale:
             from torchax.ops import mappings
 
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # it is copied
-                for name, p in self._module.named_parameters():
-                    if name in self._params:
-                        p.copy_(mappings.j2t(self._params[name], use_dlpack=False))
-            self._module_stale = False
+                if self._module_stale:
+                    for name, p in self._module.named_parameters():
+                        if name in self._params:
+                            p.copy_(mappings.j2t(self._params[name], use_dlpack=False))
+                for name, b in self._module.named_buffers():
+                    if name in self._buffers_stale:
+                        b.copy_(mappings.j2t(self._constants[name], use_dlpack=False))
+            self._module_stale, self._buffers_stale = False, set()
+            self._host_versions = self._versions()
         return self._module
+
+    def _versions(self) -> dict[str, int]:
+        """Each host parameter's and buffer's in-place version: a change made on the host (a
+        ``load_state_dict``, an edit under ``no_grad``) shows as a new version."""
+        return {n: t._version for n, t in [*self._module.named_parameters(), *self._module.named_buffers()]}
+
+    def _requires_grad(self) -> tuple:
+        return tuple(p.requires_grad for p in self._module.parameters())
+
+    def _take_host_changes(self) -> None:
+        """Before a forward: parameters and buffers changed on the host since the engine last
+        wrote or read them go to the devices (fp32 master weights too), as the torch_xla
+        engine's module is its device copy. A parameter frozen or unfrozen after initialize is
+        refused: this backend fixes the trained set when it traces the update."""
+        if self._requires_grad() != self._trainable:
+            changed = [n for n, p in self._module.named_parameters() if p.requires_grad != (n in self._params)]
+            raise RuntimeError(f"spmd.backend='torchax': requires_grad changed after spmdzero.initialize for "
+                               f"{changed[:5]}; this backend trains the parameters that required grad at "
+                               "initialize. Freeze parameters before initialize, or use spmd.backend='torch_xla'")
+        versions = self._versions()
+        if versions == self._host_versions:
+            return
+        # what the host changed wins over a step's results not yet copied back (those are the
+        # devices' own and stay there)
+        tensors = dict([*self._module.named_parameters(), *self._module.named_buffers()])
+        for name, version in versions.items():
+            if version != self._host_versions.get(name):
+                t = tensors[name].detach()
+                if name in self._params:
+                    self._params[name] = self._put(t, self._param_specs[name])
+                    if name in self._masters:
+                        self._masters[name] = self._put(t.float(), self._master_specs[name])
+                else:
+                    self._constants[name] = self._put(t, self._replicated)
+                    self._buffers_stale.discard(name)
+        self._host_versions = versions
 
     def train(self, mode: bool = True) -> "TorchaxEngine":
         self._module.train(mode)
@@ -384,14 +441,20 @@ class TorchaxEngine(DeepSpeedCounters):
     def training(self) -> bool:
         return self._module.training
 
-    def parameters(self):
-        return self.module.parameters()
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
 
-    def named_parameters(self, *args, **kwargs):
-        return self.module.named_parameters(*args, **kwargs)
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """Named as DeepSpeed's engine names them, under ``module.``."""
+        return self.module.named_parameters(prefix=f"{prefix}module", recurse=recurse,
+                                            remove_duplicate=remove_duplicate)
 
-    def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
+    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The module's state dict, keys under ``module.`` as DeepSpeed's engine (an nn.Module) has them."""
+        return self.module.state_dict(destination=destination, prefix=f"{prefix}module.", keep_vars=keep_vars)
+
+    def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False, **_):
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
 
     def __getattr__(self, name: str):
         """Attributes the engine lacks come from the module, as in DeepSpeed."""
@@ -400,6 +463,12 @@ class TorchaxEngine(DeepSpeedCounters):
         try:
             return getattr(self.module, name)
         except AttributeError:
+            from .engine import SpmdZeroEngine
+
+            if hasattr(SpmdZeroEngine, name):
+                raise AttributeError(f"engine.{name} is not supported by the torchax backend (spmd.backend="
+                                     "'torchax', see docs/config.md#the-torchax-backend); spmd.backend='torch_xla' "
+                                     "has it") from None
             raise AttributeError(f"neither the engine nor its module ({type(self._module).__name__}) has an "
                                  f"attribute {name!r}") from None
 
@@ -419,26 +488,60 @@ class TorchaxEngine(DeepSpeedCounters):
         static = tuple((i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor))
         targets = {id(t) for name in TARGET_NAMES & set(kwargs)
                    for t in torch_pytree.tree_leaves(kwargs[name]) if isinstance(t, torch.Tensor)}
+        self._take_host_changes()
         arrays = self._place_inputs(leaves, keep_dtype=targets)
-        self._last_output_loss = None
         rng = (self._rng, np.uint32(self.micro_steps))  # dropout draws anew at every micro-step
-        if self._module.training and torch.is_grad_enabled():
-            program = self._program("train" if self._accum is None else "accumulate", treespec, static)
+        rows = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim()), None)
+        training = self._module.training
+        if training and torch.is_grad_enabled():
+            self._check_rows(rows)
+            self._last_output_loss = self._deferred = None
+            program = self._program("train" if self._accum is None else "accumulate", treespec, static, training)
             ran = None if program.no_loss else program(self._params, self._constants, self._accum, rng, arrays)
             if ran is not None:
                 self.runs["forward"] += 1
                 outputs, constants, self._pending = ran
-                self._pending_rows = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim()), 0)
-                self._constants = {**self._constants, **constants}
+                self._pending_rows = rows or 0
+                self._take_constants(constants)
                 result = self._outputs(outputs, program)
                 self._last_output_loss = self._last_loss = program.loss_of(result)
                 return result
             # the output holds no loss (found while tracing): a plain forward; backward will explain
-        program = self._program("forward", treespec, static)
+        program = self._program("forward", treespec, static, training)
         self.runs["forward"] += 1
         outputs, constants = program(self._params, self._constants, rng, arrays)
-        self._constants = {**self._constants, **constants}
-        return self._outputs(outputs, program)
+        self._take_constants(constants)
+        result = self._outputs(outputs, program)
+        loss = _find_loss(result) if torch.is_grad_enabled() and not training else None
+        if loss is not None:
+            # eval mode with grad enabled (fine-tuning with dropout off): the gradients are taken
+            # only if backward asks for them, by the training program in eval mode
+            self._deferred = SimpleNamespace(loss=loss, treespec=treespec, static=static, arrays=arrays, rng=rng,
+                                             rows=rows)
+        return result
+
+    def _take_constants(self, changed: dict) -> None:
+        """Buffers a forward changed: the devices' values, copied to the module when it is read."""
+        if changed:
+            self._constants = {**self._constants, **changed}
+            self._buffers_stale.update(changed)
+
+    def _check_rows(self, rows: Optional[int]) -> None:
+        """The batch rule, as the torch_xla engine holds a training forward to it: more rows than a
+        micro-step has is an error, fewer a one-time warning."""
+        batch = self._batch
+        if rows is None or rows == batch.rows_per_micro_step:
+            return
+        if rows > batch.rows_per_micro_step:
+            raise ValueError(f"spmdzero: {batch.mismatch(rows)}")
+        if not self._warned_fewer_rows:
+            from .data import caller_stacklevel
+
+            self._warned_fewer_rows = True
+            warnings.warn(f"spmdzero: {batch.mismatch(rows)} This is normal for the last, partial batch of an epoch "
+                          "(drop_last=False); if every batch is this small, the config and your DataLoader "
+                          "disagree. global_samples counts the rows actually fed. (warned once)",
+                          stacklevel=caller_stacklevel())
 
     def _outputs(self, arrays: list, program):
         spec, others = program.out_spec
@@ -447,8 +550,10 @@ class TorchaxEngine(DeepSpeedCounters):
             leaves.insert(i, value)
         return torch_pytree.tree_unflatten(leaves, spec)
 
-    def _program(self, kind: str, treespec, static: tuple):
-        key = (kind, treespec, _hashable(static))
+    def _program(self, kind: str, treespec, static: tuple, training: bool):
+        """The jitted program for ``kind``, these inputs' structure and the module's mode (traced
+        in it: dropout on or off)."""
+        key = (kind, training, treespec, _hashable(static))
         if key not in self._programs:
             self._programs[key] = self._build_forward(kind, treespec, static)
         return self._programs[key]
@@ -481,8 +586,16 @@ class TorchaxEngine(DeepSpeedCounters):
             inputs, kwargs = torch_pytree.tree_unflatten(leaves, treespec)
             tensors = env.j2t_iso({**params, **constants})
             inputs, kwargs = env.j2t_iso((inputs, kwargs))
-            with env, env.override_property(prng=jax.random.fold_in(*rng)):
-                output = torch.func.functional_call(module, tensors, inputs, kwargs)
+            # functional_call puts the host tensors back when it returns, except under a submodule
+            # registered twice (``self.alias = self.shared``): there the traced ones stayed. Put back here.
+            held = [(m, dict(m._parameters), dict(m._buffers)) for m in module.modules()]
+            try:
+                with env, env.override_property(prng=jax.random.fold_in(*rng)):
+                    output = torch.func.functional_call(module, tensors, inputs, kwargs)
+            finally:
+                for m, params, buffers in held:
+                    m._parameters.update(params)
+                    m._buffers.update(buffers)
             # buffers the module updated in place (running statistics) are returned as new values
             changed = {n: t._elem for n, t in tensors.items() if n not in names and t._elem is not constants[n]}
             return output, changed
@@ -540,6 +653,19 @@ class TorchaxEngine(DeepSpeedCounters):
     def backward(self, loss, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Commit the gradients the training forward took of ``loss``. Returns the loss scaled
         by 1/gradient_accumulation_steps, as DeepSpeed does."""
+        deferred = self._deferred
+        if loss is not None and loss is not self._last_output_loss and deferred is not None and loss is deferred.loss:
+            self._check_rows(deferred.rows)  # the eval-mode forward's gradients, taken now
+            program = self._program("train" if self._accum is None else "accumulate", deferred.treespec,
+                                    deferred.static, False)
+            ran = None if program.no_loss else program(self._params, self._constants, self._accum, deferred.rng,
+                                                       deferred.arrays)
+            if ran is not None:
+                self.runs["forward"] += 1
+                _, constants, self._pending = ran
+                self._take_constants(constants)
+                self._pending_rows, self._last_output_loss, self._last_loss = deferred.rows or 0, loss, loss
+            self._deferred = None
         if loss is None or loss is not self._last_output_loss:
             raise RuntimeError(f"engine.backward(loss): {NEEDS_LOSS}")
         if not scale_wrt_gas and self.gradient_accumulation_steps() > 1:
@@ -649,7 +775,8 @@ class TorchaxEngine(DeepSpeedCounters):
         return int(self._skipped)
 
     def was_step_applied(self) -> bool:
-        return self._last_skip is None or not bool(self._last_skip)
+        """Whether the last optimizer step changed the parameters (False before the first)."""
+        return self.global_steps > 0 and (self._last_skip is None or not bool(self._last_skip))
 
     def last_loss(self) -> Optional[float]:
         return None if self._last_loss is None else float(self._last_loss.numpy())
@@ -679,6 +806,34 @@ class TorchaxEngine(DeepSpeedCounters):
 
     def destroy(self) -> None:
         """Nothing to release: device memory goes with the arrays."""
+
+
+def _refuse_optimizer_state(optimizer) -> None:
+    """This backend keeps the optimizer states on the devices, as JAX arrays: the torch
+    optimizer's own (empty) state dict would save nothing and load nothing, silently."""
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("optimizer.state_dict()/load_state_dict() are not supported by the torchax backend "
+                                  "(spmd.backend='torchax'): its optimizer states live on the devices "
+                                  "(engine.optimizer_states()); use spmd.backend='torch_xla' for checkpoints")
+
+    optimizer.state_dict = optimizer.load_state_dict = refuse
+
+
+def _sync_before_state_dict(module: torch.nn.Module, engine: "TorchaxEngine") -> None:
+    """``model.state_dict()`` (``save_pretrained``, ``torch.save``) on the script's own reference
+    to the model first brings the trained weights back from the devices, as ``engine.module``
+    does. A weak reference: the hook does not keep the engine alive."""
+    import weakref
+
+    ref = weakref.ref(engine)
+
+    def sync(*_):
+        live = ref()
+        if live is not None:
+            live.module  # noqa: B018 (the property copies device values to the host when stale)
+
+    for sub in module.modules():
+        sub.register_state_dict_pre_hook(sync)
 
 
 def _release_in_background(arrays) -> None:

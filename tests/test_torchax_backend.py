@@ -498,3 +498,177 @@ def test_the_torchax_backend_on_a_tpu_vm_without_the_variable_says_to_set_it(mon
     monkeypatch.setattr(xr, "device_type", lambda: "TPU")
     with pytest.raises(RuntimeError, match=r"SPMDZERO_BACKEND=torchax in the environment before `import spmdzero`"):
         backend_torchax.jax_devices(4)
+
+
+# ---- the module on the host and the engine's device copy (review findings) -------------------------
+
+def dropout_mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Dropout(0.5), torch.nn.Linear(64, 8))
+
+
+def host_loss(model: torch.nn.Module, x, y) -> float:
+    model = model.eval()
+    with torch.no_grad():
+        return float(torch.nn.functional.mse_loss(model(x), y))
+
+
+def test_weights_loaded_on_the_host_after_initialize_are_what_trains():
+    """engine.module.load_state_dict(...) (pretrained weights), and the script's own model
+    reference loaded after some steps: the next forward uses them, the step starts from them."""
+    loaded = tiny_mlp(seed=5)
+    (x, y), = batches(1, 16)
+    for after_steps in (0, 2):
+        model = WithLoss(tiny_mlp(seed=0))
+        cfg = config("torchax")
+        del cfg["scheduler"]  # a fixed lr: WarmupLR's first steps have lr 0
+        engine, *_ = spmdzero.initialize(model=model, config=cfg)
+        for xb, yb in batches(after_steps, 16):
+            engine.backward(engine(xb, yb))
+            engine.step()
+        model.net.load_state_dict(loaded.state_dict())  # the script's reference, not engine.module
+        engine.eval()
+        with torch.no_grad():
+            got = engine(x, y).item()
+        assert got == pytest.approx(host_loss(loaded, x, y), rel=1e-5)
+        engine.train()
+        engine.backward(engine(x, y))
+        engine.step()
+        moved = max((p - q).abs().max().item()
+                    for p, q in zip(engine.module.net.parameters(), loaded.parameters()))
+        assert 0 < moved < 0.05  # one small step from the loaded weights, not from the old ones
+
+
+def test_the_scripts_model_reference_holds_the_trained_weights():
+    """model.state_dict() (save_pretrained, torch.save) without reading engine.module first."""
+    model = WithLoss(tiny_mlp(seed=0))
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    engine, *_ = spmdzero.initialize(model=model, config=config("torchax"))
+    for x, y in batches(3, 16):
+        engine.backward(engine(x, y))
+        engine.step()
+    saved = model.state_dict()
+    assert all((saved[k] - initial[k]).abs().max() > 1e-3 for k in initial)
+    device = {k: torch.from_numpy(__import__("numpy").asarray(v)) for k, v in engine.params().items()}
+    for name, value in device.items():
+        torch.testing.assert_close(saved[name], value)
+
+
+class CountingMean(torch.nn.Module):
+    """A buffer updated in place by every forward (running statistics, a step counter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = tiny_mlp(seed=0)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x, y):
+        self.calls.add_(1)
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+
+def test_buffers_a_forward_updates_reach_the_module():
+    engine, *_ = spmdzero.initialize(model=CountingMean(), config=config("torchax"))
+    for x, y in batches(3, 16):
+        engine.backward(engine(x, y))
+        engine.step()
+    assert engine.module.state_dict()["calls"].item() == 3
+    assert engine.state_dict()["module.calls"].item() == 3  # named as DeepSpeed's engine names them
+
+
+def test_an_eval_forward_runs_in_eval_mode_whichever_mode_traced_first():
+    model = WithLoss(dropout_mlp())
+    reference = dropout_mlp()
+    engine, *_ = spmdzero.initialize(model=model, config=config("torchax"))
+    (x, y), = batches(1, 16)
+    with torch.no_grad():
+        engine(x, y)  # train mode, no grad: a plain forward with dropout on
+    engine.eval()
+    with torch.no_grad():
+        got = engine(x, y).item()
+    assert got == pytest.approx(host_loss(reference, x, y), rel=1e-5)
+
+
+def test_training_in_eval_mode_and_a_validation_forward_between_forward_and_backward():
+    """Fine-tuning with dropout off (the module in eval mode, grad enabled), and a no-grad
+    forward between a training forward and its backward: the same steps as the torch_xla engine."""
+    results = {}
+    for backend in ("torch_xla", "torchax"):
+        engine, *_ = spmdzero.initialize(model=WithLoss(dropout_mlp()), config=config(backend))
+        engine.eval()
+        for i, (x, y) in enumerate(batches(3, 16)):
+            loss = engine(x, y)
+            if i == 1:
+                with torch.no_grad():
+                    engine(x, y)  # validation in between
+            engine.backward(loss)
+            engine.step()
+        results[backend] = {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()}
+    for name, value in results["torch_xla"].items():
+        torch.testing.assert_close(results["torchax"][name], value, atol=1e-5, rtol=1e-5)
+
+
+def test_freezing_after_initialize_is_refused_clearly():
+    engine, *_ = spmdzero.initialize(model=WithLoss(tiny_mlp(seed=0)), config=config("torchax"))
+    (x, y), = batches(1, 16)
+    engine.backward(engine(x, y))
+    engine.step()
+    engine.module.net[0].weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"requires_grad changed after spmdzero.initialize for \['net.0.weight'\]"):
+        engine(x, y)
+
+
+def test_the_optimizers_state_dict_is_refused_not_empty():
+    _, optimizer, *_ = spmdzero.initialize(model=WithLoss(tiny_mlp(seed=0)), config=config("torchax"))
+    with pytest.raises(NotImplementedError, match="optimizer states live on the devices"):
+        optimizer.state_dict()
+    with pytest.raises(NotImplementedError, match="torchax backend"):
+        optimizer.load_state_dict({})
+
+
+def test_the_batch_rule_holds_for_training_forwards():
+    engine, *_ = spmdzero.initialize(model=WithLoss(tiny_mlp(seed=0)), config=config("torchax"))
+    (x, y), = batches(1, 32)
+    with pytest.raises(ValueError, match="32"):
+        engine(x, y)
+    with pytest.warns(UserWarning, match="partial batch"):
+        engine(x[:8], y[:8])
+    with torch.no_grad():
+        engine(x, y)  # evaluation takes any batch
+
+
+def test_parameter_groups_the_module_does_not_own_are_refused_and_empty_ones_dropped():
+    model = WithLoss(tiny_mlp(seed=0))
+    stray = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"param group 1 .* not parameters of the model \(shapes \[\(3,\)\]\)"):
+        spmdzero.initialize(model=model, config=config("torchax"),
+                            model_parameters=[{"params": list(model.parameters())}, {"params": [stray]}])
+    model.net[2].requires_grad_(False)
+    engine, *_ = spmdzero.initialize(model=model, config=config("torchax"), model_parameters=[
+        {"params": list(model.net[0].parameters())}, {"params": list(model.net[2].parameters()), "lr": 0.5}])
+    assert len(engine.get_lr()) == 1  # the all-frozen group is dropped, as DeepSpeed drops it
+    assert not engine.was_step_applied()  # no step yet
+    with pytest.raises(AttributeError, match="engine.local_rank is not supported by the torchax backend"):
+        engine.local_rank
+
+
+class Aliased(torch.nn.Module):
+    """A submodule registered under two names (``self.alias = self.shared``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = torch.nn.Linear(16, 8)
+        self.alias = self.shared
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.alias(x) + self.shared(x), y)
+
+
+def test_a_submodule_under_two_names_keeps_its_host_parameters():
+    engine, *_ = spmdzero.initialize(model=Aliased(), config=config("torchax"))
+    for x, y in batches(2, 16):
+        engine.backward(engine(x, y))
+        engine.step()
+    assert all(type(p) is torch.nn.Parameter for p in engine.module.parameters())  # not the traced tensors
+    assert set(engine.module.state_dict()) == {f"{m}.{k}" for m in ("shared", "alias") for k in ("weight", "bias")}
