@@ -188,9 +188,9 @@ class AotReport:
         if full:
             listed = "; ".join(f"{row['shape']} x{row['count']} ({', '.join(row['parameters'][:2])}"
                                f"{', ...' if len(row['parameters']) > 2 else ''})" for row in full[:3])
-            lines.append(f"  all-reduced in full, not reduce-scattered: {listed}. libtpu keeps a reduce-scatter only "
-                         "when each shard is whole TPU tiles; a vocabulary table whose rows are a multiple of "
-                         "128 x chips is (see docs/tpu.md)")
+            lines.append(f"  all-reduced in full, not reduce-scattered: {listed}. libtpu 0.0.21 keeps a "
+                         "reduce-scatter only under conditions docs/tpu.md lists (among them, shards of whole "
+                         "TPU tiles)")
         r = self.roofline()
         if r:
             lines.append(f"  roofline estimate (perfect overlap, published peaks): step >= {r['step_s'] * 1e3:.1f} ms "
@@ -394,7 +394,10 @@ def capture(engine, inputs: Optional[dict] = None):
     saved_attrs.update(_last_loss=engine._last_loss, _input_shapes=engine._input_shapes)
     pending = [slot.grad for slot in engine._slots]
     groups = [dict(g) for g in engine.optimizer.param_groups] if engine.optimizer else []
-    scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    # the schedule's own attributes, not its state_dict(): that reads a device step count back
+    # as an int, which the next step sends as a new input and so compiles a new graph
+    scheduler = {k: v if isinstance(v, torch.Tensor) else copy.copy(v)
+                 for k, v in vars(engine.lr_scheduler).items()} if engine.lr_scheduler is not None else None
     step = StepCapture(engine, inputs if inputs is not None else saved)
     engine._capture = step
     try:
@@ -408,6 +411,11 @@ def capture(engine, inputs: Optional[dict] = None):
             with torch.no_grad():
                 for key, t in tensors.items():
                     t.copy_(saved[key])
+            # laid out by the plan and executed now, as a graph of its own (compiled once): left
+            # pending, the copies would join the next training step's graph and make it a new
+            # one to compile
+            engine._reannotate()
+            torch_xla.sync()
         for name, value in saved_attrs.items():
             setattr(engine, name, value)
         for slot, grad in zip(engine._slots, pending):
@@ -416,7 +424,7 @@ def capture(engine, inputs: Optional[dict] = None):
             for group, kept in zip(engine.optimizer.param_groups, groups):
                 group.update(kept)
         if scheduler is not None:
-            engine.lr_scheduler.load_state_dict(scheduler)
+            vars(engine.lr_scheduler).update(scheduler)
         for p in engine.module.parameters():
             p.grad = None
 
@@ -437,7 +445,7 @@ def capture_step(source, config: dict, stage: int, micro_batch: Optional[int] = 
     """Build the engine for ``stage`` (shape-only unless told) and trace one step of it."""
     import spmdzero
 
-    from .aot_models import build_on_meta
+    from .aot_models import build_on_meta, checked_module
     from .aot_shapes import shape_only_engine
 
     from . import runtime
@@ -454,7 +462,7 @@ def capture_step(source, config: dict, stage: int, micro_batch: Optional[int] = 
         model = build_on_meta(source)
         engine, inputs = shape_only_engine(model, cfg)
     else:
-        model, inputs = source.build(), None
+        model, inputs = checked_module(source, source.build()), None
         engine, *_ = spmdzero.initialize(model=model, config=cfg)
     args, kwargs = source.inputs(model, engine.train_micro_batch_size_per_gpu() * engine.dp_world_size)
     with capture(engine, inputs) as step:
@@ -488,14 +496,20 @@ def compare_stages(make_model, config: dict, topology: str, stages=(0, 1, 2), mi
     return [compile_step(source, config, topology, stage, micro_batch, shape_only) for stage in stages]
 
 
+SEARCH_LIMIT = 4096  # micro-batch per chip: find_max_batch doubles up to it
+
+
 def find_max_batch(source, config: dict, topology: str, stage: int, shape_only: bool = True,
-                   limit: int = 4096) -> tuple[int, list[AotReport]]:
+                   limit: int = SEARCH_LIMIT, known: Optional[dict] = None) -> tuple[int, list[AotReport]]:
     """The largest micro-batch per chip whose step fits: doubling from 1, then bisection.
-    Returns it (0 if even 1 does not fit) and every report compiled on the way."""
+    Returns it (0 if even 1 does not fit; ``limit`` if that fits: larger sizes are not tried)
+    and every report on the way. ``known``: reports already compiled, by micro-batch."""
     reports: list[AotReport] = []
 
     def fits(batch: int) -> bool:
-        reports.append(compile_step(source, config, topology, stage, batch, shape_only))
+        report = (known or {}).get(batch)
+        reports.append(report if report is not None else compile_step(source, config, topology, stage, batch,
+                                                                      shape_only))
         return reports[-1].fits
 
     if not fits(1):
@@ -524,7 +538,7 @@ def search_summary(best: int, tried: list[AotReport], seconds: float) -> dict:
     largest allocation there (what grows with the batch)."""
     by_batch = {r.micro_batch: r for r in tried}
     out = {"max_micro_batch": best, "compiles": len(tried), "seconds": seconds,
-           "tried": {r.micro_batch: r.fits for r in tried}}
+           "tried": {r.micro_batch: r.fits for r in tried}, "at_search_limit": best >= SEARCH_LIMIT}
     if best in by_batch:
         out["total_bytes"] = by_batch[best].total_bytes
     miss = by_batch.get(best + 1)
@@ -536,7 +550,9 @@ def search_summary(best: int, tried: list[AotReport], seconds: float) -> dict:
 
 
 def describe_search(stage: int, found: dict, hbm_bytes: int) -> str:
-    line = f"stage {stage}: largest micro-batch per chip that fits: {found['max_micro_batch']}"
+    best = found["max_micro_batch"]
+    line = f"stage {stage}: largest micro-batch per chip that fits: " + (
+        f">= {best} (the search limit; larger sizes were not tried)" if found.get("at_search_limit") else str(best))
     if "total_bytes" in found:
         line += f" ({_gib(found['total_bytes'])} of {_gib(hbm_bytes)})"
     following = found.get("next")
@@ -565,6 +581,25 @@ def stages_table(reports: list[AotReport]) -> str:
     return "\n".join(lines)
 
 
+def _stages(text: str) -> tuple[int, ...]:
+    try:
+        stages = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ZeRO stages such as 0,1,2, got {text!r}") from None
+    if any(s not in (0, 1, 2) for s in stages):
+        raise argparse.ArgumentTypeError(f"ZeRO stages are 0, 1 and 2 (stage 3 is out of scope), got {text!r}")
+    return stages
+
+
+def default_model() -> str:
+    """The repository's example model, wherever the command runs from."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "model.py")
+    if not os.path.isfile(path):
+        raise ValueError("no --model given and the example model (examples/model.py) is not next to this spmdzero "
+                         "installation: pass --model PATH.py:NAME or a transformers config.json")
+    return f"{path}:TinyGPT"
+
+
 def _scan_layers_value(value: str) -> str:
     if value != "stacked":
         raise argparse.ArgumentTypeError(f"{value!r}: give no value (spmd.scan_layers=true) or 'stacked'")
@@ -581,11 +616,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's options (shared with ``spmdzero aot``)."""
     parser.add_argument("--topology", required=True, help="e.g. v5e:2x2, v5e:4x4, v5e:16x16, v5p:2x4x4, v6e:2x2")
     parser.add_argument("--deepspeed_config", required=True)
-    parser.add_argument("--model", default="examples/model.py:TinyGPT",
-                        help="PATH.py:NAME, a transformers config.json, or a directory with one (default: the example)")
-    parser.add_argument("--stages", default="0,1,2")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (transformers configs)")
-    parser.add_argument("--micro-batch", type=int, default=None,
+    from .cli import positive_int
+
+    parser.add_argument("--model", default=None,
+                        help="PATH.py:NAME, a transformers config.json, or a directory with one (default: the "
+                             "repository's examples/model.py:TinyGPT)")
+    parser.add_argument("--stages", default=(0, 1, 2), type=_stages, help="ZeRO stages, comma-separated (default 0,1,2)")
+    parser.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (transformers configs)")
+    parser.add_argument("--micro-batch", type=positive_int, default=None,
                         help="sequences per chip per micro-step (default: the config's)")
     parser.add_argument("--materialize", action="store_true",
                         help="trace with real parameters instead of shape-only (needs N x the model in host RAM)")
@@ -607,21 +645,25 @@ def main(argv=None) -> int:
     from .aot_models import load_model_source
     from .config import read_config_file
 
-    stages = [int(s) for s in args.stages.split(",")]
+    from .config import parse_config
+
+    stages = args.stages
     shape_only = not args.materialize
     try:
         check_traceable(args.topology)
         config = read_config_file(args.deepspeed_config)
+        parse_config(config, args.deepspeed_config)  # as given: a stage-3 config is refused, not compiled as 0-2
         if args.scan_layers:
             config.setdefault("spmd", {})["scan_layers"] = args.scan_layers
-        source = load_model_source(args.model, args.seq_len)
+        source = load_model_source(args.model or default_model(), args.seq_len)
         reports = [compile_step(source, config, args.topology, stage, args.micro_batch, shape_only)
                    for stage in stages]
         searches = {}
         if args.find_max_batch:
             for stage in stages:
                 start = time.perf_counter()
-                best, tried = find_max_batch(source, config, args.topology, stage, shape_only)
+                known = {r.micro_batch: r for r in reports if r.stage == stage}
+                best, tried = find_max_batch(source, config, args.topology, stage, shape_only, known=known)
                 searches[stage] = search_summary(best, tried, time.perf_counter() - start)
     except (ValueError, RuntimeError) as err:
         print(f"spmdzero aot: {err}", file=sys.stderr)

@@ -54,9 +54,10 @@ def build_on_meta(source: ModelSource) -> torch.nn.Module:
         with meta_parameters():
             model = source.build()
     except Exception as err:
-        raise ValueError(f"model {source.name} does not build with its parameters on the 'meta' device "
-                         f"(shape-only capture): {type(err).__name__}: {err}; pass --materialize to trace it "
-                         "with real parameters") from err
+        raise ValueError(f"model {source.name} did not build with its parameters on the 'meta' device "
+                         f"(shape-only capture): {type(err).__name__}: {_short(err)}. If it builds with real "
+                         "parameters, pass --materialize") from err
+    checked_module(source, model)
     real = [n for n, p in model.named_parameters() if p.device.type != "meta"]
     if real:
         raise ValueError(f"model {source.name} does not build on 'meta': parameters {real[:3]} were created "
@@ -64,11 +65,27 @@ def build_on_meta(source: ModelSource) -> torch.nn.Module:
     return model
 
 
+def checked_module(source: ModelSource, model) -> torch.nn.Module:
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"--model {source.name!r} gave a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _short(err: Exception, limit: int = 400) -> str:
+    """An exception's message on one line, cut to ``limit`` characters (transformers lists every
+    model type it knows in some of its errors)."""
+    text = " ".join(str(err).split())
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
 def load_model_source(spec: str, seq_len: int | None = None) -> ModelSource:
     """``PATH.py:NAME``, or a transformers config: a ``.json`` file or a directory with
     ``config.json``."""
     if os.path.isdir(spec) or spec.endswith(".json"):
         return _from_config(spec, seq_len)
+    if seq_len is not None:
+        raise ValueError(f"--seq-len applies to transformers configs; the model {spec!r} makes its own batch "
+                         "(example_inputs)")
     return _from_file(spec)
 
 
@@ -80,10 +97,16 @@ def _from_file(spec: str) -> ModelSource:
     module_spec = importlib.util.spec_from_file_location("spmdzero_aot_model", path)
     module = importlib.util.module_from_spec(module_spec)
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as err:  # the user's file: a syntax error, a missing import, anything it raises
+        raise ValueError(f"--model {spec!r}: importing {path} failed: {type(err).__name__}: {_short(err)}") from err
     if not hasattr(module, name):
         raise ValueError(f"--model {spec!r}: {path} defines no {name!r}")
     factory = getattr(module, name)
+    if not callable(factory):
+        raise ValueError(f"--model {spec!r}: {name!r} in {path} is a {type(factory).__name__}, not a model class or "
+                         "a function returning a model")
 
     def inputs(model, batch):
         if not hasattr(model, "example_inputs"):
@@ -104,13 +127,20 @@ def _from_config(spec: str, seq_len: int | None) -> ModelSource:
         raise ValueError(f"--model {spec!r}: {path} is not valid JSON ({err})") from None
     import transformers
 
+    if not isinstance(fields, dict):
+        raise ValueError(f"--model {spec!r}: {path} holds a JSON {type(fields).__name__}, not a transformers config "
+                         "(an object with 'model_type')")
     model_type = fields.pop("model_type", None)
     if model_type is None:
         raise ValueError(f"--model {spec!r}: {path} has no 'model_type' (e.g. \"gpt2\", \"llama\")")
     try:
         config = transformers.AutoConfig.for_model(model_type, **fields)
-    except ValueError as err:
-        raise ValueError(f"--model {spec!r}: {err}") from None
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"--model {spec!r}: {_short(err)}") from None
+    if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"--model {spec!r}: model_type {model_type!r} has no causal-LM model in transformers "
+                         "(AutoModelForCausalLM); spmdzero aot trains a config as a causal LM on its own tokens. "
+                         "For other models give PATH.py:NAME (a model with example_inputs)")
     limit = next((getattr(config, k) for k in ("n_positions", "max_position_embeddings") if hasattr(config, k)), None)
     seq_len = seq_len or min(limit or 1024, 1024)
     if limit is not None and seq_len > limit:

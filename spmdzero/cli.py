@@ -88,7 +88,7 @@ def _describe(section) -> str:
     return f"{section.type}({params})"
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -120,8 +120,8 @@ def main(argv=None) -> int:
                                                                                               required=True)
     check = config.add_parser("check", help="resolve and validate a DeepSpeed config")
     check.add_argument("path", help="ds_config.json")
-    check.add_argument("--devices", type=_positive_int, default=None, help="device count (default: this machine's)")
-    check.add_argument("--params", type=_positive_int, default=None, help="model parameters, for the memory estimate")
+    check.add_argument("--devices", type=positive_int, default=None, help="device count (default: this machine's)")
+    check.add_argument("--params", type=positive_int, default=None, help="model parameters, for the memory estimate")
     ckpt = commands.add_parser("checkpoint", help="checkpoint tools").add_subparsers(dest="action", required=True)
     merge = ckpt.add_parser("consolidate", help="one state dict a plain nn.Module loads (like zero_to_fp32.py)")
     merge.add_argument("ckpt_dir")
@@ -202,9 +202,9 @@ def sys_argv_after(args) -> list[str]:
     """The ``aot`` options again, for the child process."""
     from .aot import scan_layers_args
 
-    out = ["--topology", args.topology, "--deepspeed_config", args.deepspeed_config, "--model", args.model,
-           "--stages", args.stages]
-    for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch)):
+    out = ["--topology", args.topology, "--deepspeed_config", args.deepspeed_config,
+           "--stages", ",".join(map(str, args.stages))]
+    for flag, value in (("--model", args.model), ("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch)):
         if value is not None:
             out += [flag, str(value)]
     out += [flag for flag, on in (("--materialize", args.materialize), ("--find-max-batch", args.find_max_batch))

@@ -48,7 +48,7 @@ def known_topologies() -> list[str]:
 def chip_spec(topology: str) -> ChipSpec:
     """The chip of a topology name such as ``v5e:4x4``; ValueError listing valid names."""
     generation, _, dims = topology.partition(":")
-    if generation not in CHIPS or not dims or not all(d.isdigit() for d in dims.split("x")):
+    if generation not in CHIPS or not dims or not all(d.isdigit() and int(d) > 0 for d in dims.split("x")):
         raise ValueError(f"unknown TPU topology {topology!r}: expected GENERATION:AxB[xC]; valid names include "
                          f"{', '.join(known_topologies())}")
     return CHIPS[generation]

@@ -3,6 +3,7 @@ client: what ZeRO-2 becomes on TPU, per-chip memory by stage, the shape-only tra
 the report's arithmetic."""
 
 import json
+import re
 
 import pytest
 
@@ -188,7 +189,7 @@ def test_model_that_does_not_build_on_meta_is_a_clear_error():
             self.w = torch.nn.Parameter(torch.ones(3))
             self.scale = float(self.w.detach().sum())  # reads a value: impossible without the data
 
-    with pytest.raises(ValueError, match="does not build with its parameters on the 'meta' device.*--materialize"):
+    with pytest.raises(ValueError, match="did not build with its parameters on the .meta. device.*--materialize"):
         build_on_meta(ModelSource("m.py:ReadsItsWeights", ReadsItsWeights, None, None))
 
 
@@ -667,3 +668,113 @@ def test_scanned_layers_keep_few_more_temporaries_than_unrolled(tmp_path):
     temps = json.loads(run_python(code, env={"CPU_NUM_DEVICES": "4", "PJRT_DEVICE": "CPU",
                                              "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}).strip().splitlines()[-1])
     assert temps["True"] <= 1.5 * temps["False"], temps
+
+
+# ---- the command's bad input, refused before anything compiles (review findings) ---------------------
+
+def _write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.fixture
+def aot_inputs(tmp_path):
+    ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+    return {
+        "ds": _write(tmp_path / "ds.json", json.dumps(ds)),
+        "ds3": _write(tmp_path / "ds3.json", json.dumps({**ds, "zero_optimization": {"stage": 3}})),
+        "syntax": _write(tmp_path / "syntax.py", "def f(:\n") + ":M",
+        "missing_import": _write(tmp_path / "importerr.py", "import nosuchpackage_xyz\n") + ":M",
+        "not_a_module": _write(tmp_path / "notmod.py", "def make():\n    return 3\n") + ":make",
+        "list": _write(tmp_path / "list.json", "[1, 2]"),
+        "t5": _write(tmp_path / "t5.json", json.dumps({"model_type": "t5", "num_layers": 1, "d_model": 64,
+                                                        "num_heads": 2, "d_ff": 128, "vocab_size": 1024})),
+        "gpt2": _write(tmp_path / "gpt2.json", json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 64,
+                                                          "n_head": 2, "vocab_size": 256, "n_positions": 32})),
+    }
+
+
+@pytest.mark.parametrize("case, extra, message", [
+    ("ds3", [], "ZeRO stage 3"),
+    ("syntax", [], r"importing .*syntax.py failed: SyntaxError"),
+    ("missing_import", [], r"importing .*importerr.py failed: ModuleNotFoundError: No module named 'nosuchpackage_xyz'"),
+    ("not_a_module", [], r"gave a int, not a torch.nn.Module"),
+    ("list", [], r"holds a JSON list, not a transformers config"),
+    ("t5", [], r"model_type 't5' has no causal-LM model in transformers"),
+    ("gpt2", ["--topology", "v5e:0x2"], r"unknown TPU topology 'v5e:0x2'"),
+    ("not_a_module", ["--seq-len", "16"], r"--seq-len applies to transformers configs"),
+])
+def test_the_command_refuses_bad_input_with_one_line(aot_inputs, capsys, case, extra, message):
+    from spmdzero import aot
+
+    model = aot_inputs[case] if case != "ds3" else aot_inputs["gpt2"]
+    config = aot_inputs["ds3"] if case == "ds3" else aot_inputs["ds"]
+    args = ["--topology", "v5e:2x2", "--deepspeed_config", config, "--model", model, "--stages", "2"]
+    code = aot.main(args + extra)
+    err = capsys.readouterr().err
+    assert code == 1 and re.search(message, err), err
+    assert "Traceback" not in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("flag, value", [("--stages", "x"), ("--stages", "1,3"), ("--seq-len", "0"),
+                                         ("--micro-batch", "-1")])
+def test_the_command_refuses_bad_numbers_as_usage_errors(aot_inputs, capsys, flag, value):
+    from spmdzero import aot
+
+    with pytest.raises(SystemExit) as exit_:
+        aot.main(["--topology", "v5e:2x2", "--deepspeed_config", aot_inputs["ds"], "--model", aot_inputs["gpt2"],
+                  flag, value])
+    assert exit_.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_find_max_batch_says_when_it_stopped_at_its_limit_and_reuses_known_compiles(monkeypatch):
+    from spmdzero import aot
+
+    compiled = []
+
+    class Fits:
+        def __init__(self, batch):
+            self.micro_batch, self.fits, self.total_bytes = batch, True, 0
+
+    def fake(source, config, topology, stage, batch, shape_only):
+        compiled.append(batch)
+        return Fits(batch)
+
+    monkeypatch.setattr(aot, "compile_step", fake)
+    best, tried = aot.find_max_batch(None, {}, "v5e:2x2", 2, known={1: Fits(1)})
+    assert best == aot.SEARCH_LIMIT and compiled[0] == 2  # micro-batch 1 came from the report already compiled
+    line = aot.describe_search(2, aot.search_summary(best, tried, 1.0), 16 * 2**30)
+    assert f">= {aot.SEARCH_LIMIT} (the search limit; larger sizes were not tried)" in line
+
+
+def test_training_after_a_collectives_report_does_not_recompile():
+    """The report traces a step and puts the engine back: a bf16 config schedule (its step
+    count on the device) and the restored state must not make the next training step a new
+    graph."""
+    import torch
+    import torch_xla.debug.metrics as met
+
+    import spmdzero
+    from conftest import batches, tiny_mlp
+
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(), config={
+        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}})
+    data = batches(6, 8)
+    loss_fn = lambda out, y: torch.nn.functional.mse_loss(out.float(), y.to(engine.device))  # noqa: E731
+
+    def train(pairs):
+        for x, y in pairs:
+            engine.backward(loss_fn(engine(x), y))
+            engine.step()
+        engine.wait() if hasattr(engine, "wait") else None
+
+    train(data[:3])
+    x, y = data[3]
+    engine.collectives_report(x, loss_fn=lambda out: loss_fn(out, y))
+    compiles = met.metric_data("CompileTime")[0]
+    train(data[4:])
+    assert met.metric_data("CompileTime")[0] == compiles
+    assert engine.global_steps == 5
