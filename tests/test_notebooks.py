@@ -7,9 +7,8 @@ import pytest
 
 from conftest import REPO
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 @pytest.mark.parametrize("path", sorted(pathlib.Path(REPO, "notebooks").glob("*.ipynb")), ids=lambda p: p.name)
 def test_notebook_runs_and_reruns(path):
     import nbformat
@@ -25,3 +24,15 @@ def test_notebook_runs_and_reruns(path):
             client.execute_cell(cell, index)
     errors = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
+
+
+@pytest.mark.parametrize("path", sorted(pathlib.Path(REPO, "notebooks").glob("*.ipynb")), ids=lambda p: p.name)
+def test_notebook_is_valid_nbformat_4_5(path):
+    """Every cell has an id (nbformat 4.5): Jupyter warns about a missing one on every load."""
+    import json
+
+    import nbformat
+
+    raw = json.loads(path.read_text())
+    assert all("id" in cell for cell in raw["cells"])
+    nbformat.validate(nbformat.reads(path.read_text(), as_version=4))
