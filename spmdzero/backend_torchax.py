@@ -280,6 +280,7 @@ class TorchaxEngine(DeepSpeedCounters):
         self._batch = batch
         self.dp_world_size = self.world_size = batch.ranks
         self.global_steps = self.global_samples = self.micro_steps = 0
+        self.device = torch.device("cpu")  # batches stay on the host (``batch.to(engine.device)``); forward places them
         self.precision = precision_policy(cfg)
         self._boundary_override: Optional[bool] = None
         self.mesh = Mesh(devices, tuple(mesh_shape))
@@ -454,9 +455,6 @@ class TorchaxEngine(DeepSpeedCounters):
     def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
         """The module's state dict, keys under ``module.`` as DeepSpeed's engine (an nn.Module) has them."""
         return self.module.state_dict(destination=destination, prefix=f"{prefix}module.", keep_vars=keep_vars)
-
-    def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False, **_):
-        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
 
     def __getattr__(self, name: str):
         """Attributes the engine lacks come from the module, as in DeepSpeed."""

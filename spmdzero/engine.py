@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -525,16 +524,6 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
         return {s.name: s.target for s in self._slots if s.target is not s.param}
 
     # ---- DeepSpeed engine API: what scripts reach for besides the training step --------------
-    @property
-    def local_rank(self) -> int:
-        """This process's rank on its host: 0, as one process drives all of the host's devices."""
-        return 0
-
-    @property
-    def global_rank(self) -> int:
-        """This process's index among the hosts (torch.distributed's rank under ``spmdzero launch``)."""
-        return runtime.hosts()[0]
-
     def __getattr__(self, name: str):
         """Attributes the engine lacks come from the module, as in DeepSpeed
         (``engine.gradient_checkpointing_enable()``, ``engine.model`` of a Hugging Face model)."""
@@ -591,18 +580,3 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
         zero = self.config.get("zero_optimization") or {}  # the DeepSpeed dict, as DeepSpeed reads it
         return bool(zero.get("stage3_gather_16bit_weights_on_model_save", False))
 
-    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
-                         exclude_frozen_parameters: bool = False) -> bool:
-        """The module's state dict in the model dtype (bf16/fp16 under mixed precision), written
-        by process 0 with ``torch.save``. Every process must call it (the copy to the host reads
-        the replicated parameters of every host)."""
-        frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-        state = {name: t.detach().cpu() for name, t in self.module.state_dict().items()
-                 if not (exclude_frozen_parameters and name in frozen)}
-        if self.global_rank == 0:
-            os.makedirs(save_dir, exist_ok=True)
-            torch.save(state, os.path.join(save_dir, save_filename))
-        return True
-
-    def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
-        return self.save_16bit_model(save_dir, save_filename)

@@ -4,6 +4,7 @@ precision policy. One definition, so the two backends cannot drift apart."""
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -68,6 +69,34 @@ class DeepSpeedCounters:
 
     def dynamic_loss_scale(self) -> bool:
         return self.fp16_enabled() and self._config.fp16.loss_scale == 0
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its host: 0, as one process drives all of the host's devices."""
+        return 0
+
+    @property
+    def global_rank(self) -> int:
+        """This process's index among the hosts (torch.distributed's rank under ``spmdzero launch``)."""
+        from . import runtime
+
+        return runtime.hosts()[0]
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The module's state dict in the model dtype (bf16/fp16 under mixed precision), written
+        by process 0 with ``torch.save``. Every process must call it (the copy to the host reads
+        the replicated parameters of every host)."""
+        frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+        state = {name: t.detach().cpu() for name, t in self.module.state_dict().items()
+                 if not (exclude_frozen_parameters and name in frozen)}
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(state, os.path.join(save_dir, save_filename))
+        return True
+
+    def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
+        return self.save_16bit_model(save_dir, save_filename)
 
     def get_data_parallel_rank(self) -> int:
         """This process's rank among the data-parallel processes (one per host)."""

@@ -648,8 +648,20 @@ def test_parameter_groups_the_module_does_not_own_are_refused_and_empty_ones_dro
         {"params": list(model.net[0].parameters())}, {"params": list(model.net[2].parameters()), "lr": 0.5}])
     assert len(engine.get_lr()) == 1  # the all-frozen group is dropped, as DeepSpeed drops it
     assert not engine.was_step_applied()  # no step yet
-    with pytest.raises(AttributeError, match="engine.local_rank is not supported by the torchax backend"):
-        engine.local_rank
+    with pytest.raises(AttributeError, match="engine.no_sync is not supported by the torchax backend"):
+        engine.no_sync
+
+
+def test_the_deepspeed_engine_api_a_script_reaches_for(tmp_path):
+    engine, *_ = spmdzero.initialize(model=WithLoss(tiny_mlp(seed=0)), config=config("torchax"))
+    (x, y), = batches(1, 16)
+    assert engine.local_rank == engine.global_rank == 0
+    engine.backward(engine(x.to(engine.device), y.to(engine.device)))
+    engine.step()
+    assert engine.save_16bit_model(str(tmp_path))
+    saved = torch.load(tmp_path / "pytorch_model.bin")
+    for name, p in engine.module.named_parameters():
+        torch.testing.assert_close(saved[name], p.detach())
 
 
 class Aliased(torch.nn.Module):
