@@ -72,7 +72,7 @@ def update(optimizer, params: list[torch.Tensor], grads: list[torch.Tensor], hp:
     plan = plans.get(slot)
     if plan is None or plan[0] != identity:
         if not applies(params, optimizer.state):
-            plans[slot] = (identity, None, None)
+            plans[slot] = (identity, None, None, None)
             return None
         n = len(params)
 
@@ -90,15 +90,22 @@ def update(optimizer, params: list[torch.Tensor], grads: list[torch.Tensor], hp:
             return new_params + new_states  # in the order of targets
 
         layouts = _shardings(targets)
-        plan = plans[slot] = (identity, _computation(key, group_update, flat, layouts), layouts is not None)
-    _, computation, laid_out = plan
+        plan = plans[slot] = (identity, _computation(key, group_update, flat, layouts), layouts is not None,
+                              donors(targets))
+    _, computation, laid_out, donated = plan
     if computation is None:
         return None
-    swap_in(targets, _run(computation, flat), donate)
+    swap_in(targets, _run(computation, flat), donated if donate else None)
     return laid_out
 
 
-def swap_in(targets: list[torch.Tensor], values: list[torch.Tensor], donate: bool = False) -> None:
+def donors(targets: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The targets whose old buffers a step may reuse (see ``swap_in``): all but scalars."""
+    return [t for t in targets if t.dim()]
+
+
+def swap_in(targets: list[torch.Tensor], values: list[torch.Tensor],
+            donate: Optional[list[torch.Tensor]] = None) -> None:
     """``t.copy_(v)`` for each pair, minus the copy: each target takes its value's lazy tensor.
     ``replace`` + ``commit_update`` are what functionalization does after an in-place op:
     the value becomes the target's, and views and aliases of the target (``p.detach()`` in
@@ -106,19 +113,19 @@ def swap_in(targets: list[torch.Tensor], values: list[torch.Tensor], donate: boo
     skips that: aliases keep the old value, and a checkpoint-loaded parameter, whose
     storage was updated by ``copy_``, is even reset to it at its next use.)
 
-    ``donate``: the targets' old buffers are given to the next ``torch_xla.sync()`` to write
-    results into, as torch_xla does for tensors updated in place. Only when that sync will
-    execute this trace (not for a step that is only captured), and nothing else keeps the old
-    values. Scalars are left out: a fresh 0-d tensor (a step counter) can hold torch_xla's
-    shared cached constant, which must never be donated (torch_xla's own in-place path skips
-    such read-only data; the flag does not). The targets are ``settle``d."""
+    ``donate``: targets (``donors(targets)``) whose old buffers are given to the next
+    ``torch_xla.sync()`` to write results into, as torch_xla does for tensors updated in
+    place. Only when that sync will execute this trace (not for a step that is only
+    captured), and nothing else keeps the old values. Scalars are left out: a fresh 0-d
+    tensor (a step counter) can hold torch_xla's shared cached constant, which must never be
+    donated (torch_xla's own in-place path skips such read-only data; the flag does not).
+    The targets are ``settle``d."""
     import torch_xla
 
     if donate:
         flag = torch_xla._XLAC._set_buffer_donation
-        for target in targets:
-            if target.dim():
-                flag(target, True)
+        for target in donate:
+            flag(target, True)
     unwrap, replace, commit = torch._from_functional_tensor, torch._functionalize_replace, torch._functionalize_commit_update
     for target, value in zip(targets, values):
         replace(target, unwrap(value))
@@ -132,9 +139,14 @@ def settle(tensors: list[torch.Tensor]) -> None:
     ``swap_in``) lazily, when the tensor is next read; once the step has executed that costs
     about 20 us per tensor on the host, against 3 us before (a 12-layer GPT-2's update,
     592 tensors: see docs/benchmarks.md)."""
-    sync = torch._sync
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    sync = torch._functionalize_sync  # torch._sync's C++ call, without its Python wrapper (~1.5 us a tensor)
     for t in tensors:
-        sync(t)
+        if isinstance(t, FunctionalTensor):  # AOTAutograd's Python wrapper: torch._sync knows how
+            torch._sync(t)
+        else:
+            sync(t)
 
 
 def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
