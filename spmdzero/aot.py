@@ -570,6 +570,7 @@ def stages_table(reports: list[AotReport]) -> str:
             ("outputs", lambda r: _mb(r.memory["output"]) if r.memory else "-"),
             ("aliased (donated state)", lambda r: _mb(r.memory["alias"]) if r.memory else "-"),
             ("temporaries", lambda r: _mb(r.memory["temp"]) if r.memory else "-"),
+            ("code", lambda r: _mb(r.memory["generated_code"]) if r.memory else "-"),
             ("total per chip", lambda r: _mb(r.total_bytes)),
             ("fits in HBM", lambda r: "yes" if r.fits else f"NO (+{r.over_by / GIB:.2f} GiB)"),
             ("traffic / minimum", lambda r: f"{r.traffic.ratio:.2f}" if r.memory else "-"),

@@ -778,3 +778,17 @@ def test_training_after_a_collectives_report_does_not_recompile():
     train(data[4:])
     assert met.metric_data("CompileTime")[0] == compiles
     assert engine.global_steps == 5
+
+
+def test_the_stages_table_rows_add_up_to_the_total():
+    """arguments + outputs - aliased + temporaries + code = total per chip."""
+    from spmdzero.aot import AotReport, stages_table
+
+    mib = 2**20
+    memory = {"argument": 40 * mib, "output": 30 * mib, "alias": 30 * mib, "temp": 20 * mib, "generated_code": 5 * mib}
+    report = AotReport("v5e:2x2", 4, "TPU v5 lite", 1.0, memory, {}, {}, 4, stage=2, micro_batch=1)
+    rows = {line[:28].strip(): line[28:].strip() for line in stages_table([report]).splitlines()[1:]}
+    assert report.total_bytes == 65 * mib
+    figures = [float(rows[k].split()[0]) for k in ("arguments (model states)", "outputs", "aliased (donated state)",
+                                                   "temporaries", "code", "total per chip")]
+    assert figures[0] + figures[1] - figures[2] + figures[3] + figures[4] == pytest.approx(figures[5])
