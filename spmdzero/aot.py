@@ -391,7 +391,8 @@ def capture(engine, inputs: Optional[dict] = None):
         "_loss_scale", "_skipped_on_device", "_rows_since_step", "_backward_since_step", "samples_last_step")}
     # Rebound, never updated in place, by a traced backward or step: the objects are kept
     # (the gradients pending inside an accumulation window, the last loss read by last_loss()).
-    saved_attrs.update(_last_loss=engine._last_loss, _input_shapes=engine._input_shapes)
+    saved_attrs.update(_last_loss=engine._last_loss, _window_loss=engine._window_loss, _step_loss=engine._step_loss,
+                       _input_shapes=engine._input_shapes)
     pending = [slot.grad for slot in engine._slots]
     groups = [dict(g) for g in engine.optimizer.param_groups] if engine.optimizer else []
     # the schedule's own attributes, not its state_dict(): that reads a device step count back

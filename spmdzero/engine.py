@@ -88,6 +88,9 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
         self._loss_scale = init_loss_scale(precision, self.device) if precision.scales_loss else None
         self._capture = None  # a spmdzero.aot.StepCapture while a step is being captured
         self._last_loss: Optional[torch.Tensor] = None
+        # the mean of the micro-batch losses: of the window in progress, and of the last optimizer step's
+        self._window_loss: Optional[torch.Tensor] = None
+        self._step_loss: Optional[torch.Tensor] = None
         self._backward_since_step = False  # an optimizer step needs gradients from a backward since the last one
         self._input_shapes: tuple = ()
         self.recompile_guard = RecompileGuard(config.spmd.max_recompiles)
@@ -178,6 +181,8 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
         self._last_loss = loss.detach()
         self._backward_since_step = True
         gas = self.gradient_accumulation_steps()
+        term = self._last_loss.float() / gas if gas > 1 else self._last_loss.float()  # in the graph: no host read
+        self._window_loss = term if self._window_loss is None else self._window_loss + term
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
         scaled = loss * self._loss_scale.scale if self._loss_scale is not None else loss
@@ -244,6 +249,7 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
                                    "since the last optimizer step: there are no gradients to apply")
             self._backward_since_step = False
             self._take_model_step(lr_kwargs)
+            self._step_loss, self._window_loss = self._window_loss, None
         self.micro_steps += 1
         compiles = compile_count()
         torch_xla.sync()
@@ -461,6 +467,13 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
 
     def was_step_applied(self) -> bool:
         return bool(self._step_applied)
+
+    def step_loss(self) -> Optional[float]:
+        """The mean of the losses passed to ``backward`` in the last optimizer step's
+        accumulation window (what the monitors log as ``train_loss``); reads the device."""
+        loss = None if self._step_loss is None else float(self._step_loss)
+        notice_nonfinite(self, loss, "loss")
+        return loss
 
     def last_loss(self) -> Optional[float]:
         """The loss last passed to ``backward`` (before gas scaling); reads the device."""

@@ -266,7 +266,8 @@ class StepLogger:
             return
         elapsed = time.perf_counter() - self._since
         throughput = self._samples / elapsed if elapsed > 0 else float("nan")
-        loss = engine.last_loss()  # tells once of a non-finite fp32 loss
+        # the mean over the step's accumulation window (tells once of a non-finite fp32 loss)
+        loss = engine.step_loss() if hasattr(engine, "step_loss") else engine.last_loss()
         if self.steps_per_print:
             self._log_line(engine, loss, throughput)
             if self.wall_clock_breakdown:

@@ -241,3 +241,35 @@ def test_an_evaluation_read_before_training_is_not_blamed_for_a_later_recompile(
         for x, y in data[7:9]:
             step(engine, x, y)
         assert engine.recompile_guard._evaluated is False
+
+
+class ConstantLoss(torch.nn.Module):
+    """Its loss is the batch's first value: each micro-step's loss is chosen by the test."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return self.w * x[0, 0]
+
+
+def test_train_loss_is_the_mean_over_the_accumulation_window(tmp_path, spmdzero_log):
+    """Micro-batch losses 1, 2, 3, 4 in a window of 4: the step's train_loss is 2.5 (the window's
+    mean, what older DeepSpeed engines log), not the last micro-batch's 4."""
+    engine, *_ = spmdzero.initialize(model=ConstantLoss(), config={
+        "train_batch_size": 32, "gradient_accumulation_steps": 4, "steps_per_print": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+        "csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "run"}})
+    compiles = []
+    for window in range(3):
+        for value in (1.0, 2.0, 3.0, 4.0):
+            engine.backward(engine(torch.full((8, 1), value + window)))
+            engine.step()
+        compiles.append(met.metric_data("CompileTime")[0])
+    rows = (tmp_path / "run" / "Train_Samples_train_loss.csv").read_text().splitlines()[1:]
+    assert [float(r.split(",")[1]) for r in rows] == [2.5, 3.5, 4.5]
+    assert engine.step_loss() == 4.5 and engine.last_loss() == 6.0
+    lines = [r.getMessage() for r in spmdzero_log.records if r.getMessage().startswith("step=")]
+    assert "loss=4.5" in lines[-1]
+    assert compiles[1] == compiles[2]  # the window's sum adds no graph after warm-up
