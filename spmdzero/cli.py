@@ -27,11 +27,20 @@ def optimizer_state_bytes(cfg: DeepSpeedConfig) -> Optional[int]:
     return STATE_BYTES.get(name)
 
 
-def model_state_estimate(params: int, stage: int, fsdp: int, state_bytes: int) -> dict[str, float]:
-    """ZeRO's accounting for fp32 training: bytes per device by category."""
-    grads = 4 * params / (fsdp if stage >= 2 else 1)
+def model_state_estimate(params: int, stage: int, fsdp: int, state_bytes: int, param_bytes: int = 4,
+                         grad_bytes: int = 4, master_bytes: int = 0) -> dict[str, float]:
+    """ZeRO's accounting: bytes per device by category. Parameters are replicated; gradients
+    sharded from stage 2; fp32 master weights (bf16/fp16, ``master_bytes`` 4) and optimizer
+    states from stage 1."""
+    grads = grad_bytes * params / (fsdp if stage >= 2 else 1)
     states = state_bytes * params / (fsdp if stage >= 1 else 1)
-    return {"params": 4 * params, "grads": grads, "optimizer states": states, "total": 4 * params + grads + states}
+    masters = master_bytes * params / (fsdp if stage >= 1 else 1)
+    out = {"params": param_bytes * params, "grads": grads}
+    if master_bytes:
+        out["master weights"] = masters
+    out["optimizer states"] = states
+    out["total"] = param_bytes * params + grads + masters + states
+    return out
 
 
 def _validate_optimizer_and_scheduler(cfg: DeepSpeedConfig) -> None:
@@ -58,7 +67,10 @@ def config_check(path: str, devices: int, params: Optional[int]) -> str:
     lines += [
         f"  mesh                      {mesh} ({devices} devices, data-parallel size {batch.dp_devices})",
         f"  ZeRO stage                {cfg.zero_stage}",
-        f"  batch rule (spmd.rank)    {batch.rule} (DeepSpeed world size {batch.ranks})",
+        f"  batch rule (spmd.rank)    {batch.rule} (DeepSpeed world size {batch.ranks})"
+        + ("" if "rank" in cfg.spmd.model_fields_set else
+           "; spmdzero.initialize's default: under spmdzero launch (deepspeed.initialize) it is 'process', "
+           "one rank per host"),
         f"  train_batch_size          {batch.global_batch}",
         f"  micro batch per device    {batch.rows_per_device or 'replicated (does not divide)'}",
         f"  gradient accumulation     {batch.accumulation_steps}",
@@ -70,12 +82,19 @@ def config_check(path: str, devices: int, params: Optional[int]) -> str:
     lines += ["", "no-op keys under GSPMD:" if noop else "no-op keys under GSPMD: none"]
     lines += [f"  {key}: {NOOP_KEYS[key]}" for key in noop]
     if params is not None:
+        from .precision import precision_policy
+
+        policy = precision_policy(cfg)
         state_bytes = optimizer_state_bytes(cfg)
-        lines += ["", f"per-device bytes of model states for {params:,} fp32 params (ZeRO accounting):"]
+        dtype = str(policy.param_dtype).removeprefix("torch.")
+        lines += ["", f"per-device bytes of model states for {params:,} {dtype} params (ZeRO accounting):"]
         if state_bytes is None:
             lines.append(f"  unknown state size for optimizer {cfg.optimizer.type!r}; assuming 8 bytes/param")
             state_bytes = 8
-        estimate = model_state_estimate(params, cfg.zero_stage, fsdp_size(shape), state_bytes)
+        estimate = model_state_estimate(params, cfg.zero_stage, fsdp_size(shape), state_bytes,
+                                        param_bytes=policy.param_dtype.itemsize,
+                                        grad_bytes=policy.grad_accum_dtype.itemsize,
+                                        master_bytes=4 if policy.master_weights else 0)
         for name, value in estimate.items():
             lines.append(f"  {name:<17}{value:>18,.0f} B  ({value / params:5.2f} bytes/param)")
     return "\n".join(lines)

@@ -107,8 +107,9 @@ NOOP_KEYS: dict[str, str] = {
     "autotuning": "not available",
     "timers": "steps_per_print logs samples/sec",
     "eigenvalue": "only consumed by DeepSpeed's quantizer and progressive layer drop, not available",
-    "activation_checkpointing": "configures deepspeed.checkpointing; the engine does not checkpoint activations "
-                                "itself (use torch.utils.checkpoint in the model)",
+    "activation_checkpointing": "configures DeepSpeed's deepspeed.checkpointing, which spmdzero does not provide; "
+                                "the engine does not checkpoint activations itself (use torch.utils.checkpoint in "
+                                "the model, or a transformers model's gradient_checkpointing_enable())",
     "pipeline": "applies to PipelineModule only (pipeline parallelism is out of scope)",
     "compile": "spmdzero always compiles the step with XLA",
     "log_level": "spmdzero logs through the 'spmdzero' logger",

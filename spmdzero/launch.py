@@ -25,14 +25,15 @@ DEFAULT_PORT = 29500
 # spmdzero each host runs one process that drives all of its devices, and the XLA
 # runtime knows the hosts, so these have no meaning here.
 _IGNORED = {
-    "--hostfile": str, "-H": str, "--include": str, "-i": str, "--exclude": str, "-e": str,
+    "--hostfile": str, "--include": str, "--exclude": str,
     "--num_nodes": int, "--num_gpus": int, "--num_accelerators": int, "--min_elastic_nodes": int,
     "--max_elastic_nodes": int, "--node_rank": int, "--launcher": str, "--launcher_args": str,
     "--enable_each_rank_log": str, "--autotuning": str, "--bind_core_list": str, "--ssh_port": int,
     "--venv_script": str, "--log_level": str,
 }
 _IGNORED_FLAGS = ("--no_ssh", "--no_ssh_check", "--force_multi", "--save_pid", "--elastic_training",
-                  "--bind_cores_to_rank", "--quiet", "-q")
+                  "--bind_cores_to_rank", "--quiet")
+_SHORT = {"--hostfile": "-H", "--include": "-i", "--exclude": "-e", "--quiet": "-q"}  # DeepSpeed's aliases
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,9 +50,9 @@ def _parser() -> argparse.ArgumentParser:
                              '"spmd" section, e.g. \'{"pad_to_multiple_of": 64}\' (see docs/config.md)')
     parser.add_argument("--no_python", action="store_true", help=argparse.SUPPRESS)
     for name, kind in _IGNORED.items():
-        parser.add_argument(name, type=kind, default=None, help=argparse.SUPPRESS)
+        parser.add_argument(name, *filter(None, [_SHORT.get(name)]), type=kind, default=None, help=argparse.SUPPRESS)
     for name in _IGNORED_FLAGS:
-        parser.add_argument(name, action="store_true", help=argparse.SUPPRESS)
+        parser.add_argument(name, *filter(None, [_SHORT.get(name)]), action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("user_script", help="the training script (or module with --module)")
     parser.add_argument("user_args", nargs=argparse.REMAINDER, help="the script's arguments")
     return parser
@@ -61,8 +62,6 @@ def _ignored_options(args: argparse.Namespace) -> list[str]:
     given = []
     for name in list(_IGNORED) + list(_IGNORED_FLAGS):
         dest = name.lstrip("-").replace("-", "_")
-        if len(name) == 2:  # a short alias: reported under its long name
-            continue
         value = getattr(args, dest, None)
         if value not in (None, False):
             given.append(name if value is True else f"{name}={value}")

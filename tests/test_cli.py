@@ -31,6 +31,17 @@ def test_config_check_prints_the_resolved_config_noop_keys_and_memory(tmp_path, 
     assert "total                         7,000 B" in out
 
 
+def test_config_check_counts_bf16_params_and_fp32_master_weights(tmp_path, capsys):
+    """The README's bf16 ZeRO-2 figure, 2P + 14P/N: at N = 8, 3.75 bytes per parameter."""
+    path = write(tmp_path, {"train_batch_size": 8, "zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
+                            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    assert main(["config", "check", path, "--devices", "8", "--params", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "for 1,000 bfloat16 params" in out and "master weights" in out
+    assert "total                         3,750 B" in out
+    assert "under spmdzero launch (deepspeed.initialize) it is 'process'" in out  # the config sets no spmd.rank
+
+
 @pytest.mark.parametrize("cfg,devices,message", [
     ({"train_batch_size": 64}, 6, "64 != 10 \\* 1 \\* 6|train_batch_size"),
     ({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": -1}}}, 8, "lr must be"),

@@ -131,6 +131,27 @@ def test_accelerator_describes_the_xla_device(deepspeed):
     assert acc.memory_allocated() >= 0 and acc.max_memory_allocated() >= 0
 
 
+def test_accelerator_streams_and_events_are_neutral_stand_ins(deepspeed):
+    """Code written for CUDA streams runs: XLA orders the device's work itself. Events time
+    the host between their records."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    side = acc.Stream()
+    side.wait_stream(acc.current_stream())
+    with acc.stream(side):
+        pass
+    acc.current_stream().synchronize()
+    acc.default_stream().wait_event(acc.Event())
+    start, end = acc.Event(enable_timing=True), acc.Event(enable_timing=True)
+    start.record()
+    end.record()
+    end.synchronize()
+    assert 0 <= start.elapsed_time(end) < 1000
+    with pytest.raises(RuntimeError, match="recorded"):
+        acc.Event().elapsed_time(end)
+
+
 def test_init_distributed_creates_a_real_process_group(deepspeed):
     import deepspeed.comm as ds_dist
 

@@ -125,3 +125,8 @@ def test_init_distributed_joins_the_hosts_into_one_process_group(tmp_path):
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
     assert [o[0].split()[-3:] for o in outs] == [["0", "2", "3.0"], ["1", "2", "3.0"]]
+
+
+def test_deepspeeds_short_launcher_options_are_named_under_their_long_names():
+    args = _parser().parse_args(["-i", "localhost:0", "-H", "hosts", "-e", "localhost:1", "-q", "train.py"])
+    assert _ignored_options(args) == ["--hostfile=hosts", "--include=localhost:0", "--exclude=localhost:1", "--quiet"]

@@ -9,10 +9,67 @@ while ``device_count()`` reports the chips this host drives.
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 
 COMPILE_BACKEND = "openxla"  # torch_xla's dynamo backend
+
+
+class NeutralStream:
+    """A CUDA stream's interface with nothing behind it: XLA orders the device's work itself."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else HostEvent()
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+class HostEvent:
+    """A CUDA event's interface on the host clock: ``elapsed_time`` is the host time between the
+    two ``record`` calls, in ms. Device work is asynchronous under XLA, so it times the
+    tracing, not the device, unless the device is waited for in between."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self._time: Optional[float] = None
+
+    def record(self, stream=None) -> None:
+        import time
+
+        self._time = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: "HostEvent") -> float:
+        if self._time is None or end._time is None:
+            raise RuntimeError("elapsed_time: both events must be recorded first")
+        return (end._time - self._time) * 1000.0
 
 
 class XlaAccelerator:
@@ -100,20 +157,20 @@ class XlaAccelerator:
     # ---- streams and events: XLA schedules its own; these are the neutral stand-ins -----------
     @property
     def Stream(self):  # noqa: N802 (DeepSpeed's name)
-        return None
+        return NeutralStream
 
     def stream(self, stream):
         return contextlib.nullcontext()
 
     def current_stream(self, device_index=None):
-        return None
+        return NeutralStream()
 
     def default_stream(self, device_index=None):
-        return None
+        return NeutralStream()
 
     @property
     def Event(self):  # noqa: N802 (DeepSpeed's name)
-        return None
+        return HostEvent
 
     def range_push(self, msg) -> None:
         pass
