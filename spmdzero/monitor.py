@@ -61,13 +61,16 @@ def graph_count() -> int:
     return data[0] if data else 0
 
 
-def host_read_counters() -> dict[str, int]:
+def host_read_counters(names: Optional[list[str]] = None) -> dict[str, int]:
     """torch_xla's counters of operations that hand device values to the host: ``aten::*``
     are CPU fallbacks (``aten::_local_scalar_dense`` is ``.item()``, ``bool()``, an ``if``
-    on a tensor), ``xla::_to_cpu`` is ``.cpu()``/``.numpy()``/``.tolist()``."""
+    on a tensor), ``xla::_to_cpu`` is ``.cpu()``/``.numpy()``/``.tolist()``. ``names``: read
+    only these (listing every counter costs the host about 1 ms)."""
     import torch_xla.debug.metrics as met
 
-    return {n: met.counter_value(n) for n in met.counter_names() if n.startswith("aten::") or n == "xla::_to_cpu"}
+    if names is None:
+        names = [n for n in met.counter_names() if n.startswith("aten::") or n == "xla::_to_cpu"]
+    return {n: met.counter_value(n) or 0 for n in names}
 
 
 _READ_NAMES = {"aten::_local_scalar_dense": ".item(), bool() or an `if` on a tensor",
@@ -82,6 +85,7 @@ class RecompileGuard:
         self._warned_graphs = False
         self._graphs_at_start: Optional[int] = None
         self._reads_at_start: dict[str, int] = {}
+        self._read_names: Optional[list[str]] = None  # the host-read counters that exist, listed once
         # Warm-up is counted in the optimizer steps this engine ran, not in global_steps: a run
         # resumed from a checkpoint at step 1000 compiles its programs afresh all the same.
         self._boundaries_seen = 0
@@ -99,7 +103,10 @@ class RecompileGuard:
         only until the multi-graph warning has fired."""
         if not self._warned_graphs:
             self._graphs_at_start = graph_count()
-            self._reads_at_start = host_read_counters()
+            if self._read_names is None or self._warming_up():
+                self._read_names = list(host_read_counters())
+            # counters that first appear after warm-up count from 0 in the warning's figures
+            self._reads_at_start = host_read_counters(self._read_names)
 
     def check_graphs(self, global_steps: int) -> None:
         """After the step's sync: warn once if the step ran more than one graph."""
