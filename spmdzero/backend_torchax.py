@@ -832,8 +832,11 @@ def _sync_before_state_dict(module: torch.nn.Module, engine: "TorchaxEngine") ->
         if live is not None:
             live.module  # noqa: B018 (the property copies device values to the host when stale)
 
-    for sub in module.modules():
-        sub.register_state_dict_pre_hook(sync)
+    # one engine's hooks per model: a model initialized again (a re-run notebook cell) is the
+    # new engine's, and the old one must not write its values back into it
+    for handle in getattr(module, "_spmdzero_state_dict_hooks", ()):
+        handle.remove()
+    module._spmdzero_state_dict_hooks = [sub.register_state_dict_pre_hook(sync) for sub in module.modules()]
 
 
 def _release_in_background(arrays) -> None:

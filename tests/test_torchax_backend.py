@@ -554,6 +554,28 @@ def test_the_scripts_model_reference_holds_the_trained_weights():
         torch.testing.assert_close(saved[name], value)
 
 
+def test_a_model_initialized_again_takes_only_the_new_engines_values():
+    """A re-run notebook cell: the first engine, still alive, must not write its trained
+    values into the model the second engine now trains."""
+    model = WithLoss(tiny_mlp(seed=0))
+    cfg = config("torchax")
+    del cfg["scheduler"]  # a fixed lr: WarmupLR's first steps have lr 0
+    first, *_ = spmdzero.initialize(model=model, config=cfg)
+    for x, y in batches(2, 16):
+        first.backward(first(x, y))
+        first.step()
+    first.module  # noqa: B018 (synced: the model holds the first engine's values)
+    second, *_ = spmdzero.initialize(model=model, config=cfg)
+    for x, y in batches(2, 16):
+        second.backward(second(x, y))
+        second.step()
+    second.module  # noqa: B018 (synced: nothing of the second engine's left to copy back)
+    first._module_stale = True  # as if the first engine had stepped again since
+    saved = model.state_dict()
+    for name, value in second.params().items():
+        torch.testing.assert_close(saved[name], torch.from_numpy(__import__("numpy").asarray(value)))
+
+
 class CountingMean(torch.nn.Module):
     """A buffer updated in place by every forward (running statistics, a step counter)."""
 
