@@ -494,15 +494,9 @@ class TorchaxEngine(DeepSpeedCounters):
         rows = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim()), None)
         training = self._module.training
         if training and torch.is_grad_enabled():
-            self._check_rows(rows)
             self._last_output_loss = self._deferred = None
-            program = self._program("train" if self._accum is None else "accumulate", treespec, static, training)
-            ran = None if program.no_loss else program(self._params, self._constants, self._accum, rng, arrays)
-            if ran is not None:
-                self.runs["forward"] += 1
-                outputs, constants, self._pending = ran
-                self._pending_rows = rows or 0
-                self._take_constants(constants)
+            outputs, program = self._train(treespec, static, rng, arrays, rows, training)
+            if outputs is not None:
                 result = self._outputs(outputs, program)
                 self._last_output_loss = self._last_loss = program.loss_of(result)
                 return result
@@ -526,22 +520,21 @@ class TorchaxEngine(DeepSpeedCounters):
             self._constants = {**self._constants, **changed}
             self._buffers_stale.update(changed)
 
-    def _check_rows(self, rows: Optional[int]) -> None:
-        """The batch rule, as the torch_xla engine holds a training forward to it: more rows than a
-        micro-step has is an error, fewer a one-time warning."""
-        batch = self._batch
-        if rows is None or rows == batch.rows_per_micro_step:
-            return
-        if rows > batch.rows_per_micro_step:
-            raise ValueError(f"spmdzero: {batch.mismatch(rows)}")
-        if not self._warned_fewer_rows:
-            from .data import caller_stacklevel
-
-            self._warned_fewer_rows = True
-            warnings.warn(f"spmdzero: {batch.mismatch(rows)} This is normal for the last, partial batch of an epoch "
-                          "(drop_last=False); if every batch is this small, the config and your DataLoader "
-                          "disagree. global_samples counts the rows actually fed. (warned once)",
-                          stacklevel=caller_stacklevel())
+    def _train(self, treespec, static: tuple, rng, arrays: list, rows: Optional[int], training: bool):
+        """Run the training program (forward and gradient, added to the accumulation as pending),
+        held to the batch rule. Returns (its outputs, the program); outputs None when the
+        module's output holds no loss."""
+        if rows is not None:
+            self._check_training_rows(rows)
+        program = self._program("train" if self._accum is None else "accumulate", treespec, static, training)
+        ran = None if program.no_loss else program(self._params, self._constants, self._accum, rng, arrays)
+        if ran is None:
+            return None, program
+        self.runs["forward"] += 1
+        outputs, constants, self._pending = ran
+        self._pending_rows = rows or 0
+        self._take_constants(constants)
+        return outputs, program
 
     def _outputs(self, arrays: list, program):
         spec, others = program.out_spec
@@ -655,16 +648,11 @@ class TorchaxEngine(DeepSpeedCounters):
         by 1/gradient_accumulation_steps, as DeepSpeed does."""
         deferred = self._deferred
         if loss is not None and loss is not self._last_output_loss and deferred is not None and loss is deferred.loss:
-            self._check_rows(deferred.rows)  # the eval-mode forward's gradients, taken now
-            program = self._program("train" if self._accum is None else "accumulate", deferred.treespec,
-                                    deferred.static, False)
-            ran = None if program.no_loss else program(self._params, self._constants, self._accum, deferred.rng,
-                                                       deferred.arrays)
-            if ran is not None:
-                self.runs["forward"] += 1
-                _, constants, self._pending = ran
-                self._take_constants(constants)
-                self._pending_rows, self._last_output_loss, self._last_loss = deferred.rows or 0, loss, loss
+            # the eval-mode forward's gradients, taken now
+            outputs, _ = self._train(deferred.treespec, deferred.static, deferred.rng, deferred.arrays, deferred.rows,
+                                     False)
+            if outputs is not None:
+                self._last_output_loss = self._last_loss = loss
             self._deferred = None
         if loss is None or loss is not self._last_output_loss:
             raise RuntimeError(f"engine.backward(loss): {NEEDS_LOSS}")

@@ -30,7 +30,7 @@ import torch
 from . import fused, runtime
 from .annotate import constrain, shard
 from .config import BatchSizes, DeepSpeedConfig
-from .data import batch_rows, caller_stacklevel, map_tensors, model_pad_id, pad_sequences, to_device_sharded
+from .data import batch_rows, map_tensors, model_pad_id, pad_sequences, to_device_sharded
 from .engine_api import TARGET_NAMES, DeepSpeedCounters
 from .monitor import RecompileGuard, StepLogger, ThroughputTimer, compile_count, notice_nonfinite
 from .optim import SpmdOptimizer, ZeroOptimizer
@@ -154,16 +154,8 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
         actually fed are what ``global_samples`` and samples/s count."""
         if rows is None:
             return
-        batch = self._batch
-        global_rows = rows if on_device else rows * batch.processes
-        if global_rows > batch.rows_per_micro_step:
-            raise ValueError(f"spmdzero: {batch.mismatch(global_rows)}")
-        if global_rows < batch.rows_per_micro_step and not self._warned_fewer_rows:
-            self._warned_fewer_rows = True
-            warnings.warn(f"spmdzero: {batch.mismatch(global_rows)} This is normal for the last, partial batch "
-                          "of an epoch (drop_last=False); if every batch is this small, the config and your "
-                          "DataLoader disagree. global_samples and samples/s count the rows actually fed. "
-                          "(warned once)", stacklevel=caller_stacklevel())
+        global_rows = rows if on_device else rows * self._batch.processes
+        self._check_training_rows(global_rows)
         self._rows_since_step += global_rows
 
     def _consume_samples(self) -> int:

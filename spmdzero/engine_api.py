@@ -5,6 +5,7 @@ precision policy. One definition, so the two backends cannot drift apart."""
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -97,6 +98,21 @@ class DeepSpeedCounters:
 
     def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
         return self.save_16bit_model(save_dir, save_filename)
+
+    def _check_training_rows(self, global_rows: int) -> None:
+        """The batch rule for a training forward: more rows than a micro-step has is an error,
+        fewer (an epoch's partial last batch) a one-time warning. Needs ``_warned_fewer_rows``."""
+        batch = self._batch
+        if global_rows > batch.rows_per_micro_step:
+            raise ValueError(f"spmdzero: {batch.mismatch(global_rows)}")
+        if global_rows < batch.rows_per_micro_step and not self._warned_fewer_rows:
+            from .data import caller_stacklevel
+
+            self._warned_fewer_rows = True
+            warnings.warn(f"spmdzero: {batch.mismatch(global_rows)} This is normal for the last, partial batch "
+                          "of an epoch (drop_last=False); if every batch is this small, the config and your "
+                          "DataLoader disagree. global_samples and samples/s count the rows actually fed. "
+                          "(warned once)", stacklevel=caller_stacklevel())
 
     def get_data_parallel_rank(self) -> int:
         """This process's rank among the data-parallel processes (one per host)."""

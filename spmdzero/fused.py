@@ -25,6 +25,7 @@ from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 _CACHE: dict[tuple, Any] = {}
 _FUSED_DTYPES = (torch.float32,)
@@ -139,8 +140,6 @@ def settle(tensors: list[torch.Tensor]) -> None:
     ``swap_in``) lazily, when the tensor is next read; once the step has executed that costs
     about 20 us per tensor on the host, against 3 us before (a 12-layer GPT-2's update,
     592 tensors: see docs/benchmarks.md)."""
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
     sync = torch._functionalize_sync  # torch._sync's C++ call, without its Python wrapper (~1.5 us a tensor)
     for t in tensors:
         if isinstance(t, FunctionalTensor):  # AOTAutograd's Python wrapper: torch._sync knows how
