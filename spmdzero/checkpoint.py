@@ -844,7 +844,7 @@ def _host_state_restorer(engine, meta: dict, where: str, full_state: bool, sched
     def restore() -> None:
         for key, value in counters.items():
             setattr(engine, key, value)
-        if counters and hasattr(engine, "_window_loss"):
+        if counters:
             engine._window_loss = None  # a new accumulation window: its mean loss starts again
         for group, saved in zip(optimizer.param_groups if groups else (), groups):
             group.update(saved)
