@@ -199,6 +199,19 @@ def test_tensorboard_monitor_writes_event_files(tmp_path):
     assert [e.step for e in loss] == [32, 64]
 
 
+def warm_up_then_evaluate(engine, data, read: bool):
+    """Six training steps, then an evaluation forward on ``data[6]``, its output read or not."""
+    for x, y in data[:6]:
+        step(engine, x, y)
+    engine.eval()
+    with torch.no_grad():
+        out = engine(data[6][0])
+        if read:
+            out.sum().item()
+    engine.train()
+    return out
+
+
 def test_an_unread_evaluation_is_named_as_the_likely_cause_of_a_recompile():
     """An evaluation forward whose result is not read joins the next step's graph: the
     warning says so instead of listing causes that do not apply."""
@@ -206,12 +219,7 @@ def test_an_unread_evaluation_is_named_as_the_likely_cause_of_a_recompile():
     data = batches(8, 16, d_in=13)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for x, y in data[:6]:
-            step(engine, x, y)
-        engine.eval()
-        with torch.no_grad():
-            pending = engine(data[6][0])  # noqa: F841  (kept, never read)
-        engine.train()
+        pending = warm_up_then_evaluate(engine, data, read=False)  # noqa: F841  (kept, never read)
         step(engine, *data[7])
     fired = [str(w.message) for w in caught if "recompiled after warm-up" in str(w.message)]
     assert len(fired) == 1 and "An evaluation forward" in fired[0] and "torch_xla.sync()" in fired[0]
@@ -232,12 +240,7 @@ def test_an_evaluation_read_before_training_is_not_blamed_for_a_later_recompile(
     data = batches(10, 16, d_in=17)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for x, y in data[:6]:
-            step(engine, x, y)
-        engine.eval()
-        with torch.no_grad():
-            engine(data[6][0]).sum().item()  # read: nothing pending
-        engine.train()
+        warm_up_then_evaluate(engine, data, read=True)  # read: nothing pending
         for x, y in data[7:9]:
             step(engine, x, y)
         assert engine.recompile_guard._evaluated is False
