@@ -72,18 +72,21 @@ CAPTURE = """
     import torch_xla.runtime as xr
     from transformers import GPT2Config, GPT2LMHeadModel
     from spmdzero.aot import CollectivesReport, capture
+    from spmdzero.aot_shapes import shape_only_engine
     n, out = xr.global_runtime_device_count(), {}
     for stage, scan in CASES:
-        torch.manual_seed(0)
         # vocab >> tokens per chip, as in real models; the embedding is tied to the output projection.
         # Width 256: split over fsdp_inner = 2, a shard is a whole 128-lane TPU tile.
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=2048, n_positions=64, n_embd=256, n_layer=2, n_head=4))
-        engine, *_ = spmdzero.initialize(model=model, config={
+        # Shape-only, as `spmdzero aot` builds it: nothing executes on the 16 CPU devices, where two
+        # programs' collectives in flight at once can deadlock XLA:CPU's thread pool.
+        with torch.device("meta"):
+            model = GPT2LMHeadModel(GPT2Config(vocab_size=2048, n_positions=64, n_embd=256, n_layer=2, n_head=4))
+        engine, inputs = shape_only_engine(model, {
             "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "zero_optimization": {"stage": stage},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
             "spmd": {"scan_layers": scan}})
         tokens = torch.randint(0, 2048, (2 * n, 64))
-        with capture(engine) as step:
+        with capture(engine, inputs) as step:
             loss = engine(input_ids=tokens, labels=tokens).loss
             engine.backward(loss)
             step.loss = loss
