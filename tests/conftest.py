@@ -9,7 +9,12 @@ import textwrap
 import pytest
 import torch
 
-import spmdzero  # noqa: F401  (bootstraps the runtime before any test creates tensors)
+# libtpu's compile-only client (spmdzero aot, step.compile) takes the machine-wide flock
+# /tmp/libtpu_lockfile; without this, a compile fails ("libtpu is in use by another process")
+# whenever any other process on the machine (another test run, a notebook) holds it.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import spmdzero  # noqa: E402,F401  (bootstraps the runtime before any test creates tensors)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

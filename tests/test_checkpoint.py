@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 import warnings
 
 import pytest
@@ -279,14 +278,18 @@ def test_a_save_killed_part_way_leaves_the_previous_checkpoint(tmp_path):
         train(engine, 2, 2)
         engine.save_checkpoint({str(tmp_path)!r})
     """)
+    import threading
+
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(600, proc.kill)  # a hung child ends the read below (EOF)
+    watchdog.start()
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline and "shards written" not in (proc.stdout.readline() or ""):
-            pass
+        written = any("shards written" in line for line in proc.stdout)  # stops at the line, or at EOF
         os.kill(proc.pid, signal.SIGKILL)
     finally:
+        watchdog.cancel()
         proc.wait()
+    assert written, f"the child exited ({proc.returncode}) before the second save wrote its shards"
     assert open(tmp_path / "latest").read() == "global_step1"
     assert not (tmp_path / "global_step2").exists()
     engine, *_ = spmdzero.initialize(model=make_model(seed=1), config=CONFIG)

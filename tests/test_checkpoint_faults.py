@@ -53,8 +53,15 @@ def prepared_save(engine, root, tag, version):
 def publish_killed_at(args, root, event):
     """Run publish() in a forked child that SIGKILLs itself instead of performing its
     ``event``-th file operation (a rename or the removal of the old copy)."""
+    import gc
+    import time
+
+    import torch_xla.core.xla_model as xm
+
+    xm.wait_device_ops()  # no execution in flight (the last load's commit) while forking
     pid = os.fork()
     if pid == 0:  # the child only renames files: no device work after the fork
+        gc.disable()  # a collection here could free XLA tensors, whose runtime threads the child lacks
         count = [0]
 
         def step(real):
@@ -68,8 +75,16 @@ def publish_killed_at(args, root, event):
         staging = os.path.join(root, os.path.basename(args[2]))
         C.publish(str(root), args[1], staging, *args[3:])
         os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    return os.WIFSIGNALED(status)
+    deadline = time.monotonic() + 120
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.WIFSIGNALED(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the forked publish() child (event {event}) hung")
+        time.sleep(0.05)
 
 
 @pytest.mark.slow
