@@ -62,19 +62,19 @@ def graph_count() -> int:
 
 
 def host_read_counters(names: Optional[list[str]] = None) -> dict[str, int]:
-    """torch_xla's counters of operations that hand device values to the host: ``aten::*``
-    are CPU fallbacks (``aten::_local_scalar_dense`` is ``.item()``, ``bool()``, an ``if``
-    on a tensor), ``xla::_to_cpu`` is ``.cpu()``/``.numpy()``/``.tolist()``. ``names``: read
-    only these (listing every counter costs the host about 1 ms)."""
+    """torch_xla's counters of CPU fallbacks, ``aten::*`` (``aten::_local_scalar_dense`` is
+    ``.item()``, ``bool()``, an ``if`` on a tensor). In torch_xla 2.9 ``xla::_to_cpu`` moves with
+    each of those (their inputs' transfer), not with ``.cpu()``, ``.tolist()``, ``.numpy()`` or
+    ``print()``, which move no counter: so it is left out. ``names``: read only these (listing
+    every counter costs the host about 1 ms)."""
     import torch_xla.debug.metrics as met
 
     if names is None:
-        names = [n for n in met.counter_names() if n.startswith("aten::") or n == "xla::_to_cpu"]
+        names = [n for n in met.counter_names() if n.startswith("aten::")]
     return {n: met.counter_value(n) or 0 for n in names}
 
 
-_READ_NAMES = {"aten::_local_scalar_dense": ".item(), bool() or an `if` on a tensor",
-               "xla::_to_cpu": ".cpu(), .numpy() or .tolist()"}
+_READ_NAMES = {"aten::_local_scalar_dense": ".item(), bool() or an `if` on a tensor"}
 
 
 class RecompileGuard:
@@ -121,7 +121,9 @@ class RecompileGuard:
         named = [f"{count} x {n} ({_READ_NAMES.get(n, 'an op torch_xla runs on the CPU')})"
                  for n, count in sorted(reads.items()) if count > 0]
         cause = ("torch_xla counted " + ", ".join(named) + " in the step." if named else
-                 "torch_xla counted no host read op; something called torch_xla.sync() inside the step.")
+                 "torch_xla counted no .item() or bool() read and no op run on the CPU: something called .cpu(), "
+                 ".tolist(), .numpy() or print() on a tensor (torch_xla counts none of them), or torch_xla.sync(), "
+                 "inside the step.")
         warnings.warn(
             f"spmdzero: a training step ran {graphs} graphs instead of one (global step {global_steps}): a value "
             f"was read back to the host inside the step, which cuts the graph and makes the device wait. {cause} "
