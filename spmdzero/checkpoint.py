@@ -593,6 +593,10 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
         client_state = read_client_state(path, meta, trust_client_state)
         _load_tensors(engine, path, selected, meta["tensors"])
     restore()
+    engine._keep_step_state_on_device()  # the restored counts, where the next step reads them
+    import torch_xla
+
+    torch_xla.sync()
     return path, client_state
 
 

@@ -113,6 +113,7 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
             self._target_names.update({p: f"param{i}" for i, p in enumerate(params) if p not in self._target_names})
         self.optimizer = ZeroOptimizer(optimizer, self) if optimizer is not None else None
         self._reannotate()
+        self._keep_step_state_on_device()
         import torch_xla
 
         torch_xla.sync()  # materialize sharded states, masters and buffers before the first step
@@ -288,8 +289,7 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
         self._global_grad_norm = norm
         if policy.check_overflow:
             applied = ~overflow
-            self._skipped_on_device = overflow.float() + (0.0 if self._skipped_on_device is None
-                                                          else self._skipped_on_device)
+            self._skipped_on_device = overflow.float() + self._skipped_on_device
             if self._loss_scale is not None:
                 self._loss_scale = update_loss_scale(self._loss_scale, overflow, policy)
             self._last_overflow, self._step_applied = overflow, applied
@@ -301,6 +301,19 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
         self._annotate_updated(laid_out)
         self.global_steps += 1
         self.global_samples += self._consume_samples()
+
+    def _keep_step_state_on_device(self) -> None:
+        """Under overflow checks (fp16, bf16's check_grad_overflow) every optimizer step but
+        the first reads the skipped-step count and a DeepSpeed schedule's step count and lrs
+        from the device, as the previous step left them. Put them there from the start, and
+        the first step traces the same graph as the rest: the step compiles once, not twice.
+        The caller's next sync materializes them."""
+        if not self.precision.check_overflow:
+            return
+        if self._skipped_on_device is None:
+            self._skipped_on_device = torch.zeros((), dtype=torch.float32, device=self.device)
+        if isinstance(self.lr_scheduler, LRSchedule):
+            self.lr_scheduler.keep_on_device(self.device)
 
     def _client_optimizer_step(self, grads: list, inverse: Optional[torch.Tensor],
                                overflow: Optional[torch.Tensor]) -> None:
@@ -435,6 +448,7 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
         self._skipped_on_host, self._skipped_on_device = int(value), None
+        self._keep_step_state_on_device()
 
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups] if self.optimizer else []

@@ -100,12 +100,20 @@ class LRSchedule:
     def step_if(self, applied: torch.Tensor) -> None:
         """Advance only where ``applied`` (a device bool) holds, inside the graph: DeepSpeed
         does not step the schedule on a skipped (overflow) step."""
+        self.keep_on_device(applied.device)
+        self.last_batch_iteration = self.last_batch_iteration + applied.to(torch.float32)
+        self._write(self.get_lr())
+
+    def keep_on_device(self, device) -> None:
+        """Hold the step count as a device scalar, as ``step_if`` leaves it, and the lrs as
+        computed from it: the graph that steps the schedule with ``step_if`` then reads the
+        same inputs at its first step as at every later one (one compile, not two)."""
         t = self.last_batch_iteration
-        if not isinstance(t, torch.Tensor):
-            # sent as a 1-element array: torch_xla turns a 0-dim transfer of 0 or 1 (the count
-            # right after a resume) into a graph constant, which would change the graph
-            t = torch.tensor([float(t)], dtype=torch.float32).to(applied.device).reshape(())
-        self.last_batch_iteration = t + applied.to(torch.float32)
+        if isinstance(t, torch.Tensor):
+            return
+        # sent as a 1-element array: torch_xla turns a 0-dim transfer of 0 or 1 (the count
+        # right after a resume) into a graph constant, which would change the graph
+        self.last_batch_iteration = torch.tensor([float(t)], dtype=torch.float32).to(device).reshape(())
         self._write(self.get_lr())
 
     def _write(self, lrs: Sequence) -> None:

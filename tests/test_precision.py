@@ -137,6 +137,22 @@ def test_overflow_steps_neither_recompile_nor_read_the_device():
     assert engine.skipped_steps == sum(PATTERN)
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_overflow_checked_steps_compile_once(precision):
+    """Every step but the first reads the skipped-step count and the schedule's step count and
+    lr from the device; put there at initialize, they give the first step the same graph."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 80), torch.nn.Tanh(), torch.nn.Linear(80, 64))  # a shape of its own
+    cfg = config(**{precision: {"enabled": True}}, scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 10}})
+    engine, *_ = spmdzero.initialize(model=net, config=cfg)
+    batches = data(3)
+    run(engine, batches[:1])
+    compiles = met.metric_data("CompileTime")[0]
+    run(engine, batches[1:])
+    assert met.metric_data("CompileTime")[0] == compiles
+    assert engine.get_lr()[0] == pytest.approx(1e-2 * math.log(3) / math.log(10), rel=1e-5)
+
+
 def test_global_grad_norm_is_unscaled_and_pre_clip():
     x, y = data(1)[0]
     norms = []
