@@ -121,8 +121,9 @@ def initialize(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, client_o
                            "spmd.backend='torch_xla'")
     batch = resolve_batch(cfg, data_parallel_size(shape))
     log_block(batch.describe())
+    # even: JAX shards only dims that divide by the axis size (a 10-class head on 8 devices)
     plan = make_plan([(n, p.shape) for n, p in model.named_parameters() if p.requires_grad], shape, cfg.zero_stage,
-                     tied_embeddings=_tied_embeddings(model))
+                     tied_embeddings=_tied_embeddings(model), even=True)
     params = model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(cfg.optimizer, params)
     if not isinstance(optimizer, SpmdOptimizer):

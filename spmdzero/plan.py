@@ -12,6 +12,8 @@ The rule, per tensor:
   the ``fsdp`` axis; a dimension that does not divide evenly is padded by XLA;
 * tensors whose largest dimension is smaller than the ``fsdp`` size (scalars, tiny
   vectors) stay replicated: some devices would otherwise hold only padding;
+* ``even=True`` (the torchax backend: JAX shards only dims that divide evenly) splits only
+  dims that divide by their axes' size: the largest such dim, or none (replicated);
 * a tied embedding table (rows looked up by token id, the same tensor as the output
   projection) splits its embedding dimension, the last, instead of its rows. Its gradient
   is the projection's matmul plus a scatter-add of one row per token, and XLA folds the
@@ -134,37 +136,44 @@ def replicated(ndim: int) -> PartitionSpec:
     return (None,) * ndim
 
 
-def zero_spec(shape: Sequence[int], mesh_shape: Mapping[str, int], tied_embedding: bool = False
-              ) -> tuple[PartitionSpec, ...]:
+def zero_spec(shape: Sequence[int], mesh_shape: Mapping[str, int], tied_embedding: bool = False,
+              even: bool = False) -> tuple[PartitionSpec, ...]:
     """A tensor's ZeRO spec as the stages its gradient is constrained through, the last being
     the spec itself; () if the tensor stays replicated (see the module docstring)."""
     shape = tuple(shape)
     if len(fsdp_axes(mesh_shape)) == 2:
-        if tied_embedding and len(shape) == 2 and shape[-1] >= fsdp_size(mesh_shape):
+        size = fsdp_size(mesh_shape)
+        if tied_embedding and len(shape) == 2 and _splits(shape[-1], size, even):
             return ((None, (FSDP_AXIS, FSDP_INNER_AXIS)),)
-        return _two_axis_spec(shape, mesh_shape[FSDP_AXIS], mesh_shape[FSDP_INNER_AXIS])
+        return _two_axis_spec(shape, mesh_shape[FSDP_AXIS], mesh_shape[FSDP_INNER_AXIS], even)
     fsdp = mesh_shape[FSDP_AXIS]
-    if tied_embedding and len(shape) == 2 and shape[-1] >= fsdp > 1:
+    if tied_embedding and len(shape) == 2 and fsdp > 1 and _splits(shape[-1], fsdp, even):
         return ((None, FSDP_AXIS),)
-    return _split_largest(shape, fsdp, FSDP_AXIS)
+    return _split_largest(shape, fsdp, FSDP_AXIS, even)
 
 
-def _two_axis_spec(shape: tuple[int, ...], outer: int, inner: int) -> tuple[PartitionSpec, ...]:
+def _splits(dim: int, size: int, even: bool) -> bool:
+    """``dim`` may be split ``size`` ways: at least one element each, evenly if asked."""
+    return dim >= size and (not even or dim % size == 0)
+
+
+def _two_axis_spec(shape: tuple[int, ...], outer: int, inner: int, even: bool) -> tuple[PartitionSpec, ...]:
     if len(shape) >= 2 and shape[-1] % inner == 0:
         dim = max(range(len(shape) - 1), key=lambda d: (shape[d], -d))
-        if shape[dim] >= outer:
+        if _splits(shape[dim], outer, even):
             first = tuple(FSDP_AXIS if d == dim else None for d in range(len(shape)))
             return first, first[:-1] + (FSDP_INNER_AXIS,)
-    return _split_largest(shape, outer * inner, (FSDP_AXIS, FSDP_INNER_AXIS))
+    return _split_largest(shape, outer * inner, (FSDP_AXIS, FSDP_INNER_AXIS), even)
 
 
-def _split_largest(shape: tuple[int, ...], size: int, axis) -> tuple[PartitionSpec, ...]:
+def _split_largest(shape: tuple[int, ...], size: int, axis, even: bool = False) -> tuple[PartitionSpec, ...]:
     """The largest dim (the first on ties) over ``axis``; a dim that does not divide evenly is
-    padded by XLA. Replicated when every dim is smaller than ``size``: some devices would
-    hold only padding."""
-    if not shape or size <= 1 or max(shape) < size:
+    padded by XLA (``even``: only dims that divide are candidates). Replicated when no dim is
+    a candidate: with every dim smaller than ``size``, some devices would hold only padding."""
+    candidates = [d for d in range(len(shape)) if _splits(shape[d], size, even)] if size > 1 else []
+    if not candidates:
         return ()
-    dim = max(range(len(shape)), key=lambda d: (shape[d], -d))
+    dim = max(candidates, key=lambda d: (shape[d], -d))
     return (tuple(axis if d == dim else None for d in range(len(shape))),)
 
 
@@ -179,9 +188,11 @@ def batch_spec(mesh_shape: Mapping[str, int], ndim: int) -> PartitionSpec:
 
 
 def make_plan(named_shapes: Iterable[tuple[str, Sequence[int]]], mesh_shape: Mapping[str, int],
-              stage: int, tied_embeddings: Iterable[str] = (), stacked: Iterable[str] = ()) -> ShardingPlan:
+              stage: int, tied_embeddings: Iterable[str] = (), stacked: Iterable[str] = (),
+              even: bool = False) -> ShardingPlan:
     """``tied_embeddings``: the names of embedding tables that are also another module's weight;
-    ``stacked``: the names of stacked layer parameters (dim 0 the layers)."""
+    ``stacked``: the names of stacked layer parameters (dim 0 the layers); ``even``: split only
+    dims that divide evenly (see the module docstring)."""
     if stage not in (0, 1, 2):
         raise ValueError(f"ZeRO stage must be 0, 1 or 2, got {stage!r}")
     if FSDP_AXIS not in mesh_shape:
@@ -196,9 +207,9 @@ def make_plan(named_shapes: Iterable[tuple[str, Sequence[int]]], mesh_shape: Map
         if stage < 1:
             stages = ()
         elif name in stacked:  # one layer's spec, the layer dim in front, never split
-            stages = tuple((None,) + spec for spec in zero_spec(shape[1:], mesh_shape))
+            stages = tuple((None,) + spec for spec in zero_spec(shape[1:], mesh_shape, even=even))
         else:
-            stages = zero_spec(shape, mesh_shape, name in tied_embeddings)
+            stages = zero_spec(shape, mesh_shape, name in tied_embeddings, even)
         sharded = stages[-1] if stages else rep
         tensors.append(TensorPlan(
             name=name, shape=shape, param=rep,

@@ -39,6 +39,19 @@ def test_uneven_dims_are_still_sharded_with_padding():
     assert zero_spec((10, 3), FSDP8) == (("fsdp", None),)
 
 
+def test_even_plans_split_only_dims_that_divide():
+    """JAX (the torchax backend) shards only dims that divide by the axis size."""
+    assert zero_spec((10, 64), FSDP8, even=True) == ((None, "fsdp"),)  # a 10-class head: its columns
+    assert zero_spec((10,), FSDP8, even=True) == ()  # no dim divides: replicated
+    assert zero_spec((50257, 768), FSDP8, even=True) == ((None, "fsdp"),)
+    assert zero_spec((50257, 768), FSDP8) == (("fsdp", None),)  # XLA pads: the rows, as before
+    assert zero_spec((50257, 12), FSDP8, tied_embedding=True, even=True) == ()
+    assert zero_spec((66, 64), SPLIT, even=True) == ((None, ("fsdp", "fsdp_inner")),)
+    assert zero_spec((64, 256), SPLIT, even=True) == (("fsdp", None), ("fsdp", "fsdp_inner"))
+    plan = make_plan([("head.weight", (10, 64)), ("head.bias", (10,))], FSDP8, 2, even=True)
+    assert plan["head.weight"].grad == (None, "fsdp") and plan["head.bias"].grad == (None,)
+
+
 def test_two_fsdp_axes_split_rows_then_the_last_dim_in_two_gradient_stages():
     """libtpu reduce-scatters over 16 chips only one mesh axis at a time: the gradient is
     constrained to the row split over ``fsdp`` first, then to both."""

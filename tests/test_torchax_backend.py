@@ -269,6 +269,25 @@ def test_zero_stages_0_and_1_follow_the_plan(stage):
     assert any(not states[n]["exp_avg"].sharding.is_fully_replicated for n in engine._names) == (stage == 1)
 
 
+def test_dims_that_do_not_divide_by_the_devices_are_sharded_where_they_do():
+    """A 10-class head on 8 devices: XLA pads a split of its rows, JAX refuses one, so the
+    torchax engine's plan splits the head's columns and replicates its bias. Same training."""
+    from jax.sharding import PartitionSpec
+
+    results = {}
+    for backend in ("torch_xla", "torchax"):
+        engine, *_ = spmdzero.initialize(model=WithLoss(tiny_mlp(seed=0, d_out=10)), config=config(backend))
+        for x, y in batches(2, 16, d_out=10):
+            engine.backward(engine(x, y))
+            engine.step()
+        results[backend] = {n: p.detach().cpu() for n, p in engine.module.named_parameters()}
+    for name, value in results["torch_xla"].items():
+        torch.testing.assert_close(results["torchax"][name], value, atol=1e-5, rtol=1e-5)
+    states = engine.optimizer_states()
+    assert states["net.2.weight"]["exp_avg"].sharding.spec == PartitionSpec(None, "fsdp")
+    assert states["net.2.bias"]["exp_avg"].sharding.is_fully_replicated
+
+
 def test_bf16_matches_the_torch_xla_engine():
     """bf16 parameters and activations, fp32 master weights and states laid out by the plan."""
     from jax.sharding import PartitionSpec
