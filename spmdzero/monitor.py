@@ -129,8 +129,8 @@ class RecompileGuard:
             f"was read back to the host inside the step, which cuts the graph and makes the device wait. {cause} "
             "Remove the read, or move it after engine.step(). transformers models read their masks: with sdpa "
             "attention an attention_mask is checked for all ones, and with no mask and no KV cache the position_ids "
-            "are checked for packed sequences (find_packed_sequence_indices); encoders' bidirectional masks (BERT, T5) are "
-            "checked for all ones under eager attention too. A decoder (GPT-2, Llama) built with "
+            "are checked for packed sequences (find_packed_sequence_indices); encoders' bidirectional masks "
+            "(BERT, T5) are checked for all ones under eager attention too. A decoder (GPT-2, Llama) built with "
             "attn_implementation='eager' and given an attention_mask reads nothing; an encoder given no attention_mask "
             "when every row is full length reads nothing. "
             "PT_XLA_DEBUG_LEVEL=2 prints the Python frame of each graph cut. (warned once)", stacklevel=3)
