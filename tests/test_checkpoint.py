@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 
 import pytest
@@ -278,8 +279,6 @@ def test_a_save_killed_part_way_leaves_the_previous_checkpoint(tmp_path):
         train(engine, 2, 2)
         engine.save_checkpoint({str(tmp_path)!r})
     """)
-    import threading
-
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
     watchdog = threading.Timer(600, proc.kill)  # a hung child ends the read below (EOF)
     watchdog.start()

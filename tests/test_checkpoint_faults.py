@@ -3,16 +3,19 @@ protocol leaves a loadable checkpoint that ``latest`` names; bad tags and client
 refused before anything is touched; saving does not perturb the run; loads do not race the
 device. One shared engine; the kill points fork a device-free child."""
 
+import gc
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from contextlib import nullcontext
 
 import pytest
 import torch
+import torch_xla.core.xla_model as xm
 
 import spmdzero
 import spmdzero.checkpoint as C
@@ -53,11 +56,6 @@ def prepared_save(engine, root, tag, version):
 def publish_killed_at(args, root, event):
     """Run publish() in a forked child that SIGKILLs itself instead of performing its
     ``event``-th file operation (a rename or the removal of the old copy)."""
-    import gc
-    import time
-
-    import torch_xla.core.xla_model as xm
-
     xm.wait_device_ops()  # no execution in flight (the last load's commit) while forking
     pid = os.fork()
     if pid == 0:  # the child only renames files: no device work after the fork
@@ -361,8 +359,6 @@ def test_a_deepspeed_file_of_the_wrong_shape_is_named(engine, tmp_path):
 
 def test_saving_does_not_change_a_dropout_run(tmp_path):
     """Two identical Dropout runs, one saving at step k: bit-identical at step k+3."""
-    import torch_xla.core.xla_model as xm
-
     def run(save_at):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Dropout(0.5), torch.nn.Linear(64, 8))
