@@ -49,6 +49,7 @@ class Slot:
     target: torch.Tensor  # what the optimizer updates: the param, or its fp32 master weight
     grad: Optional[torch.Tensor] = None  # gradients accumulated since the last boundary (plan's grad spec,
     #                                      grad_accum dtype); None when there are none
+    summed: bool = False  # grad is a sum of micro-steps' gradients, not one backward's
 
 
 class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
@@ -93,6 +94,7 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
         self._step_loss: Optional[torch.Tensor] = None
         self._backward_since_step = False  # an optimizer step needs gradients from a backward since the last one
         self._input_shapes: tuple = ()
+        self._grad_orders: dict[tuple[str, str], Optional[tuple[int, ...]]] = {}  # see _memory_orders
         self.recompile_guard = RecompileGuard(config.spmd.max_recompiles)
         self._step_logger = StepLogger(config)
         self.tput_timer = ThroughputTimer(self)
@@ -210,6 +212,7 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
                 for stage in stages:
                     reduced = constrain(reduced, self.mesh, stage)
                 grad = reduced.to(accum)
+                slot.summed = slot.grad is not None
                 if slot.grad is not None:
                     # In place: the sum's output takes the accumulator's own buffer (torch_xla
                     # donates a tensor updated in place), not a second shard-sized allocation.
@@ -259,7 +262,7 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
         policy = self.precision
         with torch.no_grad():
             grads = [self._gradient(s) for s in self._slots]
-            sum_sq = fused.sum_of_squares(grads) if grads else torch.zeros((), device=self.device)
+            sum_sq = fused.sum_of_squares(grads, self._memory_orders(grads)) if grads else torch.zeros((), device=self.device)
             scale = self._loss_scale.scale if self._loss_scale is not None else None
             norm = torch.sqrt(sum_sq) if scale is None else torch.sqrt(sum_sq) / scale
             # DeepSpeed's combined scale: divide by the loss scale and, when the unscaled
@@ -344,6 +347,19 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
                           "skipped for overflow (DeepSpeed does not step it then); use a DeepSpeed schedule from the "
                           "config for the exact behaviour", stacklevel=3)
         self.lr_scheduler.step(**(lr_kwargs or {}))
+
+    def _memory_orders(self, grads: list[torch.Tensor]) -> list[Optional[tuple[int, ...]]]:
+        """Each gradient's dims in memory order (``fused.memory_order``), for the global norm to
+        read them that way. Asked once per parameter and kind of gradient (one backward's, a
+        sum of micro-steps', zeros): the step's graph, and so its layouts, are the same every
+        time."""
+        orders = []
+        for slot, grad in zip(self._slots, grads):
+            key = (slot.name, "zeros" if slot.grad is None else "sum" if slot.summed else "one")
+            if key not in self._grad_orders:
+                self._grad_orders[key] = fused.memory_order(grad)
+            orders.append(self._grad_orders[key])
+        return orders
 
     def _gradient(self, slot: Slot) -> torch.Tensor:
         """The slot's accumulated gradient; zeros (laid out by the plan) for a parameter that

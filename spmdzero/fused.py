@@ -21,6 +21,7 @@ What stays per tensor is kept to a few C++ calls of about a microsecond each:
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 from typing import Any, Optional
 
@@ -148,18 +149,44 @@ def settle(tensors: list[torch.Tensor]) -> None:
             sync(t)
 
 
-def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+def sum_of_squares(tensors: list[torch.Tensor], orders: Optional[list[Optional[tuple[int, ...]]]] = None) -> torch.Tensor:
     """``0 + sum(t * t) + ...`` in fp32, in this order (the engine's global-norm expression),
-    as one graph op."""
+    as one graph op. ``orders[i]``, when given, is tensor i's dims in memory order
+    (``memory_order``): the sum reads it that way round. A sum is the same in any order, but
+    XLA:CPU copies a tensor laid out transposed (a Linear weight's gradient) into row-major
+    order before it reduces it, and that copy cost the 16.8M-parameter MLP's step about 10%
+    of its CPU time (docs/benchmarks.md); read in memory order there is no copy. On a TPU
+    the compiler lays the reduction out itself either way."""
+    orders = list(orders) if orders is not None else [None] * len(tensors)
+
     def total(args, ops):
         out = 0
-        for t in args:
+        for t, order in zip(args, orders):
             t = t.astype("float32")
+            if order is not None:
+                t = t.transpose(order)
             out = out + (t * t).sum()
         return [out]
 
     flat = _as_fp32(tensors)
-    return _run(_computation(("sum_of_squares",), total, flat), flat)[0]
+    return _run(_computation(("sum_of_squares", tuple(orders)), total, flat), flat)[0]
+
+
+_IR_LAYOUT = re.compile(r"^IR: .*?xla_shape=\w+\[[\d,]*\]\{([\d,]+)\}", re.M)
+
+
+def memory_order(t: torch.Tensor) -> Optional[tuple[int, ...]]:
+    """A pending tensor's dims from the outermost in memory to the innermost, as torch_xla
+    lays out the op that makes it (a Linear weight's gradient, the transpose of a matmul, is
+    ``(1, 0)``); None for the row-major default, or when torch_xla's description of the
+    tensor names no layout. About 6 us: callers cache it (the graph is the same every step)."""
+    import torch_xla
+
+    found = _IR_LAYOUT.search(torch_xla._XLAC._get_xla_tensor_debug_info(t))
+    if found is None:
+        return None
+    order = tuple(int(d) for d in reversed(found.group(1).split(",")))
+    return None if order == tuple(range(t.dim())) or sorted(order) != list(range(t.dim())) else order
 
 
 def _as_fp32(flat: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -107,6 +107,48 @@ def test_gradients_live_only_between_boundaries_laid_out_by_the_plan(trained):
     assert engine.grad_buffers() == {}
 
 
+class RightMatmul(torch.nn.Module):
+    """``x @ W`` with W stored [in, out] (transformers' Conv1D): its gradient is a plain matmul."""
+
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(d_in, d_out) / d_in ** 0.5)
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_the_global_norm_reads_each_gradient_in_memory_order(gas, monkeypatch):
+    """A Linear weight's gradient is the transpose of a matmul and laid out transposed: the
+    norm sums it that way round (XLA:CPU would copy it into row-major order first). A
+    ``x @ W`` weight, a bias and a sum of micro-steps' gradients are row-major. The norm,
+    and so the clipped update, is the one summed row-major."""
+    def run():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), RightMatmul(64, 8))
+        engine, *_ = spmdzero.initialize(model=model, config={**config(2), "gradient_accumulation_steps": gas,
+                                                                     "scheduler": None})
+        norms = []
+        for i, (x, y) in enumerate(batches(2 * gas, MICRO_PER_DEVICE * N)):
+            engine.backward(torch.nn.functional.mse_loss(engine(x), y.to(engine.device)))
+            engine.step()
+            if (i + 1) % gas == 0:
+                norms.append(engine.get_global_grad_norm())
+        return engine, norms, {n: p.detach().cpu() for n, p in engine.module.named_parameters()}
+
+    engine, norms, params = run()
+    kind = "one" if gas == 1 else "sum"
+    assert engine._grad_orders == {("0.weight", kind): (1, 0) if gas == 1 else None, ("0.bias", kind): None,
+                                   ("2.weight", kind): None}
+    assert min(norms) > CLIP  # clipped: the norm reaches the parameters
+    monkeypatch.setattr(spmdzero.fused, "memory_order", lambda t: None)
+    _, row_major_norms, row_major_params = run()
+    np.testing.assert_allclose(norms, row_major_norms, rtol=1e-6)
+    for name, value in row_major_params.items():
+        torch.testing.assert_close(params[name], value, rtol=1e-6, atol=1e-7, msg=name)
+
+
 def test_model_state_bytes_match_zero_accounting():
     torch.manual_seed(0)
     make = lambda: torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64))  # noqa: E731
