@@ -47,11 +47,15 @@ DEVICES = 8
 CASES = {  # name: (kind, size, batch rows per micro-step, optimizer steps per timed window, windows, rounds)
     "mlp-1M": ("mlp", 512, 64, 5, 3, 2),
     "mlp-17M": ("mlp", 2048, 64, 3, 3, 2),
-    "gpt2-100M": ("gpt2", 768, 8, 1, 2, 1),  # 8 x 32 tokens: fewer tokens per step than the model is wide
-    "gpt2-100M-2k": ("gpt2", 768, 8, 1, 2, 1),  # 8 x 256 tokens: more, as in real training
+    "gpt2-100M-1k": ("gpt2", 768, 8, 1, 3, 1),  # 8 x 128 tokens: more tokens per step than the model is wide
+    "gpt2-100M": ("gpt2", 768, 8, 1, 2, 1),  # 8 x 32 tokens: fewer, the one regime where the hand loop's layout wins
+    "gpt2-100M-2k": ("gpt2", 768, 8, 1, 2, 1),  # 8 x 256 tokens
 }
-SEQUENCE = {"gpt2-100M": 32, "gpt2-100M-2k": 256}  # tokens per row
-DEFAULT_CASES = ("mlp-1M", "mlp-17M", "gpt2-100M")  # gpt2-100M-2k: 35 s and 15 GiB a step here, run it with --gas 1
+SEQUENCE = {"gpt2-100M-1k": 128, "gpt2-100M": 32, "gpt2-100M-2k": 256}  # tokens per row
+# Real training runs thousands of tokens per chip per step, far more than any weight has rows:
+# gpt2-100M-1k is the smallest step of that kind (docs/benchmarks.md, "the gradient layout").
+# gpt2-100M-2k: 35 s and 15 GiB a step here, run it with --gas 1
+DEFAULT_CASES = ("mlp-1M", "mlp-17M", "gpt2-100M-1k")
 
 
 # ---- child: one variant of one case ---------------------------------------------------------------
@@ -173,7 +177,7 @@ def child(variant: str, case: str, gas: int, steps: int, windows: int) -> None:
 def paired_child(case: str, gas: int, steps: int, windows: int) -> None:
     """Both sides in one process, their timed windows alternating (engine, hand, engine, ...):
     whatever else the machine does at a moment falls on both, where separate processes each
-    meet their own share of it."""
+    meet their own share of it. Each window's wall time and the process's CPU time."""
     import spmdzero  # noqa: F401  (starts the runtime)
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as met
@@ -185,14 +189,17 @@ def paired_child(case: str, gas: int, steps: int, windows: int) -> None:
     xm.wait_device_ops()
     compiles = met.metric_data("CompileTime")[0]
     times = {name: [] for name in runners}
+    cpu = {name: [] for name in runners}
     for _ in range(windows):
         for name, runner in runners.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 runner.step()
             xm.wait_device_ops()
             times[name].append((time.perf_counter() - start) / steps)
-    print(json.dumps({"times": times, "recompiles": met.metric_data("CompileTime")[0] - compiles}), flush=True)
+            cpu[name].append((time.process_time() - start_cpu) / steps)
+    print(json.dumps({"times": times, "cpu": cpu, "recompiles": met.metric_data("CompileTime")[0] - compiles,
+                      "params": sum(p.numel() for p in runners["hand"].params)}), flush=True)
 
 
 def step_rss() -> int:
@@ -246,29 +253,40 @@ def timing(args) -> None:
 
 def paired(args) -> None:
     """``--paired``: engine and hand loop in one process per case and gas (see paired_child).
-    The ratio of each adjacent pair of windows, and their median: a load change between
-    pairs moves both sides of a pair together."""
-    print(f"{DEVICES} CPU devices; both sides in one process, windows alternating; load average "
+    The ratio of each adjacent pair of windows, in wall time and in CPU time, and their
+    median: a load change between pairs moves both sides of a pair together. ``--cores N``
+    pins the process to N cores (1: the 8 devices' threads take turns on one core, so the
+    wall time is the work done, with no waits for a second core that another job holds)."""
+    print(f"{DEVICES} CPU devices; both sides in one process, windows alternating"
+          f"{f', pinned to {args.cores} core(s)' if args.cores else ''}; load average "
           f"{os.getloadavg()[0]:.1f} at the start\n")
-    print("| model | gas | windows x steps | engine step, min (ms) | hand step, min (ms) | engine / hand, min | "
-          "engine / hand, median of pairs | pair ratios, range | recompiles while timed |")
+    print("| model | params | gas | windows x steps | engine step, min (ms) | hand step, min (ms) | engine / hand, "
+          "wall: median of pairs (range) | engine / hand, CPU: median of pairs (range) | recompiles while timed |")
     print("|---|---|---|---|---|---|---|---|---|")
     for case in args.cases:
         for gas in args.gas:
             steps, windows = window(case, args)
             env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(DEVICES), "PYTHONPATH": REPO}
-            cmd = [sys.executable, __file__, "--paired-child", case, str(gas), str(steps), str(windows)]
+            cmd = [sys.executable, __file__, "--paired-child", case, str(gas), str(steps), str(windows),
+                   str(args.cores or 0)]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
             if proc.returncode != 0:
                 raise RuntimeError(f"paired {case} gas={gas} failed:\n{proc.stderr[-3000:]}")
             result = json.loads(proc.stdout.strip().splitlines()[-1])
             engine, hand = result["times"]["engine"], result["times"]["hand"]
-            pairs = sorted(e / h for e, h in zip(engine, hand))
-            median = pairs[len(pairs) // 2] if len(pairs) % 2 else (pairs[len(pairs) // 2 - 1] + pairs[len(pairs) // 2]) / 2
-            print(f"| {case} | {gas} | {windows} x {steps} | {min(engine) * 1e3:.1f} | {min(hand) * 1e3:.1f} | "
-                  f"{min(engine) / min(hand):.3f} | {median:.3f} | {pairs[0]:.3f}-{pairs[-1]:.3f} | "
-                  f"{result['recompiles']} |", flush=True)
+            print(f"| {case} | {result['params']:,} | {gas} | {windows} x {steps} | {min(engine) * 1e3:.1f} | "
+                  f"{min(hand) * 1e3:.1f} | {pair_ratios(engine, hand)} | "
+                  f"{pair_ratios(result['cpu']['engine'], result['cpu']['hand'])} | {result['recompiles']} |",
+                  flush=True)
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end ({os.cpu_count()} CPUs)")
+
+
+def pair_ratios(engine: list[float], hand: list[float]) -> str:
+    """'median (lowest-highest)' of the ratios of adjacent windows."""
+    pairs = sorted(e / h for e, h in zip(engine, hand))
+    half = len(pairs) // 2
+    median = pairs[half] if len(pairs) % 2 else (pairs[half - 1] + pairs[half]) / 2
+    return f"{median:.3f} ({pairs[0]:.3f}-{pairs[-1]:.3f})"
 
 
 def window(case: str, args) -> tuple[int, int]:
@@ -354,7 +372,9 @@ def main() -> None:
         child(variant, case, int(gas), int(steps), int(windows))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--paired-child":
-        case, gas, steps, windows = sys.argv[2:6]
+        case, gas, steps, windows, cores = sys.argv[2:7]
+        if int(cores):  # before the runtime starts its threads: they inherit it
+            os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:int(cores)])
         paired_child(case, int(gas), int(steps), int(windows))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--aot-child":
@@ -369,6 +389,8 @@ def main() -> None:
                         help="processes per variant, interleaved (default: per case)")
     parser.add_argument("--paired", action="store_true",
                         help="both sides in one process, windows alternating (step time only; no RSS)")
+    parser.add_argument("--cores", type=int, default=None,
+                        help="with --paired: pin the process to this many cores (1: the least noise)")
     parser.add_argument("--memory", metavar="TOPOLOGY", default=None,
                         help="instead of timing: host memory against the TPU step compiled for TOPOLOGY (8 chips)")
     args = parser.parse_args()

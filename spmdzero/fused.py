@@ -77,6 +77,8 @@ def update(optimizer, params: list[torch.Tensor], grads: list[torch.Tensor], hp:
             plans[slot] = (identity, None, None, None)
             return None
         n = len(params)
+        layouts = _shardings(targets)
+        inner = _shard_layouts(layouts, params, states, keys)
 
         def group_update(args, ops):
             tail, grads, mine = args[:len(head)], args[len(head):len(head) + n], args[len(head) + n:][::-1]
@@ -87,11 +89,12 @@ def update(optimizer, params: list[torch.Tensor], grads: list[torch.Tensor], hp:
             for i, (p, g) in enumerate(zip(params, grads)):
                 state = dict(zip(keys, mine[n + i * k:n + (i + 1) * k]))
                 new_p, new_state = optimizer.scaled_math(p, g, state, hp, static, ops, **extra)
+                if inner[i] is not None:
+                    new_p = ops.layout(new_p, inner[i])
                 new_params.append(new_p)
                 new_states += [new_state[name] for name in keys]
             return new_params + new_states  # in the order of targets
 
-        layouts = _shardings(targets)
         plan = plans[slot] = (identity, _computation(key, group_update, flat, layouts), layouts is not None,
                               donors(targets))
     _, computation, laid_out, donated = plan
@@ -99,6 +102,24 @@ def update(optimizer, params: list[torch.Tensor], grads: list[torch.Tensor], hp:
         return None
     swap_in(targets, _run(computation, flat), donated if donate else None)
     return laid_out
+
+
+def _shard_layouts(layouts: Optional[list[str]], params: list[torch.Tensor], states: list[dict],
+                   keys: tuple) -> list[Optional[str]]:
+    """Per parameter, the layout its new value is computed in before it takes its own: its
+    first same-shaped state's, where that differs (ZeRO-1/2: replicated params, sharded
+    states), else None. Each device then computes its shard of the new parameter and the
+    parameter's replicated layout all-gathers it, as ZeRO's update does; left to GSPMD, the
+    update was all-gathered and subtracted from the full parameter, which reads and writes
+    it once more (16.8M MLP on v5e:2x4: 7% more HBM bytes than the hand-written loop)."""
+    if layouts is None:
+        return [None] * len(params)
+    n, k = len(params), len(keys)
+    inner = []
+    for i, p in enumerate(params):
+        shaped = [layouts[n + i * k + j] for j, key in enumerate(keys) if states[i][key].shape == p.shape]
+        inner.append(shaped[0] if shaped and shaped[0] != layouts[i] else None)
+    return inner
 
 
 def donors(targets: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -232,7 +253,8 @@ def _lower(fn, flat: list[torch.Tensor], out_shardings: Optional[list[str]]):
     from jax._src import config
 
     ops = SimpleNamespace(cast=lambda x, like: x.astype(like.dtype), sqrt=jnp.sqrt, where=jnp.where, sign=jnp.sign,
-                          norm=jnp.linalg.vector_norm, clamp=jnp.clip, ones_like=jnp.ones_like)
+                          norm=jnp.linalg.vector_norm, clamp=jnp.clip, ones_like=jnp.ones_like,
+                          layout=lambda x, sharding: _layout_primitive().bind(x, sharding=sharding))
     shapes = [jax.ShapeDtypeStruct(tuple(t.shape), jnp.dtype(str(t.dtype).removeprefix("torch."))) for t in flat]
     platform = "tpu" if xr.device_type() == "TPU" else "cpu"
     if platform == "cpu":  # JAX would otherwise probe for a TPU (libtpu) before it lowers anything
