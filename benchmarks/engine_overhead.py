@@ -1,8 +1,9 @@
 """The engine's overhead over a hand-written SPMD ZeRO-2 loop, by model size, with and
 without gradient accumulation, and the peak host memory each one needs.
 
-    python benchmarks/engine_overhead.py [--cases mlp-1M,mlp-17M,gpt2-100M] [--gas 1,4]
-    python benchmarks/engine_overhead.py --paired --windows 8   # both sides in one process
+    python benchmarks/engine_overhead.py [--cases mlp-1M,mlp-17M,gpt2-100M-1k] [--gas 1,4]
+    python benchmarks/engine_overhead.py --paired [--cores 1] --windows 8   # both sides in one process
+    python benchmarks/engine_overhead.py --tpu v5e:2x4      # both steps compiled for a TPU, side by side
     python benchmarks/engine_overhead.py --memory v5e:2x4   # where the host memory goes
 
 For each model and gradient_accumulation_steps, the engine (ZeRO-2, AdamW, no clipping) and
@@ -18,6 +19,13 @@ what XLA:CPU needs for the same work without the engine.
 ``--paired`` runs both sides in one process instead, their timed windows alternating, and
 adds the median of the adjacent windows' ratios: run to run, separate processes moved the
 ratio by 10-25% on the shared two-core machine (docs/benchmarks.md).
+
+``--tpu TOPOLOGY`` compiles both sides' step (gas 1) for 8 TPU chips with libtpu's
+compile-only client instead and prints the compiler's figures side by side: the roofline
+step time, HBM bytes accessed, bytes sent per chip, all-reduced bytes and temporaries. They
+do not move with the load on this machine, and they are what a TPU runs: XLA:CPU has no
+reduce-scatter (it all-reduces and slices), which is where the two sides' CPU times part
+for GPT-2 at few tokens per step.
 
 ``--memory TOPOLOGY`` explains the RSS instead: the temporaries XLA:CPU's buffer assignment
 gives each device for the engine's step programs, against the TPU program of the same step
@@ -121,30 +129,44 @@ class Hand:
         self.gas, self.shard = gas, shard
         self.mesh = xs.Mesh(np.arange(DEVICES), (DEVICES,), ("fsdp",))
         self.model = model.to(torch_xla.device())
+        if hasattr(self.model, "tie_weights"):  # .to() an XLA device gives each module its own copy of a
+            self.model.tie_weights()            # shared Parameter: a transformers model ties its tables again
         self.opt, self.params, self.specs = zero2_adamw(self.model, self.mesh, lr=1e-4)
         spec = xs.ShardingSpec(self.mesh, ("fsdp",) + (None,) * (inputs[0].dim() - 1))
         self.inputs = xm.send_cpu_data_to_device(list(inputs), torch_xla.device(), spec)
         torch_xla.sync()
 
     def step(self):
-        import torch
         import torch_xla
 
         for micro in range(self.gas):
-            loss = self.loss_fn(self.model, *self.inputs)
-            (loss / self.gas if self.gas > 1 else loss).backward()
-            with torch.no_grad():
-                for p, spec in zip(self.params, self.specs):
-                    self.shard(p.grad, self.mesh, spec)
+            self.micro_step()
             if micro < self.gas - 1:  # one program per micro-step, as the engine runs them
                 torch_xla.sync()
+        self.update()
+        torch_xla.sync()
+
+    def micro_step(self):
+        import torch
+
+        loss = self.loss_fn(self.model, *self.inputs)
+        (loss / self.gas if self.gas > 1 else loss).backward()
+        with torch.no_grad():
+            for p, spec in zip(self.params, self.specs):
+                self.shard(p.grad, self.mesh, spec)
+        return loss
+
+    def update(self):
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         for p, spec in zip(self.params, self.specs):
             self.shard(p, self.mesh, (None,) * p.dim())
             self.shard(self.opt.state[p]["exp_avg"], self.mesh, spec)
             self.shard(self.opt.state[p]["exp_avg_sq"], self.mesh, spec)
-        torch_xla.sync()
+
+    def state(self) -> list:
+        """Everything a step updates in place: each parameter and its two moments."""
+        return [t for p in self.params for t in (p, self.opt.state[p]["exp_avg"], self.opt.state[p]["exp_avg_sq"])]
 
 
 def child(variant: str, case: str, gas: int, steps: int, windows: int) -> None:
@@ -317,7 +339,7 @@ def cpu_temporaries(dump: str) -> int:
     return max(sizes)
 
 
-def aot_child(case: str, gas: int, topology: str) -> None:
+def engine_tpu_report(case: str, gas: int, topology: str):
     """The engine's ZeRO-2 step for this case compiled for a TPU topology (shape-only)."""
     import torch
 
@@ -334,8 +356,73 @@ def aot_child(case: str, gas: int, topology: str) -> None:
             return self.loss_fn(self.model, *inputs)
 
     source = ModelSource(case, WithLoss, lambda m, rows: (build(case, rows)[1], {}), lambda loss: loss)
-    report = compile_step(source, engine_config(CASES[case][2], gas), topology, stage=2)
+    return compile_step(source, engine_config(CASES[case][2], gas), topology, stage=2)
+
+
+def hand_tpu_report(case: str, topology: str):
+    """The hand loop's step (gas 1) traced on this process's devices, not executed, and
+    compiled for a TPU topology as spmdzero.aot compiles the engine's: exported as StableHLO,
+    each parameter's and moment's old buffer donated to its new value."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    from spmdzero.aot import AotReport, compile_mlir
+
+    hand = Hand(case, 1)
+    before = [t.clone() for t in hand.state()]  # the values before the step: the program's inputs
+    loss = hand.micro_step()
+    hand.update()
+    outputs = hand.state() + [loss]
+    lowering = torch_xla._XLAC.lowering.LoweringContext("step")
+    lowering.build(outputs)
+    donate = [(arg, index) for index, arg in enumerate(map(lowering.tensor_parameter_id, before)) if arg >= 0]
+    result = compile_mlir(xm.get_stablehlo(outputs), topology, donate)
+    params = sum(p.numel() for p in hand.params)
+    return AotReport(stage=2, gradient_bytes=4 * params, micro_batch=CASES[case][2] // DEVICES, **result)
+
+
+def aot_child(case: str, gas: int, topology: str) -> None:
+    report = engine_tpu_report(case, gas, topology)
     print(json.dumps({"memory": report.memory, "chips": report.chips}), flush=True)
+
+
+def tpu_child(variant: str, case: str, topology: str) -> None:
+    """One side's step compiled for ``topology``: the roofline and what it is made of."""
+    import spmdzero  # noqa: F401  (starts the runtime)
+
+    report = engine_tpu_report(case, 1, topology) if variant == "engine" else hand_tpu_report(case, topology)
+    roofline = report.roofline()
+    print(json.dumps({"step_s": roofline["step_s"], "bound": roofline["bound"], "hbm_bytes": report.cost["bytes accessed"],
+                      "sent": report.traffic.total_traffic, "temp": report.memory["temp"],
+                      "all_reduced": sum(c["bytes"] for k, c in report.collectives.items() if k == "all-reduce")}),
+          flush=True)
+
+
+def tpu(args) -> None:
+    """``--tpu TOPOLOGY``: both sides' steps compiled for the TPU (libtpu's compile-only
+    client), side by side: the compiler's own figures, which no load on this machine moves."""
+    mib = 2**20
+    print(f"The engine's and the hand loop's ZeRO-2 step (gas 1) compiled for {args.tpu} (8 chips), per chip; "
+          "roofline: max(FLOPs / peak, HBM bytes / bandwidth, bytes sent / ICI bandwidth)\n")
+    print("| model | engine roofline (ms) | hand roofline (ms) | engine / hand | bound | engine HBM bytes (MiB) | "
+          "hand HBM bytes (MiB) | engine sent (MiB) | hand sent (MiB) | engine all-reduced (MiB) | hand all-reduced "
+          "(MiB) | engine temporaries (MiB) | hand temporaries (MiB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(DEVICES), "PYTHONPATH": REPO,
+           "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    for case in args.cases:
+        sides = {}
+        for variant in ("engine", "hand"):
+            proc = subprocess.run([sys.executable, __file__, "--tpu-child", variant, case, args.tpu], env=env,
+                                  capture_output=True, text=True, cwd=REPO)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{variant} {case} for {args.tpu} failed:\n{proc.stderr[-3000:]}")
+            sides[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+        e, h = sides["engine"], sides["hand"]
+        print(f"| {case} | {e['step_s'] * 1e3:.3f} | {h['step_s'] * 1e3:.3f} | {e['step_s'] / h['step_s']:.3f} | "
+              f"{e['bound']} / {h['bound']} | {e['hbm_bytes'] / mib:,.0f} | {h['hbm_bytes'] / mib:,.0f} | "
+              f"{e['sent'] / mib:,.1f} | {h['sent'] / mib:,.1f} | {e['all_reduced'] / mib:,.1f} | "
+              f"{h['all_reduced'] / mib:,.1f} | {e['temp'] / mib:,.1f} | {h['temp'] / mib:,.1f} |", flush=True)
 
 
 def memory(args) -> None:
@@ -377,6 +464,9 @@ def main() -> None:
             os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:int(cores)])
         paired_child(case, int(gas), int(steps), int(windows))
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "--tpu-child":
+        tpu_child(*sys.argv[2:5])
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "--aot-child":
         aot_child(sys.argv[2], int(sys.argv[3]), sys.argv[4])
         return
@@ -391,6 +481,8 @@ def main() -> None:
                         help="both sides in one process, windows alternating (step time only; no RSS)")
     parser.add_argument("--cores", type=int, default=None,
                         help="with --paired: pin the process to this many cores (1: the least noise)")
+    parser.add_argument("--tpu", metavar="TOPOLOGY", default=None,
+                        help="instead of timing: both sides' steps (gas 1) compiled for TOPOLOGY (8 chips), side by side")
     parser.add_argument("--memory", metavar="TOPOLOGY", default=None,
                         help="instead of timing: host memory against the TPU step compiled for TOPOLOGY (8 chips)")
     args = parser.parse_args()
@@ -399,7 +491,7 @@ def main() -> None:
     unknown = [c for c in args.cases if c not in CASES]
     if unknown:
         parser.error(f"--cases: unknown {', '.join(unknown)} (choose from {', '.join(CASES)})")
-    memory(args) if args.memory else paired(args) if args.paired else timing(args)
+    memory(args) if args.memory else tpu(args) if args.tpu else paired(args) if args.paired else timing(args)
 
 
 if __name__ == "__main__":

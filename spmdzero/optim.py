@@ -162,9 +162,10 @@ class AdamW(SpmdOptimizer):
         return dict(step=_step_counter(p), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
 
     def _math(self, p, grad, state, hp, group, ops):
-        # The whole update, weight decay included, is one expression subtracted from p: GSPMD
-        # computes it on the optimizer state's shards and all-gathers it, instead of decaying
-        # the full replicated p.
+        # The whole update, weight decay included, is one expression subtracted from p, all on
+        # the optimizer state's shards: the fused op lays the new p out like the states before
+        # its own layout all-gathers it (fused._shard_layouts), so the full replicated p is
+        # neither decayed nor subtracted from.
         step = state["step"] + 1
         b1, b2 = hp["beta1"], hp["beta2"]
         if not group["adam_w_mode"]:

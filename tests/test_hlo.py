@@ -52,6 +52,30 @@ def test_stage2_reduce_scatters_grads_and_all_gathers_only_params(tmp_path):
     assert not copied, copied
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_each_device_updates_its_shard_of_a_parameter_before_the_all_gather(tmp_path, stage):
+    """ZeRO's update: the new parameter is computed on the state's shard and all-gathered
+    into the step's output. The gathered value is the result, not an update subtracted from
+    the full parameter afterwards (a second read and write of every parameter)."""
+    _, (_, _, text) = compiled_steps(tmp_path, stage)
+    lines = text[text.index("\nENTRY"):].splitlines()
+    gathered = [name for line in lines for name in re.findall(r"^\s*%(all-gather\S*) = ", line)]
+    assert len(gathered) == 4
+    def users(name):
+        used = re.compile(rf"%{re.escape(name)}(?![\w.-])(?! =)")  # an operand, not the definition
+        return [line for line in lines if used.search(line)]
+
+    for name in gathered:
+        # followed through plain copies (a layout change on the way to the output buffer)
+        found, names = [], [name]
+        while names:
+            for line in users(names.pop()):
+                copied = re.match(r"\s*%(\S+) = \S+ copy\(", line)
+                names += [copied.group(1)] if copied else []
+                found += [] if copied else [line.strip().split(" =")[0]]
+        assert found and all(user.startswith("ROOT") for user in found), (name, found)
+
+
 def copied_entry_parameters(text: str) -> list[str]:
     """Shapes of the step's inputs that the program copies (``copy(%param...)`` in ENTRY)."""
     entry = text[text.index("\nENTRY"):]
