@@ -408,21 +408,22 @@ def tpu(args) -> None:
           "hand HBM bytes (MiB) | engine sent (MiB) | hand sent (MiB) | engine all-reduced (MiB) | hand all-reduced "
           "(MiB) | engine temporaries (MiB) | hand temporaries (MiB) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(DEVICES), "PYTHONPATH": REPO,
-           "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
     for case in args.cases:
-        sides = {}
-        for variant in ("engine", "hand"):
-            proc = subprocess.run([sys.executable, __file__, "--tpu-child", variant, case, args.tpu], env=env,
-                                  capture_output=True, text=True, cwd=REPO)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{variant} {case} for {args.tpu} failed:\n{proc.stderr[-3000:]}")
-            sides[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
-        e, h = sides["engine"], sides["hand"]
+        e, h = (libtpu_child("--tpu-child", variant, case, args.tpu) for variant in ("engine", "hand"))
         print(f"| {case} | {e['step_s'] * 1e3:.3f} | {h['step_s'] * 1e3:.3f} | {e['step_s'] / h['step_s']:.3f} | "
               f"{e['bound']} / {h['bound']} | {e['hbm_bytes'] / mib:,.0f} | {h['hbm_bytes'] / mib:,.0f} | "
               f"{e['sent'] / mib:,.1f} | {h['sent'] / mib:,.1f} | {e['all_reduced'] / mib:,.1f} | "
               f"{h['all_reduced'] / mib:,.1f} | {e['temp'] / mib:,.1f} | {h['temp'] / mib:,.1f} |", flush=True)
+
+
+def libtpu_child(*argv: str) -> dict:
+    """This script's child that compiles for a TPU (libtpu, beside other clients): its JSON."""
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(DEVICES), "PYTHONPATH": REPO,
+           "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    proc = subprocess.run([sys.executable, __file__, *argv], env=env, capture_output=True, text=True, cwd=REPO)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def memory(args) -> None:
@@ -433,19 +434,13 @@ def memory(args) -> None:
           "temporaries (MiB) | runtime before the model (MiB) | peak RSS stepping (MiB) | the same, glibc "
           "trimming (MiB) | peak RSS with compiles (MiB) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(DEVICES), "PYTHONPATH": REPO,
-           "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
     for case in args.cases:
         for gas in args.gas:
             with tempfile.TemporaryDirectory() as dump:
                 run = run_child("engine", case, gas, 1, 1, XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_as_text")
                 cpu_temp = cpu_temporaries(dump) * DEVICES
             trimmed = run_child("engine", case, gas, 1, 1, **TRIMMED_MALLOC)
-            proc = subprocess.run([sys.executable, __file__, "--aot-child", case, str(gas), args.memory], env=env,
-                                  capture_output=True, text=True, cwd=REPO)
-            if proc.returncode != 0:
-                raise RuntimeError(f"AOT {case} gas={gas} failed:\n{proc.stderr[-3000:]}")
-            aot = json.loads(proc.stdout.strip().splitlines()[-1])
+            aot = libtpu_child("--aot-child", case, str(gas), args.memory)
             tpu_temp = aot["memory"]["temp"] * aot["chips"]
             print(f"| {case} | {run['params']:,} | {gas} | {accounting(run['params']) / mib:,.0f} | "
                   f"{cpu_temp / mib:,.0f} | {tpu_temp / mib:,.0f} | {run['runtime_rss'] / mib:,.0f} | "
