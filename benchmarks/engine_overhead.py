@@ -363,21 +363,56 @@ def hand_tpu_report(case: str, topology: str):
     """The hand loop's step (gas 1) traced on this process's devices, not executed, and
     compiled for a TPU topology as spmdzero.aot compiles the engine's: exported as StableHLO,
     each parameter's and moment's old buffer donated to its new value."""
+    hand = Hand(case, 1)
+    before = [t.clone() for t in hand.state()]  # the values before the step: the program's inputs
+    loss = hand.micro_step()
+    hand.update()
+    return traced_tpu_report(hand.state() + [loss], before, case, topology)
+
+
+def micro_tpu_report(variant: str, case: str, topology: str):
+    """One side's accumulating micro-step (gas 4, inside the window: forward, backward, and the
+    gradient added into what the earlier micro-steps left) compiled for a TPU topology. The
+    first micro-step runs here, so that the second one's program reads real accumulators."""
+    import torch_xla
+
+    if variant == "engine":
+        runner = Engine(case, 4)
+        engine = runner.engine
+
+        def micro_step():
+            loss = runner.loss_fn(engine.module, *runner.inputs)
+            engine.backward(loss)
+            return loss
+
+        def gradients():
+            return [slot.grad for slot in engine._slots]
+    else:
+        runner = Hand(case, 4)
+        micro_step = runner.micro_step
+
+        def gradients():
+            return [p.grad for p in runner.params]
+    micro_step()
+    torch_xla.sync()
+    before = [g.clone() for g in gradients()]
+    loss = micro_step()
+    return traced_tpu_report(gradients() + [loss], before, case, topology)
+
+
+def traced_tpu_report(outputs: list, before: list, case: str, topology: str):
+    """Traced ``outputs`` exported as StableHLO and compiled for ``topology``, each tensor of
+    ``before`` (the values the step updates in place) donated to its new value."""
     import torch_xla
     import torch_xla.core.xla_model as xm
 
     from spmdzero.aot import AotReport, compile_mlir
 
-    hand = Hand(case, 1)
-    before = [t.clone() for t in hand.state()]  # the values before the step: the program's inputs
-    loss = hand.micro_step()
-    hand.update()
-    outputs = hand.state() + [loss]
     lowering = torch_xla._XLAC.lowering.LoweringContext("step")
     lowering.build(outputs)
     donate = [(arg, index) for index, arg in enumerate(map(lowering.tensor_parameter_id, before)) if arg >= 0]
     result = compile_mlir(xm.get_stablehlo(outputs), topology, donate)
-    params = sum(p.numel() for p in hand.params)
+    params = sum(p.numel() for p in build(case)[0].parameters())
     return AotReport(stage=2, gradient_bytes=4 * params, micro_batch=CASES[case][2] // DEVICES, **result)
 
 
@@ -390,7 +425,10 @@ def tpu_child(variant: str, case: str, topology: str) -> None:
     """One side's step compiled for ``topology``: the roofline and what it is made of."""
     import spmdzero  # noqa: F401  (starts the runtime)
 
-    report = engine_tpu_report(case, 1, topology) if variant == "engine" else hand_tpu_report(case, topology)
+    if variant.endswith("-micro"):
+        report = micro_tpu_report(variant.removesuffix("-micro"), case, topology)
+    else:
+        report = engine_tpu_report(case, 1, topology) if variant == "engine" else hand_tpu_report(case, topology)
     roofline = report.roofline()
     print(json.dumps({"step_s": roofline["step_s"], "bound": roofline["bound"], "hbm_bytes": report.cost["bytes accessed"],
                       "sent": report.traffic.total_traffic, "temp": report.memory["temp"],
@@ -400,20 +438,26 @@ def tpu_child(variant: str, case: str, topology: str) -> None:
 
 def tpu(args) -> None:
     """``--tpu TOPOLOGY``: both sides' steps compiled for the TPU (libtpu's compile-only
-    client), side by side: the compiler's own figures, which no load on this machine moves."""
+    client), side by side: the compiler's own figures, which no load on this machine moves.
+    With a gas above 1, also the micro-step inside an accumulation window."""
     mib = 2**20
-    print(f"The engine's and the hand loop's ZeRO-2 step (gas 1) compiled for {args.tpu} (8 chips), per chip; "
-          "roofline: max(FLOPs / peak, HBM bytes / bandwidth, bytes sent / ICI bandwidth)\n")
-    print("| model | engine roofline (ms) | hand roofline (ms) | engine / hand | bound | engine HBM bytes (MiB) | "
-          "hand HBM bytes (MiB) | engine sent (MiB) | hand sent (MiB) | engine all-reduced (MiB) | hand all-reduced "
-          "(MiB) | engine temporaries (MiB) | hand temporaries (MiB) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"The engine's and the hand loop's ZeRO-2 programs compiled for {args.tpu} (8 chips), per chip; "
+          "roofline: max(FLOPs / peak, HBM bytes / bandwidth, bytes sent / ICI bandwidth); 'step': a whole "
+          "step at gas 1, 'micro-step': one inside an accumulation window (forward, backward, the gradient "
+          "added to the accumulated one)\n")
+    print("| model | program | engine roofline (ms) | hand roofline (ms) | engine / hand | bound | engine HBM bytes "
+          "(MiB) | hand HBM bytes (MiB) | engine sent (MiB) | hand sent (MiB) | engine all-reduced (MiB) | hand "
+          "all-reduced (MiB) | engine temporaries (MiB) | hand temporaries (MiB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    programs = [("step", "")] + ([("micro-step", "-micro")] if any(g > 1 for g in args.gas) else [])
     for case in args.cases:
-        e, h = (libtpu_child("--tpu-child", variant, case, args.tpu) for variant in ("engine", "hand"))
-        print(f"| {case} | {e['step_s'] * 1e3:.3f} | {h['step_s'] * 1e3:.3f} | {e['step_s'] / h['step_s']:.3f} | "
-              f"{e['bound']} / {h['bound']} | {e['hbm_bytes'] / mib:,.0f} | {h['hbm_bytes'] / mib:,.0f} | "
-              f"{e['sent'] / mib:,.1f} | {h['sent'] / mib:,.1f} | {e['all_reduced'] / mib:,.1f} | "
-              f"{h['all_reduced'] / mib:,.1f} | {e['temp'] / mib:,.1f} | {h['temp'] / mib:,.1f} |", flush=True)
+        for program, suffix in programs:
+            e, h = (libtpu_child("--tpu-child", variant + suffix, case, args.tpu) for variant in ("engine", "hand"))
+            print(f"| {case} | {program} | {e['step_s'] * 1e3:.3f} | {h['step_s'] * 1e3:.3f} | "
+                  f"{e['step_s'] / h['step_s']:.3f} | {e['bound']} / {h['bound']} | {e['hbm_bytes'] / mib:,.0f} | "
+                  f"{h['hbm_bytes'] / mib:,.0f} | {e['sent'] / mib:,.1f} | {h['sent'] / mib:,.1f} | "
+                  f"{e['all_reduced'] / mib:,.1f} | {h['all_reduced'] / mib:,.1f} | {e['temp'] / mib:,.1f} | "
+                  f"{h['temp'] / mib:,.1f} |", flush=True)
 
 
 def libtpu_child(*argv: str) -> dict:
@@ -477,7 +521,8 @@ def main() -> None:
     parser.add_argument("--cores", type=int, default=None,
                         help="with --paired: pin the process to this many cores (1: the least noise)")
     parser.add_argument("--tpu", metavar="TOPOLOGY", default=None,
-                        help="instead of timing: both sides' steps (gas 1) compiled for TOPOLOGY (8 chips), side by side")
+                        help="instead of timing: both sides' steps (gas 1) compiled for TOPOLOGY (8 chips), side by side, "
+                             "and with a --gas above 1 their accumulating micro-steps")
     parser.add_argument("--memory", metavar="TOPOLOGY", default=None,
                         help="instead of timing: host memory against the TPU step compiled for TOPOLOGY (8 chips)")
     args = parser.parse_args()
