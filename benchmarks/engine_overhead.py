@@ -109,10 +109,21 @@ class Engine:
         self.inputs = [to_device_sharded(t, self.engine.mesh, self.engine.plan.batch_spec, self.engine.dp_world_size)
                        for t in inputs]  # placed once: time the step, not the input transfer
 
+        self.params = list(self.engine.module.parameters())
+
+    def micro_step(self):
+        loss = self.loss_fn(self.engine.module, *self.inputs)
+        self.engine.backward(loss)
+        return loss
+
     def step(self):
         for _ in range(self.gas):
-            self.engine.backward(self.loss_fn(self.engine.module, *self.inputs))
+            self.micro_step()
             self.engine.step()
+
+    def gradients(self) -> list:
+        """What the accumulating micro-steps add into: the engine's sharded gradient shards."""
+        return [slot.grad for slot in self.engine._slots]
 
 
 class Hand:
@@ -163,6 +174,10 @@ class Hand:
             self.shard(p, self.mesh, (None,) * p.dim())
             self.shard(self.opt.state[p]["exp_avg"], self.mesh, spec)
             self.shard(self.opt.state[p]["exp_avg_sq"], self.mesh, spec)
+
+    def gradients(self) -> list:
+        """What the accumulating micro-steps add into: each parameter's sharded ``.grad``."""
+        return [p.grad for p in self.params]
 
     def state(self) -> list:
         """Everything a step updates in place: each parameter and its two moments."""
@@ -367,7 +382,7 @@ def hand_tpu_report(case: str, topology: str):
     before = [t.clone() for t in hand.state()]  # the values before the step: the program's inputs
     loss = hand.micro_step()
     hand.update()
-    return traced_tpu_report(hand.state() + [loss], before, case, topology)
+    return traced_tpu_report(hand.state() + [loss], before, hand.params, case, topology)
 
 
 def micro_tpu_report(variant: str, case: str, topology: str):
@@ -376,33 +391,18 @@ def micro_tpu_report(variant: str, case: str, topology: str):
     first micro-step runs here, so that the second one's program reads real accumulators."""
     import torch_xla
 
-    if variant == "engine":
-        runner = Engine(case, 4)
-        engine = runner.engine
-
-        def micro_step():
-            loss = runner.loss_fn(engine.module, *runner.inputs)
-            engine.backward(loss)
-            return loss
-
-        def gradients():
-            return [slot.grad for slot in engine._slots]
-    else:
-        runner = Hand(case, 4)
-        micro_step = runner.micro_step
-
-        def gradients():
-            return [p.grad for p in runner.params]
-    micro_step()
+    runner = Engine(case, 4) if variant == "engine" else Hand(case, 4)
+    runner.micro_step()
     torch_xla.sync()
-    before = [g.clone() for g in gradients()]
-    loss = micro_step()
-    return traced_tpu_report(gradients() + [loss], before, case, topology)
+    before = [g.clone() for g in runner.gradients()]
+    loss = runner.micro_step()
+    return traced_tpu_report(runner.gradients() + [loss], before, runner.params, case, topology)
 
 
-def traced_tpu_report(outputs: list, before: list, case: str, topology: str):
+def traced_tpu_report(outputs: list, before: list, params: list, case: str, topology: str):
     """Traced ``outputs`` exported as StableHLO and compiled for ``topology``, each tensor of
-    ``before`` (the values the step updates in place) donated to its new value."""
+    ``before`` (the values the step updates in place) donated to its new value; ``params`` are
+    the model's parameters, for the report's ZeRO accounting."""
     import torch_xla
     import torch_xla.core.xla_model as xm
 
@@ -412,8 +412,7 @@ def traced_tpu_report(outputs: list, before: list, case: str, topology: str):
     lowering.build(outputs)
     donate = [(arg, index) for index, arg in enumerate(map(lowering.tensor_parameter_id, before)) if arg >= 0]
     result = compile_mlir(xm.get_stablehlo(outputs), topology, donate)
-    params = sum(p.numel() for p in build(case)[0].parameters())
-    return AotReport(stage=2, gradient_bytes=4 * params, micro_batch=CASES[case][2] // DEVICES, **result)
+    return AotReport(stage=2, gradient_bytes=4 * sum(p.numel() for p in params), micro_batch=CASES[case][2] // DEVICES, **result)
 
 
 def aot_child(case: str, gas: int, topology: str) -> None:
