@@ -10,7 +10,7 @@ def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] != ["launch"]:
         os.environ.setdefault("SPMDZERO_NO_RUNTIME", "1")
-    from spmdzero.cli import main as cli_main
+    from spmdzero.cli.main import main as cli_main
 
     return cli_main(argv)
 

@@ -9,7 +9,7 @@ the peak host RSS of the whole answer (trace + compile).
 Each case runs ``python -m spmdzero.aot --json`` in its own process (shape-only trace, one
 CPU device per chip; the TPU compile in a grandchild). Peak RSS is the largest of that
 process tree (``wait4``'s ru_maxrss). v5e-256 is traced on 64 devices with 4 x the micro-batch and
-its shardings moved to 256 chips (``spmdzero.aot_retarget``). Results are appended to ``--out`` as they come, and a
+its shardings moved to 256 chips (``spmdzero.tpu.retarget``). Results are appended to ``--out`` as they come, and a
 markdown table is printed at the end. Model configs are in ``benchmarks/configs``.
 """
 
@@ -39,14 +39,14 @@ CASES = [  # in the order they run: 4-chip cases first (16-chip figures depend o
     ("gpt2-350m", "zero2-fp32", "v5e:4x4", "2", False),
     ("gpt2-774m", "zero2-fp32", "v5e:4x4", "2", False),
     ("gpt2-1.5b", "zero2-fp32", "v5e:4x4", "2", False),
-    ("llama-7b", "zero2-bf16", "v5e:16x16", "2", True),  # traced on 64 devices (spmdzero.aot_retarget)
+    ("llama-7b", "zero2-bf16", "v5e:16x16", "2", True),  # traced on 64 devices (spmdzero.tpu.retarget)
 ]
 
 
 def run_case(model: str, ds: str, topology: str, stages: str, scan: bool | str, seq_len: int,
              micro_batch: int) -> dict:
-    from spmdzero.aot import scan_layers_args
-    from spmdzero.aot_retarget import trace_devices
+    from spmdzero.aot.command import scan_layers_args
+    from spmdzero.tpu.retarget import trace_devices
 
     env = {**os.environ, "CPU_NUM_DEVICES": str(trace_devices(topology)), "PJRT_DEVICE": "CPU"}
     command = [sys.executable, "-m", "spmdzero.aot", "--json", "--topology", topology, "--stages", stages,
@@ -77,7 +77,7 @@ def refreshed(row: dict) -> dict:
     current ``AotReport`` from the measured ones (memory, collectives, cost)."""
     import dataclasses
 
-    from spmdzero.aot import AotReport
+    from spmdzero.tpu.report import AotReport
 
     if "error" in row:
         return row

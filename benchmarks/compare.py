@@ -91,7 +91,7 @@ def mlp(width: int):
 
 class TorchRunner:
     def compiles(self) -> int:
-        from spmdzero.monitor import compile_count
+        from spmdzero.observe.monitor import compile_count
 
         return compile_count()
 
@@ -103,7 +103,8 @@ class TorchRunner:
     def _traffic_of(self, outputs, n: int) -> float:
         import torch_xla.core.xla_model as xm
 
-        from spmdzero.aot import CollectivesReport, compile_mlir
+        from spmdzero.tpu.report import CollectivesReport
+        from spmdzero.tpu.capture import compile_mlir
 
         result = compile_mlir(xm.get_stablehlo(outputs), f"cpu:{n}")
         return CollectivesReport(n, result["collectives"], self.params * 4).total_traffic
@@ -114,7 +115,7 @@ class EngineRunner(TorchRunner):
         import torch
 
         import spmdzero
-        from spmdzero.data import to_device_sharded
+        from spmdzero.backends.torch_xla.batches import to_device_sharded
 
         self.n = n
         self.engine, *_ = spmdzero.initialize(model=mlp(width), config={
@@ -128,7 +129,7 @@ class EngineRunner(TorchRunner):
         self.engine.step()
 
     def state_bytes(self) -> int:
-        from spmdzero.inspect import model_state_bytes
+        from spmdzero.observe.reports import model_state_bytes
 
         return model_state_bytes(self.engine).total
 
@@ -153,7 +154,7 @@ class HandRunner(TorchRunner):
         self.inner.step()
 
     def state_bytes(self) -> int:
-        from spmdzero.inspect import per_device_bytes
+        from spmdzero.observe.reports import per_device_bytes
 
         states = [v for p in self.inner.params for v in self.inner.opt.state[p].values()
                   if isinstance(v, self._torch.Tensor) and v.device.type == "xla"]
@@ -202,7 +203,7 @@ class FsdpRunner(TorchRunner):
     def state_bytes(self) -> int:
         import torch
 
-        from spmdzero.inspect import per_device_bytes
+        from spmdzero.observe.reports import per_device_bytes
 
         states = [v for s in self.opt.state.values() for v in s.values()
                   if isinstance(v, torch.Tensor) and v.device.type == "xla"]
@@ -271,8 +272,8 @@ class JaxRunner:
         return sum(leaf.addressable_shards[0].data.nbytes for leaf in leaves if hasattr(leaf, "addressable_shards"))
 
     def traffic(self) -> float:
-        from spmdzero.aot import CollectivesReport
-        from spmdzero.tpu_compile import summarize_collectives
+        from spmdzero.tpu.report import CollectivesReport
+        from spmdzero.tpu.compile import summarize_collectives
 
         text = self._step.lower(self.weights, self.opt_state, self.x).compile().as_text()
         return CollectivesReport(self.n, summarize_collectives(text, cpu_program=True), self.params * 4).total_traffic

@@ -101,7 +101,7 @@ def engine_config(rows: int, gas: int) -> dict:
 class Engine:
     def __init__(self, case: str, gas: int):
         import spmdzero
-        from spmdzero.data import to_device_sharded
+        from spmdzero.backends.torch_xla.batches import to_device_sharded
 
         model, inputs, self.loss_fn = build(case)
         self.gas = gas
@@ -134,7 +134,7 @@ class Hand:
         import torch_xla.distributed.spmd as xs
 
         from hand_zero2 import zero2_adamw
-        from spmdzero.annotate import shard
+        from spmdzero.backends.torch_xla.annotate import shard
 
         model, inputs, self.loss_fn = build(case)
         self.gas, self.shard = gas, shard
@@ -359,8 +359,8 @@ def engine_tpu_report(case: str, gas: int, topology: str):
     import torch
 
     import spmdzero  # noqa: F401  (starts the runtime)
-    from spmdzero.aot import compile_step
-    from spmdzero.aot_models import ModelSource
+    from spmdzero.aot.steps import compile_step
+    from spmdzero.aot.models import ModelSource
 
     class WithLoss(torch.nn.Module):  # the forward returns the loss, as aot's model sources do
         def __init__(self):
@@ -406,7 +406,8 @@ def traced_tpu_report(outputs: list, before: list, params: list, case: str, topo
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    from spmdzero.aot import AotReport, compile_mlir
+    from spmdzero.tpu.report import AotReport
+    from spmdzero.tpu.capture import compile_mlir
 
     lowering = torch_xla._XLAC.lowering.LoweringContext("step")
     lowering.build(outputs)

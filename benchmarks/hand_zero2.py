@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from spmdzero.annotate import shard
-from spmdzero.mesh import mesh_shape
-from spmdzero.plan import make_plan
+from spmdzero.backends.torch_xla.annotate import shard
+from spmdzero.sharding.mesh import mesh_shape
+from spmdzero.sharding.plan import make_plan
 
 
 def zero2_adamw(model: torch.nn.Module, mesh, lr: float) -> tuple[torch.optim.AdamW, list, list]:

@@ -26,8 +26,8 @@ import torch_xla.debug.metrics as met
 import torch_xla.distributed.spmd as xs
 
 from hand_zero2 import zero2_adamw
-from spmdzero.annotate import shard
-from spmdzero.data import to_device_sharded
+from spmdzero.backends.torch_xla.annotate import shard
+from spmdzero.backends.torch_xla.batches import to_device_sharded
 
 
 def mlp(width: int, depth: int) -> torch.nn.Module:
@@ -59,7 +59,7 @@ class EngineRunner:
 class HandWrittenRunner:
     """The same ZeRO-2 annotations written out by hand: no engine, torch.optim.AdamW.
 
-    It annotates through ``spmdzero.annotate.shard`` (torch_xla's annotation without the
+    It annotates through ``spmdzero.backends.torch_xla.annotate.shard`` (torch_xla's annotation without the
     per-call torchax import probe), so the ratio measures the engine, not that probe."""
 
     def __init__(self, model, batch, width):

@@ -37,7 +37,7 @@ def measure(devices, vocab: int, width: int, tokens_per_chip: int, one_hot: bool
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from spmdzero.tpu_compile import summarize_collectives
+    from spmdzero.tpu.compile import summarize_collectives
 
     n = len(devices)
     mesh = Mesh(np.array(devices).reshape(n // 2, 2), ("fsdp", "fsdp_inner"))
@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--tokens-per-chip", type=int, default=128)
     args = parser.parse_args()
-    from spmdzero.tpu_compile import _tpu_devices
+    from spmdzero.tpu.compile import _tpu_devices
 
     devices = _tpu_devices(args.topology)
     print(f"{args.topology}: table [{args.vocab}, {args.width}], {args.tokens_per_chip} tokens per chip\n")

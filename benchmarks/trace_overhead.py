@@ -122,7 +122,7 @@ class SpmdzeroRunner:
     def counts(self) -> tuple[int, int]:
         """(compiles, programs run) so far: torch_xla's metrics, or the torchax engine's counters
         (a trace of a jitted program is its compile)."""
-        from spmdzero.monitor import compile_count, graph_count
+        from spmdzero.observe.monitor import compile_count, graph_count
 
         if hasattr(self.engine, "traces"):
             return sum(self.engine.traces.values()), sum(self.engine.runs.values())

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model import SyntheticTokens, TinyGPT  # noqa: E402
 
-from spmdzero.inspect import model_state_bytes  # noqa: E402
+from spmdzero.observe.reports import model_state_bytes  # noqa: E402
 
 
 def parse_args(argv=None):

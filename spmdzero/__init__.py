@@ -3,22 +3,22 @@
 Importing spmdzero starts the XLA runtime in SPMD mode (see ``spmdzero.runtime``), so
 import it before creating any XLA tensor or running any backward pass. With
 ``SPMDZERO_BACKEND=torchax`` it starts no runtime and JAX takes the devices, for
-``spmd.backend='torchax'`` (see ``spmdzero.jax_runtime``).
+``spmd.backend='torchax'`` (see ``spmdzero.runtime.jax_runtime``).
 """
 
 import os as _os
 
-from . import runtime as _runtime
+from spmdzero import runtime as _runtime
 
 if _os.environ.get("SPMDZERO_NO_RUNTIME") != "1":  # set by the CLI, which needs no devices
     _runtime.start()
 
-from .config import ConfigError  # noqa: E402
-from .engine import SpmdZeroEngine  # noqa: E402
-from .initialize import initialize  # noqa: E402
-from .plan import ShardingPlan, make_plan  # noqa: E402
+from spmdzero.config.errors import ConfigError  # noqa: E402
+from spmdzero.backends.torch_xla.engine import SpmdZeroEngine  # noqa: E402
+from spmdzero.initialize import initialize  # noqa: E402
+from spmdzero.sharding.plan import ShardingPlan, make_plan  # noqa: E402
 
-__version__ = "0.1.0"
+from spmdzero.version import __version__  # noqa: E402
 __all__ = ["initialize", "alias_deepspeed", "SpmdZeroEngine", "ShardingPlan", "make_plan", "ConfigError",
            "__version__"]
 
@@ -27,6 +27,6 @@ def alias_deepspeed() -> None:
     """After this call, ``import deepspeed`` (and ``from deepspeed.X import Y``) gives
     spmdzero's DeepSpeed compatibility layer, in this module and every later import.
     ``spmdzero launch`` does this for a script; call it yourself in a notebook."""
-    from .compat import alias
+    from spmdzero.compat import alias
 
     alias.install()

@@ -3,6 +3,6 @@ which the console script skips for the commands that need no devices)."""
 
 import sys
 
-from .cli import main
+from spmdzero.cli.main import main
 
 sys.exit(main())

@@ -13,7 +13,7 @@ STAGES = """
     import json, sys, torch
     sys.path.insert(0, "examples")
     from model import TinyGPT
-    from spmdzero.aot import compare_stages
+    from spmdzero.aot.steps import compare_stages
     config = {"train_batch_size": 16, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     make = lambda: TinyGPT()  # 466k params: big enough that TPU tile padding of small shards is noise
     reports = compare_stages(make, config, "v5e:2x2")
@@ -91,8 +91,8 @@ def test_roofline_estimate_comes_from_the_compiled_cost(compiled):
 
 
 def test_out_of_memory_compile_becomes_a_verdict():
-    from spmdzero.aot import AotReport
-    from spmdzero.tpu_compile import parse_resource_exhausted
+    from spmdzero.tpu.report import AotReport
+    from spmdzero.tpu.compile import parse_resource_exhausted
 
     total = parse_resource_exhausted("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in "
                                      "memory space hbm. Used 19.31G of 15.75G hbm. Exceeded hbm capacity by 3.56G.")
@@ -142,8 +142,8 @@ Program hbm requirement 56.25G:
 
 def test_out_of_memory_report_lists_the_largest_allocations():
     """What libtpu says the program held at its peak: the first clue to what to shrink."""
-    from spmdzero.aot import AotReport
-    from spmdzero.tpu_compile import parse_resource_exhausted
+    from spmdzero.tpu.report import AotReport
+    from spmdzero.tpu.compile import parse_resource_exhausted
 
     oom = parse_resource_exhausted(OOM_MESSAGE.replace("\\\n", ""))
     assert oom["over_by"] == int(40.5 * 2**30) and oom["usage"]["program"] == int(56.25 * 2**30)
@@ -159,8 +159,8 @@ def test_out_of_memory_report_lists_the_largest_allocations():
 def test_libtpu_lock_and_unknown_topology_are_clear_errors(monkeypatch):
     from jax.experimental import topologies
 
-    from spmdzero import tpu_compile
-    from spmdzero.aot import check_traceable
+    from spmdzero.tpu import compile as tpu_compile
+    from spmdzero.tpu.capture import check_traceable
 
     def locked(**_):
         raise RuntimeError('ABORTED: Internal error when accessing libtpu multi-process lockfile. Run '
@@ -175,13 +175,13 @@ def test_libtpu_lock_and_unknown_topology_are_clear_errors(monkeypatch):
     monkeypatch.setattr(topologies, "get_topology_desc", lambda **_: (_ for _ in ()).throw(ValueError("no")))
     with pytest.raises(ValueError, match="unknown TPU topology 'v5e:3x3'.*v5e:16x16"):
         tpu_compile._tpu_devices("v5e:3x3")
-    assert check_traceable("v5e:16x16") == 64  # traced on a quarter of the chips (spmdzero.aot_retarget)
+    assert check_traceable("v5e:16x16") == 64  # traced on a quarter of the chips (spmdzero.tpu.retarget)
 
 
 def test_model_that_does_not_build_on_meta_is_a_clear_error():
     import torch
 
-    from spmdzero.aot_models import ModelSource, build_on_meta
+    from spmdzero.aot.models import ModelSource, build_on_meta
 
     class ReadsItsWeights(torch.nn.Module):
         def __init__(self):
@@ -200,14 +200,15 @@ def test_find_max_batch_bisects_on_fits(monkeypatch):
         def __init__(self, batch):
             self.micro_batch, self.fits = batch, batch <= 11
 
-    monkeypatch.setattr(aot, "compile_step", lambda source, config, topology, stage, batch, shape_only: Fake(batch))
+    monkeypatch.setattr(aot.steps, "compile_step", lambda source, config, topology, stage, batch, shape_only: Fake(batch))
     best, tried = aot.find_max_batch(None, {}, "v5e:2x2", 2)
     assert best == 11
     assert [r.micro_batch for r in tried] == [1, 2, 4, 8, 16, 12, 10, 11]
 
 
 def test_find_max_batch_says_what_stops_the_next_size():
-    from spmdzero.aot import AotReport, describe_search, search_summary
+    from spmdzero.tpu.report import AotReport
+    from spmdzero.aot.steps import describe_search, search_summary
 
     memory = {"argument": 2 * 2**30, "output": 2**30, "alias": 2**30, "temp": 10 * 2**30, "generated_code": 0}
     fits = AotReport("v5e:2x2", 4, "TPU v5 lite", 1.0, memory, {}, {}, 4, stage=2, micro_batch=8)
@@ -330,7 +331,7 @@ def test_capture_leaves_the_engine_state_untouched():
 
     import spmdzero
     from conftest import batches, tiny_mlp
-    from spmdzero.aot import capture
+    from spmdzero.tpu.capture import capture
 
     engine, *_ = spmdzero.initialize(model=tiny_mlp(), config={
         "train_batch_size": 8, "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
@@ -357,7 +358,7 @@ def test_capture_inside_an_accumulation_window_keeps_the_pending_gradients():
 
     import spmdzero
     from conftest import batches, tiny_mlp
-    from spmdzero.aot import capture
+    from spmdzero.tpu.capture import capture
 
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
               "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}
@@ -389,8 +390,8 @@ def test_capture_inside_an_accumulation_window_keeps_the_pending_gradients():
 def test_retarget_moves_each_sharding_to_the_same_axes_of_a_larger_mesh():
     import numpy as np
 
-    from spmdzero.aot_retarget import check_same_plan, retarget, trace_devices
-    from spmdzero.plan import make_plan
+    from spmdzero.tpu.retarget import check_same_plan, retarget, trace_devices
+    from spmdzero.sharding.plan import make_plan
 
     def sharding(tiles, replicate=False):
         dims = ",".join(map(str, tiles.shape))
@@ -422,10 +423,10 @@ def test_retarget_moves_each_sharding_to_the_same_axes_of_a_larger_mesh():
 
 RETRACE = """
     import hashlib, sys
-    from spmdzero.aot import capture_step
-    from spmdzero.aot_models import load_model_source
-    from spmdzero.aot_retarget import retarget, target_mesh_shape
-    from spmdzero.mesh import mesh_shape
+    from spmdzero.aot.steps import capture_step
+    from spmdzero.aot.models import load_model_source
+    from spmdzero.tpu.retarget import retarget, target_mesh_shape
+    from spmdzero.sharding.mesh import mesh_shape
     source = load_model_source(sys.argv[-1], 32)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
@@ -456,7 +457,7 @@ def test_a_step_traced_on_fewer_devices_and_moved_is_the_step_traced_on_all(tmp_
 def test_collectives_inside_a_loop_count_once_per_trip():
     """A scanned layer stack compiles to a while loop: its collectives run every trip. TPU
     states the trip count in the loop condition, CPU in the backend config."""
-    from spmdzero.tpu_compile import loop_trip_counts, summarize_collectives
+    from spmdzero.tpu.compile import loop_trip_counts, summarize_collectives
 
     hlo = """HloModule step
 
@@ -536,7 +537,7 @@ ENTRY %main (a: f32[64,8]) -> f32[64,8] {
 def test_a_windowed_einsum_ring_counts_its_trips_and_skipped_permutes():
     """Read naively, this loop runs 8 times and permutes every time: 8 shards, twice what the
     ring sends. It runs 4 times (unrolled, step 2) and skips its last permute: 3."""
-    from spmdzero.tpu_compile import loop_trip_counts, summarize_collectives
+    from spmdzero.tpu.compile import loop_trip_counts, summarize_collectives
 
     assert loop_trip_counts(WINDOWED_HLO) == [4]
     permutes = summarize_collectives(WINDOWED_HLO)["collective-permute"]
@@ -547,7 +548,7 @@ def test_a_windowed_einsum_ring_counts_its_trips_and_skipped_permutes():
 
 
 def test_roofline_of_a_looped_program_counts_each_loop_body_per_trip():
-    from spmdzero.aot import AotReport
+    from spmdzero.tpu.report import AotReport
 
     memory = {"argument": 1, "output": 1, "alias": 1, "temp": 1, "generated_code": 1}
     cost = {"flops": 1e12, "bytes accessed": 1e9}
@@ -573,7 +574,7 @@ PER_TRIP = """
     import json
     import jax, jax.numpy as jnp
     jax.config.update("jax_platforms", "cpu")
-    from spmdzero.tpu_compile import loop_trip_counts, per_step_cost
+    from spmdzero.tpu.compile import loop_trip_counts, per_step_cost
 
     def scanned(w, x):
         def layer(h, wl):
@@ -613,8 +614,8 @@ def test_per_step_cost_counts_a_scanned_loop_as_often_as_it_runs():
 def test_report_names_gradients_all_reduced_in_full_at_stage_2():
     """A gradient the compiler all-reduced instead of reduce-scattering is named, by shape,
     with the tile rule that explains it; small all-reduces (biases, norms) are not."""
-    from spmdzero.aot import AotReport
-    from spmdzero.tpu_compile import largest_all_reduces
+    from spmdzero.tpu.report import AotReport
+    from spmdzero.tpu.compile import largest_all_reduces
 
     hlo = """HloModule step
 
@@ -642,8 +643,8 @@ ENTRY %main (a: f32[50257,768], b: f32[768]) -> f32[50257,768] {
 
 SCANNED_TEMPORARIES = """
     import json, sys
-    from spmdzero.aot import compile_step
-    from spmdzero.aot_models import load_model_source
+    from spmdzero.aot.steps import compile_step
+    from spmdzero.aot.models import load_model_source
     source = load_model_source(sys.argv[-1], seq_len=256)
     temps = {}
     for scan in (False, True):
@@ -659,7 +660,7 @@ SCANNED_TEMPORARIES = """
 def test_scanned_layers_keep_few_more_temporaries_than_unrolled(tmp_path):
     """The scanned loop stacks what its backward reads over the layers; with AOTAutograd's
     default partition that was every intermediate of the block (4.4 x the unrolled step's
-    temporaries at 4 x 256 tokens per chip). spmdzero.scan uses the min-cut partition, which
+    temporaries at 4 x 256 tokens per chip). spmdzero.backends.torch_xla.scan uses the min-cut partition, which
     recomputes the cheap ones (1.2 x)."""
     model = {"model_type": "gpt2", "vocab_size": 2048, "n_positions": 256, "n_embd": 256, "n_layer": 4, "n_head": 4,
              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
@@ -711,7 +712,7 @@ def test_the_command_refuses_bad_input_with_one_line(aot_inputs, capsys, case, e
     model = aot_inputs[case] if case != "ds3" else aot_inputs["gpt2"]
     config = aot_inputs["ds3"] if case == "ds3" else aot_inputs["ds"]
     args = ["--topology", "v5e:2x2", "--deepspeed_config", config, "--model", model, "--stages", "2"]
-    code = aot.main(args + extra)
+    code = aot.command.main(args + extra)
     err = capsys.readouterr().err
     assert code == 1 and re.search(message, err), err
     assert "Traceback" not in err and len(err.splitlines()) == 1
@@ -723,7 +724,7 @@ def test_the_command_refuses_bad_numbers_as_usage_errors(aot_inputs, capsys, fla
     from spmdzero import aot
 
     with pytest.raises(SystemExit) as exit_:
-        aot.main(["--topology", "v5e:2x2", "--deepspeed_config", aot_inputs["ds"], "--model", aot_inputs["gpt2"],
+        aot.command.main(["--topology", "v5e:2x2", "--deepspeed_config", aot_inputs["ds"], "--model", aot_inputs["gpt2"],
                   flag, value])
     assert exit_.value.code == 2 and flag in capsys.readouterr().err
 
@@ -741,11 +742,11 @@ def test_find_max_batch_says_when_it_stopped_at_its_limit_and_reuses_known_compi
         compiled.append(batch)
         return Fits(batch)
 
-    monkeypatch.setattr(aot, "compile_step", fake)
+    monkeypatch.setattr(aot.steps, "compile_step", fake)
     best, tried = aot.find_max_batch(None, {}, "v5e:2x2", 2, known={1: Fits(1)})
-    assert best == aot.SEARCH_LIMIT and compiled[0] == 2  # micro-batch 1 came from the report already compiled
+    assert best == aot.steps.SEARCH_LIMIT and compiled[0] == 2  # micro-batch 1 came from the report already compiled
     line = aot.describe_search(2, aot.search_summary(best, tried, 1.0), 16 * 2**30)
-    assert f">= {aot.SEARCH_LIMIT} (the search limit; larger sizes were not tried)" in line
+    assert f">= {aot.steps.SEARCH_LIMIT} (the search limit; larger sizes were not tried)" in line
 
 
 def test_training_after_a_collectives_report_does_not_recompile():
@@ -782,7 +783,7 @@ def test_training_after_a_collectives_report_does_not_recompile():
 
 def test_the_stages_table_rows_add_up_to_the_total():
     """arguments + outputs - aliased + temporaries + code = total per chip."""
-    from spmdzero.aot import AotReport, stages_table
+    from spmdzero.tpu.report import AotReport, stages_table
 
     mib = 2**20
     memory = {"argument": 40 * mib, "output": 30 * mib, "alias": 30 * mib, "temp": 20 * mib, "generated_code": 5 * mib}

@@ -7,12 +7,11 @@ import warnings
 
 import pytest
 import torch
-import torch_xla
 import torch_xla.debug.metrics as met
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import spmdzero
-from spmdzero.data import pad_sequences
+from spmdzero.train.data import pad_sequences
 
 from conftest import tiny_mlp
 

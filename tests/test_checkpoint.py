@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import spmdzero
-from spmdzero.checkpoint import CheckpointError
+from spmdzero.io.checkpoint_format import CheckpointError
 
 from conftest import REPO, run_python
 
@@ -297,7 +297,7 @@ def test_a_save_killed_part_way_leaves_the_previous_checkpoint(tmp_path):
 
 
 def test_consolidated_state_dict_loads_into_the_plain_module_and_equals_live_params(tmp_path):
-    from spmdzero.checkpoint import consolidate
+    from spmdzero.io.consolidate import consolidate
 
     engine, *_ = spmdzero.initialize(model=make_model(), config={**CONFIG, "bf16": {"enabled": True}})
     train(engine, 0, 4)
@@ -341,7 +341,7 @@ def test_consolidation_needs_about_the_output_size_in_memory(tmp_path):
     """)
     out = run_python(f"""
         import torch
-        from spmdzero.checkpoint import consolidate
+        from spmdzero.io.consolidate import consolidate
 
         def kb(field):
             return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field))

@@ -18,8 +18,9 @@ import torch
 import torch_xla.core.xla_model as xm
 
 import spmdzero
-import spmdzero.checkpoint as C
-from spmdzero.checkpoint import CheckpointError
+import spmdzero.io.checkpoint_dir as C
+from spmdzero.io.consolidate import consolidate
+from spmdzero.io.checkpoint_format import CheckpointError
 
 from conftest import REPO, tiny_mlp
 
@@ -191,21 +192,21 @@ def test_tied_weights_are_consolidated_under_both_names(tmp_path):
     torch.manual_seed(0)
     engine, *_ = spmdzero.initialize(model=Tied(), config=CONFIG)
     engine.save_checkpoint(str(tmp_path / "ck"))
-    shapes = C.consolidate(str(tmp_path / "ck"), str(tmp_path / "m.pt"))
+    shapes = consolidate(str(tmp_path / "ck"), str(tmp_path / "m.pt"))
     assert set(shapes) == {"embed.weight", "head.weight"}
     plain = Tied()
     plain.load_state_dict(torch.load(tmp_path / "m.pt"), strict=True)
     assert torch.equal(plain.head.weight, engine.module.embed.weight.detach().cpu())
-    C.consolidate(str(tmp_path / "ck"), str(tmp_path / "m.safetensors"), safetensors=True)
+    consolidate(str(tmp_path / "ck"), str(tmp_path / "m.safetensors"), safetensors=True)
 
 
 def test_consolidation_output_must_be_a_file_in_an_existing_directory(engine, tmp_path, capsys):
-    from spmdzero.cli import main
+    from spmdzero.cli.main import main
 
     engine.save_checkpoint(str(tmp_path / "ck"))
     for out, message in [(tmp_path, "is a directory"), (tmp_path / "missing" / "m.pt", "does not exist")]:
         with pytest.raises(CheckpointError, match=message):
-            C.consolidate(str(tmp_path / "ck"), str(out))
+            consolidate(str(tmp_path / "ck"), str(out))
         assert main(["checkpoint", "consolidate", str(tmp_path / "ck"), str(out)]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and message in err
@@ -381,7 +382,7 @@ def test_saving_does_not_change_a_dropout_run(tmp_path):
 
 STRESS = """
 import sys, torch, spmdzero
-from spmdzero.checkpoint import CheckpointError
+from spmdzero.io.checkpoint_format import CheckpointError
 torch.manual_seed(0)
 engine, *_ = spmdzero.initialize(model=torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
                                  torch.nn.Linear(64, 8)), config=CONFIG)

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 import spmdzero
-from spmdzero.checkpoint import CheckpointError, consolidate, read_meta
-from spmdzero.cli import main as cli
+from spmdzero.io.checkpoint_format import CheckpointError
+from spmdzero.io.consolidate import consolidate
+from spmdzero.io.read import read_meta
+from spmdzero.cli.main import main as cli
 
 from conftest import REPO, tiny_mlp
 
@@ -90,7 +92,7 @@ def test_a_tensor_recorded_as_pickled_bytes_is_refused(engine, saved, tmp_path, 
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-    from spmdzero.safe_pickle import DCP_METADATA
+    from spmdzero.io.safe_pickle import DCP_METADATA
 
     ckpt, marker = copy(saved, tmp_path), tmp_path / "ran"
     state = ckpt / "t" / "state"
@@ -150,7 +152,7 @@ def ds_copy(tmp_path):
 
 @pytest.mark.parametrize("name", ["mp_rank_00_model_states.pt", "zero_pp_rank_2_mp_rank_00_optim_states.pt"])
 def test_crafted_deepspeed_files_are_refused(engine, tmp_path, capsys, name):
-    from spmdzero.deepspeed_import import _DeepSpeedStandIn, _load
+    from spmdzero.io.deepspeed_import import _DeepSpeedStandIn, _load
 
     def plain(value):  # stand-ins cannot be pickled again: the file keeps its tensors and containers
         if isinstance(value, dict):
@@ -175,7 +177,7 @@ def test_deepspeed_globals_are_only_stand_ins():
     """A 'deepspeed.*' global is never imported, whatever it is called with."""
     import io
 
-    from spmdzero.deepspeed_import import _PICKLE
+    from spmdzero.io.deepspeed_import import _PICKLE
 
     # protocol 2: GLOBAL deepspeed.runtime.utils system, ("touch x",), REDUCE
     raw = b"\x80\x02cdeepspeed.runtime.utils\nsystem\nX\x07\x00\x00\x00touch x\x85R."

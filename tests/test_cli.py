@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from spmdzero.cli import main
+from spmdzero.cli.main import main
 
 from conftest import run_python
 

@@ -218,7 +218,7 @@ def test_optimizer_classes_take_deepspeed_defaults(deepspeed):
 
     params = [torch.nn.Parameter(torch.zeros(2))]
     adam = FusedAdam(params)
-    assert isinstance(adam, spmdzero.optim.AdamW)
+    assert isinstance(adam, spmdzero.optim.optimizers.AdamW)
     assert {k: adam.defaults[k] for k in ("lr", "eps", "weight_decay", "bias_correction", "adam_w_mode")} == {
         "lr": 1e-3, "eps": 1e-8, "weight_decay": 0.0, "bias_correction": True, "adam_w_mode": True}
     assert DeepSpeedCPUAdam(params, adamw_mode=False).defaults["adam_w_mode"] is False
@@ -231,7 +231,7 @@ def test_optimizer_classes_take_deepspeed_defaults(deepspeed):
 def test_lr_schedules_are_spmdzeros(deepspeed):
     from deepspeed.runtime import lr_schedules
 
-    from spmdzero.schedules import SCHEDULES
+    from spmdzero.optim.schedules import SCHEDULES
 
     assert sorted(lr_schedules.VALID_LR_SCHEDULES) == sorted(SCHEDULES)
     assert all(getattr(lr_schedules, name) is cls for name, cls in SCHEDULES.items())

@@ -3,7 +3,10 @@ import warnings
 
 import pytest
 
-from spmdzero.config import ConfigError, DeepSpeedConfig, load_config, parse_config, read_config_file, resolve_batch
+from spmdzero.config.errors import ConfigError
+from spmdzero.config.schema import DeepSpeedConfig
+from spmdzero.config.load import load_config, parse_config, read_config_file
+from spmdzero.sharding.batch import resolve_batch
 
 
 def batch(ws, **keys):

@@ -5,7 +5,7 @@ AttributeError or TypeError from inside the library."""
 import pytest
 
 import spmdzero
-from spmdzero.config import ConfigError
+from spmdzero.config.errors import ConfigError
 
 from conftest import tiny_mlp
 

@@ -7,7 +7,9 @@ import warnings
 import pytest
 
 import spmdzero.config
-from spmdzero.config import NOOP_KEYS, REFUSED_KEYS, ZERO3_KEYS, ZERO3_REASON, ConfigError, parse_config
+from spmdzero.config.keys import NOOP_KEYS, REFUSED_KEYS, ZERO3_KEYS, ZERO3_REASON
+from spmdzero.config.errors import ConfigError
+from spmdzero.config.load import parse_config
 
 BASE = {"train_batch_size": 8}
 
@@ -94,7 +96,7 @@ def test_a_refused_key_is_an_error_naming_it_only_when_switched_on(key):
 
 
 def test_noop_warning_is_one_warning_for_all_new_keys(monkeypatch):
-    monkeypatch.setattr(spmdzero.config, "_warned", set())  # once per process: forget earlier tests
+    monkeypatch.setattr(spmdzero.config.load, "_warned", set())  # once per process: forget earlier tests
     keys = ["zero_optimization.legacy_stage1", "zero_optimization.cpu_offload_param", "dump_state"]
     config = {**BASE, "zero_optimization": {"legacy_stage1": True, "cpu_offload_param": True}, "dump_state": True}
     with warnings.catch_warnings(record=True) as caught:

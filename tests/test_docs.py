@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from spmdzero.config import NOOP_KEYS, REFUSED_KEYS, ZERO3_REASON
+from spmdzero.config.keys import NOOP_KEYS, REFUSED_KEYS, ZERO3_REASON
 
 from conftest import REPO, run_python
 

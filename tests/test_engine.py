@@ -10,8 +10,8 @@ import torch_xla.debug.metrics as met
 import torch_xla.distributed.spmd as xs
 
 import spmdzero
-from spmdzero.inspect import model_state_bytes, sharding_spec
-from spmdzero.schedules import WarmupLR
+from spmdzero.observe.reports import model_state_bytes, sharding_spec
+from spmdzero.optim.schedules import WarmupLR
 
 from conftest import batches, tiny_mlp
 
@@ -142,7 +142,7 @@ def test_the_global_norm_reads_each_gradient_in_memory_order(gas, monkeypatch):
     assert engine._grad_orders == {("0.weight", kind): (1, 0) if gas == 1 else None, ("0.bias", kind): None,
                                    ("2.weight", kind): None}
     assert min(norms) > CLIP  # clipped: the norm reaches the parameters
-    monkeypatch.setattr(spmdzero.fused, "memory_order", lambda t: None)
+    monkeypatch.setattr(spmdzero.backends.torch_xla.fused, "memory_order", lambda t: None)
     _, row_major_norms, row_major_params = run()
     np.testing.assert_allclose(norms, row_major_norms, rtol=1e-6)
     for name, value in row_major_params.items():
@@ -314,7 +314,7 @@ def test_bad_input_is_a_clear_error(kwargs, error, match):
 
 
 def test_only_tensors_with_the_batch_dim_are_split():
-    from spmdzero.data import to_device_sharded
+    from spmdzero.backends.torch_xla.batches import to_device_sharded
 
     engine, *_ = spmdzero.initialize(model=tiny_mlp(), config=config(2))
     x, mask = to_device_sharded((torch.randn(16, 4), torch.ones(4, 4)), engine.mesh, engine.plan.batch_spec, 8)

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from spmdzero.inspect import collective_counts, collectives, dumped_modules
+from spmdzero.observe.hlo import collective_counts, collectives, dumped_modules
 
 from conftest import run_python
 

@@ -6,8 +6,9 @@ import re
 
 import pytest
 
-from spmdzero.cli import main
-from spmdzero.config import ConfigError, load_config, parse_config
+from spmdzero.cli.main import main
+from spmdzero.config.errors import ConfigError
+from spmdzero.config.load import load_config, parse_config
 
 BATCH = {"train_batch_size": 8}
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-3}}
@@ -152,7 +153,7 @@ def test_a_base64_config_and_the_deprecated_deepscale_config_are_read_as_deepspe
     import json
     import warnings
 
-    from spmdzero.config import load_config
+    from spmdzero.config.load import load_config
 
     encoded = base64.urlsafe_b64encode(json.dumps({"train_batch_size": 24}).encode()).decode()
     assert load_config(config=encoded).train_batch_size == 24

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from spmdzero.launch import _parser, _ignored_options
+from spmdzero.cli.launch import _parser, _ignored_options
 
 from conftest import REPO
 
@@ -85,7 +85,7 @@ def test_chat_style_script_with_world_size_arithmetic_trains_saves_and_resumes(t
 
 
 def test_launcher_environment_is_deepspeeds_for_one_process_per_host(monkeypatch):
-    from spmdzero.launch import _master_addr, set_launcher_env
+    from spmdzero.cli.launch import _master_addr, set_launcher_env
 
     for key in ("MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)

@@ -1,9 +1,12 @@
 """spmdzero's libtpu flags: merged into the user's LIBTPU_INIT_ARGS the same way by the AOT
 compile and by a TPU VM's bootstrap, the user's own settings winning; no TPU needed."""
 
+import os
+
 import pytest
 
-from spmdzero import libtpu_flags, runtime
+from spmdzero import runtime
+from spmdzero.runtime import libtpu_flags
 
 OURS = {"xla_tpu_a": "true", "xla_tpu_b": "7"}
 
@@ -38,17 +41,17 @@ def test_the_tpu_bootstrap_applies_them_and_the_cpu_one_does_not(monkeypatch):
     monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_user=1")
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     runtime.bootstrap()
-    assert runtime.os.environ["LIBTPU_INIT_ARGS"] == "--xla_user=1"
+    assert os.environ["LIBTPU_INIT_ARGS"] == "--xla_user=1"
     monkeypatch.setenv("PJRT_DEVICE", "TPU")
     runtime.bootstrap()
-    assert runtime.os.environ["LIBTPU_INIT_ARGS"] == libtpu_flags.merged("--xla_user=1")
+    assert os.environ["LIBTPU_INIT_ARGS"] == libtpu_flags.merged("--xla_user=1")
 
 
 @pytest.mark.slow
 def test_a_flag_libtpu_does_not_know_is_a_clear_aot_error(monkeypatch):
     """libtpu exits on an unknown flag while it loads; the AOT compile says which variable."""
     pytest.importorskip("libtpu")
-    from spmdzero.aot import compile_mlir
+    from spmdzero.tpu.capture import compile_mlir
 
     monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_no_such_flag=true")
     monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")

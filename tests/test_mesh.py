@@ -2,8 +2,9 @@
 
 import pytest
 
-from spmdzero.config import ConfigError, parse_config
-from spmdzero.mesh import data_parallel_size, fsdp_size, resolve_hybrid_shape, resolve_mesh_shape
+from spmdzero.config.errors import ConfigError
+from spmdzero.config.load import parse_config
+from spmdzero.sharding.mesh import data_parallel_size, fsdp_size, resolve_hybrid_shape, resolve_mesh_shape
 
 
 def shape(spmd, devices):

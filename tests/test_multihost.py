@@ -4,10 +4,13 @@ partition specs -> each host's batch slice."""
 import pytest
 import torch
 
-from spmdzero.config import ConfigError, DeepSpeedConfig, parse_config, resolve_batch
-from spmdzero.data import ShardedDataLoader
-from spmdzero.mesh import global_shape, resolve_hybrid_shape, resolve_mesh_shape
-from spmdzero.plan import make_plan
+from spmdzero.config.errors import ConfigError
+from spmdzero.config.schema import DeepSpeedConfig
+from spmdzero.config.load import parse_config
+from spmdzero.sharding.batch import resolve_batch
+from spmdzero.train.data import ShardedDataLoader
+from spmdzero.sharding.mesh import global_shape, resolve_hybrid_shape, resolve_mesh_shape
+from spmdzero.sharding.plan import make_plan
 
 
 def shapes(spmd, devices):
@@ -52,7 +55,7 @@ def test_each_host_feeds_the_rows_of_its_own_devices(hosts, devices_per_host):
 def test_a_host_loads_only_its_data_parallel_ranks():
     dataset = torch.utils.data.TensorDataset(torch.arange(64.0))
     batch = resolve_batch(DeepSpeedConfig(train_micro_batch_size_per_gpu=2), dp_devices=8, processes=2)
-    loader = ShardedDataLoader(dataset, batch, mesh=None, batch_spec=None, process_index=1)
+    loader = ShardedDataLoader(dataset, batch, process_index=1)
     assert [rank_loader.sampler.rank for rank_loader in loader.rank_loaders] == [4, 5, 6, 7]
     with pytest.raises(ConfigError, match="8 data-parallel devices do not divide over 3 processes"):
         resolve_batch(DeepSpeedConfig(train_micro_batch_size_per_gpu=2), dp_devices=8, processes=3)
@@ -62,7 +65,7 @@ def test_under_the_process_rule_a_host_is_one_deepspeed_rank():
     dataset = torch.utils.data.TensorDataset(torch.arange(64.0))
     cfg = DeepSpeedConfig(train_micro_batch_size_per_gpu=8, spmd={"rank": "process"})
     batch = resolve_batch(cfg, dp_devices=8, processes=2)
-    loader = ShardedDataLoader(dataset, batch, mesh=None, batch_spec=None, process_index=1)
+    loader = ShardedDataLoader(dataset, batch, process_index=1)
     sampler = loader.rank_loaders[0].sampler
     assert len(loader.rank_loaders) == 1 and (sampler.rank, sampler.num_replicas) == (1, 2)
     assert loader.rank_loaders[0].batch_size == 8 and batch.rows_per_device == 2

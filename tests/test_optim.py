@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from spmdzero.config import ConfigError, OptimizerConfig
-from spmdzero.optim import SGD, Adagrad, AdamW, Lamb, Lion, build_optimizer, materialize_state
+from spmdzero.config.errors import ConfigError
+from spmdzero.config.schema import OptimizerConfig
+from spmdzero.optim.optimizers import SGD, Adagrad, AdamW, Lamb, Lion, build_optimizer, materialize_state
 
 
 def run(opt_factory, steps=6, seed=0):
@@ -139,7 +140,7 @@ def _xla_run(opt_factory, fused_path: bool, monkeypatch, steps=3):
     """Two tensors of two shapes on the XLA device; the group update fused or per tensor."""
     import torch_xla
 
-    from spmdzero import fused
+    from spmdzero.backends.torch_xla import fused
 
     monkeypatch.setattr(fused, "applies", fused.applies if fused_path else (lambda *a: False))
     g = torch.Generator().manual_seed(0)
@@ -150,7 +151,7 @@ def _xla_run(opt_factory, fused_path: bool, monkeypatch, steps=3):
     for _ in range(steps):
         for p in params:
             p.grad = torch.randn(p.shape, generator=g).to("xla")
-        opt.step()
+        opt.step(group_update=fused.update)
         torch_xla.sync()
     return [p.detach().cpu() for p in params] + [v.cpu() for s in opt.state.values() for v in s.values()]
 
@@ -164,7 +165,7 @@ def _xla_run(opt_factory, fused_path: bool, monkeypatch, steps=3):
     lambda ps: Lion(ps, lr=0.01, weight_decay=0.1),
 ], ids=["adamw", "adam-l2", "sgd", "adagrad", "lamb", "lion"])
 def test_fused_group_update_matches_the_per_tensor_update(factory, monkeypatch):
-    from spmdzero import fused
+    from spmdzero.backends.torch_xla import fused
 
     lowered = len(fused._CACHE)
     fused_out = _xla_run(factory, True, monkeypatch)
@@ -180,6 +181,8 @@ def test_fused_results_take_the_targets_place_and_aliases_follow():
     checkpoint load does) still lands."""
     import torch_xla
 
+    from spmdzero.backends.torch_xla import fused
+
     g = torch.Generator().manual_seed(0)
     p = torch.nn.Parameter(torch.randn(5, 3, generator=g).to("xla"))
     ref = torch.nn.Parameter(p.detach().cpu().clone())
@@ -193,7 +196,7 @@ def test_fused_results_take_the_targets_place_and_aliases_follow():
                 ref.mul_(0.5)
         grad = torch.randn(5, 3, generator=g)
         p.grad, ref.grad = grad.to("xla"), grad.clone()
-        opt.step()
+        opt.step(group_update=fused.update)
         ref_opt.step()
         torch_xla.sync()
         torch.testing.assert_close(p.detach().cpu(), ref.detach(), rtol=1e-5, atol=1e-5)
@@ -205,7 +208,7 @@ def test_each_param_group_keeps_its_fused_op_across_steps(monkeypatch):
     """Weight-decay and no-decay groups share the op's key; each must find its own op again
     each step, not lower (and read every tensor's sharding) anew."""
     import spmdzero
-    import spmdzero.fused as fused
+    import spmdzero.backends.torch_xla.fused as fused
 
     planned = []
     real = fused._shardings

@@ -2,7 +2,7 @@
 
 import pytest
 
-from spmdzero.plan import batch_spec, make_plan, zero_spec
+from spmdzero.sharding.plan import batch_spec, make_plan, zero_spec
 
 SHAPES = [("embed.weight", (1000, 64)), ("proj.weight", (64, 256)), ("proj.bias", (256,)),
           ("tiny.bias", (4,)), ("scale", ())]

@@ -12,7 +12,7 @@ import torch
 import torch_xla.debug.metrics as met
 
 import spmdzero
-from spmdzero.inspect import model_state_bytes, sharding_spec
+from spmdzero.observe.reports import model_state_bytes, sharding_spec
 
 from conftest import REPO
 

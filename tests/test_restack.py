@@ -1,7 +1,7 @@
-"""spmdzero.restack: which checkpoint tensors make up each live one across
+"""spmdzero.io.restack: which checkpoint tensors make up each live one across
 spmd.scan_layers='stacked', by key arithmetic alone (no devices)."""
 
-from spmdzero.restack import Source, host_state_names, layer_names, sources
+from spmdzero.io.restack import Source, host_state_names, layer_names, sources
 
 STACKED = {"h.attn.weight": "h"}
 LAYERS = layer_names(STACKED, {"h.attn.weight": 3})

@@ -9,12 +9,15 @@ import torch
 import torch_xla.debug.metrics as met
 
 import spmdzero
-from spmdzero.checkpoint import CheckpointError, consolidate
-from spmdzero.config import ConfigError, parse_config
-from spmdzero.inspect import split_computations
-from spmdzero.monitor import graph_count
-from spmdzero.plan import make_plan
-from spmdzero.scan import apply_scan_layers, find_layer_stack, restack_optimizer, stacking_mismatch
+from spmdzero.io.checkpoint_format import CheckpointError
+from spmdzero.io.consolidate import consolidate
+from spmdzero.config.errors import ConfigError
+from spmdzero.config.load import parse_config
+from spmdzero.observe.hlo import split_computations
+from spmdzero.observe.monitor import graph_count
+from spmdzero.sharding.plan import make_plan
+from spmdzero.backends.torch_xla.scan import apply_scan_layers, find_layer_stack, restack_optimizer
+from spmdzero.io.restack import stacking_mismatch
 
 from conftest import REPO, run_python, tiny_mlp
 
@@ -201,7 +204,7 @@ def test_gpt2_with_its_default_dropout_scans(attention):
 
 
 def test_attention_written_out_matches_torch():
-    from spmdzero.scan import _attention_with_float_mask_dropout
+    from spmdzero.backends.torch_xla.scan import _attention_with_float_mask_dropout
 
     q, k, v = (torch.randn(2, 3, 5, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
     mask = torch.rand(5, 5, generator=torch.Generator().manual_seed(3)) > 0.3
@@ -402,7 +405,7 @@ def test_a_stacked_run_resumes_exactly_and_its_checkpoint_loads_into_per_layer_e
     saved = unstacked({n: p.detach().cpu() for n, p in resumed.module.named_parameters()}, stack="blocks")
     for name, p in plain.named_parameters():
         assert torch.equal(p.detach(), saved[name]), name
-    # the other settings take each layer's slice of the stacks (spmdzero.restack), optimizer
+    # the other settings take each layer's slice of the stacks (spmdzero.io.restack), optimizer
     # states included, and train on as the stacked run does
     for scan in (True, False):
         per_layer = make(scan=scan)
@@ -452,7 +455,8 @@ def test_a_per_layer_checkpoint_loads_into_a_stacked_engine(tmp_path, bf16):
 STACKED_ON_TPU = """
     import json, torch, spmdzero
     from transformers import GPT2Config, GPT2LMHeadModel
-    from spmdzero.aot import CollectivesReport, capture
+    from spmdzero.tpu.report import CollectivesReport
+    from spmdzero.tpu.capture import capture
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=2048, n_positions=64, n_embd=256, n_layer=3, n_head=4))
     engine, *_ = spmdzero.initialize(model=model, config={

@@ -7,9 +7,10 @@ import sys
 import pytest
 import torch
 
-from spmdzero.config import ConfigError, SchedulerConfig
-from spmdzero.optim import SGD, AdamW
-from spmdzero.schedules import WarmupLR, build_scheduler
+from spmdzero.config.errors import ConfigError
+from spmdzero.config.schema import SchedulerConfig
+from spmdzero.optim.optimizers import SGD, AdamW
+from spmdzero.optim.schedules import WarmupLR, build_scheduler
 
 from conftest import REPO
 
@@ -37,7 +38,7 @@ def test_schedule_matches_deepspeed_at_every_step(case):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_device_formulas_match_deepspeed_in_float32(case):
     """The in-graph form of each schedule (used when steps can be skipped) on a vector of t."""
-    from spmdzero.schedules import DeviceMath
+    from spmdzero.optim.schedules import DeviceMath
 
     name, params, kind, base_lrs = CASES[case]
     opt = make_optimizer(kind, base_lrs, sgd_cls=SGD, adam_cls=AdamW)

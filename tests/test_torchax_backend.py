@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import spmdzero
-from spmdzero.config import ConfigError
+from spmdzero.config.errors import ConfigError
 
 from conftest import batches, tiny_mlp
 
@@ -340,7 +340,7 @@ def test_the_training_loader_feeds_host_batches():
 def test_missing_torchax_is_a_clear_error(monkeypatch):
     import builtins
 
-    from spmdzero import backend_torchax
+    from spmdzero.backends.torchax import engine as backend_torchax
 
     real_import = builtins.__import__
 
@@ -350,8 +350,10 @@ def test_missing_torchax_is_a_clear_error(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_torchax)
+    from spmdzero.backends.torchax import build as torchax_build
+
     with pytest.raises(ConfigError, match=r"spmdzero\[torchax\]"):
-        backend_torchax._require_torchax()
+        torchax_build._require_torchax()
 
 
 # ---- SPMDZERO_BACKEND=torchax: JAX owns the devices, torch_xla's runtime never starts ----------------
@@ -361,7 +363,7 @@ JAX_OWNED = """
     sys.path.insert(0, "tests")
     import jax, torch
     import spmdzero
-    from spmdzero.config import ConfigError
+    from spmdzero.config.errors import ConfigError
     from conftest import tiny_mlp
     from test_torchax_backend import WithLoss, config, train
 
@@ -440,7 +442,7 @@ def test_with_spmdzero_backend_torchax_torch_xla_never_starts(jax_owned):
 
 
 def test_the_backend_variable_is_checked(monkeypatch):
-    from spmdzero import jax_runtime
+    from spmdzero.runtime import jax_runtime
 
     monkeypatch.delenv("SPMDZERO_BACKEND", raising=False)
     assert not jax_runtime.from_environment()
@@ -464,7 +466,7 @@ def test_jax_is_told_which_devices_to_take(monkeypatch, device_type, jax_platfor
     import jax
     from jax._src import xla_bridge
 
-    from spmdzero import jax_runtime
+    from spmdzero.runtime import jax_runtime
 
     updates = []
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
@@ -485,7 +487,8 @@ def test_jax_owned_devices_on_a_tpu_vm_are_its_tpu_chips(monkeypatch):
 
     import jax
 
-    from spmdzero import backend_torchax, jax_runtime
+    from spmdzero.backends.torchax import engine as backend_torchax
+    from spmdzero.runtime import jax_runtime
 
     chips = [SimpleNamespace(platform="tpu", id=i) for i in range(4)]
     monkeypatch.setattr(jax_runtime, "_decided", True)  # as if started with SPMDZERO_BACKEND=torchax
@@ -511,7 +514,7 @@ def test_jax_owned_devices_on_a_tpu_vm_are_its_tpu_chips(monkeypatch):
 def test_the_torchax_backend_on_a_tpu_vm_without_the_variable_says_to_set_it(monkeypatch):
     import torch_xla.runtime as xr
 
-    from spmdzero import backend_torchax
+    from spmdzero.backends.torchax import engine as backend_torchax
 
     monkeypatch.setenv("SPMDZERO_BACKEND", "torchax")  # set after `import spmdzero`: too late
     monkeypatch.setattr(xr, "device_type", lambda: "TPU")
@@ -725,3 +728,13 @@ def test_a_submodule_under_two_names_keeps_its_host_parameters():
         engine.step()
     assert all(type(p) is torch.nn.Parameter for p in engine.module.parameters())  # not the traced tensors
     assert set(engine.module.state_dict()) == {f"{m}.{k}" for m in ("shared", "alias") for k in ("weight", "bias")}
+
+
+def test_the_torch_xla_only_names_are_exactly_what_the_torchax_engine_lacks():
+    """The list behind "engine.X is not supported by the torchax backend" cannot fall behind
+    either engine."""
+    from spmdzero.backends.torch_xla.engine import SpmdZeroEngine
+    from spmdzero.backends.torchax.engine import TORCH_XLA_ONLY, TorchaxEngine
+
+    public = lambda cls: {n for n in dir(cls) if not n.startswith("_")}  # noqa: E731
+    assert TORCH_XLA_ONLY == public(SpmdZeroEngine) - public(torch.nn.Module) - public(TorchaxEngine)

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import run_python
 
-from spmdzero.tpu_compile import summarize_collectives
+from spmdzero.tpu.compile import summarize_collectives
 
 # A compiled two-stage reduce-scatter, as libtpu writes it: 8 chips, then 2.
 TWO_STAGE_HLO = """
@@ -56,7 +56,7 @@ def test_a_sliced_all_reduce_is_an_all_reduce_in_a_tpu_program_and_a_reduce_scat
     """In a TPU program it sends what an all-reduce sends, 2 x 15/16 of the array, and is
     listed among the arrays all-reduced in full; XLA:CPU has no reduce-scatter, so there the
     pattern is one (15/16)."""
-    from spmdzero.tpu_compile import largest_all_reduces
+    from spmdzero.tpu.compile import largest_all_reduces
 
     size = 2048 * 256 * 4
     tpu = summarize_collectives(SLICED_ALL_REDUCE_HLO)
@@ -71,8 +71,9 @@ CAPTURE = """
     import json, torch, spmdzero
     import torch_xla.runtime as xr
     from transformers import GPT2Config, GPT2LMHeadModel
-    from spmdzero.aot import CollectivesReport, capture
-    from spmdzero.aot_shapes import shape_only_engine
+    from spmdzero.tpu.report import CollectivesReport
+    from spmdzero.tpu.capture import capture
+    from spmdzero.aot.shapes import shape_only_engine
     n, out = xr.global_runtime_device_count(), {}
     for stage, scan in CASES:
         # vocab >> tokens per chip, as in real models; the embedding is tied to the output projection.
@@ -169,7 +170,7 @@ def test_zero0_all_reduces_the_gradients(compiled):
 
 @pytest.mark.slow
 def test_zero2_with_scanned_layers_reduce_scatters_inside_the_loop(compiled):
-    """Each block's weight gradient is laid out inside the scanned loop (spmdzero.scan), so it
+    """Each block's weight gradient is laid out inside the scanned loop (spmdzero.backends.torch_xla.scan), so it
     is reduce-scattered once per trip, as unrolled; without that layout libtpu all-reduced it
     in every trip (1.39x the minimum on v5e:2x2)."""
     topology, got = compiled
@@ -205,8 +206,8 @@ def test_the_scanned_steps_cost_is_counted_per_loop_trip(compiled):
 
 @pytest.mark.slow
 def test_the_compile_uses_spmdzeros_libtpu_flags(compiled):
-    """The AOT compile runs with the flags a TPU VM's bootstrap sets (spmdzero.libtpu_flags)."""
-    from spmdzero.libtpu_flags import FLAGS
+    """The AOT compile runs with the flags a TPU VM's bootstrap sets (spmdzero.runtime.libtpu_flags)."""
+    from spmdzero.runtime.libtpu_flags import FLAGS
 
     _, got = compiled
     for name, value in FLAGS.items():
@@ -219,12 +220,12 @@ def test_the_compile_uses_spmdzeros_libtpu_flags(compiled):
 FLAGGED = """
     import json, os, re
     os.environ.update(TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-    from spmdzero import libtpu_flags
+    from spmdzero.runtime import libtpu_flags
     libtpu_flags.apply()
     import jax, jax.numpy as jnp, numpy as np
     from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from spmdzero.tpu_compile import summarize_collectives
+    from spmdzero.tpu.compile import summarize_collectives
     mesh = Mesh(np.array(topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices), ("f",))
     rows = NamedSharding(mesh, P("f"))
     a = jax.ShapeDtypeStruct((4096, 50257), jnp.float32, sharding=rows)

@@ -61,7 +61,8 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
     the host process group first (as DeepSpeed does) and fills the config's "spmd" section
     from ``SPMD_DEFAULTS``: the batch rule "process" unless the config sets ``spmd.rank``."""
     import spmdzero
-    from spmdzero.config import ConfigError, read_config_file
+    from spmdzero.config.errors import ConfigError
+    from spmdzero.config.load import read_config_file
 
     if mpu is not None:
         raise ValueError("deepspeed.initialize(mpu=...): model parallelism is not supported by spmdzero (ZeRO-1/2 "

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-COMPILE_BACKEND = "openxla"  # torch_xla's dynamo backend
+from spmdzero.backends.torch_xla.engine import COMPILE_BACKEND
 
 
 class NeutralStream:
@@ -271,7 +271,7 @@ class XlaAccelerator:
 
 class JaxHostAccelerator(XlaAccelerator):
     """Under ``SPMDZERO_BACKEND=torchax`` JAX owns the devices and torch_xla's runtime must not
-    start (``spmdzero.jax_runtime``): a script's tensors stay on the host (``cpu``) and the
+    start (``spmdzero.runtime.jax_runtime``): a script's tensors stay on the host (``cpu``) and the
     torchax engine puts each batch on the devices; counts, memory and RNG come from JAX and
     torch, never from torch_xla."""
 
@@ -282,7 +282,7 @@ class JaxHostAccelerator(XlaAccelerator):
         return "cpu"
 
     def device_count(self) -> int:
-        from spmdzero import jax_runtime
+        from spmdzero.runtime import jax_runtime
 
         return jax_runtime.device_count()
 
@@ -299,7 +299,7 @@ class JaxHostAccelerator(XlaAccelerator):
         torch.manual_seed(int(seed))  # the torchax engine takes its JAX key from torch's seed at initialize
 
     def _memory(self) -> dict:
-        from spmdzero import jax_runtime
+        from spmdzero.runtime import jax_runtime
 
         stats = jax_runtime.devices()[0].memory_stats() or {}  # None on CPU
         return {"bytes_used": stats.get("bytes_in_use", 0), "peak_bytes_used": stats.get("peak_bytes_in_use", 0),
@@ -316,7 +316,7 @@ def get_accelerator() -> XlaAccelerator:
     """The accelerator of this process's runtime (decided at ``import spmdzero``)."""
     global _ACCELERATOR
     if _ACCELERATOR is None:
-        from spmdzero import jax_runtime
+        from spmdzero.runtime import jax_runtime
 
         _ACCELERATOR = JaxHostAccelerator() if jax_runtime.selected() else XlaAccelerator()
     return _ACCELERATOR

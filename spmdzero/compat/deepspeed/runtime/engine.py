@@ -1,3 +1,3 @@
 """``deepspeed.runtime.engine``: ``DeepSpeedEngine`` is spmdzero's engine (for isinstance checks)."""
 
-from spmdzero.engine import SpmdZeroEngine as DeepSpeedEngine  # noqa: F401
+from spmdzero.backends.torch_xla.engine import SpmdZeroEngine as DeepSpeedEngine  # noqa: F401

@@ -1,6 +1,6 @@
-"""``deepspeed.runtime.lr_schedules``: DeepSpeed's schedules (``spmdzero.schedules``)."""
+"""``deepspeed.runtime.lr_schedules``: DeepSpeed's schedules (``spmdzero.optim.schedules``)."""
 
-from spmdzero.schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR  # noqa: F401
+from spmdzero.optim.schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR  # noqa: F401
 
 LR_RANGE_TEST = "LRRangeTest"
 ONE_CYCLE = "OneCycle"

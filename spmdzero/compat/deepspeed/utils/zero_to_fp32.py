@@ -1,12 +1,13 @@
 """``deepspeed.utils.zero_to_fp32``: one fp32 state dict from a checkpoint, for a plain
-``nn.Module`` (spmdzero checkpoints, ``spmdzero.checkpoint.consolidated_state_dict``)."""
+``nn.Module`` (spmdzero checkpoints, ``spmdzero.io.consolidate.consolidated_state_dict``)."""
 
 from __future__ import annotations
 
 import os
 from typing import Optional
 
-from spmdzero.checkpoint import CheckpointError, consolidate, consolidated_state_dict
+from spmdzero.io.checkpoint_format import CheckpointError
+from spmdzero.io.consolidate import consolidate, consolidated_state_dict
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Optional[str] = None,

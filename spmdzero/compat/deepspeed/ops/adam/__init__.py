@@ -1,7 +1,7 @@
 """``deepspeed.ops.adam``: DeepSpeed's Adam classes with DeepSpeed's defaults, on
-``spmdzero.optim.AdamW`` (whose state GSPMD shards by the ZeRO plan)."""
+``spmdzero.optim.optimizers.AdamW`` (whose state GSPMD shards by the ZeRO plan)."""
 
-from spmdzero.optim import AdamW
+from spmdzero.optim.optimizers import AdamW
 
 
 class FusedAdam(AdamW):

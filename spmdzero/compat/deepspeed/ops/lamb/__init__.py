@@ -1,6 +1,6 @@
-"""``deepspeed.ops.lamb``: DeepSpeed's FusedLamb with its defaults, on ``spmdzero.optim.Lamb``."""
+"""``deepspeed.ops.lamb``: DeepSpeed's FusedLamb with its defaults, on ``spmdzero.optim.optimizers.Lamb``."""
 
-from spmdzero.optim import Lamb
+from spmdzero.optim.optimizers import Lamb
 
 
 class FusedLamb(Lamb):

@@ -1,0 +1,21 @@
+"""``spmdzero.aot``: compile the real training step for a TPU topology on any machine.
+
+    with spmdzero.aot.capture(engine) as step:   # in a process with as many devices as chips
+        loss = engine(batch)
+        engine.backward(loss)
+        engine.step()                             # traced, not executed
+    report = step.compile("v5e:2x2")              # per-chip HBM, collectives, roofline
+
+``compile_step`` / ``compare_stages`` / ``find_max_batch`` build a shape-only engine from a
+model source and a config (``steps``); ``python -m spmdzero.aot`` (``spmdzero aot``) is the
+command (``command``). This layer sits above ``initialize``: it builds engines. Below it,
+``spmdzero.tpu`` does the capture and the compile.
+"""
+
+from spmdzero.aot.steps import capture_step, compare_stages, compile_step, find_max_batch
+from spmdzero.tpu.capture import StepCapture, capture, check_traceable, compile_mlir
+from spmdzero.tpu.chips import chip_spec, topology_chips
+from spmdzero.tpu.report import AotReport, CollectivesReport
+
+__all__ = ["capture", "capture_step", "compile_step", "compare_stages", "find_max_batch", "StepCapture",
+           "check_traceable", "compile_mlir", "chip_spec", "topology_chips", "AotReport", "CollectivesReport"]

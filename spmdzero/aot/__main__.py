@@ -1,0 +1,5 @@
+"""``python -m spmdzero.aot``: the ``spmdzero aot`` command."""
+
+from spmdzero.aot.command import main
+
+raise SystemExit(main())

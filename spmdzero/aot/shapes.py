@@ -1,0 +1,77 @@
+"""Shape-only engines: the real engine, built and traced with no parameter in memory.
+
+The model comes with its parameters on ``meta``. Each gets an XLA placeholder (a tensor
+with a shape, a dtype and no buffer), the engine is built around them without syncing
+(its grad buffers, masters and optimizer states stay unexecuted graph nodes), and then
+every state tensor is swapped for a placeholder carrying the plan's sharding. Tracing a
+step on this engine runs the engine's own forward, backward, clipping, optimizer and
+re-annotation code; nothing is ever executed, so host memory holds graph nodes only.
+
+The sharding of a placeholder can only be attached as a ``Sharding`` custom call on its
+value (``_xla_annotate_custom_sharding``); ``spmdzero.tpu.compile.prepare_module`` moves
+it onto the exported function's argument.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def placeholder(shape, dtype: torch.dtype) -> torch.Tensor:
+    import torch_xla.core.xla_builder as xb
+
+    return xb.create_placeholder_tensor(tuple(shape), dtype)
+
+
+@contextlib.contextmanager
+def _no_sync():
+    """Engine construction ends with a sync that would execute on placeholders."""
+    import torch_xla
+
+    sync = torch_xla.sync
+    torch_xla.sync = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        torch_xla.sync = sync
+
+
+def _replicated(t: torch.Tensor, mesh) -> None:
+    import torch_xla
+
+    torch_xla._XLAC._xla_annotate_custom_sharding(t, mesh.get_op_sharding((None,) * t.dim()))
+
+
+def shape_only_engine(model: torch.nn.Module, config: dict):
+    """``spmdzero.initialize(model, config)`` for a model whose parameters are on ``meta``.
+    Returns ``(engine, inputs)``: ``inputs`` maps each state key (``state_tensors()`` keys
+    and ``grad.<name>``) to the placeholder that is its value before the step."""
+    from spmdzero.initialize import initialize
+    from spmdzero import runtime
+    from spmdzero.backends.torch_xla.mesh import build_mesh
+
+    mesh = build_mesh(None, runtime.device_count())  # any mesh over all devices: for replicated only
+    swapped: dict[int, torch.nn.Parameter] = {}  # tied parameters stay tied
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in swapped:
+                value = placeholder(p.shape, p.dtype).clone()  # a clone: annotating it leaves the placeholder alone
+                _replicated(value, mesh)  # not device data any more: mark_sharding will not try to read it
+                swapped[id(p)] = torch.nn.Parameter(value, requires_grad=p.requires_grad)
+            module._parameters[name] = swapped[id(p)]
+    with _no_sync():
+        engine, *_ = initialize(model=model, config=config)
+    inputs = {}
+    tensors = {k: (t, spec) for k, (t, spec) in engine.state_tensors().items()}
+    tensors.update({f"grad.{k}": (b, engine.plan[k].grad) for k, b in engine.grad_buffers().items()})
+    import torch_xla
+
+    for key, (t, spec) in tensors.items():
+        inputs[key] = placeholder(t.shape, t.dtype)
+        torch_xla._XLAC._replace_xla_tensor(t, inputs[key].clone())  # `t.data =` would break later views of t
+        torch_xla._XLAC._xla_annotate_custom_sharding(t, engine.mesh.get_op_sharding(tuple(spec)))
+    return engine, inputs

@@ -1,0 +1,61 @@
+"""Host batches onto torch_xla's devices, split along the batch axes: tensors whose leading
+dim is the batch are sharded, the rest replicated; on several hosts each contributes its rows
+of the global batch."""
+
+from __future__ import annotations
+import warnings
+from typing import Any, Callable
+import torch
+from spmdzero.backends.torch_xla.annotate import shard
+from spmdzero.sharding.plan import replicated
+from spmdzero.train.data import _first_batch_size, caller_stacklevel, map_tensors
+
+
+_noted_replicated: set[tuple[int, int]] = set()
+
+
+def _note_replicated(rows: int, devices: int) -> None:
+    if (rows, devices) in _noted_replicated:
+        return
+    _noted_replicated.add((rows, devices))
+    warnings.warn(f"spmdzero: a batch of {rows} rows does not divide over the {devices} data-parallel devices; it "
+                  f"runs replicated along the batch (every device computes all {rows} rows, the same result at "
+                  f"{devices}x the compute, and one more compiled program for this shape). Use a multiple of "
+                  f"{devices} rows to split it (noted once per shape).", stacklevel=caller_stacklevel())
+
+
+def to_device_sharded(batch: Any, mesh, batch_spec: Callable[[int], tuple], dp_size: int,
+                      process_count: int = 1) -> Any:
+    """Move every tensor in ``batch`` to the device. The first tensor's leading dim is the
+    batch: tensors with that leading dim are split across the batch axes, the rest (masks,
+    lookup tables, scalars) are replicated. With several hosts, ``batch`` is this host's
+    share of the global batch (torch_xla's ``minibatch`` input sharding). On one host, a
+    batch that does not divide over the data-parallel devices runs replicated (noted once);
+    with several hosts it is refused (each host holds different rows)."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.spmd as xs
+
+    device = torch_xla.device()
+    batch_size = _first_batch_size(batch)
+    local_dp = dp_size // process_count
+    replicate = batch_size is not None and batch_size % local_dp != 0
+    if replicate and process_count > 1:
+        raise ValueError(
+            f"batch dimension {batch_size} does not divide over the {local_dp} data-parallel devices of this host; "
+            f"with several hosts each host's rows must split over its devices: use a multiple of {local_dp}"
+        )
+    if replicate:
+        _note_replicated(batch_size, local_dp)
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0 or t.shape[0] != batch_size:
+            return t if t.device.type == "xla" else t.to(device)
+        spec = replicated(t.dim()) if replicate else batch_spec(t.dim())
+        if t.device.type == "xla":
+            shard(t, mesh, spec)
+            return t
+        sharding = xs.ShardingSpec(mesh, spec, minibatch=process_count > 1)
+        return xm.send_cpu_data_to_device([t], device, sharding)[0]
+
+    return map_tensors(batch, move)

@@ -1,0 +1,630 @@
+"""The training engine: DeepSpeed's names and semantics over one traced SPMD step.
+
+Each ``engine.step()`` call ends the trace with ``torch_xla.sync()``, so a run compiles
+two programs: a micro-step (forward, backward, gradient accumulation) and a boundary
+step (the same plus clipping, the optimizer update and the re-annotation of every
+state). Nothing inside a step reads a device value on the host: overflow skipping, loss
+scaling and the schedule's step count live on the device (see ``precision``).
+
+Every trainable parameter has a slot: its accumulated gradient, laid out by the plan
+(sharded at ZeRO-2), and the tensor the optimizer updates (the parameter itself in fp32,
+its fp32 master weight under mixed precision). ``backward`` annotates the fresh ``p.grad``
+with the plan's gradient spec, so the compiler reduce-scatters it, folds it into the slot
+and drops it, as DeepSpeed's ZeRO does with its partitioned gradients. The slot holds no
+buffer between accumulation boundaries: the first micro-step's gradient *is* the
+accumulator, so without accumulation the reduced shard goes straight to clipping and the
+optimizer, with no zero-fill, add or copy of a full-size buffer.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from spmdzero import runtime
+from spmdzero.backends.torch_xla import fused
+from spmdzero.backends.torch_xla.annotate import constrain, shard
+from spmdzero.sharding.batch import BatchSizes
+from spmdzero.config.schema import DeepSpeedConfig
+from spmdzero.train.data import batch_rows, map_tensors, model_pad_id, pad_sequences
+from spmdzero.backends.torch_xla.batches import to_device_sharded
+from spmdzero.train.engine_base import TARGET_NAMES, DeepSpeedCounters
+from spmdzero.observe.monitor import RecompileGuard, StepLogger, ThroughputTimer, compile_count, notice_nonfinite
+from spmdzero.optim.optimizers import SpmdOptimizer, ZeroOptimizer
+from spmdzero.sharding.plan import ShardingPlan, replicated
+from spmdzero.optim.precision import PrecisionPolicy, init_loss_scale, is_overflow, keep_unless, update_loss_scale
+from spmdzero.backends.torch_xla.scan import scanned_parameters, stacked_layers
+from spmdzero.optim.schedules import LRSchedule
+
+CLIP_EPS = 1e-6  # DeepSpeed's: clip = (norm + 1e-6) / max_norm
+COMPILE_BACKEND = "openxla"  # torch_xla's dynamo backend: what engine.compile() and the accelerator name
+
+
+@dataclass(eq=False)
+class Slot:
+    name: str
+    param: torch.Tensor  # the module's parameter (replicated, model dtype)
+    target: torch.Tensor  # what the optimizer updates: the param, or its fp32 master weight
+    grad: Optional[torch.Tensor] = None  # gradients accumulated since the last boundary (plan's grad spec,
+    #                                      grad_accum dtype); None when there are none
+    summed: bool = False  # grad is a sum of micro-steps' gradients, not one backward's
+
+
+class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
+    def __init__(self, *, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], lr_scheduler: Any,
+                 config: DeepSpeedConfig, batch: BatchSizes, mesh, plan: ShardingPlan, precision: PrecisionPolicy,
+                 master_weights: Optional[dict] = None, training_dataloader: Any = None,
+                 config_dict: Optional[dict] = None):
+        super().__init__()
+        self.module = module
+        self.basic_optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.training_dataloader = training_dataloader
+        self.mesh = mesh
+        self.plan = plan
+        self._config = config  # typed; ``self.config`` is DeepSpeed's: the config as a dict
+        self.config = dict(config_dict) if config_dict is not None else config.model_dump(exclude_none=True)
+        self.precision = precision
+        self._batch = batch
+        self.device = runtime.device()
+        # DeepSpeed's world size by the batch rule (spmd.rank); the batch itself is split over
+        # the mesh's data-parallel devices (batch.dp_devices).
+        self.dp_world_size = batch.ranks
+        self.world_size = batch.ranks
+        self.global_steps = 0
+        self.global_samples = 0
+        self.samples_last_step = 0
+        self._rows_since_step = 0
+        self._warned_fewer_rows = False
+        self._pad_id = model_pad_id(module)
+        self.micro_steps = 0
+        self._skipped_on_host = 0
+        self._skipped_on_device: Optional[torch.Tensor] = None
+        self._boundary_override: Optional[bool] = None
+        self._global_grad_norm: Optional[torch.Tensor] = None
+        self._step_applied: Any = False
+        self._last_overflow: Any = False
+        self._loss_scale = init_loss_scale(precision, self.device) if precision.scales_loss else None
+        self._capture = None  # a spmdzero.tpu.capture.StepCapture while a step is being captured
+        self._last_loss: Optional[torch.Tensor] = None
+        # the mean of the micro-batch losses: of the window in progress, and of the last optimizer step's
+        self._window_loss: Optional[torch.Tensor] = None
+        self._step_loss: Optional[torch.Tensor] = None
+        self._backward_since_step = False  # an optimizer step needs gradients from a backward since the last one
+        self._input_shapes: tuple = ()
+        self._grad_orders: dict[tuple[str, str], Optional[tuple[int, ...]]] = {}  # see _memory_orders
+        self.recompile_guard = RecompileGuard(config.spmd.max_recompiles)
+        self._step_logger = StepLogger(config)
+        self.tput_timer = ThroughputTimer(self)
+        self._is_compiled = False
+        self._post_step_hooks = collections.OrderedDict()  # register_post_step_hook (weak-referenced by handles)
+
+        masters = master_weights or {}
+        optimized = {id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer else set()
+        self._slots = [
+            Slot(name, p, masters.get(p, p))
+            for name, p in module.named_parameters()
+            if p.requires_grad and id(masters.get(p, p)) in optimized
+        ]
+        self._target_names = {s.target: s.name for s in self._slots}
+        self._scanned = scanned_parameters(module)  # gradients laid out inside the layer loop (spmdzero.backends.torch_xla.scan)
+        if optimizer is not None:  # optimized tensors that are not module parameters get positional names
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            self._target_names.update({p: f"param{i}" for i, p in enumerate(params) if p not in self._target_names})
+        self.optimizer = ZeroOptimizer(optimizer, self) if optimizer is not None else None
+        self._reannotate()
+        self._keep_step_state_on_device()
+        import torch_xla
+
+        torch_xla.sync()  # materialize sharded states, masters and buffers before the first step
+
+    # ---- the training step -----------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        """Move batch tensors to the device, split along the batch axes, cast floating
+        inputs to the model dtype (as DeepSpeed's ``fp16.auto_cast``; not the targets named in
+        ``TARGET_NAMES``: an fp16 cast can overflow a regression target), and run the module. A
+        training forward's rows (read from host-side shapes) are checked against the batch rule
+        and counted in ``global_samples``."""
+        start = time.perf_counter()
+        self.recompile_guard.step_started()
+        if self._config.spmd.pad_to_multiple_of:
+            inputs, kwargs = pad_sequences((inputs, kwargs), self._config.spmd.pad_to_multiple_of, self._pad_id)
+        shapes = []
+        map_tensors((inputs, kwargs), lambda t: shapes.append(tuple(t.shape)))
+        self._input_shapes = tuple(shapes)
+        if self.module.training and torch.is_grad_enabled():
+            self._count_training_rows(*batch_rows((inputs, kwargs)))
+        else:
+            self.recompile_guard.note_evaluation()
+        # positional and keyword inputs together: the first tensor's leading dim is the batch
+        inputs, kwargs = to_device_sharded((inputs, kwargs), self.mesh, self.plan.batch_spec,
+                                           self._batch.dp_devices, self._batch.processes)
+        dtype = self.precision.param_dtype
+        if dtype != torch.float32:
+            cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+            inputs = map_tensors(inputs, cast)
+            kwargs = {k: v if k in TARGET_NAMES else map_tensors(v, cast) for k, v in kwargs.items()}
+        try:
+            return self.module(*inputs, **kwargs)
+        finally:
+            self._step_logger.timers.add("forward", time.perf_counter() - start)
+
+    def _count_training_rows(self, rows: Optional[int], on_device: bool) -> None:
+        """Hold a training forward to the batch rule: more rows than a micro-step has is an
+        error, fewer (an epoch's partial last batch) a one-time warning; either way the rows
+        actually fed are what ``global_samples`` and samples/s count."""
+        if rows is None:
+            return
+        global_rows = rows if on_device else rows * self._batch.processes
+        self._check_training_rows(global_rows)
+        self._rows_since_step += global_rows
+
+    def _consume_samples(self) -> int:
+        """Samples this optimizer step trained on: the rows its training forwards fed, or the
+        configured global batch when the module was called directly (rows unseen)."""
+        rows, self._rows_since_step = self._rows_since_step, 0
+        self.samples_last_step = rows or self.train_batch_size()
+        return self.samples_last_step
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """Backprop ``loss / gradient_accumulation_steps`` (times the loss scale) and
+        accumulate into the ZeRO buffers. Returns the gas-scaled loss, as DeepSpeed does."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"engine.backward expects the loss tensor, got {type(loss).__name__}")
+        self._last_loss = loss.detach()
+        self._backward_since_step = True
+        gas = self.gradient_accumulation_steps()
+        term = self._last_loss.float() / gas if gas > 1 else self._last_loss.float()  # in the graph: no host read
+        self._window_loss = term if self._window_loss is None else self._window_loss + term
+        if scale_wrt_gas and gas > 1:
+            loss = loss / gas
+        scaled = loss * self._loss_scale.scale if self._loss_scale is not None else loss
+        start = time.perf_counter()
+        try:
+            scaled.backward(retain_graph=retain_graph)
+        except RuntimeError as err:
+            explained = runtime.explain_backward_trap(err)
+            if explained is None:
+                raise
+            raise explained from err
+        comm, accum = self.precision.communication_dtype, self.precision.grad_accum_dtype
+        with torch.no_grad():
+            for slot in self._slots:
+                grad = slot.param.grad
+                if grad is None:
+                    continue
+                slot.param.grad = None
+                planned = self.plan[slot.name]
+                spec = planned.grad
+                reduced = grad.to(comm)
+                if planned.grad_stages and slot.name in self._scanned:
+                    # Laid out through its stages inside the layer loop (spmdzero.backends.torch_xla.scan): a replicated
+                    # pin here would all-gather the reduce-scattered gradient again.
+                    shard(reduced, self.mesh, spec)
+                    stages = ()
+                else:
+                    # The first layout as the gradient's own (see TensorPlan.grad_layouts), the
+                    # rest as sharded copies.
+                    first, *stages = planned.grad_layouts
+                    shard(reduced, self.mesh, first)
+                for stage in stages:
+                    reduced = constrain(reduced, self.mesh, stage)
+                grad = reduced.to(accum)
+                slot.summed = slot.grad is not None
+                if slot.grad is not None:
+                    # In place: the sum's output takes the accumulator's own buffer (torch_xla
+                    # donates a tensor updated in place), not a second shard-sized allocation.
+                    grad = slot.grad.add_(grad)
+                    fused.settle([grad])
+                if grad is not reduced:  # a micro-step's output takes the compiler's layout unless annotated
+                    shard(grad, self.mesh, spec)
+                slot.grad = grad
+        self._step_logger.timers.add("backward", time.perf_counter() - start)
+        return loss
+
+    def step(self, lr_kwargs: Optional[dict] = None) -> None:
+        """Apply the update at an accumulation boundary; count every call; end the trace."""
+        import torch_xla
+
+        if self._capture is not None:  # trace the update for the TPU compiler; execute nothing
+            self._capture.record(lr_kwargs)
+            return
+        start = time.perf_counter()
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
+            if self.optimizer is None:
+                raise RuntimeError("engine.step() needs an optimizer: pass optimizer= to initialize() "
+                                   "or add an 'optimizer' section to the config")
+            if not self._backward_since_step:
+                # DeepSpeed's ZeRO-1/2 optimizer has no gradients then and fails (its
+                # averaged_gradients are None after a step); an update would still apply weight
+                # decay and count a step, so refuse it clearly instead
+                raise RuntimeError("engine.step() at a gradient accumulation boundary with no engine.backward() "
+                                   "since the last optimizer step: there are no gradients to apply")
+            self._backward_since_step = False
+            self._take_model_step(lr_kwargs)
+            self._step_loss, self._window_loss = self._window_loss, None
+        self.micro_steps += 1
+        compiles = compile_count()
+        torch_xla.sync()
+        self.recompile_guard.check(compile_count() - compiles, self.global_steps, boundary, self._input_shapes)
+        self.recompile_guard.check_graphs(self.global_steps)
+        self._step_logger.timers.add("step", time.perf_counter() - start)
+        if boundary:
+            self._step_logger.after_boundary(self)
+            self.tput_timer.after_boundary()
+            for hook in list(self._post_step_hooks.values()):
+                hook(self)
+
+    def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
+        policy = self.precision
+        with torch.no_grad():
+            grads = [self._gradient(s) for s in self._slots]
+            sum_sq = fused.sum_of_squares(grads, self._memory_orders(grads)) if grads else torch.zeros((), device=self.device)
+            scale = self._loss_scale.scale if self._loss_scale is not None else None
+            norm = torch.sqrt(sum_sq) if scale is None else torch.sqrt(sum_sq) / scale
+            # DeepSpeed's combined scale: divide by the loss scale and, when the unscaled
+            # norm exceeds gradient_clipping, by (norm + 1e-6) / gradient_clipping too.
+            divisor = scale
+            if self._config.gradient_clipping > 0:
+                clip = torch.clamp((norm + CLIP_EPS) / self._config.gradient_clipping, min=1.0)
+                divisor = clip if divisor is None else divisor * clip
+            inverse = 1.0 / divisor if divisor is not None else None
+            overflow = is_overflow(sum_sq) if policy.check_overflow else None
+            laid_out: set[int] = set()
+            if isinstance(self.optimizer.optimizer, SpmdOptimizer):  # scale, update, overflow select: one op per group
+                # Old buffers are reused only by a step that the sync below executes, and not
+                # under engine.compile(): dynamo's cached graphs keep reading the old ones.
+                donate = self._capture is None and not self._is_compiled
+                self.optimizer.optimizer.step(grads={s.target: g for s, g in zip(self._slots, grads)},
+                                              grad_scale=inverse, skip=overflow, donate=donate,
+                                              group_update=fused.update)
+                laid_out = self.optimizer.optimizer.laid_out
+            else:
+                self._client_optimizer_step(grads, inverse, overflow)
+            for slot in self._slots:  # the boundary consumed them: the next micro-step starts a new sum
+                slot.grad = None
+            if policy.master_weights:  # the compiler all-gathers the cast master shards
+                params = [s.param for s in self._slots]
+                torch._foreach_copy_(params, [s.target for s in self._slots])
+                fused.settle(params)
+        self._global_grad_norm = norm
+        if policy.check_overflow:
+            applied = ~overflow
+            self._skipped_on_device = overflow.float() + self._skipped_on_device
+            if self._loss_scale is not None:
+                self._loss_scale = update_loss_scale(self._loss_scale, overflow, policy)
+            self._last_overflow, self._step_applied = overflow, applied
+            self._step_scheduler_if(applied, lr_kwargs)
+        else:
+            self._step_applied = True
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        self._annotate_updated(laid_out)
+        self.global_steps += 1
+        self.global_samples += self._consume_samples()
+
+    def _keep_step_state_on_device(self) -> None:
+        """Under overflow checks (fp16, bf16's check_grad_overflow) every optimizer step but
+        the first reads the skipped-step count and a DeepSpeed schedule's step count and lrs
+        from the device, as the previous step left them. Put them there from the start, and
+        the first step traces the same graph as the rest: the step compiles once, not twice.
+        The caller's next sync materializes them."""
+        if not self.precision.check_overflow:
+            return
+        if self._skipped_on_device is None:
+            self._skipped_on_device = torch.zeros((), dtype=torch.float32, device=self.device)
+        if isinstance(self.lr_scheduler, LRSchedule):
+            self.lr_scheduler.keep_on_device(self.device)
+
+    def _client_optimizer_step(self, grads: list, inverse: Optional[torch.Tensor],
+                               overflow: Optional[torch.Tensor]) -> None:
+        """A torch.optim optimizer reads ``.grad``; an overflowed step is undone afterwards."""
+        grads = [g.float() if inverse is None else g.float() * inverse for g in grads]
+        updated = [s.target for s in self._slots] + [t for k, (t, _) in self.state_tensors().items()
+                                                      if k.startswith("optim.")]
+        before = [t.clone() for t in updated] if overflow is not None else None
+        for slot, grad in zip(self._slots, grads):
+            slot.target.grad = grad
+        self.optimizer.optimizer.step()
+        for slot in self._slots:
+            slot.target.grad = None
+        if overflow is not None:
+            keep_unless(overflow, updated, before)
+
+    def _step_scheduler_if(self, applied: torch.Tensor, lr_kwargs: Optional[dict]) -> None:
+        """DeepSpeed does not step the schedule on a skipped step. DeepSpeed's schedules do
+        that in the graph; other schedulers step on the host every boundary (warned)."""
+        if self.lr_scheduler is None:
+            return
+        if isinstance(self.lr_scheduler, LRSchedule) and not lr_kwargs:
+            self.lr_scheduler.step_if(applied)
+            return
+        if not getattr(self, "_warned_host_scheduler", False):
+            self._warned_host_scheduler = True
+            warnings.warn(f"spmdzero: {type(self.lr_scheduler).__name__} steps on every boundary, including steps "
+                          "skipped for overflow (DeepSpeed does not step it then); use a DeepSpeed schedule from the "
+                          "config for the exact behaviour", stacklevel=3)
+        self.lr_scheduler.step(**(lr_kwargs or {}))
+
+    def _memory_orders(self, grads: list[torch.Tensor]) -> list[Optional[tuple[int, ...]]]:
+        """Each gradient's dims in memory order (``fused.memory_order``), for the global norm to
+        read them that way. Asked once per parameter and kind of gradient (one backward's, a
+        sum of micro-steps', zeros): the step's graph, and so its layouts, are the same every
+        time."""
+        orders = []
+        for slot, grad in zip(self._slots, grads):
+            key = (slot.name, "zeros" if slot.grad is None else "sum" if slot.summed else "one")
+            if key not in self._grad_orders:
+                self._grad_orders[key] = fused.memory_order(grad)
+            orders.append(self._grad_orders[key])
+        return orders
+
+    def _gradient(self, slot: Slot) -> torch.Tensor:
+        """The slot's accumulated gradient; zeros (laid out by the plan) for a parameter that
+        took no part in any backward since the last boundary, which the optimizer still steps."""
+        if slot.grad is not None:
+            return slot.grad
+        zeros = torch.zeros(slot.param.shape, dtype=self.precision.grad_accum_dtype, device=slot.param.device)
+        shard(zeros, self.mesh, self.plan[slot.name].grad)
+        return zeros
+
+    def state_tensors(self) -> dict[str, tuple[torch.Tensor, tuple]]:
+        """Every persistent device tensor of the training state, by checkpoint key, with
+        the partition spec the plan gives it: ``model.*`` params, ``buffer.*`` module
+        buffers, ``master.*`` fp32 masters, ``optim.<param>.<key>`` optimizer state,
+        ``loss_scale.*``. Gradient buffers are not state: they are empty between steps."""
+        out: dict[str, tuple[torch.Tensor, tuple]] = {}
+        for name, p in self.module.named_parameters():
+            planned = self.plan.get(name)
+            out[f"model.{name}"] = (p, planned.param if planned else replicated(p.dim()))
+        for name, b in self.module.named_buffers():
+            if b is not None and b.device.type == "xla":
+                out[f"buffer.{name}"] = (b, replicated(b.dim()))
+        for slot in self._slots:
+            if slot.target is not slot.param:
+                out[f"master.{slot.name}"] = (slot.target, self.plan[slot.name].master)
+        if self.optimizer is not None:
+            for target, state in self.optimizer.optimizer.state.items():
+                name = self._target_names[target]
+                for key, (value, spec) in self._optimizer_state(name, target, state):
+                    out[f"optim.{name}.{key}"] = (value, spec)
+        if self._loss_scale is not None:
+            for field, value in zip(self._loss_scale._fields, self._loss_scale):
+                out[f"loss_scale.{field}"] = (value, ())
+        return out
+
+    def lay_out(self, tensor: torch.Tensor, spec: tuple) -> None:
+        """Give a device tensor of the training state the layout ``spec`` on this engine's mesh
+        (what checkpoint loads stage their reads into)."""
+        shard(tensor, self.mesh, spec)
+
+    def stacked_layers(self) -> dict[str, str]:
+        """{stacked parameter name: its stack's name} under ``spmd.scan_layers='stacked'`` (else
+        empty): checkpoints record it so that they load into either form of the model."""
+        return stacked_layers(self.module)
+
+    def _optimizer_state(self, name: str, target: torch.Tensor, state: dict):
+        """(key, (tensor, spec)) for each device tensor of one target's optimizer state."""
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device.type == "xla":
+                like_param = tuple(value.shape) == tuple(target.shape)
+                yield key, (value, self.plan[name].optimizer_state if like_param else replicated(value.dim()))
+
+    def _reannotate(self) -> None:
+        """Params replicated, buffers, masters and states per the plan: output propagation
+        would otherwise leave updated params sharded like the states they came from."""
+        for tensor, spec in self.state_tensors().values():
+            shard(tensor, self.mesh, spec)
+
+    def _annotate_updated(self, laid_out: set[int]) -> None:
+        """``_reannotate`` for what an update changed, less the targets (by id) whose new values
+        and states already carry their shardings (the fused update sets them inside its op):
+        ~20 us per annotation, which for 700 tensors was most of the update's tracing."""
+        mesh, state = self.mesh, self.optimizer.optimizer.state
+        for slot in self._slots:
+            planned = self.plan[slot.name]
+            if slot.target is not slot.param:  # the param is a fresh cast of the master
+                shard(slot.param, mesh, planned.param)
+            if id(slot.target) in laid_out:
+                continue
+            shard(slot.target, mesh, planned.param if slot.target is slot.param else planned.master)
+            for _, (value, spec) in self._optimizer_state(slot.name, slot.target, state[slot.target]):
+                shard(value, mesh, spec)
+        if self._loss_scale is not None:
+            for value in self._loss_scale:
+                shard(value, mesh, ())
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients (DeepSpeed sets them to None)."""
+        for slot in self._slots:
+            slot.param.grad = None
+            slot.grad = None
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate without communication. Refused at ZeRO-2, as in DeepSpeed; under
+        SPMD the compiler owns communication, so at stages 0/1 this changes nothing."""
+        if self.plan.stage >= 2:
+            raise AssertionError("no_sync context manager is incompatible with gradient partitioning "
+                                 "logic of ZeRO stage 2")
+        yield
+
+    # ---- checkpoints (spmdzero.checkpoint) ------------------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's)
+                        exclude_frozen_parameters=False) -> bool:
+        from spmdzero.io.save import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, trust_client_state=None):
+        from spmdzero.io.restore import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only, trust_client_state)
+
+    # ---- reporting (these read device values only when called) ----------------------------
+    @property
+    def skipped_steps(self) -> int:
+        on_device = 0 if self._skipped_on_device is None else int(self._skipped_on_device)
+        return self._skipped_on_host + on_device
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped_on_host, self._skipped_on_device = int(value), None
+        self._keep_step_state_on_device()
+
+    def get_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups] if self.optimizer else []
+
+    def get_mom(self) -> list:
+        if not self.optimizer:
+            return []
+        moms = []
+        for group in self.optimizer.param_groups:
+            if "betas" in group:
+                moms.append(tuple(float(b) for b in group["betas"]))
+            else:
+                moms.append(group.get("momentum"))
+        return moms
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """Pre-clip, unscaled global gradient norm of the last boundary step (reads the device;
+        a non-finite fp32 norm is told once, as at print steps)."""
+        norm = None if self._global_grad_norm is None else float(self._global_grad_norm)
+        notice_nonfinite(self, norm, "gradient norm of the last step")
+        return norm
+
+    def was_step_applied(self) -> bool:
+        return bool(self._step_applied)
+
+    def step_loss(self) -> Optional[float]:
+        """The mean of the losses passed to ``backward`` in the last optimizer step's
+        accumulation window (what the monitors log as ``train_loss``); reads the device."""
+        loss = None if self._step_loss is None else float(self._step_loss)
+        notice_nonfinite(self, loss, "loss")
+        return loss
+
+    def last_loss(self) -> Optional[float]:
+        """The loss last passed to ``backward`` (before gas scaling); reads the device."""
+        loss = None if self._last_loss is None else float(self._last_loss)
+        notice_nonfinite(self, loss, "loss")
+        return loss
+
+    def loss_scale(self) -> float:
+        """DeepSpeed's: the configured static fp16 loss scale (0 for dynamic scaling), 1.0 under
+        bf16, 0 in fp32. The scale in use is ``optimizer.cur_scale``."""
+        if self.fp16_enabled():
+            return self._config.fp16.loss_scale
+        return 1.0 if self.bfloat16_enabled() else 0
+
+    def current_loss_scale(self) -> float:
+        """The loss scale in use (reads the device under dynamic fp16 scaling); 1.0 without one."""
+        return 1.0 if self._loss_scale is None else float(self._loss_scale.scale)
+
+    def overflow(self) -> bool:
+        return bool(self._last_overflow)
+
+    def sharding_report(self):
+        """Per parameter: the layout and per-device bytes of the param, its gradient buffer,
+        master weight and optimizer states, read from the live tensors; totals against stage 0
+        and ZeRO's accounting. Prints as a table, renders as HTML in Jupyter, ``.to_dict()``."""
+        from spmdzero.observe.reports import sharding_report
+
+        return sharding_report(self)
+
+    def collectives_report(self, *inputs, loss_fn=None, **kwargs):
+        """Trace one training step on these inputs (``loss_fn(output)``, or the output itself,
+        is the loss), compile it for XLA:CPU in a subprocess, and report its collectives against
+        the data-parallel minimum. The engine is left as it was."""
+        from spmdzero.tpu.capture import capture
+
+        with capture(self) as step:
+            output = self(*inputs, **kwargs)
+            loss = loss_fn(output) if loss_fn is not None else output
+            self.backward(loss)
+            step.loss = loss
+            self.step()
+        return step.collectives_report()
+
+    def grad_buffers(self) -> dict[str, torch.Tensor]:
+        """The gradients accumulated since the last boundary (laid out by the plan: the ZeRO-2
+        shards), by parameter name. Empty after a boundary step or ``zero_grad()``."""
+        return {s.name: s.grad for s in self._slots if s.grad is not None}
+
+    def refresh_fp32_params(self) -> None:
+        """The fp32 master weights take the module's current weights (after they were changed by
+        hand): DeepSpeed's ``optimizer.refresh_fp32_params()``. Nothing to do in fp32."""
+        with torch.no_grad():
+            for slot in self._slots:
+                if slot.target is not slot.param:  # laid out as the master first: copy_ keeps a layout
+                    value = constrain(slot.param.to(slot.target.dtype), self.mesh, self.plan[slot.name].master)
+                    slot.target.copy_(value)
+        self._reannotate()
+
+    def master_weights(self) -> dict[str, torch.Tensor]:
+        """The fp32 master weights by parameter name (empty in fp32 training)."""
+        return {s.name: s.target for s in self._slots if s.target is not s.param}
+
+    # ---- DeepSpeed engine API: what scripts reach for besides the training step --------------
+    def __getattr__(self, name: str):
+        """Attributes the engine lacks come from the module, as in DeepSpeed
+        (``engine.gradient_checkpointing_enable()``, ``engine.model`` of a Hugging Face model)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("__"):
+                raise
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                raise AttributeError(f"neither the engine nor its module ({type(module).__name__}) has an attribute "
+                                     f"{name!r}") from None
+
+    def register_post_step_hook(self, hook) -> "torch.utils.hooks.RemovableHandle":
+        """Call ``hook(engine)`` on the host after every optimizer (boundary) step, once its
+        graph is dispatched; ``.remove()`` on the returned handle unregisters it. A hook that
+        reads device values (a loss, a norm) waits for the step: read them only when needed."""
+        from torch.utils.hooks import RemovableHandle
+
+        handle = RemovableHandle(self._post_step_hooks)
+        self._post_step_hooks[handle.id] = hook
+        return handle
+
+    def destroy(self) -> None:
+        """DeepSpeed releases its communication buffers and hooks here; spmdzero holds none
+        (device memory goes with the tensors), so there is nothing to release."""
+
+    def compile(self, backend: Optional[str] = None, compile_kwargs: Optional[dict] = None, schedule=None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """``torch.compile`` the module's forward with torch_xla's dynamo backend ("openxla",
+        the accelerator's compile backend). Backends that do not target XLA (inductor, the CUDA
+        default) are replaced by it, with a warning."""
+        if self._is_compiled:
+            return
+        kwargs = dict(compile_kwargs or {})
+        kwargs.pop("backend", None)
+        if backend not in (None, COMPILE_BACKEND):
+            warnings.warn(f"spmdzero: compile backend {backend!r} does not target XLA; using {COMPILE_BACKEND!r}",
+                          stacklevel=2)
+        self.module.compile(backend=COMPILE_BACKEND, **kwargs)
+        self._is_compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._is_compiled
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """DeepSpeed's ``stage3_gather_16bit_weights_on_model_save`` (read at ZeRO-3 only; at
+        stages 0-2 every device holds whole weights and ``save_16bit_model`` always saves)."""
+        zero = self.config.get("zero_optimization") or {}  # the DeepSpeed dict, as DeepSpeed reads it
+        return bool(zero.get("stage3_gather_16bit_weights_on_model_save", False))
+

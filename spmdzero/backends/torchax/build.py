@@ -1,0 +1,113 @@
+"""The torchax backend's build pipeline (``spmdzero.initialize`` with ``spmd.backend:
+"torchax"``): the same batch arithmetic, plan and return value as torch_xla's, and the checks
+of what this backend does not run yet."""
+
+from __future__ import annotations
+from typing import Any, Optional
+import torch
+from spmdzero.sharding.batch import resolve_batch
+from spmdzero.config.errors import ConfigError
+from spmdzero.config.schema import DeepSpeedConfig
+from spmdzero.train.data import ShardedDataLoader, model_pad_id
+from spmdzero.sharding.mesh import check_user_mesh, data_parallel_size, mesh_shape, resolve_mesh_shape
+from spmdzero.observe.monitor import log_block
+from spmdzero.optim.optimizers import SpmdOptimizer, build_optimizer
+from spmdzero.sharding.plan import make_plan
+from spmdzero.optim.precision import DTYPES
+from spmdzero.backends.torchax.engine import TorchaxEngine
+from spmdzero.train.build import build_engine_scheduler
+
+
+def check_config(cfg: DeepSpeedConfig, client_optimizer: Any = None) -> None:
+    """Refuse what this backend does not implement, naming the key."""
+    refused = {
+        "fp16.enabled": cfg.fp16.enabled,
+        "spmd.scan_layers": cfg.spmd.scan_layers,
+        "spmd.dcn_mesh": cfg.spmd.dcn_mesh is not None,
+        "spmd.max_recompiles": cfg.spmd.max_recompiles is not None,
+        "spmd.compile_cache_dir": cfg.spmd.compile_cache_dir is not None,
+        "tensorboard.enabled": cfg.tensorboard.enabled,
+        "csv_monitor.enabled": cfg.csv_monitor.enabled,
+        "communication_data_type": DTYPES.get(cfg.communication_data_type) == torch.float16,
+        "data_types.grad_accum_dtype": DTYPES.get(cfg.data_types.grad_accum_dtype) == torch.float16,
+    }
+    for key, on in refused.items():
+        if on:
+            raise ConfigError(f"{key} is not supported by the torchax backend (spmd.backend='torchax'; it trains "
+                              "in fp32 or bf16 with the config's optimizer, no checkpoints, monitors or loss "
+                              "scaling); remove it or use spmd.backend='torch_xla'")
+    if client_optimizer is not None:
+        raise ConfigError("spmd.backend='torchax' takes its optimizer from the config's 'optimizer' section; a "
+                          "client optimizer (initialize(optimizer=...)) is not supported")
+    if cfg.optimizer is None:
+        raise ConfigError("spmd.backend='torchax' needs an 'optimizer' section in the config")
+
+
+def _require_torchax() -> None:
+    """torch_xla's wheel brings an older torchax that fails to import (it needs flax)."""
+    try:
+        import torchax  # noqa: F401
+    except ImportError as err:
+        raise ConfigError(f"spmd.backend='torchax' needs the torchax package ({err}): "
+                          "pip install 'spmdzero[torchax]' (torchax==0.0.13)") from err
+
+
+def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=None, model_parameters=None,
+          training_data=None, lr_scheduler=None, collate_fn=None, config_dict: Optional[dict] = None):
+    """``spmdzero.initialize`` for this backend: the same batch arithmetic, plan and return value."""
+    from spmdzero import runtime
+    from spmdzero.runtime import jax_runtime
+    from spmdzero.train.build import tied_embeddings
+
+    check_config(cfg, optimizer)
+    _require_torchax()
+    for name, sub in model.named_modules():
+        if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm) and sub.track_running_stats:
+            # torchax 0.0.13's batch norm leaves the running statistics as they were
+            raise ValueError(f"spmd.backend='torchax' does not update batch-norm running statistics: module "
+                             f"{name!r} ({type(sub).__name__}) tracks them; use spmd.backend='torch_xla'")
+    if mesh is not None and jax_runtime.selected():
+        raise ConfigError(f"initialize(mesh=...) takes a torch_xla Mesh, and building one starts torch_xla's runtime, "
+                          f"which {jax_runtime.VARIABLE}=torchax keeps off the devices: give the mesh shape as "
+                          "'spmd.mesh' in the config instead")
+    if mesh is not None:
+        check_user_mesh(mesh)
+        shape = mesh_shape(mesh)
+    else:
+        shape = resolve_mesh_shape(cfg.spmd.mesh, runtime.device_count())
+    hosts = runtime.hosts()[1]
+    if hosts > 1:
+        raise RuntimeError(f"spmd.backend='torchax' runs on one host (one process), this is one of {hosts}; use "
+                           "spmd.backend='torch_xla'")
+    batch = resolve_batch(cfg, data_parallel_size(shape))
+    log_block(batch.describe())
+    # even: JAX shards only dims that divide by the axis size (a 10-class head on 8 devices)
+    plan = make_plan([(n, p.shape) for n, p in model.named_parameters() if p.requires_grad], shape, cfg.zero_stage,
+                     tied_embeddings=tied_embeddings(model), even=True)
+    params = model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(cfg.optimizer, params)
+    if not isinstance(optimizer, SpmdOptimizer):
+        raise ConfigError(f"optimizer.type {cfg.optimizer.type!r} is a torch.optim optimizer; spmd.backend='torchax' "
+                          "runs spmdzero's own (Adam/AdamW, Lamb, Lion, Adagrad, SGD) as JAX functions")
+    from spmdzero.train.build import drop_frozen
+
+    drop_frozen(optimizer)  # as DeepSpeed's ZeRO optimizers: trainable parameters only, no empty groups
+    members = {id(p) for p in model.parameters()}
+    for i, group in enumerate(optimizer.param_groups):
+        strays = [tuple(p.shape) for p in group["params"] if id(p) not in members]
+        if strays:
+            raise ValueError(f"spmd.backend='torchax' trains the module's parameters only: param group {i} of "
+                             f"model_parameters holds {len(strays)} tensor(s) that are not parameters of the model "
+                             f"(shapes {strays[:3]}); register them on the module (nn.Parameter) or use "
+                             "spmd.backend='torch_xla'")
+    scheduler = build_engine_scheduler(lr_scheduler, optimizer, cfg)
+    loader = None
+    if training_data is not None:
+        loader = ShardedDataLoader(training_data, batch, collate_fn=collate_fn,
+                                   drop_last=cfg.dataloader_drop_last, pad_to_multiple_of=cfg.spmd.pad_to_multiple_of,
+                                   pad_id=model_pad_id(model))
+    engine = TorchaxEngine(model, optimizer, scheduler, cfg, batch, plan, shape, runtime.device_count(), loader,
+                           config_dict)
+    return engine, optimizer, loader, scheduler
+
+

@@ -1,0 +1,759 @@
+"""The torchax backend (``"spmd": {"backend": "torchax"}``): the same engine API and sharding
+plan, with the module traced once by JAX instead of re-traced by torch_xla every step.
+
+torch_xla traces the forward and the backward again at every step (several ms per GPT-2 layer
+on the host, docs/benchmarks.md). Here the module runs as a pure function of its parameters
+under ``jax.jit`` through torchax (torch ops lowered to JAX), so a step is two cached programs:
+
+* ``engine(batch)`` in training runs ONE program: the outputs and ``jax.value_and_grad`` of
+  the loss the module returns, the gradients constrained to the plan's gradient spec (the
+  ZeRO-2 shards) and added to the accumulated ones. ``engine.backward(loss)`` only commits
+  them: it must be given the loss that forward returned, since the gradient was taken there;
+* ``engine.step()`` at the boundary runs ONE program: DeepSpeed's global-norm clipping and the
+  config optimizer's own math (``SpmdOptimizer._math``, the function the torch_xla engine's
+  fused update runs under JAX too), parameters replicated, optimizer states laid out by the
+  plan, the old buffers donated. The hyperparameters (lr from the schedule included) are a
+  traced input, so a changing lr does not recompile.
+
+What the module returns must contain the loss: a scalar, an object with ``.loss`` (Hugging
+Face outputs), or a tuple whose first item is the scalar loss. The outputs come back as
+torchax tensors (JAX arrays seen as torch tensors; torch ops on them run eagerly in JAX).
+
+Its devices: with ``SPMDZERO_BACKEND=torchax`` set before ``import spmdzero``, JAX's own (every
+TPU chip on a TPU VM, else ``CPU_NUM_DEVICES`` CPU devices) and torch_xla's runtime never starts
+(``spmdzero.runtime.jax_runtime``); without it, JAX CPU devices as many as torch_xla's runtime has, since
+that runtime, started by ``import spmdzero``, would hold any TPU. One host. fp32, or
+bf16 with fp32 master weights and DeepSpeed's overflow skip; what it refuses is checked by
+``check_config`` (docs/config.md, ``spmd.backend``).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import queue
+import threading
+import warnings
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch.utils import _pytree as torch_pytree
+
+from spmdzero.sharding.batch import BatchSizes
+from spmdzero.config.schema import DeepSpeedConfig
+from spmdzero.train.data import like, model_pad_id, pad_sequences
+from spmdzero.train.engine_base import TARGET_NAMES, DeepSpeedCounters
+from spmdzero.optim.optimizers import SpmdOptimizer
+from spmdzero.sharding.plan import ShardingPlan, replicated
+from spmdzero.optim.precision import precision_policy
+
+NEEDS_LOSS = ("the torchax backend needs the module to return its loss (a scalar, an object with .loss, or a tuple "
+              "whose first item is the scalar loss): the gradient is taken inside the traced forward, so "
+              "engine.backward(loss) must be given that loss, as forward returned it. Compute the loss in the "
+              "module's forward (wrap the model and the criterion in one module), or use the torch_xla backend")
+
+
+def _as_dicts(obj):
+    """Every non-dict mapping in ``obj`` (a ``BatchEncoding``) as a dict, for torch's pytree."""
+    from collections.abc import Mapping
+
+    if isinstance(obj, Mapping):
+        pairs = ((k, _as_dicts(v)) for k, v in obj.items())
+        return like(obj, pairs) if isinstance(obj, dict) else dict(pairs)
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_as_dicts(v) for v in obj)
+    return obj
+
+
+
+
+
+def jax_devices(count: int) -> list:
+    """``count`` JAX devices: JAX's own under ``SPMDZERO_BACKEND=torchax`` (the TPU chips on a TPU
+    VM); else JAX CPU devices, as many as torch_xla's runtime has, since that runtime holds any TPU."""
+    from spmdzero.runtime import jax_runtime
+
+    if jax_runtime.selected():
+        return jax_runtime.devices()[:count]
+    import torch_xla.runtime as xr
+
+    if xr.device_type() != "CPU":
+        raise RuntimeError(f"spmd.backend='torchax' on {xr.device_type()} needs {jax_runtime.VARIABLE}=torchax in "
+                           f"the environment before `import spmdzero`: without it, import spmdzero starts torch_xla's "
+                           f"runtime, which holds the {xr.device_type()} devices JAX would run on (in a notebook: "
+                           f"restart the kernel, set os.environ['{jax_runtime.VARIABLE}'] = 'torchax', then import "
+                           "spmdzero)")
+    return jax_runtime.cpu_devices(count)
+
+
+CLIP_EPS = 1e-6  # DeepSpeed's: clip = (norm + 1e-6) / max_norm (as engine.CLIP_EPS)
+
+
+def _jax_dtype(dtype: torch.dtype):
+    import jax.numpy as jnp
+
+    return jnp.dtype(str(dtype).removeprefix("torch."))
+
+
+def _jax_ops():
+    """The array namespace ``SpmdOptimizer._math`` is written against, on JAX (as fused.py's)."""
+    import jax.numpy as jnp
+
+    return SimpleNamespace(cast=lambda x, like: x.astype(like.dtype), sqrt=jnp.sqrt, where=jnp.where,
+                           sign=jnp.sign, norm=jnp.linalg.vector_norm, clamp=jnp.clip, ones_like=jnp.ones_like)
+
+
+@functools.lru_cache(maxsize=None)
+def _output_tensor_class():
+    """torchax tensors whose torch ops run in the torchax environment, whoever calls them, so
+    the outputs a training loop reads (``loss.item()``, ``logits.argmax(-1)``, ``loss * 2``)
+    work outside it; their results are such tensors too."""
+    import jax
+    import torchax
+    from torchax import tensor as ttensor
+
+    env = torchax.default_env()
+
+    class Output(ttensor.Tensor):
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            # host tensors mixed in (a target on the CPU) are copied to JAX, as the module's inputs
+            args, kwargs = torch_pytree.tree_map_only(
+                torch.Tensor, lambda t: t if isinstance(t, ttensor.Tensor) else ttensor.Tensor(env.t2j_copy(t), env),
+                (args, kwargs or {}))
+            with env:
+                result = func(*args, **kwargs)
+            return torch_pytree.tree_map_only(ttensor.Tensor, lambda t: Output(t._elem, env), result)
+
+        def detach(self):
+            return Output(jax.lax.stop_gradient(self._elem), env)
+
+    return Output
+
+
+class _NoLoss(Exception):
+    """Raised while tracing a training forward whose output holds no scalar loss."""
+
+
+def _find_loss(output) -> Optional[torch.Tensor]:
+    def scalar(t):
+        return isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point()
+
+    if scalar(output):
+        return output
+    loss = getattr(output, "loss", None)
+    if scalar(loss):
+        return loss
+    if isinstance(output, (tuple, list)) and output and scalar(output[0]):
+        return output[0]
+    return None
+
+
+# The torch_xla engine's public names this engine lacks (tests/test_torchax_backend.py checks
+# the list against both classes): asking for one says which backend has it.
+TORCH_XLA_ONLY = frozenset({
+    "collectives_report", "current_loss_scale", "grad_buffers", "is_compiled", "lay_out", "loss_scale",
+    "master_weights", "no_sync", "overflow", "refresh_fp32_params", "register_post_step_hook", "sharding_report",
+    "stacked_layers", "state_tensors", "step_loss", "zero_gather_16bit_weights_on_model_save",
+})
+
+
+class TorchaxEngine(DeepSpeedCounters):
+    """DeepSpeed's engine API over two jitted programs (see the module docstring)."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: SpmdOptimizer, lr_scheduler: Any, cfg: DeepSpeedConfig,
+                 batch: BatchSizes, plan: ShardingPlan, mesh_shape: dict[str, int], device_count: int,
+                 training_dataloader: Any = None, config_dict: Optional[dict] = None):
+        import jax
+        import torchax
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        self._jax = jax
+        devices = np.array(jax_devices(device_count)).reshape(tuple(mesh_shape.values()))  # before any JAX array
+        self._env = torchax.default_env()
+        self._Output = _output_tensor_class()
+        self._module = module
+        self.optimizer = self.basic_optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.training_dataloader = training_dataloader
+        self.plan = plan
+        self._config = cfg
+        self.config = dict(config_dict) if config_dict is not None else cfg.model_dump(exclude_none=True)
+        self._batch = batch
+        self.dp_world_size = self.world_size = batch.ranks
+        self.global_steps = self.global_samples = self.micro_steps = 0
+        self.device = torch.device("cpu")  # batches stay on the host (``batch.to(engine.device)``); forward places them
+        self.precision = precision_policy(cfg)
+        self._boundary_override: Optional[bool] = None
+        self.mesh = Mesh(devices, tuple(mesh_shape))
+        spec = lambda s: NamedSharding(self.mesh, PartitionSpec(*s))  # noqa: E731
+        self._sharding = spec
+        self._replicated = spec(())
+
+        # Trainable parameters by plan name; frozen ones and buffers are inputs that are not trained.
+        names = {id(p): n for n, p in module.named_parameters()}
+        optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        self._names = [n for n, p in module.named_parameters() if p.requires_grad and id(p) in optimized]
+        self._groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        trained = set(self._names)
+        self._param_specs = {n: spec(plan[n].param) for n in self._names}
+        self._grad_specs = {n: spec(plan[n].grad) for n in self._names}
+        # Under bf16 the optimizer updates fp32 master weights laid out like its states (plan.master)
+        # and the module's parameters are their bf16 casts, as in the torch_xla engine.
+        self._master_specs = {n: spec(plan[n].master) for n in self._names} if self.precision.master_weights else {}
+        self._masters = {n: self._put(p.float(), self._master_specs[n]) for n, p in module.named_parameters()
+                         if n in self._master_specs}
+        if self.precision.master_weights:
+            from spmdzero.train.build import move_in_place# module.to(dtype), keeping the optimizer's Parameters
+
+            move_in_place(module, self.precision.param_dtype)
+        self._params = {n: self._put(p.detach(), self._param_specs[n]) for n, p in module.named_parameters()
+                        if n in trained}
+        self._constants = {n: self._put(t.detach(), self._replicated)
+                           for n, t in [*module.named_parameters(), *module.named_buffers()] if n not in trained}
+        states, self._state_specs = {}, {}
+        for group, group_names in zip(optimizer.param_groups, self._groups):
+            for p, name in zip(group["params"], group_names):
+                initial = optimizer._initial_state(p.detach().float(), group)
+                self._state_specs[name] = {k: spec(plan[name].optimizer_state if tuple(v.shape) == tuple(p.shape)
+                                                   else replicated(v.dim())) for k, v in initial.items()}
+                states[name] = {k: self._put(v, self._state_specs[name][k]) for k, v in initial.items()}
+        # Every parameter steps together here (one update, one overflow skip): the optimizer's step
+        # counters are one array, not one per parameter, so fewer arrays pass through every update.
+        self._shared_state = {"step": states[self._names[0]]["step"]} if self._names and "step" in states[
+            self._names[0]] else {}
+        self._opt_state = {n: {k: v for k, v in st.items() if k not in self._shared_state} for n, st in states.items()}
+        self._state_specs = {n: {k: v for k, v in st.items() if k not in self._shared_state}
+                             for n, st in self._state_specs.items()}
+        self._accum: Optional[dict] = None  # gradients committed since the last boundary (plan's grad spec)
+        self._retired: Optional[dict] = None  # the sum the last backward replaced
+        self._retired_inputs: tuple = ()  # the last update's inputs
+        self._pending: Optional[dict] = None  # the last training forward's accumulation, until backward commits it
+        self._last_output_loss = None  # the loss tensor the last training forward returned
+        self._last_loss = None
+        self._pending_rows = self._rows_since_step = 0  # training rows fed: global_samples
+        self._global_grad_norm = None
+        self._skipped = self._put(torch.zeros(()), self._replicated)  # steps skipped for non-finite gradients
+        self._last_skip = None
+        self._module_stale = False
+        self._buffers_stale: set[str] = set()  # buffers a forward changed on the devices
+        # the host tensors, listed once: reading them per forward costs ~1 us each, walking the module ~1 ms
+        self._host_tensors = [*module.named_parameters(), *module.named_buffers()]
+        self._host_params = [p for _, p in module.named_parameters()]
+        self._trainable = self._requires_grad()
+        self._host_versions = self._versions()
+        self._deferred = None  # an eval-mode forward whose loss backward may still ask gradients of
+        self._warned_fewer_rows = False
+        _refuse_optimizer_state(optimizer)
+        _sync_before_state_dict(module, self)
+        self._rng = jax.random.key(torch.initial_seed() % (1 << 63))
+        self._programs: dict = {}  # jitted functions by static structure
+        self.traces: collections.Counter = collections.Counter()  # by program kind, counted while tracing
+        self.runs: collections.Counter = collections.Counter()  # programs executed, by kind
+        self._update = self._build_update()
+
+    # ---- placement ---------------------------------------------------------------------
+    def _put(self, t: torch.Tensor, sharding):
+        from torchax.ops import mappings
+
+        return self._jax.device_put(mappings.t2j(t.detach().cpu()), sharding)
+
+    def _place_inputs(self, leaves: list, keep_dtype: frozenset = frozenset()) -> list:
+        """Tensors to JAX arrays: those with the batch's leading dim split along the batch axes
+        (replicated when it does not divide), others replicated; torchax tensors as they are.
+        Floating ones in the model dtype, except those whose id is in ``keep_dtype`` (targets)."""
+        from torchax import tensor as ttensor
+
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        rows = next((t.shape[0] for t in tensors if t.dim()), None)
+        split = rows is not None and rows % self._batch.dp_devices == 0
+        placed = []
+        for t in tensors:
+            if t.is_floating_point() and not isinstance(t, ttensor.Tensor) and id(t) not in keep_dtype:
+                t = t.to(self.precision.param_dtype)  # in the model dtype, as the torch_xla engine does
+            if isinstance(t, ttensor.Tensor):
+                placed.append(t._elem)
+            elif split and t.dim() and t.shape[0] == rows:
+                placed.append(self._put(t, self._sharding(self.plan.batch_spec(t.dim()))))
+            else:
+                placed.append(self._put(t, self._replicated))
+        return placed
+
+    # ---- the module ----------------------------------------------------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        """The torch module, its parameters brought up to date from the devices when a step
+        changed them since the last read (a device-to-host copy)."""
+        if self._module_stale or self._buffers_stale:
+            from torchax.ops import mappings
+
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # it is copied
+                if self._module_stale:
+                    for name, p in self._module.named_parameters():
+                        if name in self._params:
+                            p.copy_(mappings.j2t(self._params[name], use_dlpack=False))
+                for name, b in self._module.named_buffers():
+                    if name in self._buffers_stale:
+                        b.copy_(mappings.j2t(self._constants[name], use_dlpack=False))
+            self._module_stale, self._buffers_stale = False, set()
+            self._host_versions = self._versions()
+        return self._module
+
+    def _versions(self) -> list[int]:
+        """Each host parameter's and buffer's in-place version: a change made on the host (a
+        ``load_state_dict``, an edit under ``no_grad``) shows as a new version."""
+        return [t._version for _, t in self._host_tensors]
+
+    def _requires_grad(self) -> list[bool]:
+        return [p.requires_grad for p in self._host_params]
+
+    def _take_host_changes(self) -> None:
+        """Before a forward: parameters and buffers changed on the host since the engine last
+        wrote or read them go to the devices (fp32 master weights too), as the torch_xla
+        engine's module is its device copy. A parameter frozen or unfrozen after initialize is
+        refused: this backend fixes the trained set when it traces the update."""
+        if self._requires_grad() != self._trainable:
+            changed = [n for n, p in self._module.named_parameters() if p.requires_grad != (n in self._params)]
+            raise RuntimeError(f"spmd.backend='torchax': requires_grad changed after spmdzero.initialize for "
+                               f"{changed[:5]}; this backend trains the parameters that required grad at "
+                               "initialize. Freeze parameters before initialize, or use spmd.backend='torch_xla'")
+        versions = self._versions()
+        if versions == self._host_versions:
+            return
+        # what the host changed wins over a step's results not yet copied back (those are the
+        # devices' own and stay there)
+        for (name, t), version, before in zip(self._host_tensors, versions, self._host_versions):
+            if version != before:
+                t = t.detach()
+                if name in self._params:
+                    self._params[name] = self._put(t, self._param_specs[name])
+                    if name in self._masters:
+                        self._masters[name] = self._put(t.float(), self._master_specs[name])
+                else:
+                    self._constants[name] = self._put(t, self._replicated)
+                    self._buffers_stale.discard(name)
+        self._host_versions = versions
+
+    def train(self, mode: bool = True) -> "TorchaxEngine":
+        self._module.train(mode)
+        return self
+
+    def eval(self) -> "TorchaxEngine":
+        return self.train(False)
+
+    @property
+    def training(self) -> bool:
+        return self._module.training
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """Named as DeepSpeed's engine names them, under ``module.``."""
+        return self.module.named_parameters(prefix=f"{prefix}module", recurse=recurse,
+                                            remove_duplicate=remove_duplicate)
+
+    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The module's state dict, keys under ``module.`` as DeepSpeed's engine (an nn.Module) has them."""
+        return self.module.state_dict(destination=destination, prefix=f"{prefix}module.", keep_vars=keep_vars)
+
+    def __getattr__(self, name: str):
+        """Attributes the engine lacks come from the module, as in DeepSpeed."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return getattr(self.module, name)
+        except AttributeError:
+            if name in TORCH_XLA_ONLY:
+                raise AttributeError(f"engine.{name} is not supported by the torchax backend (spmd.backend="
+                                     "'torchax', see docs/config.md#the-torchax-backend); spmd.backend='torch_xla' "
+                                     "has it") from None
+            raise AttributeError(f"neither the engine nor its module ({type(self._module).__name__}) has an "
+                                 f"attribute {name!r}") from None
+
+    # ---- the training step -----------------------------------------------------------------
+    def __call__(self, *inputs, **kwargs):
+        return self.forward(*inputs, **kwargs)
+
+    def forward(self, *inputs, **kwargs):
+        """Run the module in one jitted program; in training (train mode, grad enabled) it also
+        takes the gradient of the loss the module returns (see the module docstring)."""
+        if self._config.spmd.pad_to_multiple_of:
+            inputs, kwargs = pad_sequences((inputs, kwargs), self._config.spmd.pad_to_multiple_of,
+                                           model_pad_id(self._module))
+        # a mapping that is not a dict (transformers' BatchEncoding) is one leaf to torch's pytree
+        inputs, kwargs = _as_dicts(inputs), _as_dicts(kwargs)
+        leaves, treespec = torch_pytree.tree_flatten((inputs, kwargs))
+        static = tuple((i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor))
+        targets = {id(t) for name in TARGET_NAMES & set(kwargs)
+                   for t in torch_pytree.tree_leaves(kwargs[name]) if isinstance(t, torch.Tensor)}
+        self._take_host_changes()
+        arrays = self._place_inputs(leaves, keep_dtype=targets)
+        rng = (self._rng, np.uint32(self.micro_steps))  # dropout draws anew at every micro-step
+        rows = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim()), None)
+        training = self._module.training
+        if training and torch.is_grad_enabled():
+            self._last_output_loss = self._deferred = None
+            outputs, program = self._train(treespec, static, rng, arrays, rows, training)
+            if outputs is not None:
+                result = self._outputs(outputs, program)
+                self._last_output_loss = self._last_loss = program.loss_of(result)
+                return result
+            # the output holds no loss (found while tracing): a plain forward; backward will explain
+        program = self._program("forward", treespec, static, training)
+        self.runs["forward"] += 1
+        outputs, constants = program(self._params, self._constants, rng, arrays)
+        self._take_constants(constants)
+        result = self._outputs(outputs, program)
+        loss = _find_loss(result) if torch.is_grad_enabled() and not training else None
+        if loss is not None:
+            # eval mode with grad enabled (fine-tuning with dropout off): the gradients are taken
+            # only if backward asks for them, by the training program in eval mode
+            self._deferred = SimpleNamespace(loss=loss, treespec=treespec, static=static, arrays=arrays, rng=rng,
+                                             rows=rows)
+        return result
+
+    def _take_constants(self, changed: dict) -> None:
+        """Buffers a forward changed: the devices' values, copied to the module when it is read."""
+        if changed:
+            self._constants = {**self._constants, **changed}
+            self._buffers_stale.update(changed)
+
+    def _train(self, treespec, static: tuple, rng, arrays: list, rows: Optional[int], training: bool):
+        """Run the training program (forward and gradient, added to the accumulation as pending),
+        held to the batch rule. Returns (its outputs, the program); outputs None when the
+        module's output holds no loss."""
+        if rows is not None:
+            self._check_training_rows(rows)
+        program = self._program("train" if self._accum is None else "accumulate", treespec, static, training)
+        ran = None if program.no_loss else program(self._params, self._constants, self._accum, rng, arrays)
+        if ran is None:
+            return None, program
+        self.runs["forward"] += 1
+        outputs, constants, self._pending = ran
+        self._pending_rows = rows or 0
+        self._take_constants(constants)
+        return outputs, program
+
+    def _outputs(self, arrays: list, program):
+        spec, others = program.out_spec
+        leaves = [self._Output(a, self._env) for a in arrays]
+        for i, value in others:
+            leaves.insert(i, value)
+        return torch_pytree.tree_unflatten(leaves, spec)
+
+    def _program(self, kind: str, treespec, static: tuple, training: bool):
+        """The jitted program for ``kind``, these inputs' structure and the module's mode (traced
+        in it: dropout on or off)."""
+        key = (kind, training, treespec, _hashable(static))
+        if key not in self._programs:
+            self._programs[key] = self._build_forward(kind, treespec, static)
+        return self._programs[key]
+
+    def _build_forward(self, kind: str, treespec, static: tuple):
+        """A jitted run of the module for one input structure: ``kind`` "forward":
+        ``(params, constants, rng, inputs) -> (outputs, changed buffers)``; "train" (the first
+        micro-step) and "accumulate" (later ones): ``(params, constants, accum, rng, inputs) ->
+        (outputs, changed buffers, accumulated gradients)``, or None when the output holds no loss."""
+        import jax
+
+        env, module, names, policy = self._env, self._module, set(self._names), self.precision
+        gas = self.gradient_accumulation_steps()
+        out_spec: list = []  # (treespec, [(index, non-tensor leaf)]), filled while tracing
+        loss_leaf: list = []
+
+        def flatten_output(output) -> list:
+            """The output's tensors as JAX arrays; its other leaves are kept if they are plain
+            values, else dropped (None): a transformers cache holds traced arrays."""
+            leaves, spec = torch_pytree.tree_flatten(output)
+            plain = (int, float, str, bool, type(None))
+            out_spec[:] = [spec, [(i, v if isinstance(v, plain) else None) for i, v in enumerate(leaves)
+                                  if not isinstance(v, torch.Tensor)]]
+            return [env.t2j_iso(t) for t in leaves if isinstance(t, torch.Tensor)]
+
+        def run(params, constants, rng, arrays):
+            leaves = list(arrays)
+            for i, value in static:
+                leaves.insert(i, value)
+            inputs, kwargs = torch_pytree.tree_unflatten(leaves, treespec)
+            tensors = env.j2t_iso({**params, **constants})
+            inputs, kwargs = env.j2t_iso((inputs, kwargs))
+            # functional_call puts the host tensors back when it returns, except under a submodule
+            # registered twice (``self.alias = self.shared``): there the traced ones stayed. Put back here.
+            held = [(m, dict(m._parameters), dict(m._buffers)) for m in module.modules()]
+            try:
+                with env, env.override_property(prng=jax.random.fold_in(*rng)):
+                    output = torch.func.functional_call(module, tensors, inputs, kwargs)
+            finally:
+                for m, params, buffers in held:
+                    m._parameters.update(params)
+                    m._buffers.update(buffers)
+            # buffers the module updated in place (running statistics) are returned as new values
+            changed = {n: t._elem for n, t in tensors.items() if n not in names and t._elem is not constants[n]}
+            return output, changed
+
+        def program_forward(params, constants, rng, arrays):
+            self.traces["forward"] += 1
+            output, changed = run(params, constants, rng, arrays)
+            return flatten_output(output), changed
+
+        def program_train(params, constants, accum, rng, arrays):
+            self.traces["train_forward"] += 1
+
+            def objective(params):
+                output, changed = run(params, constants, rng, arrays)
+                loss = _find_loss(output)
+                if loss is None:
+                    raise _NoLoss
+                outputs = flatten_output(output)
+                tensors = [t for t in torch_pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+                loss_leaf[:] = [next(i for i, t in enumerate(tensors) if t is loss)]
+                value = env.t2j_iso(loss).reshape(())
+                # DeepSpeed's backward scales the loss by 1/gradient_accumulation_steps
+                return (value / gas if gas > 1 else value), (outputs, changed)
+
+            grads, (outputs, changed) = jax.grad(objective, has_aux=True)(params)
+            # reduced in communication_data_type, accumulated in grad_accum_dtype (both the model's by default)
+            comm, accumulated = _jax_dtype(policy.communication_dtype), _jax_dtype(policy.grad_accum_dtype)
+            grads = {n: jax.lax.with_sharding_constraint(g.astype(comm), self._grad_specs[n]).astype(accumulated)
+                     for n, g in grads.items()}
+            if kind == "accumulate":
+                grads = {n: jax.lax.with_sharding_constraint(accum[n] + g, self._grad_specs[n])
+                         for n, g in grads.items()}
+            return outputs, changed, grads
+
+        if kind != "forward":
+            jitted = jax.jit(program_train)
+
+            def call(params, constants, accum, rng, arrays):
+                try:
+                    return jitted(params, constants, accum, rng, arrays)
+                except _NoLoss:
+                    call.no_loss = True
+                    return None
+        else:
+            jitted = jax.jit(program_forward)
+
+            def call(params, constants, rng, arrays):
+                return jitted(params, constants, rng, arrays)
+        call.no_loss = False
+        call.out_spec = out_spec
+        call.loss_of = lambda result: [t for t in torch_pytree.tree_leaves(result)
+                                       if isinstance(t, torch.Tensor)][loss_leaf[0]]
+        return call
+
+    def backward(self, loss, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """Commit the gradients the training forward took of ``loss``. Returns the loss scaled
+        by 1/gradient_accumulation_steps, as DeepSpeed does."""
+        deferred = self._deferred
+        if loss is not None and loss is not self._last_output_loss and deferred is not None and loss is deferred.loss:
+            # the eval-mode forward's gradients, taken now
+            outputs, _ = self._train(deferred.treespec, deferred.static, deferred.rng, deferred.arrays, deferred.rows,
+                                     False)
+            if outputs is not None:
+                self._last_output_loss = self._last_loss = loss
+            self._deferred = None
+        if loss is None or loss is not self._last_output_loss:
+            raise RuntimeError(f"engine.backward(loss): {NEEDS_LOSS}")
+        if not scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            raise ValueError("engine.backward(scale_wrt_gas=False) is not supported by the torchax backend: the "
+                             "traced forward scales the loss by 1/gradient_accumulation_steps")
+        _release_in_background(self._retired)
+        self._retired = self._accum  # released one micro-step later (see _take_model_step)
+        self._accum, self._pending, self._last_output_loss = self._pending, None, None
+        self._rows_since_step += self._pending_rows
+        gas = self.gradient_accumulation_steps()
+        return loss / gas if gas > 1 else loss
+
+    def step(self, lr_kwargs: Optional[dict] = None) -> None:
+        """Apply the update at an accumulation boundary; count every call."""
+        if self.is_gradient_accumulation_boundary():
+            if self._accum is None:
+                raise RuntimeError("engine.step() at a gradient accumulation boundary with no engine.backward() "
+                                   "since the last optimizer step: there are no gradients to apply")
+            self._take_model_step(lr_kwargs)
+        self.micro_steps += 1
+
+    def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
+        hyper = [np.array(list(self.optimizer._hyper_values(g).values()), dtype=np.float32)
+                 for g in self.optimizer.param_groups]
+        # The inputs, donated, are released at the next boundary: dropping the last reference to an
+        # array that a dispatched program still uses blocks the host until that program has run.
+        _release_in_background(self._retired_inputs)
+        self._retired_inputs = (self._params, self._masters, self._opt_state, self._shared_state, self._accum,
+                                self._skipped)
+        self._accum = None
+        self.runs["update"] += 1
+        with warnings.catch_warnings():  # the gradients are donated to be freed, not to hold results
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            (self._params, self._masters, self._opt_state, self._shared_state, self._global_grad_norm, self._skipped,
+             self._last_skip) = self._update(*self._retired_inputs, hyper)
+        self._module_stale = True
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.global_steps += 1
+        self.global_samples += self._rows_since_step or self.train_batch_size()
+        self._rows_since_step = 0
+
+    def _build_update(self):
+        """``(params, masters, states, shared states, grads, skipped, hyperparameters) -> (params,
+        masters, states, shared states, norm, skipped, skip)``, jitted, all but the hyperparameters
+        donated: the engine's boundary step (clipping, the optimizer's math, the overflow skip under
+        bf16). The shared states (the step counter) are every parameter's."""
+        import jax
+        import jax.numpy as jnp
+
+        optimizer, ops, clipping = self.optimizer, _jax_ops(), self._config.gradient_clipping
+        groups = [(names, list(optimizer._hyper_values(g)), {k: v for k, v in g.items() if isinstance(v, bool)})
+                  for names, g in zip(self._groups, optimizer.param_groups)]
+        order, policy = self._names, self.precision
+        param_dtype = _jax_dtype(policy.param_dtype)
+
+        def update(params, masters, states, shared, grads, skipped, hyper):
+            self.traces["update"] += 1
+            sum_sq = 0  # the torch_xla engine's global norm: fp32, in parameter order
+            for name in order:
+                g = grads[name].astype(jnp.float32)
+                sum_sq = sum_sq + (g * g).sum()
+            norm = jnp.sqrt(sum_sq)
+            inverse = None
+            if clipping > 0:
+                inverse = 1.0 / jnp.maximum((norm + CLIP_EPS) / clipping, 1.0)
+            # a non-finite sum is an overflow: the old values are kept (DeepSpeed skips the step)
+            skip = ~jnp.isfinite(sum_sq) if policy.check_overflow else None
+            targets = masters if masters else params
+            new_targets, new_states, new_shared = dict(targets), dict(states), dict(shared)
+            for (names, keys, static), values in zip(groups, hyper):
+                hp = {k: values[i] for i, k in enumerate(keys)}
+                for name in names:
+                    new_targets[name], new_state = optimizer.scaled_math(
+                        targets[name], grads[name], {**states[name], **shared}, hp, static, ops, grad_scale=inverse,
+                        skip=skip)
+                    new_shared.update((k, new_state.pop(k)) for k in shared)  # the same value for every parameter
+                    new_states[name] = new_state
+            skip = jnp.zeros((), bool) if skip is None else skip
+            if not masters:
+                return new_targets, masters, new_states, new_shared, norm, skipped + skip, skip
+            new_params = {n: t.astype(param_dtype) for n, t in new_targets.items()}  # all-gathered in bf16
+            return new_params, new_targets, new_states, new_shared, norm, skipped + skip, skip
+
+        rep = self._replicated
+        shardings = (self._param_specs, self._master_specs, self._state_specs, {k: rep for k in self._shared_state},
+                     rep, rep, rep)
+        return jax.jit(update, out_shardings=shardings, donate_argnums=(0, 1, 2, 3, 4, 5))
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients (DeepSpeed sets them to None)."""
+        self._accum = self._pending = None
+
+    # ---- reporting -------------------------------------------------------------------------------
+    def get_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def get_mom(self) -> list:
+        return [tuple(g["betas"]) if "betas" in g else g.get("momentum") for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        return None if self._global_grad_norm is None else float(self._global_grad_norm)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients (bf16's overflow check); reads the device."""
+        return int(self._skipped)
+
+    def was_step_applied(self) -> bool:
+        """Whether the last optimizer step changed the parameters (False before the first)."""
+        return self.global_steps > 0 and (self._last_skip is None or not bool(self._last_skip))
+
+    def last_loss(self) -> Optional[float]:
+        return None if self._last_loss is None else float(self._last_loss.numpy())
+
+    def optimizer_states(self) -> dict[str, dict[str, Any]]:
+        """The optimizer states by parameter name and key, as JAX arrays (laid out by the plan);
+        the step counter is one array, the same in every parameter's states."""
+        return {n: {**st, **self._shared_state} for n, st in self._opt_state.items()}
+
+    def params(self) -> dict[str, Any]:
+        """The trainable parameters by name, as JAX arrays (replicated)."""
+        return self._params
+
+    def wait(self) -> None:
+        """Block until the dispatched programs have run."""
+        self._jax.block_until_ready((self._params, self._opt_state, self._accum))
+
+    def compile(self, *args, **kwargs) -> None:
+        raise NotImplementedError("engine.compile() does not apply to the torchax backend: its programs are "
+                                  "compiled by jax.jit")
+
+    def save_checkpoint(self, *args, **kwargs):
+        raise NotImplementedError("checkpoints are not supported by the torchax backend (spmd.backend='torchax'); "
+                                  "engine.module holds the trained weights")
+
+    load_checkpoint = save_checkpoint
+
+    def destroy(self) -> None:
+        """Nothing to release: device memory goes with the arrays."""
+
+
+def _refuse_optimizer_state(optimizer) -> None:
+    """This backend keeps the optimizer states on the devices, as JAX arrays: the torch
+    optimizer's own (empty) state dict would save nothing and load nothing, silently."""
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("optimizer.state_dict()/load_state_dict() are not supported by the torchax backend "
+                                  "(spmd.backend='torchax'): its optimizer states live on the devices "
+                                  "(engine.optimizer_states()); use spmd.backend='torch_xla' for checkpoints")
+
+    optimizer.state_dict = optimizer.load_state_dict = refuse
+
+
+def _sync_before_state_dict(module: torch.nn.Module, engine: "TorchaxEngine") -> None:
+    """``model.state_dict()`` (``save_pretrained``, ``torch.save``) on the script's own reference
+    to the model first brings the trained weights back from the devices, as ``engine.module``
+    does. A weak reference: the hook does not keep the engine alive."""
+    import weakref
+
+    ref = weakref.ref(engine)
+
+    def sync(*_):
+        live = ref()
+        if live is not None:
+            live.module  # noqa: B018 (the property copies device values to the host when stale)
+
+    # one engine's hooks per model: a model initialized again (a re-run notebook cell) is the
+    # new engine's, and the old one must not write its values back into it
+    for handle in getattr(module, "_spmdzero_state_dict_hooks", ()):
+        handle.remove()
+    module._spmdzero_state_dict_hooks = [sub.register_state_dict_pre_hook(sync) for sub in module.modules()]
+
+
+def _release_in_background(arrays) -> None:
+    """Drop ``arrays`` (an update's inputs: some hundreds of JAX arrays) on a helper thread:
+    releasing a JAX array costs the host a few microseconds, milliseconds a step that the training
+    loop's thread would otherwise spend (docs/benchmarks.md, the torchax backend)."""
+    if arrays is not None:
+        _release_queue().put(arrays)
+
+
+@functools.lru_cache(maxsize=None)
+def _release_queue() -> queue.SimpleQueue:
+    """One daemon thread for the process (every engine), started at the first release."""
+    releases: queue.SimpleQueue = queue.SimpleQueue()
+
+    def release_forever():
+        while True:
+            arrays = releases.get()
+            del arrays  # the last reference: the arrays are released here, not in the training loop
+
+    threading.Thread(target=release_forever, name="spmdzero-release", daemon=True).start()
+    return releases
+
+
+def _hashable(static: tuple) -> tuple:
+    try:
+        hash(static)
+        return static
+    except TypeError:
+        return tuple((i, repr(v)) for i, v in static)

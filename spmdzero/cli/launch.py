@@ -1,0 +1,151 @@
+"""``spmdzero launch [DEEPSPEED LAUNCHER OPTIONS] SCRIPT [ARGS...]``: run an unmodified
+DeepSpeed training script the way ``deepspeed SCRIPT ARGS`` does on GPUs, but as one
+process per host that drives all of the host's devices.
+
+The script runs in this process (``runpy``) after ``import deepspeed`` has been aliased
+to spmdzero's compatibility layer (``spmdzero.compat.alias``). As DeepSpeed's launcher,
+it sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_SIZE``, ``CROSS_RANK``,
+``CROSS_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``, and passes ``--local_rank=0``. On a
+pod, run the same command on every host: the process index and count come from the XLA
+runtime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import sys
+from typing import Optional
+
+DEFAULT_PORT = 29500
+
+# DeepSpeed launcher options that select GPUs, nodes or a remote launcher: under
+# spmdzero each host runs one process that drives all of its devices, and the XLA
+# runtime knows the hosts, so these have no meaning here.
+_IGNORED = {
+    "--hostfile": str, "--include": str, "--exclude": str,
+    "--num_nodes": int, "--num_gpus": int, "--num_accelerators": int, "--min_elastic_nodes": int,
+    "--max_elastic_nodes": int, "--node_rank": int, "--launcher": str, "--launcher_args": str,
+    "--enable_each_rank_log": str, "--autotuning": str, "--bind_core_list": str, "--ssh_port": int,
+    "--venv_script": str, "--log_level": str,
+}
+_IGNORED_FLAGS = ("--no_ssh", "--no_ssh_check", "--force_multi", "--save_pid", "--elastic_training",
+                  "--bind_cores_to_rank", "--quiet")
+_SHORT = {"--hostfile": "-H", "--include": "-i", "--exclude": "-e", "--quiet": "-q"}  # DeepSpeed's aliases
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="spmdzero launch", allow_abbrev=False,
+        description="Run a DeepSpeed training script on this host's XLA devices (one process per host; run the "
+                    "same command on every host of a pod). `import deepspeed` resolves to spmdzero.")
+    parser.add_argument("--master_addr", default=None, help="address of the first host (several hosts)")
+    parser.add_argument("--master_port", type=int, default=None, help=f"rendezvous port (default {DEFAULT_PORT})")
+    parser.add_argument("--module", action="store_true", help="SCRIPT is a module name (python -m)")
+    parser.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank=0 to the script")
+    parser.add_argument("--spmd", default=None, metavar="JSON",
+                        help='spmdzero settings for the script\'s deepspeed.initialize, merged under its config\'s '
+                             '"spmd" section, e.g. \'{"pad_to_multiple_of": 64}\' (see docs/config.md)')
+    parser.add_argument("--no_python", action="store_true", help=argparse.SUPPRESS)
+    for name, kind in _IGNORED.items():
+        parser.add_argument(name, *filter(None, [_SHORT.get(name)]), type=kind, default=None, help=argparse.SUPPRESS)
+    for name in _IGNORED_FLAGS:
+        parser.add_argument(name, *filter(None, [_SHORT.get(name)]), action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("user_script", help="the training script (or module with --module)")
+    parser.add_argument("user_args", nargs=argparse.REMAINDER, help="the script's arguments")
+    return parser
+
+
+def _ignored_options(args: argparse.Namespace) -> list[str]:
+    given = []
+    for name in list(_IGNORED) + list(_IGNORED_FLAGS):
+        dest = name.lstrip("-").replace("-", "_")
+        value = getattr(args, dest, None)
+        if value not in (None, False):
+            given.append(name if value is True else f"{name}={value}")
+    return given
+
+
+def _master_addr(given: Optional[str], process_count: int) -> str:
+    if given:
+        return given
+    if "MASTER_ADDR" in os.environ:
+        return os.environ["MASTER_ADDR"]
+    if process_count == 1:
+        return "127.0.0.1"
+    try:  # a TPU pod: the first worker's address, from the TPU metadata
+        from torch_xla._internal import tpu
+
+        return tpu.discover_master_worker_ip()
+    except Exception as err:
+        raise SystemExit(f"spmdzero launch: {process_count} hosts and no master address: pass --master_addr "
+                         f"(the first host's address) or set MASTER_ADDR ({err})") from None
+
+
+def set_launcher_env(process_index: int, process_count: int, master_addr: str, master_port: int) -> None:
+    """What DeepSpeed's launcher exports to each process, for one process per host."""
+    os.environ.update({
+        "RANK": str(process_index), "LOCAL_RANK": "0", "WORLD_SIZE": str(process_count), "LOCAL_SIZE": "1",
+        "CROSS_RANK": str(process_index), "CROSS_SIZE": str(process_count),
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+    })
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.no_python:
+        print("spmdzero launch: --no_python is not supported (the script runs inside this Python process)",
+              file=sys.stderr)
+        return 2
+    ignored = _ignored_options(args)
+    if ignored:
+        print(f"spmdzero launch: ignoring {', '.join(ignored)}: one process per host drives every local device; "
+              "on a pod, run this same command on every host", file=sys.stderr)
+
+    spmd = {}
+    if args.spmd:
+        try:
+            spmd = json.loads(args.spmd)
+        except json.JSONDecodeError as err:
+            print(f"spmdzero launch: --spmd is not JSON ({err}): {args.spmd!r}", file=sys.stderr)
+            return 2
+        if not isinstance(spmd, dict):
+            print(f"spmdzero launch: --spmd must be a JSON object, got {args.spmd!r}", file=sys.stderr)
+            return 2
+
+    os.environ.pop("SPMDZERO_NO_RUNTIME", None)  # the console entry point sets it for its other commands
+    from spmdzero import runtime
+    from spmdzero.compat import alias
+
+    runtime.start()
+    index, count = runtime.hosts()
+    port = args.master_port or int(os.environ.get("MASTER_PORT", DEFAULT_PORT))
+    set_launcher_env(index, count, _master_addr(args.master_addr, count), port)
+    try:
+        alias.install()
+    except RuntimeError as err:
+        print(f"spmdzero launch: {err}", file=sys.stderr)
+        return 1
+    from spmdzero.compat import deepspeed
+
+    deepspeed.SPMD_DEFAULTS.update(spmd)  # checked with the rest of the config by deepspeed.initialize
+
+    script_args = ([] if args.no_local_rank else ["--local_rank=0"]) + args.user_args
+    if args.module:
+        sys.argv = [args.user_script] + script_args
+        runpy.run_module(args.user_script, run_name="__main__", alter_sys=True)
+        return 0
+    script = os.path.abspath(args.user_script)
+    if not os.path.isfile(script):
+        print(f"spmdzero launch: no such script: {args.user_script}", file=sys.stderr)
+        return 2
+    sys.argv = [args.user_script] + script_args
+    sys.path.insert(0, os.path.dirname(script))  # as `python SCRIPT` does
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

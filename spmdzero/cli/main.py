@@ -1,0 +1,127 @@
+"""The ``spmdzero`` command: ``config check`` (what a DeepSpeed config means to spmdzero,
+before anything runs), ``checkpoint consolidate`` (one plain state dict), which need no
+device (the console entry point does not start the XLA runtime for them), and ``launch``
+(run a DeepSpeed script, ``spmdzero.cli.launch``), which starts it."""
+
+from __future__ import annotations
+import argparse
+import sys
+import numpy as np
+from spmdzero.config.errors import ConfigError
+from spmdzero.aot.command import positive_int
+from spmdzero.cli.config_check import config_check
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line naming the argument (exit 2), like every other CLI error."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def main(argv=None) -> int:
+    """Exit 0 on success, 2 on any error, reported as one line on stderr."""
+    from spmdzero import runtime
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:  # its options and the script's pass through untouched
+        from spmdzero.cli.launch import main as launch_main
+
+        return launch_main(argv[1:])
+    parser = _Parser(prog="spmdzero", description="spmdzero tools")
+    commands = parser.add_subparsers(dest="command", required=True)
+    config = commands.add_parser("config", help="inspect a DeepSpeed config").add_subparsers(dest="action",
+                                                                                              required=True)
+    check = config.add_parser("check", help="resolve and validate a DeepSpeed config")
+    check.add_argument("path", help="ds_config.json")
+    check.add_argument("--devices", type=positive_int, default=None, help="device count (default: this machine's)")
+    check.add_argument("--params", type=positive_int, default=None, help="model parameters, for the memory estimate")
+    ckpt = commands.add_parser("checkpoint", help="checkpoint tools").add_subparsers(dest="action", required=True)
+    merge = ckpt.add_parser("consolidate", help="one state dict a plain nn.Module loads (like zero_to_fp32.py)")
+    merge.add_argument("ckpt_dir")
+    merge.add_argument("out")
+    merge.add_argument("--tag", default=None, help="checkpoint tag (default: the one in 'latest')")
+    merge.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    merge.add_argument("--safetensors", action="store_true", help="write safetensors instead of torch.save")
+    importer = ckpt.add_parser("import-deepspeed", help="convert a DeepSpeed ZeRO-1/2 checkpoint")
+    importer.add_argument("ds_dir")
+    importer.add_argument("out")
+    importer.add_argument("--tag", default=None, help="checkpoint tag (default: the one in 'latest')")
+    commands.add_parser("launch", help="run a DeepSpeed training script here: `import deepspeed` gives spmdzero "
+                                       "(spmdzero launch [LAUNCHER OPTIONS] SCRIPT [ARGS...])")
+    aot = commands.add_parser("aot", help="compile the training step for a TPU topology (needs libtpu, not a TPU)")
+    from spmdzero.aot.command import add_arguments
+
+    add_arguments(aot)
+    args = parser.parse_args(argv)
+    if args.command == "aot":
+        return _run_aot(args)
+    if args.command == "checkpoint" and args.action == "import-deepspeed":
+        from spmdzero.io.checkpoint_format import CheckpointError
+        from spmdzero.io.deepspeed_import import import_deepspeed
+
+        try:
+            print(f"wrote {import_deepspeed(args.ds_dir, args.out, args.tag)}")
+        except (CheckpointError, OSError) as err:
+            print(f"checkpoint {args.ds_dir}: {_one_line(err)}", file=sys.stderr)
+            return 2
+        return 0
+    if args.command == "checkpoint":
+        from spmdzero.io.checkpoint_format import CheckpointError
+        from spmdzero.io.consolidate import consolidate
+
+        try:
+            shapes = consolidate(args.ckpt_dir, args.out, args.tag, args.dtype, args.safetensors)
+        except (CheckpointError, OSError) as err:
+            print(f"checkpoint {args.ckpt_dir}: {_one_line(err)}", file=sys.stderr)
+            return 2
+        total = sum(int(np.prod(s)) for s in shapes.values())
+        print(f"wrote {args.out}: {len(shapes)} tensors, {total:,} values ({args.dtype})")
+        return 0
+    devices = args.devices if args.devices is not None else runtime.visible_device_count()
+    try:
+        print(config_check(args.path, devices, args.params))
+    except (ConfigError, OSError) as err:
+        print(f"config {args.path}: {_one_line(err)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _one_line(err: Exception) -> str:
+    if isinstance(err, OSError) and err.filename is not None:
+        return f"{err.strerror}: {err.filename!r}"
+    return " ".join(str(err).split())
+
+
+def _run_aot(args) -> int:
+    """Trace in a child process with one CPU device per chip (a quarter of them from 128 chips:
+    spmdzero.tpu.retarget), then compile for the TPU."""
+    import os
+    import subprocess
+
+    from spmdzero.tpu.capture import check_traceable
+
+    try:
+        devices = check_traceable(args.topology)
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return 1
+    env = {**os.environ, "CPU_NUM_DEVICES": str(devices), "PJRT_DEVICE": "CPU"}
+    env.pop("SPMDZERO_NO_RUNTIME", None)
+    env.pop("SPMDZERO_BACKEND", None)  # the trace is torch_xla's (the default engine's step), whatever this shell runs
+    command = [sys.executable, "-m", "spmdzero.aot", *sys_argv_after(args)]
+    return subprocess.run(command, env=env).returncode
+
+
+def sys_argv_after(args) -> list[str]:
+    """The ``aot`` options again, for the child process."""
+    from spmdzero.aot.command import scan_layers_args
+
+    out = ["--topology", args.topology, "--deepspeed_config", args.deepspeed_config,
+           "--stages", ",".join(map(str, args.stages))]
+    for flag, value in (("--model", args.model), ("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch)):
+        if value is not None:
+            out += [flag, str(value)]
+    out += [flag for flag, on in (("--materialize", args.materialize), ("--find-max-batch", args.find_max_batch))
+            if on]
+    return out + scan_layers_args(args.scan_layers) + (["--json"] if args.json else [])

@@ -1,0 +1,254 @@
+"""Reading a DeepSpeed config: a dict, a JSON/HJSON file (duplicate keys refused, as
+DeepSpeed refuses them), base64, or ``args.deepspeed_config``; DeepSpeed's aliases; the
+classification of switched-on keys (``keys``); and the validation into ``schema.DeepSpeedConfig``,
+whose errors are rewritten to name the key."""
+
+from __future__ import annotations
+import difflib
+import json
+import os
+import warnings
+from typing import Any, Mapping, Optional
+from pydantic import ValidationError
+from spmdzero.config.errors import ConfigError
+from spmdzero.config.keys import NOOP_KEYS, NOOP_VALID_VALUES, OFF_VALUES, REFUSED_KEYS, ZERO3_REASON
+from spmdzero.config.schema import DeepSpeedConfig
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]], source: str) -> dict:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ConfigError(f"{source}: duplicate key {key!r}")
+        seen[key] = value
+    return seen
+
+
+def read_config_file(path: str | os.PathLike) -> dict:
+    """Read a JSON (or HJSON, as DeepSpeed allows) file, refusing duplicate keys."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        decoded = _base64_config(path)
+        if decoded is None:
+            raise ConfigError(f"DeepSpeed config file not found: {path!r} (nor is it a base64-encoded config)")
+        text, path = decoded, "config (base64)"
+    else:
+        with open(path) as f:
+            text = f.read()
+    if not text.strip():
+        raise ConfigError(f"DeepSpeed config file {path!r} is empty")
+    hook = lambda pairs: _no_duplicate_keys(pairs, path)  # noqa: E731
+    try:
+        return json.loads(text, object_pairs_hook=hook)
+    except json.JSONDecodeError as json_err:
+        try:
+            import hjson
+        except ImportError:
+            raise ConfigError(f"{path}: not valid JSON ({json_err})") from None
+        try:
+            return dict(hjson.loads(text, object_pairs_hook=hook))
+        except ConfigError:
+            raise
+        except Exception as err:
+            raise ConfigError(f"{path}: neither valid JSON nor HJSON ({err})") from None
+
+
+def _base64_config(value: str) -> Optional[str]:
+    """DeepSpeed also takes the config as base64-encoded JSON (its launcher and autotuner pass
+    it so): the decoded text, or None when ``value`` is not that."""
+    import base64
+    import binascii
+
+    if not value or os.sep in value or value.endswith((".json", ".hjson")):
+        return None
+    try:
+        text = base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)).decode("utf-8")
+    except (binascii.Error, ValueError, UnicodeDecodeError):
+        return None
+    return text if text.lstrip().startswith("{") else None
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            section_path, bad = e["loc"][:-1], str(e["loc"][-1])
+            model: Any = DeepSpeedConfig
+            for part in section_path:
+                model = model.model_fields[part].annotation
+                model = next((a for a in getattr(model, "__args__", ()) if isinstance(a, type)), model)
+            valid = list(getattr(model, "model_fields", {}))
+            prefix = ".".join(str(p) for p in section_path) + "."
+            valid += [k[len(prefix):] for k in {**NOOP_KEYS, **REFUSED_KEYS} if k.startswith(prefix)]
+            close = difflib.get_close_matches(bad, valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (valid keys: {', '.join(valid)})"
+            lines.append(f"unknown key {key!r}{hint}")
+        else:
+            lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
+    return "; ".join(lines)
+
+
+def parse_config(raw: Mapping[str, Any], source: str = "config") -> DeepSpeedConfig:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{source}: a DeepSpeed config must be a JSON object, got {type(raw).__name__}")
+    raw = _deepspeed_aliases(dict(raw), source)
+    _warn_misspelled_keys(raw, source)
+    raw, noop = _classify(raw, source)
+    try:
+        cfg = DeepSpeedConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(f"{source}: {_format_errors(err)}") from None
+    if cfg.fp16.enabled and cfg.bf16.enabled:
+        raise ConfigError(f"{source}: fp16 and bf16 cannot both be enabled")
+    mode = "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32"
+    param_dtype = cfg.data_types.param_dtype
+    if param_dtype is not None and _DTYPE_MODE[param_dtype] != mode:
+        raise ConfigError(f"{source}: data_types.param_dtype={param_dtype!r} conflicts with the precision mode "
+                          f"({mode}); set the fp16/bf16 'enabled' flag or omit data_types.param_dtype")
+    cfg._noop_keys = tuple(noop)
+    _warn_noop_keys(cfg)
+    return cfg
+
+
+_DTYPE_MODE = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "fp16": "fp16", "float16": "fp16",
+               "half": "fp16", "bf16": "bf16", "bfloat16": "bf16", "bfloat": "bf16"}
+
+
+def known_top_level_keys() -> set[str]:
+    """Every top-level key spmdzero reads, accepts as a no-op or refuses."""
+    return (set(DeepSpeedConfig.model_fields) | {k.split(".")[0] for k in (*NOOP_KEYS, *REFUSED_KEYS)}
+            | {"bfloat16"})
+
+
+def _warn_misspelled_keys(raw: Mapping[str, Any], source: str) -> None:
+    """DeepSpeed ignores unknown top-level keys, and so does spmdzero (scripts keep their own
+    settings there), but a near miss of a DeepSpeed key (``zero_optimisation``) would silently
+    train at ZeRO-0 or in fp32: say so, once per key."""
+    known = known_top_level_keys()
+    for key in raw:
+        if key in known or not isinstance(key, str):
+            continue
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+        if close:
+            _warn_once(f"misspelled:{key}", f"{source}: unknown top-level key {key!r} is ignored, as DeepSpeed "
+                                            f"ignores it; did you mean {close[0]!r}?")
+
+
+def _deepspeed_aliases(raw: dict, source: str) -> dict:
+    """DeepSpeed's old spellings: ``"bfloat16"`` for ``"bf16"``, ``"zero_optimization": true``
+    for stage 1 (``false``: stage 0)."""
+    if "bfloat16" in raw:
+        old = raw.pop("bfloat16")
+        if "bf16" in raw and raw["bf16"] != old:
+            raise ConfigError(f"{source}: 'bf16' and its old name 'bfloat16' are both given, with different values")
+        raw.setdefault("bf16", old)
+    if isinstance(raw.get("zero_optimization"), bool):
+        raw["zero_optimization"] = {"stage": int(raw["zero_optimization"])}
+    return raw
+
+
+def _enabled(key: str, value: Any) -> bool:
+    """Whether a DeepSpeed feature is switched on: not null/false/"none"/its off value;
+    a section by its ``enabled`` or ``device`` key, else by any enabled entry."""
+    if value is None or value is False or value in OFF_VALUES.get(key, ()):
+        return False
+    if key == "compression_training" and isinstance(value, Mapping):  # each technique's switch
+        return any(isinstance(t, Mapping) and _enabled(f"{key}.{name}", t.get("shared_parameters"))
+                   for name, t in value.items())
+    if isinstance(value, str):
+        return value.lower() != "none"
+    if isinstance(value, Mapping):
+        if "enabled" in value:
+            return _enabled(f"{key}.enabled", value["enabled"])
+        if "device" in value:
+            return _enabled(f"{key}.device", value["device"])
+        return any(_enabled(f"{key}.{k}", v) for k, v in value.items())
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return True  # a number is a setting (bucket sizes, factors whose off value is in OFF_VALUES)
+    return bool(value)
+
+
+def _classify(raw: dict, source: str) -> tuple[dict, list[str]]:
+    """Refuse the refused keys switched on; drop the classified keys (the typed sections do not
+    know them) and return the no-op keys switched on."""
+    raw = {k: dict(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
+    for key, reason in REFUSED_KEYS.items():
+        section, _, name = key.rpartition(".")
+        holder = raw.get(section) if section else raw
+        if isinstance(holder, dict) and name in holder:
+            value = holder.pop(name)
+            if _enabled(key, value):
+                raise ConfigError(f"{source}: {key}={value!r} is not supported: {reason}")
+    noop = []
+    for key in NOOP_KEYS:
+        section, _, name = key.rpartition(".")
+        holder = raw.get(section) if section else raw
+        if isinstance(holder, dict) and name in holder:
+            value = holder.pop(name)
+            valid = NOOP_VALID_VALUES.get(key)
+            if valid is not None and value != "auto" and not (isinstance(value, str) and value.lower() in valid):
+                raise ConfigError(f"{source}: {key}={value!r} is not one of {', '.join(valid)} (any case), as "
+                                  "DeepSpeed requires")
+            # ZeRO-3 knobs are dormant: stage 3 itself is refused, so their feature is never on
+            if NOOP_KEYS[key] != ZERO3_REASON and value != "auto" and _enabled(key, value):
+                noop.append(key)
+    return raw, noop
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"spmdzero: {message}", stacklevel=4)
+
+
+def _warn_noop_keys(cfg: DeepSpeedConfig) -> None:
+    """One warning per parse for the no-op keys not warned about before (one line per reason)."""
+    by_reason: dict[str, list[str]] = {}
+    for key in cfg.noop_keys:
+        if key not in _warned:
+            _warned.add(key)
+            by_reason.setdefault(NOOP_KEYS[key], []).append(key)
+    if by_reason:
+        lines = [f"{', '.join(keys)}: {reason}" for reason, keys in by_reason.items()]
+        warnings.warn("spmdzero: these DeepSpeed config keys have no effect under GSPMD (docs/config.md, "
+                      "\"No-ops under GSPMD\"):\n  " + "\n  ".join(lines), stacklevel=3)
+    for name in ("wandb", "comet"):
+        if getattr(cfg, name).enabled:
+            _warn_once(f"{name}.enabled", f"{name}.enabled is accepted but spmdzero does not write to it "
+                                          "(csv_monitor and tensorboard are supported)")
+
+
+def load_config(args: Any = None, config: Any = None, config_params: Any = None) -> DeepSpeedConfig:
+    """Resolve the one config source, as ``deepspeed.initialize`` does."""
+    if config is not None and config_params is not None:
+        raise ConfigError("give the DeepSpeed config as `config` or `config_params`, not both")
+    config = config if config is not None else config_params
+    args_config = getattr(args, "deepspeed_config", None) if args is not None else None
+    old_name = getattr(args, "deepscale_config", None) if args is not None else None
+    if old_name is not None:  # DeepSpeed's deprecated flag
+        if args_config is not None:
+            raise ConfigError("give the config as --deepspeed_config or its deprecated name --deepscale_config, "
+                              "not both")
+        warnings.warn("spmdzero: --deepscale_config is deprecated, use --deepspeed_config", stacklevel=3)
+        args_config = old_name
+    if config is not None and args_config is not None:
+        raise ConfigError(
+            "Not sure how to proceed, we were given deepspeed configs in the deepspeed arguments "
+            "and deepspeed.initialize() function call"
+        )
+    config = config if config is not None else args_config
+    if config is None:
+        raise ConfigError(
+            "no DeepSpeed config: pass config= (a dict or a JSON path) or args with .deepspeed_config"
+        )
+    if isinstance(config, DeepSpeedConfig):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        return parse_config(read_config_file(config), source=os.fspath(config))
+    if isinstance(config, Mapping):
+        return parse_config(config)
+    raise ConfigError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}")

@@ -1,0 +1,259 @@
+"""The DeepSpeed JSON config, parsed once into typed models.
+
+Loading accepts a dict, a path to a JSON/HJSON file, or ``args.deepspeed_config``.
+Sections spmdzero reads are pydantic models that refuse unknown keys; unknown
+*top-level* keys are ignored, as DeepSpeed does. Batch sizes are resolved with
+DeepSpeed's arithmetic, the world size given by the batch rule (``resolve_batch``).
+Every other key DeepSpeed 0.19 reads at stage 0-2 is classified, as data: keys with no
+meaning under GSPMD are accepted, listed in ``NOOP_KEYS`` with the reason, and warned
+about once when switched on; keys whose feature would change the math are refused when
+switched on (``REFUSED_KEYS``)."""
+
+from __future__ import annotations
+import typing
+from typing import Annotated, Any, Literal, Mapping, Optional, Union
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+
+# Strict types: a JSON boolean is not a number nor a number a boolean, a string is neither
+# ("stage": true, "train_batch_size": "16" and "enabled": "false" are refused, not coerced),
+# and Infinity/NaN are not numbers. Integers are accepted for floats.
+STRICT = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+def whole_floats_as_ints(model: type[BaseModel], data: Any) -> Any:
+    """``"steps_per_print": 1e5`` (a common idiom) or ``"min_loss_scale": 1.0`` for an integer
+    key: DeepSpeed reads them as the numbers they are. Other floats stay refused, and so do
+    whole ones beyond 2**53, where a float no longer holds every integer (``1e30``)."""
+    if not isinstance(data, Mapping):
+        return data
+    ints = {name for name, field in model.model_fields.items()
+            if field.annotation is int or int in typing.get_args(field.annotation)}
+    return {k: int(v) if k in ints and isinstance(v, float) and v.is_integer() and abs(v) <= 2**53 else v
+            for k, v in data.items()}
+
+
+class Section(BaseModel):
+    """A config section: unknown keys refused; ``"auto"`` dropped so the default applies
+    (DeepSpeed's rule for its pydantic sections); types strict (``STRICT``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, **STRICT)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_auto(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            return {k: v for k, v in data.items() if v != "auto"}
+        return data
+
+    _whole_floats = model_validator(mode="before")(classmethod(lambda cls, data: whole_floats_as_ints(cls, data)))
+
+
+class ZeroConfig(Section):
+    """``stage``; the other ZeRO keys DeepSpeed reads are in ``NOOP_KEYS`` / ``REFUSED_KEYS``."""
+
+    stage: int = Field(0, ge=0, le=3)
+
+    @field_validator("stage")
+    @classmethod
+    def _no_stage3(cls, stage: int) -> int:
+        if stage == 3:
+            raise ValueError(
+                "ZeRO stage 3 (sharded parameters) is out of scope for spmdzero; use torch_xla's "
+                "FSDPv2 (torch_xla.experimental.spmd_fully_sharded_data_parallel) for it"
+            )
+        return stage
+
+
+class Fp16Config(Section):
+    enabled: bool = False
+    auto_cast: bool = False
+    loss_scale: float = Field(0, ge=0)
+    initial_scale_power: int = Field(16, ge=0)
+    loss_scale_window: int = Field(1000, gt=0)
+    hysteresis: int = Field(2, gt=0)
+    consecutive_hysteresis: bool = False
+    min_loss_scale: int = Field(1, gt=0)
+    fp16_master_weights_and_grads: bool = False
+
+
+class Bf16Config(Section):
+    enabled: bool = False
+    check_grad_overflow: bool = True
+
+
+DTYPE_NAMES = ("fp32", "float32", "float", "fp16", "float16", "half", "bf16", "bfloat16", "bfloat")
+
+
+def _check_dtype_name(value: Optional[str]) -> Optional[str]:
+    """A dtype name as DeepSpeed reads them: any case, ``torch.`` in front or not."""
+    if value is None:
+        return None
+    name = value.lower().removeprefix("torch.") if isinstance(value, str) else value
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"must be one of {', '.join(DTYPE_NAMES)} (any case, 'torch.' in front or not)")
+    return name
+
+
+class DataTypesConfig(Section):
+    grad_accum_dtype: Optional[str] = None
+    param_dtype: Optional[str] = None  # must agree with fp16/bf16 (checked in parse_config), as in DeepSpeed
+
+    _dtype = field_validator("grad_accum_dtype", "param_dtype")(classmethod(lambda cls, v: _check_dtype_name(v)))
+
+
+class TensorBoardConfig(Section):
+    enabled: bool = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+class CsvMonitorConfig(Section):
+    enabled: bool = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+class WandbConfig(Section):
+    enabled: bool = False
+    group: Optional[str] = None
+    team: Optional[str] = None
+    project: str = "deepspeed"
+
+
+class CometConfig(Section):
+    enabled: bool = False
+    samples_log_interval: int = Field(100, gt=0)
+    project: Optional[str] = None
+    workspace: Optional[str] = None
+    api_key: Optional[str] = None
+    experiment_name: Optional[str] = None
+    experiment_key: Optional[str] = None
+    online: Optional[bool] = None
+    mode: Optional[str] = None
+
+
+class _TypedParams(Section):
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("params")
+    @classmethod
+    def _no_auto(cls, params: dict) -> dict:
+        for key, value in params.items():
+            if value == "auto":
+                raise ValueError(f"{key!r} is 'auto', which only an integration such as the HF Trainer can "
+                                 "fill in; set a value")
+        return params
+
+
+class OptimizerConfig(_TypedParams):
+    pass
+
+
+class SchedulerConfig(_TypedParams):
+    pass
+
+
+class MeshConfig(Section):
+    data: int = 1
+    fsdp: int = -1
+    # fsdp = outer x fsdp_inner mesh axes (spmdzero.mesh): "auto" splits from 16 fsdp devices
+    # on, where libtpu reduce-scatters only one axis at a time; 1 keeps a single axis.
+    fsdp_inner: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = "auto"
+
+    @field_validator("data", "fsdp")
+    @classmethod
+    def _positive_or_fill(cls, v: int) -> int:
+        if v != -1 and v < 1:
+            raise ValueError("must be a positive device count or -1 (fill the remaining devices)")
+        return v
+
+
+class DcnMeshConfig(Section):
+    """Across TPU slices (data-center network). ZeRO's ``fsdp`` axis stays within a slice."""
+
+    data: int = Field(1, ge=1)
+    fsdp: int = Field(1, ge=1, le=1)
+
+
+class SpmdConfig(Section):
+    # What one DeepSpeed "rank" is in the batch arithmetic (docs/migrating.md, "The batch rule"):
+    # a data-parallel device, or a process (one per host, what torch.distributed counts).
+    rank: Literal["device", "process"] = "device"
+    # Shape buckets: pad the sequence dim of dict inputs to a multiple of this (data.PAD_VALUES).
+    pad_to_multiple_of: Optional[int] = Field(None, gt=0)
+    mesh: Optional[MeshConfig] = None
+    dcn_mesh: Optional[DcnMeshConfig] = None
+    max_recompiles: Optional[int] = Field(None, ge=0)
+    compile_cache_dir: Optional[str] = None
+    trust_client_state: bool = False  # unpickle a checkpoint's client_state even if it is not plain data
+    # Trace and compile the model's identical blocks once (spmdzero.backends.torch_xla.scan); "stacked": each block
+    # parameter name is one parameter [layers, ...] (the step's cost then does not grow with depth).
+    scan_layers: Union[bool, Literal["stacked"]] = False
+    # "torchax": the module traced once under jax.jit through torchax (spmdzero.backends.torchax.engine)
+    backend: Literal["torch_xla", "torchax"] = "torch_xla"
+
+    @field_validator("scan_layers", mode="before")
+    @classmethod
+    def _scan_layers(cls, v: Any) -> Any:
+        if v is True or v is False or v == "stacked":
+            return v
+        raise ValueError('must be true, false or "stacked"')
+
+
+class DeepSpeedConfig(BaseModel):
+    """The parts of a DeepSpeed config spmdzero reads. Unknown top-level keys are ignored;
+    types are strict (``STRICT``)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, **STRICT)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_auto(cls, data: Any) -> Any:
+        """Top-level "auto" means "infer it": batch numbers from the others and the mesh
+        (``resolve_batch``), everything else from its default."""
+        if isinstance(data, Mapping):
+            return {k: v for k, v in data.items() if v != "auto"}
+        return data
+
+    _whole_floats = model_validator(mode="before")(classmethod(lambda cls, data: whole_floats_as_ints(cls, data)))
+
+    train_batch_size: Optional[int] = Field(None, gt=0)
+    train_micro_batch_size_per_gpu: Optional[int] = Field(None, gt=0)
+    gradient_accumulation_steps: Optional[int] = Field(None, gt=0)
+    gradient_clipping: float = Field(1.0, ge=0.0)
+    steps_per_print: Optional[int] = Field(None, gt=0)
+    wall_clock_breakdown: bool = False
+    dataloader_drop_last: bool = False
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    optimizer: Optional[OptimizerConfig] = None
+    scheduler: Optional[SchedulerConfig] = None
+    communication_data_type: Optional[str] = None
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
+    fp16: Fp16Config = Field(default_factory=Fp16Config)
+    bf16: Bf16Config = Field(default_factory=Bf16Config)
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    comet: CometConfig = Field(default_factory=CometConfig)
+    spmd: SpmdConfig = Field(default_factory=SpmdConfig)
+
+    _dtype = field_validator("communication_data_type")(classmethod(lambda cls, v: _check_dtype_name(v)))
+
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _infinite_means_never(cls, v: Any) -> Any:
+        """accelerate sets ``float("inf")`` to silence DeepSpeed's step log."""
+        return None if isinstance(v, float) and v == float("inf") else v
+
+    _noop_keys: tuple[str, ...] = PrivateAttr(default=())
+
+    @property
+    def zero_stage(self) -> int:
+        return self.zero_optimization.stage
+
+    @property
+    def noop_keys(self) -> tuple[str, ...]:
+        """The ``NOOP_KEYS`` this config switches on (what the warning names)."""
+        return self._noop_keys

@@ -1,0 +1,84 @@
+"""``spmdzero checkpoint consolidate``: one plain state dict (``torch.save`` or safetensors) of
+a sharded checkpoint, on any machine, in fp32 or the model dtype, with stacked layers written
+under their per-layer names again."""
+
+from __future__ import annotations
+import os
+from typing import Optional
+import torch
+from spmdzero.io.restack import unstack
+from spmdzero.io.checkpoint_format import CheckpointError, _dtype, _quiet_dcp
+from spmdzero.io.read import _dcp_failure, locate, open_state, read_meta, resolve_tag
+
+
+def consolidate(ckpt_dir: str, out_path: str, tag: Optional[str] = None, dtype: str = "fp32",
+                safetensors: bool = False) -> dict[str, tuple[int, ...]]:
+    """Write one state dict that the plain ``nn.Module`` loads with ``load_state_dict``
+    (``consolidated_state_dict``): the analog of DeepSpeed's zero_to_fp32.py. Returns
+    {name: shape}."""
+    if os.path.isdir(out_path):
+        raise CheckpointError(f"output {out_path!r} is a directory; give a file name")
+    out_parent = os.path.dirname(os.path.abspath(out_path))
+    if not os.path.isdir(out_parent):
+        raise CheckpointError(f"output directory {out_parent!r} does not exist")
+    result = consolidated_state_dict(ckpt_dir, tag, dtype)
+    if safetensors:
+        try:
+            from safetensors.torch import save_file
+        except ImportError:
+            raise CheckpointError("--safetensors needs the 'safetensors' package (pip install safetensors)") from None
+        seen: set[int] = set()  # safetensors refuses shared storage: tied names get their own copy
+        out = {}
+        for k, v in result.items():
+            out[k] = v.contiguous() if id(v) not in seen else v.clone()
+            seen.add(id(v))
+        save_file(out, out_path)
+    else:
+        torch.save(result, out_path)
+    return {k: tuple(v.shape) for k, v in result.items()}
+
+
+def consolidated_state_dict(ckpt_dir: str, tag: Optional[str] = None, dtype: str = "fp32") -> dict:
+    """The state dict a plain ``nn.Module`` loads with ``load_state_dict``, on the CPU: the
+    fp32 master weights where the run kept them, else the parameters, plus module buffers,
+    under every name the module's state dict has (tied weights under each). Reads one tensor
+    at a time, so it needs about the output's size in memory, and no accelerator."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    out_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dtype)
+    if out_dtype is None:
+        raise CheckpointError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"checkpoint directory {ckpt_dir!r} does not exist")
+    tag = resolve_tag(ckpt_dir, tag)
+    if tag is None:
+        raise CheckpointError(f"{ckpt_dir!r} has no 'latest' file; pass a tag")
+    path = locate(ckpt_dir, tag)
+    meta = read_meta(path)
+    index = meta["tensors"]
+    names = meta.get("module_keys") or {key.partition(".")[2]: key for key in index
+                                        if key.startswith(("model.", "buffer."))}
+    reader = open_state(path)
+    loaded: dict[str, torch.Tensor] = {}
+    result: dict[str, torch.Tensor] = {}
+    for name, key in names.items():
+        if key not in index:  # a frozen parameter left out of the save
+            continue
+        if key not in loaded:
+            kind, _, rest = key.partition(".")
+            source = f"master.{rest}" if f"master.{rest}" in index else key
+            shape, saved_dtype = index[source]
+            target = torch.empty(tuple(shape), dtype=_dtype(saved_dtype))
+            try:
+                with _quiet_dcp():
+                    dcp.load({source: target}, storage_reader=reader, no_dist=True)
+            except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+                raise CheckpointError(f"cannot read {source!r} from {path!r}: {_dcp_failure(err)}") from None
+            loaded[key] = target.to(out_dtype) if target.is_floating_point() and kind == "model" else target
+        result[name] = loaded[key]
+    stacks = meta.get("stacked_layers") or {}
+    if not isinstance(stacks, dict) or not all(isinstance(stack, str) and isinstance(name, str)
+                                               and name.startswith(f"{stack}.") for name, stack in stacks.items()):
+        raise CheckpointError(f"{path!r}: 'stacked_layers' in its meta is not {{stacked name: its stack's name}}")
+    return unstack(result, stacks)

@@ -1,0 +1,332 @@
+"""Checkpoints: sharded, atomic, exactly resumable, elastic, and safe to load.
+
+Layout of ``save_dir``::
+
+    latest                 the newest tag, written last
+    <tag>/state/           torch.distributed.checkpoint: every device tensor of the training
+                           state (``engine.state_tensors()``), each host writing its own shards
+    <tag>/client_state.pt  the user's ``client_state`` (pickled: the one file that may hold
+                           arbitrary objects, loaded as plain data unless trusted)
+    <tag>/meta.json        host state as data: counters, schedule, optimizer hyperparameters,
+                           RNG, the config, each tensor's shape and dtype. Written last: a
+                           directory with it is complete.
+
+Loading never unpickles anything but data: ``meta.json`` is JSON, DCP's shards are read
+with ``weights_only=True`` and its ``.metadata`` with an allowlist (``safe_pickle``), and
+``client_state.pt`` with ``weights_only=True`` unless the caller trusts it.
+
+A save writes into ``save_dir/.saving.<tag>`` and renames it to ``<tag>`` once complete,
+then replaces ``latest``. Re-saving an existing tag moves the old one to ``.replaced.<tag>``
+first; a crash between those two renames is repaired by the next save (roll forward to the
+complete new copy, else back to the old one), and a load in between reads whichever copy
+is complete. A load first checks the checkpoint against the engine (keys, shapes, optimizer
+type), reads into staging tensors laid out like the live ones, and only then copies: a bad
+checkpoint raises without touching the model. Loading onto another device count or mesh
+works because torch.distributed.checkpoint reads whatever chunks each target shard needs."""
+
+from __future__ import annotations
+import os
+import random
+import warnings
+from typing import Optional
+import numpy as np
+import torch
+from spmdzero.io import restack
+from spmdzero.io.restack import stacking_mismatch
+from spmdzero.io.checkpoint_format import LATEST_FILE, META_FILE
+from spmdzero.io.checkpoint_format import CheckpointError, _dtype, _no_dist, _quiet_dcp, tensor_index
+from spmdzero.io.read import _dcp_failure, locate, open_state, read_client_state, read_meta, resolve_tag
+
+
+
+def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False, trust_client_state: Optional[bool] = None):
+    """DeepSpeed's ``load_checkpoint``: returns ``(load_path, client_state)``, or
+    ``(None, None)`` with a warning when ``load_dir`` has no ``latest`` and no tag is given.
+    ``trust_client_state`` (default: the config's ``spmd.trust_client_state``) allows a
+    ``client_state`` of arbitrary objects to be unpickled."""
+    if trust_client_state is None:
+        trust_client_state = engine._config.spmd.trust_client_state
+    tag = resolve_tag(load_dir, tag)
+    if tag is None:
+        warnings.warn(f"Unable to find latest file at {os.path.join(load_dir, LATEST_FILE)}, if trying to load "
+                      "latest checkpoint please ensure this file exists or pass an explicit checkpoint tag when "
+                      "loading a checkpoint.", stacklevel=2)
+        return None, None
+    path = locate(load_dir, tag)
+    full_state = load_optimizer_states and not load_module_only
+    from spmdzero.io.deepspeed_import import is_deepspeed_checkpoint, read_deepspeed_checkpoint
+
+    scheduler = load_lr_scheduler_states and not load_module_only
+    if is_deepspeed_checkpoint(path):
+        tensors, meta = read_deepspeed_checkpoint(path)
+        _check_optimizer(engine, meta, path, full_state)
+        restore = _host_state_restorer(engine, meta, path, full_state, scheduler, load_module_only)
+        tensors.update(_loss_scale_tensors(engine, meta.pop("loss_scaler")))
+        index = tensor_index(tensors)
+        selected = _select(engine, index, load_module_strict, full_state, meta)
+        _commit(engine, selected, _stage(engine, selected, index, tensors))
+        client_state = meta["client_state"]
+    else:
+        meta = read_meta(path, trust_client_state)
+        _check_optimizer(engine, meta, path, full_state)
+        restore = _host_state_restorer(engine, meta, os.path.join(path, META_FILE), full_state, scheduler,
+                                       load_module_only)
+        selected = _select(engine, meta["tensors"], load_module_strict, full_state, meta)
+        client_state = read_client_state(path, meta, trust_client_state)
+        _load_tensors(engine, path, selected, meta["tensors"])
+    restore()
+    engine._keep_step_state_on_device()  # the restored counts, where the next step reads them
+    import torch_xla
+
+    torch_xla.sync()
+    return path, client_state
+
+
+# Names of one update rule (torch's, spmdzero's and DeepSpeed's classes and config types).
+_OPTIMIZER_FAMILIES = {"adam": "adam", "adamw": "adam", "fusedadam": "adam", "deepspeedcpuadam": "adam",
+                       "lamb": "lamb", "fusedlamb": "lamb", "lion": "lion", "fusedlion": "lion",
+                       "adagrad": "adagrad", "deepspeedcpuadagrad": "adagrad"}
+
+
+def _check_optimizer(engine, meta: dict, path: str, full_state: bool) -> None:
+    """Moments of one optimizer are not another's: refuse to load them across types, or
+    into another number of param groups or other parameters."""
+    saved = (meta.get("optimizer") or {}).get("type")
+    live = type(engine.optimizer.optimizer).__name__ if engine.optimizer is not None else None
+    if live is None or not full_state:
+        return
+    groups, live_groups = meta["optimizer"]["param_groups"], engine.optimizer.optimizer.param_groups
+    if len(groups) != len(live_groups):
+        raise CheckpointError(f"checkpoint {path!r} has {len(groups)} optimizer param groups, this engine's "
+                              f"optimizer {len(live_groups)}; pass load_optimizer_states=False to load the module only")
+    live_stacked, saved_stacked = _layer_names(engine, meta)
+    known = set(engine._target_names.values()) | {layer for layers in live_stacked.values() for layer in layers}
+    known |= {name for name, layers in saved_stacked.items() if set(layers) <= known}
+    unknown = sorted(set(meta["optimizer"]["host_state"]) - known)
+    if unknown:
+        raise CheckpointError(f"checkpoint {path!r} has optimizer state for {unknown}, which this engine does not "
+                              "optimize; pass load_optimizer_states=False to load the module only")
+    if saved is None:
+        return
+    if _OPTIMIZER_FAMILIES.get(saved.lower(), saved.lower()) != _OPTIMIZER_FAMILIES.get(live.lower(), live.lower()):
+        raise CheckpointError(f"checkpoint {path!r} holds the state of optimizer {saved}, this engine's optimizer is "
+                              f"{live}; pass load_optimizer_states=False to load the module only")
+
+
+def _loss_scale_tensors(engine, fields: dict) -> dict:
+    """An imported DeepSpeed loss scaler as spmdzero's ``loss_scale.*`` state, when both
+    sides scale the loss."""
+    if engine._loss_scale is None or fields.get("iteration") is None:
+        return {}
+    return {f"loss_scale.{k}": torch.tensor(float(v)) for k, v in fields.items()}
+
+
+def _layer_names(engine, meta: dict) -> tuple[dict, dict]:
+    """The engine's stacked names and the checkpoint's, each with its per-layer names
+    (``restack.layer_names``); the layer counts come from the parameters' shapes."""
+    live_shapes = {name: tuple(p.shape) for name, p in engine.module.named_parameters()}
+    live = engine.stacked_layers()
+    saved = meta.get("stacked_layers") or {}
+    tensors = meta.get("tensors") or {}
+    saved = {name: stack for name, stack in saved.items() if f"model.{name}" in tensors}
+    return (restack.layer_names(live, {name: live_shapes[name][0] for name in live}),
+            restack.layer_names(saved, {name: tuple(tensors[f"model.{name}"][0])[0] for name in saved}))
+
+
+def _select(engine, saved: dict, strict: bool, full_state: bool, meta: dict) -> dict:
+    """{live key: (restack.Source, live tensor, spec)} to load, after checking them against
+    the checkpoint. A master weight missing on one side is taken from the other: a bf16 run's
+    fp32 masters become an fp32 run's params, an fp32 run's params a bf16 run's masters. A
+    checkpoint saved with ``spmd.scan_layers='stacked'`` and another setting loaded: each
+    tensor from its layers or its stack (``spmdzero.io.restack``)."""
+    live = engine.state_tensors()
+    saved_shapes = {k: tuple(v[0]) for k, v in saved.items()}
+    live_shapes = {k: tuple(t.shape) for k, (t, _) in live.items()}
+    # a param's master and a master's param: where the two precisions meet
+    wanted = {**live_shapes, **{f"master.{k[6:]}": v for k, v in live_shapes.items() if k.startswith("model.")},
+              **{f"model.{k[7:]}": v for k, v in live_shapes.items() if k.startswith("master.")}}
+    aliases = restack.sources(wanted, saved_shapes, *_layer_names(engine, {**meta, "tensors": saved}))
+
+    def found(key: str) -> Optional[restack.Source]:
+        return restack.Source((key,)) if key in saved else aliases.get(key)
+
+    module_keys = {k for k in live if k.startswith(("model.", "buffer."))}
+    saved_module = {k for k in saved if k.startswith(("model.", "buffer."))}
+    consumed = {k for key in module_keys if (src := found(key)) for k in src.keys}
+    missing = sorted(k for k in module_keys if found(k) is None)
+    unexpected = sorted(k for k in saved_module - module_keys if k not in consumed)
+    if strict and (missing or unexpected):
+        raise CheckpointError("checkpoint does not match the model (load_module_strict=True): "
+                              f"missing keys {missing}, unexpected keys {unexpected}"
+                              + stacking_mismatch(missing, unexpected))
+    source = {}
+    for key in module_keys:
+        src = (found(f"master.{key[6:]}") if key.startswith("model.") else None) or found(key)
+        if src is not None:
+            source[key] = src
+    if full_state:
+        state_keys = {k for k in live if k not in module_keys}
+        absent = []
+        for key in state_keys:
+            fallback = f"model.{key[7:]}" if key.startswith("master.") else key
+            src = found(key) or found(fallback)
+            if src is None:
+                absent.append(key)
+            else:
+                source[key] = src
+        if absent:
+            raise CheckpointError(f"checkpoint has no optimizer/precision state for {sorted(absent)} (saved with "
+                                  "another optimizer or precision?); pass load_optimizer_states=False to load the "
+                                  "module only")
+    else:  # the fp32 masters follow the loaded module (DeepSpeed refreshes them from it), else the
+        # next step would update the old masters and write them over the loaded parameters
+        for key in live:
+            if key.startswith("master.") and f"model.{key[7:]}" in source:
+                source[key] = source[f"model.{key[7:]}"]
+    mismatched = [f"{k}: checkpoint {src.shape(saved_shapes)} vs model {live_shapes[k]}"
+                  for k, src in sorted(source.items()) if src.shape(saved_shapes) != live_shapes[k]]
+    if mismatched:
+        raise CheckpointError("checkpoint shapes do not match the model: " + "; ".join(mismatched))
+    return {key: (src, *live[key]) for key, src in source.items()}
+
+
+def _stage(engine, selected: dict, saved: dict, host_tensors: Optional[dict] = None) -> dict:
+    """Device tensors in the checkpoint's dtype, laid out like the live targets: zeros to
+    read a DCP checkpoint into, or the given host tensors sent shard by shard."""
+    import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.spmd as xs
+
+    staging = {}
+    for source, tensor, spec in selected.values():
+        layout = source.layer_spec(spec)
+        for key in source.keys:
+            if key in staging:  # one checkpoint tensor can feed two targets (a param and its master)
+                continue
+            if host_tensors is None:
+                staged = torch.zeros(tuple(saved[key][0]), dtype=_dtype(saved[key][1]), device=tensor.device)
+                engine.lay_out(staged, layout)
+            else:
+                sharding = xs.ShardingSpec(engine.mesh, tuple(layout))
+                staged = xm.send_cpu_data_to_device([host_tensors[key]], engine.device, sharding)[0]
+            staging[key] = staged
+    # DCP's SPMDLoadPlanner reads each staging tensor's device shard handles directly;
+    # those are placeholders until the execution that creates them has finished, so
+    # execute them and wait (torch_xla.sync() returns while it is still in flight).
+    xm.unlazy(list(staging.values()))
+    xm.wait_device_ops()
+    return staging
+
+
+def _commit(engine, selected: dict, staging: dict) -> None:
+    """Copy staged values into the live tensors (only once everything was read)."""
+    import torch_xla
+
+    with torch.no_grad():
+        for source, tensor, _ in selected.values():
+            tensor.copy_(source.assemble(staging))
+    engine._reannotate()
+    torch_xla.sync()
+
+
+def _load_tensors(engine, path: str, selected: dict, saved: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
+
+    reader = open_state(path)
+    staging = _stage(engine, selected, saved)
+    try:
+        with _quiet_dcp():
+            dcp.load(staging, storage_reader=reader, planner=SPMDLoadPlanner(), no_dist=_no_dist())
+    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+        raise CheckpointError(f"cannot read the tensors of checkpoint {path!r}: {_dcp_failure(err)}") from None
+    _commit(engine, selected, staging)
+
+
+def _host_state_restorer(engine, meta: dict, where: str, full_state: bool, scheduler: bool, module_only: bool):
+    """Check everything a load sets on the host (counters, param groups, host-side optimizer
+    state, the LR schedule, RNG states) against this engine, and return what sets it, to be
+    called once the tensors are in: a damaged value fails here, naming ``where`` and the key,
+    before anything is changed.
+
+    As DeepSpeed: ``load_module_only`` restores neither counters nor schedule (nor, here, the
+    RNG). ``micro_steps`` is put at the start of an accumulation window (``global_steps`` x
+    this engine's ``gradient_accumulation_steps``): DeepSpeed does not restore it, and the
+    accumulated gradients of a window are not saved."""
+    import torch_xla.core.xla_model as xm
+
+    def bad(key: str, why: str) -> CheckpointError:
+        return CheckpointError(f"{where!r}: {key!r} {why}; the checkpoint is damaged or not this engine's")
+
+    counters = {}
+    if not module_only:
+        for key in ("global_steps", "global_samples", "skipped_steps"):
+            value = meta.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise bad(key, f"is {value!r}, not a count")
+            counters[key] = value
+        counters["micro_steps"] = counters["global_steps"] * engine.gradient_accumulation_steps()
+    optimizer = engine.optimizer.optimizer if engine.optimizer is not None else None
+    groups, host_state = [], {}
+    if full_state and optimizer is not None:
+        groups = meta["optimizer"]["param_groups"]
+        for i, group in enumerate(groups):
+            if not isinstance(group, dict) or "params" in group:
+                raise bad(f"optimizer.param_groups[{i}]", "is not a dict of hyperparameters")
+        by_name = {name: target for target, name in engine._target_names.items()}
+        saved = meta["optimizer"]["host_state"]
+        for name, saved_name in restack.host_state_names(by_name, saved, *_layer_names(engine, meta)).items():
+            if not isinstance(saved[saved_name], dict):
+                raise bad(f"optimizer.host_state.{saved_name}", "is not a dict")
+            host_state[by_name[name]] = saved[saved_name]
+    schedule = meta.get("lr_scheduler") if scheduler and engine.lr_scheduler is not None else None
+    if schedule is not None:
+        live = engine.lr_scheduler.state_dict()
+        if not isinstance(schedule, dict) or set(schedule) != set(live) or any(
+                isinstance(v, int) and not isinstance(v, bool) and not isinstance(schedule[k], int)
+                for k, v in live.items()):
+            raise CheckpointError(
+                f"{where!r}: the saved LR schedule state {repr(schedule)[:200]} does not fit this engine's "
+                f"{type(engine.lr_scheduler).__name__} (its state has {sorted(live)}; another scheduler?); pass "
+                "load_lr_scheduler_states=False to keep this engine's schedule")
+    rng = meta.get("rng") if not module_only else None  # absent from imported DeepSpeed checkpoints
+    if rng is not None:
+        _check_rng(rng, bad)
+
+    def restore() -> None:
+        for key, value in counters.items():
+            setattr(engine, key, value)
+        if counters:
+            engine._window_loss = None  # a new accumulation window: its mean loss starts again
+        for group, saved in zip(optimizer.param_groups if groups else (), groups):
+            group.update(saved)
+        for target, state in host_state.items():
+            optimizer.state[target].update(state)
+        if schedule is not None:
+            engine.lr_scheduler.load_state_dict(schedule)
+        if rng is not None:
+            torch.set_rng_state(rng["torch"])
+            xm.set_rng_state(rng["xla"])
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
+
+    return restore
+
+
+def _check_rng(rng: dict, bad) -> None:
+    """Each saved RNG state set on a throwaway generator of its kind first."""
+    def xla_seed(value) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise TypeError("not a non-negative int")
+
+    checks = {"torch": lambda v: torch.Generator().set_state(v), "python": lambda v: random.Random().setstate(v),
+              "numpy": lambda v: np.random.RandomState().set_state(v), "xla": xla_seed}
+    for key, check in checks.items():
+        if key not in rng:
+            raise bad(f"rng.{key}", "is missing")
+        try:
+            check(rng[key])
+        except Exception as err:
+            raise bad(f"rng.{key}", f"is not a {key} RNG state ({type(err).__name__}: {str(err)[:100]})") from None

@@ -1,0 +1,130 @@
+"""``engine.save_checkpoint``: every host writes its shards of the training state through
+torch.distributed.checkpoint, process 0 the host state as JSON, into a staging directory
+that ``checkpoint_dir.publish`` renames into place once complete."""
+
+from __future__ import annotations
+import json
+import os
+import random
+import shutil
+import warnings
+from typing import Any, Optional
+import numpy as np
+import torch
+from spmdzero.io import checkpoint_dir
+from spmdzero.io.checkpoint_dir import _pickle_client_state, prepare_dir, staging_dir
+from spmdzero.io.checkpoint_format import CLIENT_FILE, STATE_DIR
+from spmdzero.io.checkpoint_format import CheckpointError, FORMAT_VERSION, _is_writer, _no_dist, _quiet_dcp, check_tag, tensor_index, to_json
+from spmdzero.io.read import _dcp_failure
+
+
+def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
+                    save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.api import CheckpointException
+    import torch_xla.core.xla_model as xm
+    from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
+
+    tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}", save_dir)
+    client_bytes = _pickle_client_state(client_state)
+    prepare_dir(save_dir)
+    final = os.path.join(save_dir, tag)
+    if os.path.lexists(final) and not os.path.isdir(final):
+        raise CheckpointError(f"cannot save checkpoint {tag!r}: {final!r} exists and is not a directory")
+    _warn_if_mid_window(engine, tag)
+
+    tensors = engine.state_tensors()
+    if exclude_frozen_parameters:
+        frozen = {f"model.{n}" for n, p in engine.module.named_parameters() if not p.requires_grad}
+        tensors = {k: v for k, v in tensors.items() if k not in frozen}
+    # Materialize the state without ending the trace (torch_xla.sync() would advance the
+    # XLA RNG seed, so a run that saves would draw other dropout masks than one that does
+    # not), and wait: DCP reads the shards' device handles, which an in-flight execution
+    # has not filled yet.
+    xm.unlazy([t for t, _ in tensors.values()])
+    xm.wait_device_ops()
+    engine.get_global_grad_norm()  # the data is on the host now anyway: tells once of a non-finite fp32 run
+    meta = json.dumps(to_json(_host_state(engine, tensors, tag, bool(client_bytes))), indent=1)
+    staging = staging_dir(save_dir, tag)
+    try:
+        with _quiet_dcp():
+            # per_thread_copy_ahead=0: DCP's serial copy to host. Its overlapping loader is picked
+            # whenever a privateuse1 device module is available, and importing torchax (which
+            # spmd.scan_layers does) registers one without CUDA-style streams: save would fail.
+            writer = FileSystemWriter(os.path.join(staging, STATE_DIR), per_thread_copy_ahead=0)
+            dcp.save({k: t for k, (t, _) in tensors.items()}, storage_writer=writer,
+                     planner=SPMDSavePlanner(), no_dist=_no_dist())
+    except BaseException as err:  # an interrupt too: nothing half-written stays behind
+        if _is_writer():
+            shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(err, (Exception, CheckpointException)):  # DCP's CheckpointException is a BaseException
+            raise CheckpointError(f"cannot write checkpoint {tag!r} to {staging!r} (the previous checkpoints are "
+                                  f"untouched): {_dcp_failure(err)}") from None
+        raise
+    if _is_writer():
+        checkpoint_dir.publish(save_dir, tag, staging, meta, client_bytes, save_latest)
+    return True
+
+
+def _warn_if_mid_window(engine, tag: str) -> None:
+    """The gradients accumulated so far in a window are not saved (nor by DeepSpeed): a run
+    resumed from this checkpoint starts a new window without them."""
+    gas = engine.gradient_accumulation_steps()
+    if gas > 1 and engine.micro_steps % gas:
+        warnings.warn(f"spmdzero: checkpoint {tag!r} is saved after micro-step {engine.micro_steps % gas} of a "
+                      f"{gas}-step gradient accumulation window; the gradients accumulated in it are not saved, "
+                      "and a run resumed from it starts a new window. Save after engine.step() at a boundary "
+                      "(engine.is_gradient_accumulation_boundary() before the step) to resume exactly.", stacklevel=3)
+
+
+def module_keys(module: torch.nn.Module) -> dict[str, str]:
+    """{state_dict name: checkpoint key}. Tied weights (an embedding shared with the output
+    layer) are one tensor under two names; consolidation writes both."""
+    keys = {id(p): f"model.{n}" for n, p in module.named_parameters()}
+    keys.update({id(b): f"buffer.{n}" for n, b in module.named_buffers() if b is not None})
+    return {name: keys[id(t)] for name, t in module.state_dict(keep_vars=True).items() if id(t) in keys}
+
+
+def _host_state(engine, tensors: dict, tag: str, has_client_state: bool) -> dict:
+    import torch_xla.core.xla_model as xm
+
+    from spmdzero.version import __version__
+
+    optimizer = engine.optimizer.optimizer if engine.optimizer is not None else None
+    groups, host_state = [], {}
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            groups.append({k: _to_host(v) for k, v in group.items() if k != "params"})
+        for target, state in optimizer.state.items():
+            name = engine._target_names[target]
+            kept = {k: v for k, v in state.items() if not (isinstance(v, torch.Tensor) and v.device.type == "xla")}
+            if kept:
+                host_state[name] = kept
+    return {
+        "format": FORMAT_VERSION, "spmdzero_version": __version__, "tag": tag,
+        "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+        "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "optimizer": {"type": type(optimizer).__name__ if optimizer is not None else None,
+                      "param_groups": groups, "host_state": host_state},
+        "rng": {"torch": torch.get_rng_state(), "xla": xm.get_rng_state(), "python": random.getstate(),
+                "numpy": np.random.get_state()},
+        "client_state": CLIENT_FILE if has_client_state else None,
+        "ds_config": json.loads(json.dumps(engine._config.model_dump(mode="json"), default=repr)),
+        "mesh": dict(zip(engine.mesh.axis_names, engine.mesh.mesh_shape)),
+        "zero_stage": engine.plan.stage,
+        "param_dtype": str(engine.precision.param_dtype),
+        "tensors": tensor_index({k: t for k, (t, _) in tensors.items()}),
+        "module_keys": module_keys(engine.module),
+        "stacked_layers": engine.stacked_layers(),  # for consolidate: per-layer names again
+    }
+
+
+def _to_host(value: Any) -> Any:
+    """Group hyperparameters may be device scalars (an lr from an in-graph schedule)."""
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_host(v) for v in value)
+    return value

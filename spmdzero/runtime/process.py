@@ -1,0 +1,142 @@
+"""Process-wide XLA bootstrap: SPMD mode, one process per host.
+
+Everything here runs once, on ``import spmdzero``, before any XLA tensor exists:
+
+* pick the PJRT device: every TPU chip on a TPU VM, else the CPU client with
+  ``CPU_NUM_DEVICES`` virtual devices (8 when unset), the embedded default;
+* on a TPU, add spmdzero's libtpu compiler flags to ``LIBTPU_INIT_ARGS``
+  (``spmdzero.runtime.libtpu_flags``, the flags ``spmdzero aot`` compiles with);
+* switch torch_xla into SPMD mode (it must precede the first XLA tensor);
+* start the runtime now. PyTorch's autograd engine sizes its per-device queues
+  at the first ``backward()`` of the process. If that backward runs on CPU before
+  the XLA runtime has started, the XLA queues are never created and every later
+  XLA backward dies with a ``device_ready_queues_`` assert. Starting the runtime
+  at import makes that ordering impossible."""
+
+from __future__ import annotations
+import os
+from spmdzero.runtime.devices import DEFAULT_CPU_DEVICES, _select_device_type
+
+
+def start() -> None:
+    """The process's runtime, at ``import spmdzero`` (and ``spmdzero launch``): torch_xla's
+    (``bootstrap``), or JAX's devices under ``SPMDZERO_BACKEND=torchax`` (``spmdzero.runtime.jax_runtime``)."""
+    from spmdzero.runtime import jax_runtime
+
+    if jax_runtime.decide():
+        jax_runtime.configure()
+    else:
+        bootstrap()
+
+
+def bootstrap() -> None:
+    """Configure and start the XLA runtime in SPMD mode. Idempotent."""
+    device_type = _select_device_type()
+    os.environ["PJRT_DEVICE"] = device_type
+    if device_type == "CPU":
+        os.environ.setdefault("CPU_NUM_DEVICES", str(DEFAULT_CPU_DEVICES))
+    elif device_type == "TPU":  # the compiler flags spmdzero aot compiles with, before libtpu loads
+        from spmdzero.runtime import libtpu_flags
+
+        libtpu_flags.apply()
+
+    import torch_xla.runtime as xr
+
+    if not xr.is_spmd():
+        try:
+            xr.use_spmd()
+        except Exception as err:  # torch_xla refuses once XLA tensors exist
+            raise RuntimeError(
+                "spmdzero could not switch torch_xla into SPMD mode: XLA tensors were "
+                "created before `import spmdzero`. Import spmdzero first (in a notebook: "
+                "restart the kernel and import it in the first cell)."
+            ) from err
+    xr.global_runtime_device_count()  # starts the runtime; see the module docstring
+    register_torch_device_module()
+
+
+def register_torch_device_module() -> None:
+    """``torch.xla``, the device module ``torch.utils.checkpoint`` and ``torch.random.fork_rng``
+    look up to save and restore a device's RNG state: without it, activation checkpointing
+    (Hugging Face's ``gradient_checkpointing_enable()``) fails on XLA tensors with "module
+    'torch' has no attribute 'xla'". The state is torch_xla's RNG seed, so the recomputed
+    forward draws the same dropout masks. One logical device per process (SPMD)."""
+    import contextlib
+    import types
+
+    import torch
+
+    if hasattr(torch, "xla"):
+        return
+    import torch_xla.core.xla_model as xm
+
+    module = types.ModuleType("torch.xla")
+    module._initialized = True
+    module.device = lambda index=None: contextlib.nullcontext()
+    module.device_count = lambda: 1
+    module.get_rng_state = lambda device=None: xm.get_rng_state()
+    module.set_rng_state = lambda state, device=None: xm.set_rng_state(int(state))
+    torch._register_device_module("xla", module)
+
+
+def device_count() -> int:
+    from spmdzero.runtime import jax_runtime
+
+    if jax_runtime.selected():  # torch_xla's runtime must not start: it would take the TPU
+        return jax_runtime.device_count()
+    import torch_xla.runtime as xr
+
+    return xr.global_runtime_device_count()
+
+
+def hosts() -> tuple[int, int]:
+    """(this process's index, the number of processes): one process per host."""
+    from spmdzero.runtime import jax_runtime
+
+    if jax_runtime.selected():
+        return jax_runtime.hosts()
+    import torch_xla.runtime as xr
+
+    return xr.process_index(), xr.process_count()
+
+
+def device():
+    import torch_xla
+
+    return torch_xla.device()
+
+
+def enable_compile_cache(path: str) -> bool:
+    """XLA's persistent compilation cache at ``path``. It can only be switched on before the
+    first XLA computation of the process; returns False (and warns) when that has passed."""
+    import warnings
+
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    path = os.path.abspath(path)
+    if torch_xla._XLAC._xla_computation_cache_is_initialized():
+        if os.environ.get("XLA_PERSISTENT_CACHE_PATH") != path:
+            warnings.warn(f"spmdzero: spmd.compile_cache_dir={path!r} is ignored: XLA already compiled in this "
+                          "process. Set it in the first initialize() of the process (or set "
+                          "XLA_PERSISTENT_CACHE_PATH before importing spmdzero).", stacklevel=3)
+            return False
+        return True
+    os.makedirs(path, exist_ok=True)
+    xr.initialize_cache(path, readonly=False)
+    return True
+
+
+BACKWARD_TRAP_MARKER = "device_ready_queues_"
+
+
+def explain_backward_trap(err: RuntimeError) -> RuntimeError | None:
+    """A clear error for the autograd queue trap, or None if ``err`` is something else."""
+    if BACKWARD_TRAP_MARKER not in str(err):
+        return None
+    return RuntimeError(
+        "XLA backward failed because a backward pass ran on CPU tensors before the XLA "
+        "runtime started in this process (PyTorch's autograd engine then never creates "
+        "its XLA device queues). Import spmdzero before running any backward pass; in a "
+        "notebook, restart the kernel and `import spmdzero` in the first cell."
+    )

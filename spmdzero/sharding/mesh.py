@@ -1,0 +1,123 @@
+"""The device mesh: a 1-D ``fsdp`` mesh by default, ``data x fsdp`` from the config.
+
+ZeRO shards optimizer states (and, at stage 2, gradients) across the ``fsdp`` devices only;
+the batch is split across every data-parallel axis. Their product is DeepSpeed's world size
+in the batch arithmetic.
+
+On 16 or more ``fsdp`` devices the ``fsdp`` dimension is factored into two mesh axes,
+``fsdp`` (outer) x ``fsdp_inner`` (2 by default, ``spmd.mesh.fsdp_inner``): libtpu 0.0.21
+turns a reduce-scatter over 16 or more chips of a v5e:4x4 or larger slice into an all-reduce
+and a slice, but keeps two reduce-scatters over the two axes in turn (the plan splits a
+matrix's rows over ``fsdp`` and its columns over ``fsdp_inner``; docs/tpu.md). The
+devices and the batch rows keep their order: ``fsdp = 8`` is ``fsdp = 4 x fsdp_inner = 2``."""
+
+from __future__ import annotations
+from typing import Mapping
+import numpy as np
+from spmdzero.config.errors import ConfigError
+from spmdzero.config.schema import MeshConfig
+
+
+FSDP_AXIS = "fsdp"
+
+
+FSDP_INNER_AXIS = "fsdp_inner"
+
+
+DATA_AXIS = "data"
+
+
+FSDP_AXES = (FSDP_AXIS, FSDP_INNER_AXIS)
+
+
+DATA_PARALLEL_AXES = (DATA_AXIS, FSDP_AXIS, FSDP_INNER_AXIS)
+
+
+# From this many fsdp devices on, "auto" factors out an inner axis of this size: libtpu
+# reduce-scatters over 4 chips (v5e:2x2) as they are, and over 16 only one axis at a time.
+AUTO_SPLIT_FROM, AUTO_INNER = 16, 2
+
+
+def resolve_mesh_shape(mesh_config: MeshConfig | None, num_devices: int) -> dict[str, int]:
+    """Axis sizes by name. No config: ``fsdp`` over all devices. Else fill the -1 entry so
+    that ``data * fsdp == num_devices``. Then factor ``fsdp`` (see ``split_fsdp``). Pure; no
+    devices needed."""
+    if mesh_config is None:
+        return split_fsdp({FSDP_AXIS: num_devices}, "auto")
+    data, fsdp = mesh_config.data, mesh_config.fsdp
+    if data == -1 and fsdp == -1:
+        raise ConfigError("spmd.mesh: at most one of 'data' and 'fsdp' may be -1")
+    if data == -1:
+        data = num_devices // fsdp if num_devices % fsdp == 0 else 0
+    if fsdp == -1:
+        fsdp = num_devices // data if num_devices % data == 0 else 0
+    if data * fsdp != num_devices or data < 1 or fsdp < 1:
+        raise ConfigError(
+            f"spmd.mesh: data={mesh_config.data} x fsdp={mesh_config.fsdp} does not cover the "
+            f"{num_devices} devices"
+        )
+    return split_fsdp({DATA_AXIS: data, FSDP_AXIS: fsdp}, mesh_config.fsdp_inner)
+
+
+def split_fsdp(shape: dict[str, int], inner: int | str) -> dict[str, int]:
+    """``shape`` with its ``fsdp`` size factored into ``fsdp x fsdp_inner``; ``inner`` is
+    ``spmd.mesh.fsdp_inner``: a size, 1 for one axis, or "auto" (``AUTO_INNER`` from
+    ``AUTO_SPLIT_FROM`` fsdp devices on, when it divides them)."""
+    fsdp = shape[FSDP_AXIS]
+    if inner == "auto":
+        inner = AUTO_INNER if fsdp >= AUTO_SPLIT_FROM and fsdp % AUTO_INNER == 0 else 1
+    if fsdp % inner or inner >= fsdp:
+        raise ConfigError(f"spmd.mesh.fsdp_inner: {inner} must divide the fsdp size {fsdp} and be "
+                          f"smaller than it (1 keeps a single fsdp axis)")
+    if inner == 1:
+        return shape
+    return {**shape, FSDP_AXIS: fsdp // inner, FSDP_INNER_AXIS: inner}
+
+
+def resolve_hybrid_shape(mesh_config: MeshConfig | None, dcn_config, num_devices: int
+                         ) -> tuple[dict[str, int], dict[str, int]]:
+    """(ICI shape within a slice, DCN shape across slices) for multislice. The slices are
+    ``dcn.data`` (``fsdp`` never crosses DCN: optimizer states shard over ICI only); the
+    in-slice mesh fills the devices of one slice. The global mesh is their product."""
+    slices = dcn_config.data
+    if num_devices % slices:
+        raise ConfigError(f"spmd.dcn_mesh: data={slices} slices do not divide the {num_devices} devices")
+    ici = resolve_mesh_shape(mesh_config or MeshConfig(data=1, fsdp=-1), num_devices // slices)
+    return ici, {axis: slices if axis == DATA_AXIS else 1 for axis in ici}
+
+
+def global_shape(ici: dict[str, int], dcn: dict[str, int]) -> dict[str, int]:
+    return {axis: ici[axis] * dcn[axis] for axis in ici}
+
+
+def check_user_mesh(mesh) -> None:
+    import torch_xla.distributed.spmd as xs
+
+    if not isinstance(mesh, xs.Mesh):
+        raise TypeError(f"mesh must be a torch_xla.distributed.spmd.Mesh, got {type(mesh).__name__}")
+    if FSDP_AXIS not in (mesh.axis_names or ()):
+        raise ValueError(
+            f"mesh axes {mesh.axis_names} have no {FSDP_AXIS!r} axis; spmdzero shards optimizer "
+            f"states along {FSDP_AXIS!r} (name the axis 'fsdp', and 'data' for pure data parallelism)"
+        )
+
+
+def mesh_shape(mesh) -> dict[str, int]:
+    return dict(zip(mesh.axis_names, mesh.mesh_shape))
+
+
+def fsdp_axes(shape: Mapping[str, int]) -> tuple[str, ...]:
+    return tuple(a for a in FSDP_AXES if a in shape)
+
+
+def fsdp_size(shape: Mapping[str, int]) -> int:
+    """How many ways ZeRO splits a tensor: the product of the fsdp axes."""
+    return int(np.prod([shape[a] for a in fsdp_axes(shape)]))
+
+
+def data_parallel_axes(shape: Mapping[str, int]) -> tuple[str, ...]:
+    return tuple(a for a in DATA_PARALLEL_AXES if a in shape)
+
+
+def data_parallel_size(shape: Mapping[str, int]) -> int:
+    return int(np.prod([shape[a] for a in data_parallel_axes(shape)]))

@@ -1,0 +1,192 @@
+"""Capture one training step of an engine as StableHLO, without executing it, and compile it
+in a subprocess: for a TPU topology with libtpu's compile-only client, or for this process's
+XLA:CPU devices (``collectives_report``). After the capture the engine is as it was."""
+
+from __future__ import annotations
+import contextlib
+import copy
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Optional
+import torch
+from spmdzero.tpu.retarget import check_same_plan, retarget, target_mesh_shape, trace_devices
+from spmdzero.tpu.chips import GIB, ChipSpec, chip_spec, topology_chips  # noqa: F401  (topology_chips: public here)
+from spmdzero.tpu.compile import LIBTPU_HINT
+from spmdzero.tpu.report import AotReport, CollectivesReport, HLO_DTYPES
+
+
+class StepCapture:
+    """One traced step: its StableHLO and which arguments its outputs update in place."""
+
+    def __init__(self, engine, inputs: dict):
+        self.engine = engine
+        self.inputs = inputs  # state key -> the tensor holding its value before the step
+        self.mlir: Optional[str] = None
+        self.donate: list[tuple[int, int]] = []
+        self.loss: Optional[torch.Tensor] = None
+
+    def record(self, lr_kwargs) -> None:
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        self.engine._take_model_step(lr_kwargs)
+        state = {k: t for k, (t, _) in self.engine.state_tensors().items()}
+        state.update({f"grad.{k}": b for k, b in self.engine.grad_buffers().items()})
+        # Outputs are the state the step changed (an untouched tensor is no output: the
+        # exporter would drop it and shift the numbering), then the loss.
+        probe = torch_xla._XLAC.lowering.LoweringContext("probe")
+        probe.build(list(state.values()))
+        changed = [k for k, t in state.items() if probe.tensor_parameter_id(t) < 0]
+        outputs = [state[k] for k in changed] + ([self.loss] if self.loss is not None else [])
+        lowering = torch_xla._XLAC.lowering.LoweringContext("step")
+        lowering.build(outputs)
+        for index, key in enumerate(changed):
+            arg = lowering.tensor_parameter_id(self.inputs[key]) if key in self.inputs else -1
+            if arg >= 0:
+                self.donate.append((arg, index))
+        self.mlir = xm.get_stablehlo(outputs)
+
+    def _check(self) -> None:
+        if self.mlir is None:
+            raise RuntimeError("nothing captured: call engine.step() inside `with spmdzero.aot.capture(engine)`")
+
+    def compile(self, topology: str, timeout: int = 3600) -> AotReport:
+        self._check()
+        chips = topology_chips(topology)
+        devices = int(self.engine.mesh.size())
+        mlir, micro_batch = self.mlir, self.engine.train_micro_batch_size_per_gpu()
+        if chips != devices:
+            if devices != trace_devices(topology):
+                raise ValueError(f"topology {topology!r} has {chips} chips but the mesh has {devices} devices; capture "
+                                 f"in a process started with CPU_NUM_DEVICES={trace_devices(topology)} (set before "
+                                 "importing spmdzero)")
+            # more chips than one process can trace: the same global program, its shardings
+            # moved onto the target mesh (spmdzero.tpu.retarget)
+            from spmdzero.sharding.mesh import mesh_shape
+
+            traced = mesh_shape(self.engine.mesh)
+            target = target_mesh_shape(self.engine, chips)
+            check_same_plan(self.engine.plan, target)
+            mlir = retarget(mlir, traced, target)
+            micro_batch //= chips // devices
+        result = compile_mlir(mlir, topology, self.donate, timeout)
+        return AotReport(stage=self.engine.plan.stage, gradient_bytes=self.gradient_bytes(),
+                         micro_batch=micro_batch, gradient_names=self.gradient_names(), **result)
+
+    def gradient_bytes(self) -> int:
+        trainable = [s.param for s in self.engine._slots]
+        return sum(p.numel() for p in trainable) * self.engine.precision.communication_dtype.itemsize
+
+    def gradient_names(self) -> dict[str, list[str]]:
+        """Each gradient's HLO shape (``f32[50257,768]``) -> the parameters with that shape."""
+        dtype = HLO_DTYPES[self.engine.precision.communication_dtype]
+        names: dict[str, list[str]] = {}
+        for slot in self.engine._slots:
+            shape = f"{dtype}[{','.join(str(d) for d in slot.param.shape)}]"
+            names.setdefault(shape, []).append(slot.name)
+        return names
+
+    def collectives_report(self, timeout: int = 1800) -> "CollectivesReport":
+        """The collectives of this step compiled for XLA:CPU on this process's devices, with
+        the CPU lowering of a reduce-scatter (all-reduce + partition-indexed slices) named as
+        what TPU and GPU compile it to."""
+        self._check()
+        devices = int(self.engine.mesh.size())
+        result = compile_mlir(self.mlir, f"cpu:{devices}", self.donate, timeout)
+        return CollectivesReport(devices, result["collectives"], self.gradient_bytes())
+
+
+def check_traceable(topology: str) -> int:
+    """How many devices to trace ``topology`` on (``CPU_NUM_DEVICES``): its chips, or for 128
+    and more (PyTorch's autograd engine counts devices in 8 bits) a quarter or sixteenth of
+    them, the program then moved onto the whole topology (``spmdzero.tpu.retarget``)."""
+    return trace_devices(topology)
+
+
+def compile_mlir(mlir: str, topology: str, donate=(), timeout: int = 3600) -> dict:
+    """Run ``spmdzero.tpu.compile`` in a subprocess; raise its error here."""
+    if not topology.startswith("cpu:") and importlib.util.find_spec("libtpu") is None:
+        raise RuntimeError(f"libtpu is not installed; {LIBTPU_HINT}")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, meta, out = (os.path.join(tmp, name) for name in ("step.mlir", "step.json", "report.json"))
+        with open(src, "w") as f:
+            f.write(mlir)
+        with open(meta, "w") as f:
+            json.dump({"donate": [list(pair) for pair in donate]}, f)
+        env = {**os.environ, "SPMDZERO_NO_RUNTIME": "1"}
+        proc = subprocess.run([sys.executable, "-m", "spmdzero.tpu.compile", src, topology, out, meta], env=env,
+                              capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0 or not os.path.exists(out):
+            how = (f"killed by signal {-proc.returncode}" + (" (out of host memory?)" if proc.returncode == -9 else "")
+                   if proc.returncode < 0 else f"exit status {proc.returncode}")
+            unknown = "Unknown command line flag" in proc.stderr
+            hint = ("\n(libtpu does not know a flag in LIBTPU_INIT_ARGS: fix or unset it; "
+                    "SPMDZERO_LIBTPU_FLAGS=0 leaves out spmdzero's own)") if unknown else ""
+            raise RuntimeError(f"TPU compilation for {topology} failed ({how}):\n{proc.stderr[-3000:]}{hint}")
+        with open(out) as f:
+            result = json.load(f)
+    if "error" in result:
+        raise (RuntimeError if result.get("kind") == "runtime" else ValueError)(result["error"])
+    return result
+
+
+@contextlib.contextmanager
+def capture(engine, inputs: Optional[dict] = None):
+    """Trace one training step without executing it; restore the engine afterwards.
+    ``inputs`` (from ``aot_shapes.shape_only_engine``) names the placeholders holding the
+    state before the step; by default the engine's live state is."""
+    import torch_xla
+
+    if inputs is None:  # a shape-only engine has nothing to execute (and nothing it could)
+        torch_xla.sync()
+    tensors = {k: t for k, (t, _) in engine.state_tensors().items()}
+    tensors.update({f"grad.{k}": b for k, b in engine.grad_buffers().items()})
+    # A clone shares the state's device buffer and keeps pointing at it while the traced
+    # step updates the tensor in place (``t.data`` would follow the update).
+    saved = {k: t.clone() for k, t in tensors.items()} if inputs is None else None
+    saved_attrs = {k: copy.copy(getattr(engine, k)) for k in (
+        "global_steps", "global_samples", "micro_steps", "_step_applied", "_last_overflow", "_global_grad_norm",
+        "_loss_scale", "_skipped_on_device", "_rows_since_step", "_backward_since_step", "samples_last_step")}
+    # Rebound, never updated in place, by a traced backward or step: the objects are kept
+    # (the gradients pending inside an accumulation window, the last loss read by last_loss()).
+    saved_attrs.update(_last_loss=engine._last_loss, _window_loss=engine._window_loss, _step_loss=engine._step_loss,
+                       _input_shapes=engine._input_shapes)
+    pending = [slot.grad for slot in engine._slots]
+    groups = [dict(g) for g in engine.optimizer.param_groups] if engine.optimizer else []
+    # the schedule's own attributes, not its state_dict(): that reads a device step count back
+    # as an int, which the next step sends as a new input and so compiles a new graph
+    scheduler = {k: v if isinstance(v, torch.Tensor) else copy.copy(v)
+                 for k, v in vars(engine.lr_scheduler).items()} if engine.lr_scheduler is not None else None
+    step = StepCapture(engine, inputs if inputs is not None else saved)
+    engine._capture = step
+    try:
+        yield step
+    finally:
+        engine._capture = None
+        if saved is not None:
+            # An in-place copy, not a swap of the XLA tensor under the functional wrapper: views
+            # (a weight's transpose in the next forward) are rebuilt from the wrapper's base,
+            # which a swap would leave at the traced update.
+            with torch.no_grad():
+                for key, t in tensors.items():
+                    t.copy_(saved[key])
+            # laid out by the plan and executed now, as a graph of its own (compiled once): left
+            # pending, the copies would join the next training step's graph and make it a new
+            # one to compile
+            engine._reannotate()
+            torch_xla.sync()
+        for name, value in saved_attrs.items():
+            setattr(engine, name, value)
+        for slot, grad in zip(engine._slots, pending):
+            slot.grad = grad
+        if engine.optimizer:
+            for group, kept in zip(engine.optimizer.param_groups, groups):
+                group.update(kept)
+        if scheduler is not None:
+            vars(engine.lr_scheduler).update(scheduler)
+        for p in engine.module.parameters():
+            p.grad = None

@@ -1,0 +1,93 @@
+"""The pieces of ``spmdzero.initialize`` that every backend shares: the config as DeepSpeed's
+``engine.config`` dict, moving a module without replacing its Parameters, the client
+optimizer and scheduler as DeepSpeed takes them, frozen parameters dropped from the groups,
+and which embedding tables are tied."""
+
+from __future__ import annotations
+import os
+import warnings
+from typing import Mapping
+import torch
+from spmdzero.config.errors import ConfigError
+from spmdzero.config.load import read_config_file
+from spmdzero.optim.optimizers import build_optimizer
+from spmdzero.optim.schedules import build_scheduler
+
+
+def config_dict(cfg, args, config, config_params) -> dict:
+    """The config as DeepSpeed's ``engine.config`` holds it: the user's dict (a file read)."""
+    source = next((c for c in (config, config_params, getattr(args, "deepspeed_config", None)) if c is not None), None)
+    if isinstance(source, Mapping):
+        return dict(source)
+    if isinstance(source, (str, os.PathLike)):
+        return read_config_file(source)
+    return cfg.model_dump(exclude_none=True)
+
+
+def move_in_place(module: torch.nn.Module, device) -> torch.nn.Module:
+    """``module.to(device)`` that keeps every Parameter object. CPU and XLA tensors cannot
+    share storage, so a plain ``.to`` makes new Parameters and an optimizer built on the
+    old ones would silently update nothing; swapping contents keeps the references live."""
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        return module.to(device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+
+
+def move_state_to(optimizer, device) -> None:
+    """State a client optimizer already holds (e.g. loaded) follows its params to the device."""
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device != p.device and value.shape == p.shape:
+                state[key] = value.to(device)
+
+
+def build_engine_optimizer(client, model_parameters, module, cfg):
+    params = model_parameters if model_parameters is not None else [p for p in module.parameters() if p.requires_grad]
+    if client is not None:
+        if cfg.optimizer is not None:
+            warnings.warn("spmdzero: both a client optimizer and a config 'optimizer' section were given; "
+                          "the client optimizer is used (as in DeepSpeed)", stacklevel=3)
+        if isinstance(client, torch.optim.Optimizer):
+            return client
+        if callable(client):
+            built = client(params)
+            if not isinstance(built, torch.optim.Optimizer):
+                raise TypeError(f"the optimizer callable returned {type(built).__name__}, not a torch.optim.Optimizer")
+            return built
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable taking params, "
+                        f"got {type(client).__name__}")
+    if cfg.optimizer is None:
+        return None
+    return build_optimizer(cfg.optimizer, params)
+
+
+def drop_frozen(optimizer) -> None:
+    """DeepSpeed's ZeRO optimizers keep only the parameters that require grad, so frozen
+    layers may come along in ``model_parameters=model.parameters()``; a group left empty is
+    dropped, as DeepSpeed drops it (``get_lr()`` has one entry per remaining group)."""
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if p.requires_grad]
+    optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
+
+
+def build_engine_scheduler(client, optimizer, cfg):
+    if client is not None:
+        return client(optimizer) if callable(client) and not hasattr(client, "step") else client
+    if cfg.scheduler is None:
+        return None
+    if optimizer is None:
+        raise ConfigError("the config has a 'scheduler' section but there is no optimizer to schedule")
+    return build_scheduler(cfg.scheduler, optimizer)
+
+
+def tied_embeddings(module: torch.nn.Module) -> list[str]:
+    """Names (as ``named_parameters`` gives them) of embedding tables that another module
+    uses too, such as GPT-2's token embedding and output projection."""
+    tables = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Embedding)}
+    uses: dict[int, int] = {}
+    for _, p in module.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    return [n for n, p in module.named_parameters() if id(p) in tables and uses[id(p)] > 1]

@@ -1,0 +1,136 @@
+"""What both engines (torch_xla's and the torchax backend's) answer the same way: DeepSpeed's
+batch numbers and its accumulation boundary, read from the resolved config, the plan and the
+precision policy. One definition, so the two backends cannot drift apart."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Optional
+
+import torch
+
+
+# Keyword inputs that are loss targets (transformers' ``labels``, the usual names): both engines
+# keep their dtype where they cast floating inputs to the model dtype (an fp16 cast can overflow
+# a regression target; DeepSpeed's fp16.auto_cast leaves keyword inputs alone).
+TARGET_NAMES = frozenset({"labels", "label", "target", "targets"})
+
+
+class DeepSpeedCounters:
+    """Needs ``_batch`` (config.BatchSizes), ``plan``, ``_config``, ``precision``, ``micro_steps``
+    and ``_boundary_override`` on the engine."""
+
+    # ---- DeepSpeed batch numbers -------------------------------------------------
+    def train_batch_size(self) -> int:
+        return self._batch.global_batch
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._batch.rows_per_rank
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._batch.accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.plan.stage
+
+    def gradient_clipping(self) -> float:
+        return self._config.gradient_clipping
+
+    def bfloat16_enabled(self) -> bool:
+        return self.precision.param_dtype == torch.bfloat16
+
+    def fp16_enabled(self) -> bool:
+        return self.precision.param_dtype == torch.float16
+
+    # ---- DeepSpeed's config getters, as scripts call them -------------------------------
+    def zero_optimization(self) -> bool:
+        return self.plan.stage > 0
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.plan.stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        """False: parameters are never sharded at stages 0-2 (ZeRO-3 is out of scope)."""
+        return False
+
+    def steps_per_print(self) -> Optional[int]:
+        return self._config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return self._config.wall_clock_breakdown
+
+    def optimizer_name(self) -> Optional[str]:
+        """As DeepSpeed: the config's optimizer type, lower-case, else the client optimizer's
+        class name; None without an optimizer."""
+        if self._config.optimizer is not None:
+            return self._config.optimizer.type.lower()
+        client = getattr(getattr(self, "optimizer", None), "optimizer", None)
+        return type(client).__name__ if client is not None else None
+
+    def dynamic_loss_scale(self) -> bool:
+        return self.fp16_enabled() and self._config.fp16.loss_scale == 0
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its host: 0, as one process drives all of the host's devices."""
+        return 0
+
+    @property
+    def global_rank(self) -> int:
+        """This process's index among the hosts (torch.distributed's rank under ``spmdzero launch``)."""
+        from spmdzero import runtime
+
+        return runtime.hosts()[0]
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The module's state dict in the model dtype (bf16/fp16 under mixed precision), written
+        by process 0 with ``torch.save``. Every process must call it (the copy to the host reads
+        the replicated parameters of every host)."""
+        frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+        state = {name: t.detach().cpu() for name, t in self.module.state_dict().items()
+                 if not (exclude_frozen_parameters and name in frozen)}
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(state, os.path.join(save_dir, save_filename))
+        return True
+
+    def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
+        return self.save_16bit_model(save_dir, save_filename)
+
+    def _check_training_rows(self, global_rows: int) -> None:
+        """The batch rule for a training forward: more rows than a micro-step has is an error,
+        fewer (an epoch's partial last batch) a one-time warning. Needs ``_warned_fewer_rows``."""
+        batch = self._batch
+        if global_rows > batch.rows_per_micro_step:
+            raise ValueError(f"spmdzero: {batch.mismatch(global_rows)}")
+        if global_rows < batch.rows_per_micro_step and not self._warned_fewer_rows:
+            from spmdzero.train.data import caller_stacklevel
+
+            self._warned_fewer_rows = True
+            warnings.warn(f"spmdzero: {batch.mismatch(global_rows)} This is normal for the last, partial batch "
+                          "of an epoch (drop_last=False); if every batch is this small, the config and your "
+                          "DataLoader disagree. global_samples and samples/s count the rows actually fed. "
+                          "(warned once)", stacklevel=caller_stacklevel())
+
+    def get_data_parallel_rank(self) -> int:
+        """This process's rank among the data-parallel processes (one per host)."""
+        return getattr(self, "global_rank", 0)
+
+    def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict:
+        state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            frozen = {prefix + n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = type(state)((k, v) for k, v in state.items() if k not in frozen)
+        return state
+
+    # ---- accumulation boundary -----------------------------------------------------
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self._boundary_override = is_boundary
