@@ -21,10 +21,12 @@ setup: $(STAMP)
 train: setup  ## the main job: a small GPT-style LM, ZeRO-2, 8 CPU devices unless a TPU is present
 	$(VENV)/bin/python examples/train.py --deepspeed_config examples/configs/zero2.json
 
-test: setup  ## the full suite (what CI runs)
+test: setup  ## the full suite (what CI runs): the layers contract, then every test
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest
 
 test-fast: setup  ## the quick subset for iterating
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest -m "not slow"
 
 bench: setup

@@ -273,7 +273,7 @@ class JaxRunner:
 
     def traffic(self) -> float:
         from spmdzero.tpu.report import CollectivesReport
-        from spmdzero.tpu.compile import summarize_collectives
+        from spmdzero.tpu.collectives import summarize_collectives
 
         text = self._step.lower(self.weights, self.opt_state, self.x).compile().as_text()
         return CollectivesReport(self.n, summarize_collectives(text, cpu_program=True), self.params * 4).total_traffic

@@ -37,7 +37,7 @@ def measure(devices, vocab: int, width: int, tokens_per_chip: int, one_hot: bool
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from spmdzero.tpu.compile import summarize_collectives
+    from spmdzero.tpu.collectives import summarize_collectives
 
     n = len(devices)
     mesh = Mesh(np.array(devices).reshape(n // 2, 2), ("fsdp", "fsdp_inner"))

@@ -457,7 +457,7 @@ def test_a_step_traced_on_fewer_devices_and_moved_is_the_step_traced_on_all(tmp_
 def test_collectives_inside_a_loop_count_once_per_trip():
     """A scanned layer stack compiles to a while loop: its collectives run every trip. TPU
     states the trip count in the loop condition, CPU in the backend config."""
-    from spmdzero.tpu.compile import loop_trip_counts, summarize_collectives
+    from spmdzero.tpu.collectives import loop_trip_counts, summarize_collectives
 
     hlo = """HloModule step
 
@@ -537,7 +537,7 @@ ENTRY %main (a: f32[64,8]) -> f32[64,8] {
 def test_a_windowed_einsum_ring_counts_its_trips_and_skipped_permutes():
     """Read naively, this loop runs 8 times and permutes every time: 8 shards, twice what the
     ring sends. It runs 4 times (unrolled, step 2) and skips its last permute: 3."""
-    from spmdzero.tpu.compile import loop_trip_counts, summarize_collectives
+    from spmdzero.tpu.collectives import loop_trip_counts, summarize_collectives
 
     assert loop_trip_counts(WINDOWED_HLO) == [4]
     permutes = summarize_collectives(WINDOWED_HLO)["collective-permute"]
@@ -574,7 +574,8 @@ PER_TRIP = """
     import json
     import jax, jax.numpy as jnp
     jax.config.update("jax_platforms", "cpu")
-    from spmdzero.tpu.compile import loop_trip_counts, per_step_cost
+    from spmdzero.tpu.collectives import loop_trip_counts
+    from spmdzero.tpu.compile import per_step_cost
 
     def scanned(w, x):
         def layer(h, wl):
@@ -615,7 +616,7 @@ def test_report_names_gradients_all_reduced_in_full_at_stage_2():
     """A gradient the compiler all-reduced instead of reduce-scattering is named, by shape,
     with the tile rule that explains it; small all-reduces (biases, norms) are not."""
     from spmdzero.tpu.report import AotReport
-    from spmdzero.tpu.compile import largest_all_reduces
+    from spmdzero.tpu.collectives import largest_all_reduces
 
     hlo = """HloModule step
 

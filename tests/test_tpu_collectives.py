@@ -10,7 +10,7 @@ import pytest
 
 from conftest import run_python
 
-from spmdzero.tpu.compile import summarize_collectives
+from spmdzero.tpu.collectives import summarize_collectives
 
 # A compiled two-stage reduce-scatter, as libtpu writes it: 8 chips, then 2.
 TWO_STAGE_HLO = """
@@ -56,7 +56,7 @@ def test_a_sliced_all_reduce_is_an_all_reduce_in_a_tpu_program_and_a_reduce_scat
     """In a TPU program it sends what an all-reduce sends, 2 x 15/16 of the array, and is
     listed among the arrays all-reduced in full; XLA:CPU has no reduce-scatter, so there the
     pattern is one (15/16)."""
-    from spmdzero.tpu.compile import largest_all_reduces
+    from spmdzero.tpu.collectives import largest_all_reduces
 
     size = 2048 * 256 * 4
     tpu = summarize_collectives(SLICED_ALL_REDUCE_HLO)
@@ -225,7 +225,7 @@ FLAGGED = """
     import jax, jax.numpy as jnp, numpy as np
     from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from spmdzero.tpu.compile import summarize_collectives
+    from spmdzero.tpu.collectives import summarize_collectives
     mesh = Mesh(np.array(topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices), ("f",))
     rows = NamedSharding(mesh, P("f"))
     a = jax.ShapeDtypeStruct((4096, 50257), jnp.float32, sharding=rows)

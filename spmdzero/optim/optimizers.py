@@ -141,6 +141,15 @@ TORCH_OPS = SimpleNamespace(cast=lambda x, like: x.to(like.dtype), sqrt=torch.sq
                             ones_like=torch.ones_like)
 
 
+def jax_ops(**extra) -> SimpleNamespace:
+    """``TORCH_OPS`` on JAX arrays: the torch_xla backend's fused op and the torchax backend's
+    update program run the optimizers' math with it (``extra``: backend-only ops)."""
+    import jax.numpy as jnp
+
+    return SimpleNamespace(cast=lambda x, like: x.astype(like.dtype), sqrt=jnp.sqrt, where=jnp.where, sign=jnp.sign,
+                           norm=jnp.linalg.vector_norm, clamp=jnp.clip, ones_like=jnp.ones_like, **extra)
+
+
 def _step_counter(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=torch.float32, device=p.device)
 

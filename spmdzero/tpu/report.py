@@ -30,10 +30,10 @@ class AotReport:
     stage: Optional[int] = None
     micro_batch: Optional[int] = None
     loops: list = field(default_factory=list)  # trip counts of the program's while loops (scanned layers, rings)
-    all_reduces: list = field(default_factory=list)  # the largest all-reduced arrays (tpu_compile.largest_all_reduces)
+    all_reduces: list = field(default_factory=list)  # the largest all-reduced arrays (tpu.collectives.largest_all_reduces)
     gradient_names: dict = field(default_factory=dict)  # HLO shape of a gradient -> the parameters of that shape
     libtpu_args: Optional[str] = None  # the LIBTPU_INIT_ARGS compiled with (spmdzero.runtime.libtpu_flags); None on CPU
-    cost_per_step: Optional[dict] = None  # ``cost`` with loop bodies counted per trip (tpu_compile.per_step_cost)
+    cost_per_step: Optional[dict] = None  # ``cost`` with loop bodies counted per trip (tpu.compile.per_step_cost)
     cost_per_step_error: Optional[str] = None  # why there is none for a looped program
 
     @property

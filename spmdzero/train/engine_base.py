@@ -1,9 +1,10 @@
-"""What both engines (torch_xla's and the torchax backend's) answer the same way: DeepSpeed's
-batch numbers and its accumulation boundary, read from the resolved config, the plan and the
-precision policy. One definition, so the two backends cannot drift apart."""
+"""The engine base: DeepSpeed's engine API as every backend answers it (batch numbers, config
+getters, the accumulation boundary, samples counted, learning rates and momenta, the errors),
+over a backend's step core. One definition, so the two backends cannot drift apart."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from typing import Optional
@@ -17,9 +18,16 @@ import torch
 TARGET_NAMES = frozenset({"labels", "label", "target", "targets"})
 
 
-class DeepSpeedCounters:
-    """Needs ``_batch`` (config.BatchSizes), ``plan``, ``_config``, ``precision``, ``micro_steps``
-    and ``_boundary_override`` on the engine."""
+NO_GRADIENTS = ("engine.step() at a gradient accumulation boundary with no engine.backward() since the last "
+                "optimizer step: there are no gradients to apply")
+
+
+class EngineBase:
+    """DeepSpeed's engine API, as both backends' engines answer it. An engine sets ``_batch``
+    (sharding.batch.BatchSizes), ``plan``, ``_config``, ``precision``, ``optimizer``,
+    ``micro_steps``, ``_boundary_override`` and ``_rows_since_step`` (training rows fed since
+    the last optimizer step), and implements the step core: ``forward``, ``backward``,
+    ``step``, ``zero_grad``."""
 
     # ---- DeepSpeed batch numbers -------------------------------------------------
     def train_batch_size(self) -> int:
@@ -134,3 +142,44 @@ class DeepSpeedCounters:
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         self._boundary_override = is_boundary
+
+    # ---- shared by every backend ----------------------------------------------------------
+    def get_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups] if self.optimizer else []
+
+    def get_mom(self) -> list:
+        if not self.optimizer:
+            return []
+        moms = []
+        for group in self.optimizer.param_groups:
+            if "betas" in group:
+                moms.append(tuple(float(b) for b in group["betas"]))
+            else:
+                moms.append(group.get("momentum"))
+        return moms
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate without communication. Refused at ZeRO-2, as in DeepSpeed; under
+        SPMD the compiler owns communication, so at stages 0/1 this changes nothing."""
+        if self.plan.stage >= 2:
+            raise AssertionError("no_sync context manager is incompatible with gradient partitioning "
+                                 "logic of ZeRO stage 2")
+        yield
+
+    def destroy(self) -> None:
+        """DeepSpeed releases its communication buffers and hooks here; spmdzero holds none
+        (device memory goes with the tensors), so there is nothing to release."""
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """DeepSpeed's ``stage3_gather_16bit_weights_on_model_save`` (read at ZeRO-3 only; at
+        stages 0-2 every device holds whole weights and ``save_16bit_model`` always saves)."""
+        zero = self.config.get("zero_optimization") or {}  # the DeepSpeed dict, as DeepSpeed reads it
+        return bool(zero.get("stage3_gather_16bit_weights_on_model_save", False))
+
+    def _consume_samples(self) -> int:
+        """Samples this optimizer step trained on: the rows its training forwards fed, or the
+        configured global batch when the module was called directly (rows unseen)."""
+        rows, self._rows_since_step = self._rows_since_step, 0
+        self.samples_last_step = rows or self.train_batch_size()
+        return self.samples_last_step

@@ -1,5 +1,9 @@
 """The training engine: DeepSpeed's names and semantics over one traced SPMD step.
 
+Why one module: the step core (forward, backward, the boundary update) and the state it
+keeps between steps (gradient slots, the loss scale and counters on the device) are one unit;
+the DeepSpeed API around it is ``train/engine_base.py``, the update's math ``optim``.
+
 Each ``engine.step()`` call ends the trace with ``torch_xla.sync()``, so a run compiles
 two programs: a micro-step (forward, backward, gradient accumulation) and a boundary
 step (the same plus clipping, the optimizer update and the re-annotation of every
@@ -19,7 +23,6 @@ optimizer, with no zero-fill, add or copy of a full-size buffer.
 from __future__ import annotations
 
 import collections
-import contextlib
 import time
 import warnings
 from dataclasses import dataclass
@@ -34,15 +37,15 @@ from spmdzero.sharding.batch import BatchSizes
 from spmdzero.config.schema import DeepSpeedConfig
 from spmdzero.train.data import batch_rows, map_tensors, model_pad_id, pad_sequences
 from spmdzero.backends.torch_xla.batches import to_device_sharded
-from spmdzero.train.engine_base import TARGET_NAMES, DeepSpeedCounters
+from spmdzero.optim.clipping import clip_divisor
+from spmdzero.train.engine_base import NO_GRADIENTS, TARGET_NAMES, EngineBase
 from spmdzero.observe.monitor import RecompileGuard, StepLogger, ThroughputTimer, compile_count, notice_nonfinite
-from spmdzero.optim.optimizers import SpmdOptimizer, ZeroOptimizer
+from spmdzero.optim.optimizers import TORCH_OPS, SpmdOptimizer, ZeroOptimizer
 from spmdzero.sharding.plan import ShardingPlan, replicated
 from spmdzero.optim.precision import PrecisionPolicy, init_loss_scale, is_overflow, keep_unless, update_loss_scale
 from spmdzero.backends.torch_xla.scan import scanned_parameters, stacked_layers
 from spmdzero.optim.schedules import LRSchedule
 
-CLIP_EPS = 1e-6  # DeepSpeed's: clip = (norm + 1e-6) / max_norm
 COMPILE_BACKEND = "openxla"  # torch_xla's dynamo backend: what engine.compile() and the accelerator name
 
 
@@ -56,7 +59,7 @@ class Slot:
     summed: bool = False  # grad is a sum of micro-steps' gradients, not one backward's
 
 
-class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
+class SpmdZeroEngine(EngineBase, torch.nn.Module):
     def __init__(self, *, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], lr_scheduler: Any,
                  config: DeepSpeedConfig, batch: BatchSizes, mesh, plan: ShardingPlan, precision: PrecisionPolicy,
                  master_weights: Optional[dict] = None, training_dataloader: Any = None,
@@ -165,13 +168,6 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
         self._check_training_rows(global_rows)
         self._rows_since_step += global_rows
 
-    def _consume_samples(self) -> int:
-        """Samples this optimizer step trained on: the rows its training forwards fed, or the
-        configured global batch when the module was called directly (rows unseen)."""
-        rows, self._rows_since_step = self._rows_since_step, 0
-        self.samples_last_step = rows or self.train_batch_size()
-        return self.samples_last_step
-
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backprop ``loss / gradient_accumulation_steps`` (times the loss scale) and
         accumulate into the ZeRO buffers. Returns the gas-scaled loss, as DeepSpeed does."""
@@ -245,8 +241,7 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
                 # DeepSpeed's ZeRO-1/2 optimizer has no gradients then and fails (its
                 # averaged_gradients are None after a step); an update would still apply weight
                 # decay and count a step, so refuse it clearly instead
-                raise RuntimeError("engine.step() at a gradient accumulation boundary with no engine.backward() "
-                                   "since the last optimizer step: there are no gradients to apply")
+                raise RuntimeError(NO_GRADIENTS)
             self._backward_since_step = False
             self._take_model_step(lr_kwargs)
             self._step_loss, self._window_loss = self._window_loss, None
@@ -273,7 +268,7 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
             # norm exceeds gradient_clipping, by (norm + 1e-6) / gradient_clipping too.
             divisor = scale
             if self._config.gradient_clipping > 0:
-                clip = torch.clamp((norm + CLIP_EPS) / self._config.gradient_clipping, min=1.0)
+                clip = clip_divisor(norm, self._config.gradient_clipping, TORCH_OPS)
                 divisor = clip if divisor is None else divisor * clip
             inverse = 1.0 / divisor if divisor is not None else None
             overflow = is_overflow(sum_sq) if policy.check_overflow else None
@@ -447,15 +442,6 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
             slot.param.grad = None
             slot.grad = None
 
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate without communication. Refused at ZeRO-2, as in DeepSpeed; under
-        SPMD the compiler owns communication, so at stages 0/1 this changes nothing."""
-        if self.plan.stage >= 2:
-            raise AssertionError("no_sync context manager is incompatible with gradient partitioning "
-                                 "logic of ZeRO stage 2")
-        yield
-
     # ---- checkpoints (spmdzero.checkpoint) ------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's)
                         exclude_frozen_parameters=False) -> bool:
@@ -480,20 +466,6 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
     def skipped_steps(self, value: int) -> None:
         self._skipped_on_host, self._skipped_on_device = int(value), None
         self._keep_step_state_on_device()
-
-    def get_lr(self) -> list[float]:
-        return [float(g["lr"]) for g in self.optimizer.param_groups] if self.optimizer else []
-
-    def get_mom(self) -> list:
-        if not self.optimizer:
-            return []
-        moms = []
-        for group in self.optimizer.param_groups:
-            if "betas" in group:
-                moms.append(tuple(float(b) for b in group["betas"]))
-            else:
-                moms.append(group.get("momentum"))
-        return moms
 
     def get_global_grad_norm(self) -> Optional[float]:
         """Pre-clip, unscaled global gradient norm of the last boundary step (reads the device;
@@ -599,10 +571,6 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
         self._post_step_hooks[handle.id] = hook
         return handle
 
-    def destroy(self) -> None:
-        """DeepSpeed releases its communication buffers and hooks here; spmdzero holds none
-        (device memory goes with the tensors), so there is nothing to release."""
-
     def compile(self, backend: Optional[str] = None, compile_kwargs: Optional[dict] = None, schedule=None,
                 compiled_autograd_enabled: bool = False) -> None:
         """``torch.compile`` the module's forward with torch_xla's dynamo backend ("openxla",
@@ -621,10 +589,4 @@ class SpmdZeroEngine(DeepSpeedCounters, torch.nn.Module):
     @property
     def is_compiled(self) -> bool:
         return self._is_compiled
-
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """DeepSpeed's ``stage3_gather_16bit_weights_on_model_save`` (read at ZeRO-3 only; at
-        stages 0-2 every device holds whole weights and ``save_16bit_model`` always saves)."""
-        zero = self.config.get("zero_optimization") or {}  # the DeepSpeed dict, as DeepSpeed reads it
-        return bool(zero.get("stage3_gather_16bit_weights_on_model_save", False))
 

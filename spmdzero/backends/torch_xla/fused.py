@@ -22,7 +22,6 @@ What stays per tensor is kept to a few C++ calls of about a microsecond each:
 from __future__ import annotations
 
 import re
-from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
@@ -30,6 +29,8 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 _CACHE: dict[tuple, Any] = {}
 _FUSED_DTYPES = (torch.float32,)
+
+from spmdzero.optim.optimizers import jax_ops
 
 
 def applies(params: list[torch.Tensor], state) -> bool:
@@ -252,9 +253,7 @@ def _lower(fn, flat: list[torch.Tensor], out_shardings: Optional[list[str]]):
     import jax.numpy as jnp
     from jax._src import config
 
-    ops = SimpleNamespace(cast=lambda x, like: x.astype(like.dtype), sqrt=jnp.sqrt, where=jnp.where, sign=jnp.sign,
-                          norm=jnp.linalg.vector_norm, clamp=jnp.clip, ones_like=jnp.ones_like,
-                          layout=lambda x, sharding: _layout_primitive().bind(x, sharding=sharding))
+    ops = jax_ops(layout=lambda x, sharding: _layout_primitive().bind(x, sharding=sharding))
     shapes = [jax.ShapeDtypeStruct(tuple(t.shape), jnp.dtype(str(t.dtype).removeprefix("torch."))) for t in flat]
     platform = "tpu" if xr.device_type() == "TPU" else "cpu"
     if platform == "cpu":  # JAX would otherwise probe for a TPU (libtpu) before it lowers anything

@@ -25,6 +25,10 @@ TPU chip on a TPU VM, else ``CPU_NUM_DEVICES`` CPU devices) and torch_xla's runt
 that runtime, started by ``import spmdzero``, would hold any TPU. One host. fp32, or
 bf16 with fp32 master weights and DeepSpeed's overflow skip; what it refuses is checked by
 ``check_config`` (docs/config.md, ``spmd.backend``).
+
+Why one module: the two jitted programs and the host-side bookkeeping between them (pending
+gradients, the deferred eval-mode backward, outputs as torchax tensors, arrays released off
+the training thread) are one unit; the DeepSpeed API around them is ``train/engine_base.py``.
 """
 
 from __future__ import annotations
@@ -44,7 +48,9 @@ from torch.utils import _pytree as torch_pytree
 from spmdzero.sharding.batch import BatchSizes
 from spmdzero.config.schema import DeepSpeedConfig
 from spmdzero.train.data import like, model_pad_id, pad_sequences
-from spmdzero.train.engine_base import TARGET_NAMES, DeepSpeedCounters
+from spmdzero.optim.clipping import clip_divisor
+from spmdzero.optim.optimizers import jax_ops
+from spmdzero.train.engine_base import NO_GRADIENTS, TARGET_NAMES, EngineBase
 from spmdzero.optim.optimizers import SpmdOptimizer
 from spmdzero.sharding.plan import ShardingPlan, replicated
 from spmdzero.optim.precision import precision_policy
@@ -67,9 +73,6 @@ def _as_dicts(obj):
     return obj
 
 
-
-
-
 def jax_devices(count: int) -> list:
     """``count`` JAX devices: JAX's own under ``SPMDZERO_BACKEND=torchax`` (the TPU chips on a TPU
     VM); else JAX CPU devices, as many as torch_xla's runtime has, since that runtime holds any TPU."""
@@ -88,21 +91,10 @@ def jax_devices(count: int) -> list:
     return jax_runtime.cpu_devices(count)
 
 
-CLIP_EPS = 1e-6  # DeepSpeed's: clip = (norm + 1e-6) / max_norm (as engine.CLIP_EPS)
-
-
 def _jax_dtype(dtype: torch.dtype):
     import jax.numpy as jnp
 
     return jnp.dtype(str(dtype).removeprefix("torch."))
-
-
-def _jax_ops():
-    """The array namespace ``SpmdOptimizer._math`` is written against, on JAX (as fused.py's)."""
-    import jax.numpy as jnp
-
-    return SimpleNamespace(cast=lambda x, like: x.astype(like.dtype), sqrt=jnp.sqrt, where=jnp.where,
-                           sign=jnp.sign, norm=jnp.linalg.vector_norm, clamp=jnp.clip, ones_like=jnp.ones_like)
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,12 +147,12 @@ def _find_loss(output) -> Optional[torch.Tensor]:
 # the list against both classes): asking for one says which backend has it.
 TORCH_XLA_ONLY = frozenset({
     "collectives_report", "current_loss_scale", "grad_buffers", "is_compiled", "lay_out", "loss_scale",
-    "master_weights", "no_sync", "overflow", "refresh_fp32_params", "register_post_step_hook", "sharding_report",
-    "stacked_layers", "state_tensors", "step_loss", "zero_gather_16bit_weights_on_model_save",
+    "master_weights", "overflow", "refresh_fp32_params", "register_post_step_hook", "sharding_report",
+    "stacked_layers", "state_tensors", "step_loss",
 })
 
 
-class TorchaxEngine(DeepSpeedCounters):
+class TorchaxEngine(EngineBase):
     """DeepSpeed's engine API over two jitted programs (see the module docstring)."""
 
     def __init__(self, module: torch.nn.Module, optimizer: SpmdOptimizer, lr_scheduler: Any, cfg: DeepSpeedConfig,
@@ -572,8 +564,7 @@ class TorchaxEngine(DeepSpeedCounters):
         """Apply the update at an accumulation boundary; count every call."""
         if self.is_gradient_accumulation_boundary():
             if self._accum is None:
-                raise RuntimeError("engine.step() at a gradient accumulation boundary with no engine.backward() "
-                                   "since the last optimizer step: there are no gradients to apply")
+                raise RuntimeError(NO_GRADIENTS)
             self._take_model_step(lr_kwargs)
         self.micro_steps += 1
 
@@ -595,8 +586,7 @@ class TorchaxEngine(DeepSpeedCounters):
         if self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
         self.global_steps += 1
-        self.global_samples += self._rows_since_step or self.train_batch_size()
-        self._rows_since_step = 0
+        self.global_samples += self._consume_samples()
 
     def _build_update(self):
         """``(params, masters, states, shared states, grads, skipped, hyperparameters) -> (params,
@@ -606,7 +596,7 @@ class TorchaxEngine(DeepSpeedCounters):
         import jax
         import jax.numpy as jnp
 
-        optimizer, ops, clipping = self.optimizer, _jax_ops(), self._config.gradient_clipping
+        optimizer, ops, clipping = self.optimizer, jax_ops(), self._config.gradient_clipping
         groups = [(names, list(optimizer._hyper_values(g)), {k: v for k, v in g.items() if isinstance(v, bool)})
                   for names, g in zip(self._groups, optimizer.param_groups)]
         order, policy = self._names, self.precision
@@ -621,7 +611,7 @@ class TorchaxEngine(DeepSpeedCounters):
             norm = jnp.sqrt(sum_sq)
             inverse = None
             if clipping > 0:
-                inverse = 1.0 / jnp.maximum((norm + CLIP_EPS) / clipping, 1.0)
+                inverse = 1.0 / clip_divisor(norm, clipping, ops)
             # a non-finite sum is an overflow: the old values are kept (DeepSpeed skips the step)
             skip = ~jnp.isfinite(sum_sq) if policy.check_overflow else None
             targets = masters if masters else params
@@ -650,12 +640,6 @@ class TorchaxEngine(DeepSpeedCounters):
         self._accum = self._pending = None
 
     # ---- reporting -------------------------------------------------------------------------------
-    def get_lr(self) -> list[float]:
-        return [float(g["lr"]) for g in self.optimizer.param_groups]
-
-    def get_mom(self) -> list:
-        return [tuple(g["betas"]) if "betas" in g else g.get("momentum") for g in self.optimizer.param_groups]
-
     def get_global_grad_norm(self) -> Optional[float]:
         return None if self._global_grad_norm is None else float(self._global_grad_norm)
 
@@ -693,10 +677,6 @@ class TorchaxEngine(DeepSpeedCounters):
                                   "engine.module holds the trained weights")
 
     load_checkpoint = save_checkpoint
-
-    def destroy(self) -> None:
-        """Nothing to release: device memory goes with the arrays."""
-
 
 def _refuse_optimizer_state(optimizer) -> None:
     """This backend keeps the optimizer states on the devices, as JAX arrays: the torch
