@@ -12,10 +12,12 @@ command (``command``). This layer sits above ``initialize``: it builds engines. 
 ``spmdzero.tpu`` does the capture and the compile.
 """
 
-from spmdzero.aot.steps import capture_step, compare_stages, compile_step, find_max_batch
+from spmdzero.aot.steps import (capture_step, compare_stages, compile_step, describe_search, find_max_batch,
+                                 search_summary)
 from spmdzero.tpu.capture import StepCapture, capture, check_traceable, compile_mlir
 from spmdzero.tpu.chips import chip_spec, topology_chips
 from spmdzero.tpu.report import AotReport, CollectivesReport
 
-__all__ = ["capture", "capture_step", "compile_step", "compare_stages", "find_max_batch", "StepCapture",
+__all__ = ["capture", "capture_step", "compile_step", "compare_stages", "find_max_batch", "describe_search",
+           "search_summary", "StepCapture",
            "check_traceable", "compile_mlir", "chip_spec", "topology_chips", "AotReport", "CollectivesReport"]

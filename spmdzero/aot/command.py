@@ -36,7 +36,8 @@ def _stages(text: str) -> tuple[int, ...]:
 
 def default_model() -> str:
     """The repository's example model, wherever the command runs from."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "model.py")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above spmdzero/aot/
+    path = os.path.join(repo, "examples", "model.py")
     if not os.path.isfile(path):
         raise ValueError("no --model given and the example model (examples/model.py) is not next to this spmdzero "
                          "installation: pass --model PATH.py:NAME or a transformers config.json")
