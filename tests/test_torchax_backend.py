@@ -692,8 +692,8 @@ def test_parameter_groups_the_module_does_not_own_are_refused_and_empty_ones_dro
         {"params": list(model.net[0].parameters())}, {"params": list(model.net[2].parameters()), "lr": 0.5}])
     assert len(engine.get_lr()) == 1  # the all-frozen group is dropped, as DeepSpeed drops it
     assert not engine.was_step_applied()  # no step yet
-    with pytest.raises(AttributeError, match="engine.no_sync is not supported by the torchax backend"):
-        engine.no_sync
+    with pytest.raises(AttributeError, match="engine.sharding_report is not supported by the torchax backend"):
+        engine.sharding_report
 
 
 def test_the_deepspeed_engine_api_a_script_reaches_for(tmp_path):
