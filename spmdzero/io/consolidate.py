@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from spmdzero.io.restack import unstack
 from spmdzero.io.checkpoint_format import CheckpointError, _dtype, _quiet_dcp
-from spmdzero.io.read import _dcp_failure, locate, open_state, read_meta, resolve_tag
+from spmdzero.io.read import _dcp_failure, open_state, read_meta, tagged_path
 
 
 def consolidate(ckpt_dir: str, out_path: str, tag: Optional[str] = None, dtype: str = "fp32",
@@ -49,12 +49,7 @@ def consolidated_state_dict(ckpt_dir: str, tag: Optional[str] = None, dtype: str
     out_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dtype)
     if out_dtype is None:
         raise CheckpointError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
-    if not os.path.isdir(ckpt_dir):
-        raise CheckpointError(f"checkpoint directory {ckpt_dir!r} does not exist")
-    tag = resolve_tag(ckpt_dir, tag)
-    if tag is None:
-        raise CheckpointError(f"{ckpt_dir!r} has no 'latest' file; pass a tag")
-    path = locate(ckpt_dir, tag)
+    tag, path = tagged_path(ckpt_dir, tag)
     meta = read_meta(path)
     index = meta["tensors"]
     names = meta.get("module_keys") or {key.partition(".")[2]: key for key in index

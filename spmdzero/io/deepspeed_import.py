@@ -159,14 +159,9 @@ def import_deepspeed(ds_dir: str, out_dir: str, tag: Optional[str] = None) -> st
     from spmdzero.io.checkpoint_dir import _pickle_client_state, prepare_dir, publish, staging_dir
     from spmdzero.io.checkpoint_format import CLIENT_FILE, STATE_DIR
     from spmdzero.io.checkpoint_format import FORMAT_VERSION, _quiet_dcp, check_tag, tensor_index, to_json
-    from spmdzero.io.read import locate, resolve_tag
+    from spmdzero.io.read import tagged_path
 
-    if not os.path.isdir(ds_dir):
-        raise CheckpointError(f"DeepSpeed checkpoint directory {ds_dir!r} does not exist")
-    tag = resolve_tag(ds_dir, tag)
-    if tag is None:
-        raise CheckpointError(f"{ds_dir!r} has no 'latest' file; pass a tag")
-    path = locate(ds_dir, tag)
+    tag, path = tagged_path(ds_dir, tag, "DeepSpeed checkpoint")
     if not is_deepspeed_checkpoint(path):
         raise CheckpointError(f"{path!r} is not a DeepSpeed checkpoint (no {MODEL_FILE})")
     tensors, host = read_deepspeed_checkpoint(path)

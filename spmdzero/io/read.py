@@ -54,6 +54,17 @@ def locate(load_dir: str, tag: str) -> str:
     raise CheckpointError(f"no checkpoint tag {tag!r} in {load_dir!r} (found: {', '.join(tags) or 'nothing'})")
 
 
+def tagged_path(root: str, tag: Optional[str], what: str = "checkpoint") -> tuple[str, str]:
+    """``(tag, root/<tag>)`` for a directory of tagged checkpoints, the tag read from ``latest``
+    when None: a missing directory or a missing ``latest`` is a CheckpointError naming it."""
+    if not os.path.isdir(root):
+        raise CheckpointError(f"{what} directory {root!r} does not exist")
+    tag = resolve_tag(root, tag)
+    if tag is None:
+        raise CheckpointError(f"{root!r} has no 'latest' file; pass a tag")
+    return tag, locate(root, tag)
+
+
 def read_meta(path: str, trust_client_state: bool = False) -> dict:
     meta_file = os.path.join(path, META_FILE)
     if not os.path.isfile(meta_file):
