@@ -17,6 +17,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from spmdzero.initialize import initialize
+from spmdzero import runtime
+from spmdzero.backends.torch_xla.mesh import build_mesh
 
 
 def placeholder(shape, dtype: torch.dtype) -> torch.Tensor:
@@ -48,9 +51,6 @@ def shape_only_engine(model: torch.nn.Module, config: dict):
     """``spmdzero.initialize(model, config)`` for a model whose parameters are on ``meta``.
     Returns ``(engine, inputs)``: ``inputs`` maps each state key (``state_tensors()`` keys
     and ``grad.<name>``) to the placeholder that is its value before the step."""
-    from spmdzero.initialize import initialize
-    from spmdzero import runtime
-    from spmdzero.backends.torch_xla.mesh import build_mesh
 
     mesh = build_mesh(None, runtime.device_count())  # any mesh over all devices: for replicated only
     swapped: dict[int, torch.nn.Parameter] = {}  # tied parameters stay tied

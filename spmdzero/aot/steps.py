@@ -1,4 +1,6 @@
-"""Compile the real training step for a TPU topology on any machine.
+"""The steps behind ``spmdzero.aot``: build an engine (shape-only by default) for a model source
+and a config, capture its training step, compile it per ZeRO stage, and search the largest
+micro-batch that fits. The whole story, from the package's docstring:
 
     with spmdzero.aot.capture(engine) as step:   # in a process with as many devices as chips
         loss = engine(batch)
@@ -22,6 +24,10 @@ from typing import Optional
 from spmdzero.tpu.chips import GIB, ChipSpec, chip_spec, topology_chips  # noqa: F401  (topology_chips: public here)
 from spmdzero.tpu.capture import StepCapture, capture
 from spmdzero.tpu.report import AotReport, _gib
+from spmdzero.initialize import initialize
+from spmdzero.aot.models import ModelSource, build_on_meta, checked_module
+from spmdzero.aot.shapes import shape_only_engine
+from spmdzero import runtime
 
 
 def _stage_config(config: dict, stage: int, micro_batch: Optional[int]) -> dict:
@@ -36,13 +42,6 @@ def _stage_config(config: dict, stage: int, micro_batch: Optional[int]) -> dict:
 def capture_step(source, config: dict, stage: int, micro_batch: Optional[int] = None,
                  shape_only: bool = True, topology: Optional[str] = None) -> StepCapture:
     """Build the engine for ``stage`` (shape-only unless told) and trace one step of it."""
-    from spmdzero.initialize import initialize
-
-    from spmdzero.aot.models import build_on_meta, checked_module
-    from spmdzero.aot.shapes import shape_only_engine
-
-    from spmdzero import runtime
-
     ratio = topology_chips(topology) // runtime.device_count() if topology else 1
     if ratio > 1:  # traced on fewer devices than chips: the same global batch (spmdzero.tpu.retarget)
         micro_batch = micro_batch or config.get("train_micro_batch_size_per_gpu")
@@ -81,8 +80,6 @@ def compare_stages(make_model, config: dict, topology: str, stages=(0, 1, 2), mi
     """Capture and compile one step per ZeRO stage. ``make_model`` is a ``ModelSource``
     (``aot_models.load_model_source``) or a callable returning a model with an
     ``example_inputs(batch_size)`` method whose forward returns the loss."""
-    from spmdzero.aot.models import ModelSource
-
     source = make_model if isinstance(make_model, ModelSource) else ModelSource(
         getattr(make_model, "__name__", "model"), make_model, lambda m, b: (tuple(m.example_inputs(b)), {}),
         lambda output: output)

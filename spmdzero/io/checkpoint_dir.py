@@ -11,8 +11,8 @@ import re
 import shutil
 from typing import Optional
 import torch
-from spmdzero.io.checkpoint_format import CheckpointError, LEGACY_META, _is_writer
-from spmdzero.io.checkpoint_format import ASIDE, CLIENT_FILE, LATEST_FILE, LEGACY_ASIDE, LEGACY_STAGING, META_FILE, STAGING, STATE_DIR
+from spmdzero.io.checkpoint_format import (ASIDE, CLIENT_FILE, CheckpointError, LATEST_FILE, LEGACY_ASIDE,
+                                           LEGACY_META, LEGACY_STAGING, META_FILE, STAGING, STATE_DIR, _is_writer)
 
 
 

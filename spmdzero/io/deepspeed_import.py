@@ -24,8 +24,13 @@ from typing import Any, Optional
 
 import torch
 
-from spmdzero.io.checkpoint_format import CheckpointError
-from spmdzero.io.safe_pickle import (CONTAINER_GLOBALS, NUMPY_SCALAR_GLOBALS, TENSOR_GLOBALS, RefusedGlobal, pickle_module)
+from spmdzero.io.checkpoint_format import (CLIENT_FILE, CheckpointError, FORMAT_VERSION, STATE_DIR, _quiet_dcp,
+                                           check_tag, tensor_index, to_json)
+from spmdzero.io.safe_pickle import (CONTAINER_GLOBALS, NUMPY_SCALAR_GLOBALS, RefusedGlobal, TENSOR_GLOBALS,
+                                     pickle_module)
+from spmdzero.version import __version__
+from spmdzero.io.checkpoint_dir import _pickle_client_state, prepare_dir, publish, staging_dir
+from spmdzero.io.read import tagged_path
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 # Keys DeepSpeed itself writes into the model-states file; anything else is client_state.
@@ -154,12 +159,6 @@ def import_deepspeed(ds_dir: str, out_dir: str, tag: Optional[str] = None) -> st
     """Convert a DeepSpeed ZeRO-1/2 checkpoint into an spmdzero checkpoint (no devices
     needed); ``engine.load_checkpoint(out_dir)`` then loads it on any mesh. Returns the path."""
     import torch.distributed.checkpoint as dcp
-
-    from spmdzero.version import __version__
-    from spmdzero.io.checkpoint_dir import _pickle_client_state, prepare_dir, publish, staging_dir
-    from spmdzero.io.checkpoint_format import CLIENT_FILE, STATE_DIR
-    from spmdzero.io.checkpoint_format import FORMAT_VERSION, _quiet_dcp, check_tag, tensor_index, to_json
-    from spmdzero.io.read import tagged_path
 
     tag, path = tagged_path(ds_dir, tag, "DeepSpeed checkpoint")
     if not is_deepspeed_checkpoint(path):

@@ -11,8 +11,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 from spmdzero.io.checkpoint_dir import _complete, interrupted
-from spmdzero.io.checkpoint_format import CLIENT_FILE, LATEST_FILE, META_FILE, STATE_DIR
-from spmdzero.io.checkpoint_format import CheckpointError, FORMAT_VERSION, LEGACY_META, TRUST_HINT, _dtype, _refusal, check_tag, from_json
+from spmdzero.io.checkpoint_format import (CLIENT_FILE, CheckpointError, FORMAT_VERSION, LATEST_FILE, LEGACY_META,
+                                           META_FILE, STATE_DIR, TRUST_HINT, _dtype, _refusal, check_tag, from_json)
+from spmdzero.io.safe_pickle import RefusedGlobal, dcp_reader
 
 
 def resolve_tag(load_dir: str, tag: Optional[str]) -> Optional[str]:
@@ -154,8 +155,6 @@ def _dcp_failure(err: BaseException) -> str:
 def open_state(path: str):
     """DCP's reader for ``path/state`` with its ``.metadata`` read safely, up front, so a
     refused or corrupt one is reported as such."""
-    from spmdzero.io.safe_pickle import RefusedGlobal, dcp_reader
-
     state = os.path.join(path, STATE_DIR)
     reader = dcp_reader(state)
     try:

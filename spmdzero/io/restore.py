@@ -1,4 +1,6 @@
-"""Checkpoints: sharded, atomic, exactly resumable, elastic, and safe to load.
+"""``engine.load_checkpoint``: a checkpoint checked against the engine, read into staging
+tensors laid out like the live ones, and only then copied in. Checkpoints as a whole: sharded,
+atomic, exactly resumable, elastic, and safe to load.
 
 Layout of ``save_dir``::
 
@@ -33,9 +35,10 @@ import numpy as np
 import torch
 from spmdzero.io import restack
 from spmdzero.io.restack import stacking_mismatch
-from spmdzero.io.checkpoint_format import LATEST_FILE, META_FILE
-from spmdzero.io.checkpoint_format import CheckpointError, _dtype, _no_dist, _quiet_dcp, tensor_index
+from spmdzero.io.checkpoint_format import (CheckpointError, LATEST_FILE, META_FILE, _dtype, _no_dist, _quiet_dcp,
+                                           tensor_index)
 from spmdzero.io.read import _dcp_failure, locate, open_state, read_client_state, read_meta, resolve_tag
+from spmdzero.io.deepspeed_import import is_deepspeed_checkpoint, read_deepspeed_checkpoint
 
 
 
@@ -56,7 +59,6 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
         return None, None
     path = locate(load_dir, tag)
     full_state = load_optimizer_states and not load_module_only
-    from spmdzero.io.deepspeed_import import is_deepspeed_checkpoint, read_deepspeed_checkpoint
 
     scheduler = load_lr_scheduler_states and not load_module_only
     if is_deepspeed_checkpoint(path):

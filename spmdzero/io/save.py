@@ -13,9 +13,10 @@ import numpy as np
 import torch
 from spmdzero.io import checkpoint_dir
 from spmdzero.io.checkpoint_dir import _pickle_client_state, prepare_dir, staging_dir
-from spmdzero.io.checkpoint_format import CLIENT_FILE, STATE_DIR
-from spmdzero.io.checkpoint_format import CheckpointError, FORMAT_VERSION, _is_writer, _no_dist, _quiet_dcp, check_tag, tensor_index, to_json
+from spmdzero.io.checkpoint_format import (CLIENT_FILE, CheckpointError, FORMAT_VERSION, STATE_DIR, _is_writer,
+                                           _no_dist, _quiet_dcp, check_tag, tensor_index, to_json)
 from spmdzero.io.read import _dcp_failure
+from spmdzero.version import __version__
 
 
 def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
@@ -88,8 +89,6 @@ def module_keys(module: torch.nn.Module) -> dict[str, str]:
 
 def _host_state(engine, tensors: dict, tag: str, has_client_state: bool) -> dict:
     import torch_xla.core.xla_model as xm
-
-    from spmdzero.version import __version__
 
     optimizer = engine.optimizer.optimizer if engine.optimizer is not None else None
     groups, host_state = [], {}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 from typing import Optional
+from spmdzero.runtime.devices import DEFAULT_CPU_DEVICES, _select_device_type
 
 VARIABLE = "SPMDZERO_BACKEND"
 CHOICES = ("torch_xla", "torchax")
@@ -44,14 +45,10 @@ def decide() -> bool:
 
 
 def _device_type() -> str:
-    from spmdzero.runtime.devices import _select_device_type
-
     return _select_device_type()
 
 
 def _cpu_count() -> int:
-    from spmdzero.runtime.devices import DEFAULT_CPU_DEVICES
-
     return int(os.environ.get("CPU_NUM_DEVICES", DEFAULT_CPU_DEVICES))
 
 

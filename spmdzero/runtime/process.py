@@ -16,13 +16,12 @@ Everything here runs once, on ``import spmdzero``, before any XLA tensor exists:
 from __future__ import annotations
 import os
 from spmdzero.runtime.devices import DEFAULT_CPU_DEVICES, _select_device_type
+from spmdzero.runtime import jax_runtime, libtpu_flags
 
 
 def start() -> None:
     """The process's runtime, at ``import spmdzero`` (and ``spmdzero launch``): torch_xla's
     (``bootstrap``), or JAX's devices under ``SPMDZERO_BACKEND=torchax`` (``spmdzero.runtime.jax_runtime``)."""
-    from spmdzero.runtime import jax_runtime
-
     if jax_runtime.decide():
         jax_runtime.configure()
     else:
@@ -36,7 +35,6 @@ def bootstrap() -> None:
     if device_type == "CPU":
         os.environ.setdefault("CPU_NUM_DEVICES", str(DEFAULT_CPU_DEVICES))
     elif device_type == "TPU":  # the compiler flags spmdzero aot compiles with, before libtpu loads
-        from spmdzero.runtime import libtpu_flags
 
         libtpu_flags.apply()
 
@@ -80,8 +78,6 @@ def register_torch_device_module() -> None:
 
 
 def device_count() -> int:
-    from spmdzero.runtime import jax_runtime
-
     if jax_runtime.selected():  # torch_xla's runtime must not start: it would take the TPU
         return jax_runtime.device_count()
     import torch_xla.runtime as xr
@@ -91,8 +87,6 @@ def device_count() -> int:
 
 def hosts() -> tuple[int, int]:
     """(this process's index, the number of processes): one process per host."""
-    from spmdzero.runtime import jax_runtime
-
     if jax_runtime.selected():
         return jax_runtime.hosts()
     import torch_xla.runtime as xr

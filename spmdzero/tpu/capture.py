@@ -17,6 +17,7 @@ from spmdzero.tpu.retarget import check_same_plan, retarget, target_mesh_shape, 
 from spmdzero.tpu.chips import GIB, ChipSpec, chip_spec, topology_chips  # noqa: F401  (topology_chips: public here)
 from spmdzero.tpu.compile import LIBTPU_HINT
 from spmdzero.tpu.report import AotReport, CollectivesReport, HLO_DTYPES
+from spmdzero.sharding.mesh import mesh_shape
 
 
 class StepCapture:
@@ -66,7 +67,6 @@ class StepCapture:
                                  "importing spmdzero)")
             # more chips than one process can trace: the same global program, its shardings
             # moved onto the target mesh (spmdzero.tpu.retarget)
-            from spmdzero.sharding.mesh import mesh_shape
 
             traced = mesh_shape(self.engine.mesh)
             target = target_mesh_shape(self.engine, chips)

@@ -4,6 +4,7 @@ collectives once per layer)."""
 
 from __future__ import annotations
 import re
+from spmdzero.observe.hlo import COLLECTIVE_OPS, is_cpu_reduce_scatter, split_computations
 
 
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "pred": 1, "s8": 1, "u8": 1}
@@ -63,8 +64,6 @@ def largest_all_reduces(hlo_text: str, min_bytes: int = 2**20, cpu_program: bool
 def _collectives(hlo_text: str, cpu_program: bool):
     """``(kind, output shape, replica group size, times per step)`` for every collective, as
     ``summarize_collectives`` counts them."""
-    from spmdzero.observe.hlo import COLLECTIVE_OPS, is_cpu_reduce_scatter, split_computations
-
     computations = split_computations(hlo_text)
     found: list[tuple[str, str, int, int]] = []
 
@@ -223,8 +222,6 @@ def _loop_start(caller: list, ins, index: int | None) -> int:
 def loop_trip_counts(hlo_text: str) -> list[int]:
     """Trip counts of the program's while loops. The compiler's cost analysis counts a loop
     body once, so a program with loops has its FLOPs and bytes accessed under-stated."""
-    from spmdzero.observe.hlo import split_computations
-
     computations = split_computations(hlo_text)
     return [trip_count(computations, ins, body) for body in computations.values() for ins in body
             if ins.opcode == "while"]

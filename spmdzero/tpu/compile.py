@@ -17,6 +17,8 @@ import time
 
 from spmdzero.runtime import libtpu_flags
 from spmdzero.tpu.collectives import largest_all_reduces, loop_trip_counts, summarize_collectives, trip_count
+from spmdzero.tpu.chips import known_topologies
+from spmdzero.observe.hlo import computation_blocks, split_computations
 
 LIBTPU_HINT = "install it with: pip install 'spmdzero[aot]' (libtpu==0.0.21, the version torch_xla 2.9 pins)"
 
@@ -38,8 +40,6 @@ def _tpu_devices(topology: str) -> list:
     if importlib.util.find_spec("libtpu") is None:
         raise RuntimeError(f"libtpu is not installed; {LIBTPU_HINT}")
     from jax.experimental import topologies
-
-    from spmdzero.tpu.chips import known_topologies
 
     try:
         return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
@@ -180,8 +180,6 @@ def per_step_cost(hlo_text: str, cost: dict, client=None) -> dict:
     in it) times its trip count and those of the loops around it. The body's analysis runs on
     an XLA:CPU client, which gives a TPU program the same FLOPs and bytes as libtpu does."""
     from jax._src.lib import xla_client as xc
-
-    from spmdzero.observe.hlo import computation_blocks, split_computations
 
     client = client or xc.make_cpu_client()
     computations = split_computations(hlo_text)

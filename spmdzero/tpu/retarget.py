@@ -20,6 +20,8 @@ from typing import Optional
 import numpy as np
 
 from spmdzero.tpu.chips import topology_chips
+from spmdzero.sharding.mesh import resolve_mesh_shape
+from spmdzero.sharding.plan import make_plan
 
 MAX_TRACE_DEVICES = 127  # autograd's device index is 8 bits (one value reserved)
 
@@ -41,8 +43,6 @@ def trace_devices(topology: str) -> int:
 
 def target_mesh_shape(engine, chips: int) -> dict:
     """The mesh the engine would build on ``chips`` devices (its ``spmd.mesh`` config)."""
-    from spmdzero.sharding.mesh import resolve_mesh_shape
-
     if engine._config.spmd.dcn_mesh is not None:
         raise ValueError("spmd.dcn_mesh: a multi-slice mesh cannot be traced on fewer devices than chips")
     return resolve_mesh_shape(engine._config.spmd.mesh, chips)
@@ -106,8 +106,6 @@ def retarget(mlir: str, traced_mesh: dict, target_mesh: dict) -> str:
 def check_same_plan(plan, target_mesh: dict) -> None:
     """Refuse when the ZeRO plan at the target size puts some tensor on other axes than the
     traced plan (``zero_spec`` replicates a tensor smaller than the mesh)."""
-    from spmdzero.sharding.plan import make_plan
-
     named = [(t.name, t.shape) for t in plan.tensors]
     tied = [t.name for t in plan.tensors if t.tied_embedding]
     stacked = [t.name for t in plan.tensors if t.stacked]

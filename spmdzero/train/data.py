@@ -1,4 +1,4 @@
-"""Host batches -> device batches sharded along the batch axes.
+"""Host batches as DeepSpeed's loader draws them, for a backend to place on its devices.
 
 One process feeds all of its host's devices, so one host batch holds the micro-batches
 of every DeepSpeed rank the host stands for (``BatchSizes.host_ranks``). ``ShardedDataLoader``

@@ -10,6 +10,8 @@ import warnings
 from typing import Optional
 
 import torch
+from spmdzero import runtime
+from spmdzero.train.data import caller_stacklevel
 
 
 # Keyword inputs that are loss targets (transformers' ``labels``, the usual names): both engines
@@ -87,8 +89,6 @@ class EngineBase:
     @property
     def global_rank(self) -> int:
         """This process's index among the hosts (torch.distributed's rank under ``spmdzero launch``)."""
-        from spmdzero import runtime
-
         return runtime.hosts()[0]
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
@@ -114,8 +114,6 @@ class EngineBase:
         if global_rows > batch.rows_per_micro_step:
             raise ValueError(f"spmdzero: {batch.mismatch(global_rows)}")
         if global_rows < batch.rows_per_micro_step and not self._warned_fewer_rows:
-            from spmdzero.train.data import caller_stacklevel
-
             self._warned_fewer_rows = True
             warnings.warn(f"spmdzero: {batch.mismatch(global_rows)} This is normal for the last, partial batch "
                           "of an epoch (drop_last=False); if every batch is this small, the config and your "

@@ -45,6 +45,10 @@ from spmdzero.sharding.plan import ShardingPlan, replicated
 from spmdzero.optim.precision import PrecisionPolicy, init_loss_scale, is_overflow, keep_unless, update_loss_scale
 from spmdzero.backends.torch_xla.scan import scanned_parameters, stacked_layers
 from spmdzero.optim.schedules import LRSchedule
+from spmdzero.io.save import save_checkpoint
+from spmdzero.io.restore import load_checkpoint
+from spmdzero.observe.reports import sharding_report
+from spmdzero.tpu.capture import capture
 
 COMPILE_BACKEND = "openxla"  # torch_xla's dynamo backend: what engine.compile() and the accelerator name
 
@@ -445,14 +449,10 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
     # ---- checkpoints (spmdzero.checkpoint) ------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's)
                         exclude_frozen_parameters=False) -> bool:
-        from spmdzero.io.save import save_checkpoint
-
         return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, trust_client_state=None):
-        from spmdzero.io.restore import load_checkpoint
-
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only, trust_client_state)
 
@@ -508,16 +508,12 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         """Per parameter: the layout and per-device bytes of the param, its gradient buffer,
         master weight and optimizer states, read from the live tensors; totals against stage 0
         and ZeRO's accounting. Prints as a table, renders as HTML in Jupyter, ``.to_dict()``."""
-        from spmdzero.observe.reports import sharding_report
-
         return sharding_report(self)
 
     def collectives_report(self, *inputs, loss_fn=None, **kwargs):
         """Trace one training step on these inputs (``loss_fn(output)``, or the output itself,
         is the loss), compile it for XLA:CPU in a subprocess, and report its collectives against
         the data-parallel minimum. The engine is left as it was."""
-        from spmdzero.tpu.capture import capture
-
         with capture(self) as step:
             output = self(*inputs, **kwargs)
             loss = loss_fn(output) if loss_fn is not None else output

@@ -50,6 +50,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from spmdzero.config.errors import ConfigError
+from spmdzero.backends.torch_xla.annotate import constrain
 
 _TENSOR = object()  # marks where a tensor argument goes back among the static ones
 QUALIFIES = ("transformers GPT-2 (transformer.h), Llama-style decoders (model.layers), "
@@ -357,8 +358,6 @@ def _replicated_inputs(weights: dict, mesh) -> dict:
     themselves to the sharded layout, and the backward all-gathered each layer's weights
     again (1.42x the minimum traffic on a small Llama). The constraint keeps them replicated,
     as the plan has the parameters."""
-    from spmdzero.backends.torch_xla.annotate import constrain
-
     return {name: constrain(w, mesh, (None,) * w.dim()) for name, w in weights.items()}
 
 

@@ -15,7 +15,9 @@ from spmdzero.optim.optimizers import SpmdOptimizer, build_optimizer
 from spmdzero.sharding.plan import make_plan
 from spmdzero.optim.precision import DTYPES
 from spmdzero.backends.torchax.engine import TorchaxEngine
-from spmdzero.train.build import build_engine_scheduler
+from spmdzero.train.build import build_engine_scheduler, drop_frozen, tied_embeddings
+from spmdzero import runtime
+from spmdzero.runtime import jax_runtime
 
 
 def check_config(cfg: DeepSpeedConfig, client_optimizer: Any = None) -> None:
@@ -55,9 +57,6 @@ def _require_torchax() -> None:
 def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=None, model_parameters=None,
           training_data=None, lr_scheduler=None, collate_fn=None, config_dict: Optional[dict] = None):
     """``spmdzero.initialize`` for this backend: the same batch arithmetic, plan and return value."""
-    from spmdzero import runtime
-    from spmdzero.runtime import jax_runtime
-    from spmdzero.train.build import tied_embeddings
 
     check_config(cfg, optimizer)
     _require_torchax()
@@ -89,7 +88,6 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
     if not isinstance(optimizer, SpmdOptimizer):
         raise ConfigError(f"optimizer.type {cfg.optimizer.type!r} is a torch.optim optimizer; spmd.backend='torchax' "
                           "runs spmdzero's own (Adam/AdamW, Lamb, Lion, Adagrad, SGD) as JAX functions")
-    from spmdzero.train.build import drop_frozen
 
     drop_frozen(optimizer)  # as DeepSpeed's ZeRO optimizers: trainable parameters only, no empty groups
     members = {id(p) for p in model.parameters()}

@@ -49,11 +49,12 @@ from spmdzero.sharding.batch import BatchSizes
 from spmdzero.config.schema import DeepSpeedConfig
 from spmdzero.train.data import like, model_pad_id, pad_sequences
 from spmdzero.optim.clipping import clip_divisor
-from spmdzero.optim.optimizers import jax_ops
-from spmdzero.train.engine_base import NO_GRADIENTS, TARGET_NAMES, EngineBase
-from spmdzero.optim.optimizers import SpmdOptimizer
+from spmdzero.optim.optimizers import SpmdOptimizer, jax_ops
+from spmdzero.train.engine_base import EngineBase, NO_GRADIENTS, TARGET_NAMES
 from spmdzero.sharding.plan import ShardingPlan, replicated
 from spmdzero.optim.precision import precision_policy
+from spmdzero.runtime import jax_runtime
+from spmdzero.train.build import move_in_place
 
 NEEDS_LOSS = ("the torchax backend needs the module to return its loss (a scalar, an object with .loss, or a tuple "
               "whose first item is the scalar loss): the gradient is taken inside the traced forward, so "
@@ -76,8 +77,6 @@ def _as_dicts(obj):
 def jax_devices(count: int) -> list:
     """``count`` JAX devices: JAX's own under ``SPMDZERO_BACKEND=torchax`` (the TPU chips on a TPU
     VM); else JAX CPU devices, as many as torch_xla's runtime has, since that runtime holds any TPU."""
-    from spmdzero.runtime import jax_runtime
-
     if jax_runtime.selected():
         return jax_runtime.devices()[:count]
     import torch_xla.runtime as xr
@@ -198,8 +197,6 @@ class TorchaxEngine(EngineBase):
         self._masters = {n: self._put(p.float(), self._master_specs[n]) for n, p in module.named_parameters()
                          if n in self._master_specs}
         if self.precision.master_weights:
-            from spmdzero.train.build import move_in_place# module.to(dtype), keeping the optimizer's Parameters
-
             move_in_place(module, self.precision.param_dtype)
         self._params = {n: self._put(p.detach(), self._param_specs[n]) for n, p in module.named_parameters()
                         if n in trained}
