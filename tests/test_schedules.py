@@ -38,17 +38,17 @@ def test_schedule_matches_deepspeed_at_every_step(case):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_device_formulas_match_deepspeed_in_float32(case):
     """The in-graph form of each schedule (used when steps can be skipped) on a vector of t."""
-    from spmdzero.optim.schedules import DeviceMath
+    from spmdzero.optim.ops import TORCH_OPS
 
     name, params, kind, base_lrs = CASES[case]
     opt = make_optimizer(kind, base_lrs, sgd_cls=SGD, adam_cls=AdamW)
     sched = build_scheduler(SchedulerConfig(type=name, params=params), opt)
     t = torch.arange(-1, STEPS, dtype=torch.float32)
     want = torch.tensor(RECORDED["cases"][case]["lrs"][:STEPS + 1], dtype=torch.float64)
-    got = torch.stack([lr.double() for lr in sched.lr_at(t, DeviceMath)], dim=1)
+    got = torch.stack([lr.double() for lr in sched.lr_at(t, TORCH_OPS)], dim=1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)  # float32 cancellation near cycle ends
     if getattr(sched, "cycle_momentum", False):
-        moms = torch.stack([m.double() for m in sched.momentum_at(t, DeviceMath)], dim=1)
+        moms = torch.stack([m.double() for m in sched.momentum_at(t, TORCH_OPS)], dim=1)
         want_moms = torch.tensor([[b[0] for b in row] for row in RECORDED["cases"][case]["betas"][:STEPS + 1]],
                                  dtype=torch.float64)
         torch.testing.assert_close(moms[1:], want_moms[1:], rtol=1e-5, atol=1e-7)

@@ -1,8 +1,9 @@
 """Shape-only engines: the real engine, built and traced with no parameter in memory.
 
 The model comes with its parameters on ``meta``. Each gets an XLA placeholder (a tensor
-with a shape, a dtype and no buffer), the engine is built around them without syncing
-(its grad buffers, masters and optimizer states stay unexecuted graph nodes), and then
+with a shape, a dtype and no buffer), the engine is built around them with
+``shape_only=True``, so it never syncs (its grad buffers, masters and optimizer states stay
+unexecuted graph nodes), and then
 every state tensor is swapped for a placeholder carrying the plan's sharding. Tracing a
 step on this engine runs the engine's own forward, backward, clipping, optimizer and
 re-annotation code; nothing is ever executed, so host memory holds graph nodes only.
@@ -14,31 +15,19 @@ it onto the exported function's argument.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-from spmdzero.initialize import initialize
 from spmdzero import runtime
+from spmdzero.backends.torch_xla import build as torch_xla_build
 from spmdzero.backends.torch_xla.mesh import build_mesh
+from spmdzero.config.errors import ConfigError
+from spmdzero.config.load import load_config
+from spmdzero.train.build import config_dict
 
 
 def placeholder(shape, dtype: torch.dtype) -> torch.Tensor:
     import torch_xla.core.xla_builder as xb
 
     return xb.create_placeholder_tensor(tuple(shape), dtype)
-
-
-@contextlib.contextmanager
-def _no_sync():
-    """Engine construction ends with a sync that would execute on placeholders."""
-    import torch_xla
-
-    sync = torch_xla.sync
-    torch_xla.sync = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        torch_xla.sync = sync
 
 
 def _replicated(t: torch.Tensor, mesh) -> None:
@@ -63,8 +52,11 @@ def shape_only_engine(model: torch.nn.Module, config: dict):
                 _replicated(value, mesh)  # not device data any more: mark_sharding will not try to read it
                 swapped[id(p)] = torch.nn.Parameter(value, requires_grad=p.requires_grad)
             module._parameters[name] = swapped[id(p)]
-    with _no_sync():
-        engine, *_ = initialize(model=model, config=config)
+    cfg = load_config(None, config, None)
+    if cfg.spmd.backend != "torch_xla":
+        raise ConfigError(f"spmd.backend={cfg.spmd.backend!r}: the TPU compile (spmdzero aot) traces the torch_xla "
+                          "backend's step; set spmd.backend to 'torch_xla' in the config given to it")
+    engine, *_ = torch_xla_build.build(model, cfg, config_dict=config_dict(cfg, None, config, None), shape_only=True)
     inputs = {}
     tensors = {k: (t, spec) for k, (t, spec) in engine.state_tensors().items()}
     tensors.update({f"grad.{k}": (b, engine.plan[k].grad) for k, b in engine.grad_buffers().items()})

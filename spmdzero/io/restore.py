@@ -50,7 +50,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     ``trust_client_state`` (default: the config's ``spmd.trust_client_state``) allows a
     ``client_state`` of arbitrary objects to be unpickled."""
     if trust_client_state is None:
-        trust_client_state = engine._config.spmd.trust_client_state
+        trust_client_state = engine.validated_config.spmd.trust_client_state
     tag = resolve_tag(load_dir, tag)
     if tag is None:
         warnings.warn(f"Unable to find latest file at {os.path.join(load_dir, LATEST_FILE)}, if trying to load "
@@ -79,10 +79,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
         client_state = read_client_state(path, meta, trust_client_state)
         _load_tensors(engine, path, selected, meta["tensors"])
     restore()
-    engine._keep_step_state_on_device()  # the restored counts, where the next step reads them
-    import torch_xla
-
-    torch_xla.sync()
+    engine.loaded(new_window=not load_module_only)  # module_only restores no counters
     return path, client_state
 
 
@@ -104,7 +101,7 @@ def _check_optimizer(engine, meta: dict, path: str, full_state: bool) -> None:
         raise CheckpointError(f"checkpoint {path!r} has {len(groups)} optimizer param groups, this engine's "
                               f"optimizer {len(live_groups)}; pass load_optimizer_states=False to load the module only")
     live_stacked, saved_stacked = _layer_names(engine, meta)
-    known = set(engine._target_names.values()) | {layer for layers in live_stacked.values() for layer in layers}
+    known = set(engine.optimized_names().values()) | {layer for layers in live_stacked.values() for layer in layers}
     known |= {name for name, layers in saved_stacked.items() if set(layers) <= known}
     unknown = sorted(set(meta["optimizer"]["host_state"]) - known)
     if unknown:
@@ -120,7 +117,7 @@ def _check_optimizer(engine, meta: dict, path: str, full_state: bool) -> None:
 def _loss_scale_tensors(engine, fields: dict) -> dict:
     """An imported DeepSpeed loss scaler as spmdzero's ``loss_scale.*`` state, when both
     sides scale the loss."""
-    if engine._loss_scale is None or fields.get("iteration") is None:
+    if not engine.scales_loss or fields.get("iteration") is None:
         return {}
     return {f"loss_scale.{k}": torch.tensor(float(v)) for k, v in fields.items()}
 
@@ -228,7 +225,7 @@ def _commit(engine, selected: dict, staging: dict) -> None:
     with torch.no_grad():
         for source, tensor, _ in selected.values():
             tensor.copy_(source.assemble(staging))
-    engine._reannotate()
+    engine.lay_out_state()
     torch_xla.sync()
 
 
@@ -277,7 +274,7 @@ def _host_state_restorer(engine, meta: dict, where: str, full_state: bool, sched
         for i, group in enumerate(groups):
             if not isinstance(group, dict) or "params" in group:
                 raise bad(f"optimizer.param_groups[{i}]", "is not a dict of hyperparameters")
-        by_name = {name: target for target, name in engine._target_names.items()}
+        by_name = {name: target for target, name in engine.optimized_names().items()}
         saved = meta["optimizer"]["host_state"]
         for name, saved_name in restack.host_state_names(by_name, saved, *_layer_names(engine, meta)).items():
             if not isinstance(saved[saved_name], dict):
@@ -300,8 +297,6 @@ def _host_state_restorer(engine, meta: dict, where: str, full_state: bool, sched
     def restore() -> None:
         for key, value in counters.items():
             setattr(engine, key, value)
-        if counters:
-            engine._window_loss = None  # a new accumulation window: its mean loss starts again
         for group, saved in zip(optimizer.param_groups if groups else (), groups):
             group.update(saved)
         for target, state in host_state.items():

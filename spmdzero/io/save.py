@@ -95,8 +95,9 @@ def _host_state(engine, tensors: dict, tag: str, has_client_state: bool) -> dict
     if optimizer is not None:
         for group in optimizer.param_groups:
             groups.append({k: _to_host(v) for k, v in group.items() if k != "params"})
+        names = engine.optimized_names()
         for target, state in optimizer.state.items():
-            name = engine._target_names[target]
+            name = names[target]
             kept = {k: v for k, v in state.items() if not (isinstance(v, torch.Tensor) and v.device.type == "xla")}
             if kept:
                 host_state[name] = kept
@@ -110,7 +111,7 @@ def _host_state(engine, tensors: dict, tag: str, has_client_state: bool) -> dict
         "rng": {"torch": torch.get_rng_state(), "xla": xm.get_rng_state(), "python": random.getstate(),
                 "numpy": np.random.get_state()},
         "client_state": CLIENT_FILE if has_client_state else None,
-        "ds_config": json.loads(json.dumps(engine._config.model_dump(mode="json"), default=repr)),
+        "ds_config": json.loads(json.dumps(engine.validated_config.model_dump(mode="json"), default=repr)),
         "mesh": dict(zip(engine.mesh.axis_names, engine.mesh.mesh_shape)),
         "zero_stage": engine.plan.stage,
         "param_dtype": str(engine.precision.param_dtype),

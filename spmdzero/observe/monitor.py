@@ -23,6 +23,7 @@ import math
 import os
 import time
 import warnings
+import weakref
 from typing import Optional
 
 logger = logging.getLogger("spmdzero")
@@ -243,13 +244,16 @@ class _CsvWriter:
                 writer.writerow([step, value])
 
 
+# the engines told (weakly held: an engine that is gone is forgotten)
+_TOLD_NONFINITE: "weakref.WeakSet" = weakref.WeakSet()
+
+
 def notice_nonfinite(engine, value: Optional[float], what: str) -> None:
     """Say once that an fp32 run went non-finite. Only called where the value was read from
     the device anyway (print steps, checkpoint saves): no host sync of its own."""
-    told = getattr(engine, "_nonfinite_told", False)
-    if value is None or math.isfinite(value) or engine.precision.check_overflow or told:
+    if value is None or math.isfinite(value) or engine.precision.check_overflow or engine in _TOLD_NONFINITE:
         return
-    engine._nonfinite_told = True
+    _TOLD_NONFINITE.add(engine)
     warnings.warn(f"spmdzero: the {what} is {value} at global step {engine.global_steps}. In fp32 there is no loss "
                   "scaler to skip such a step, so the parameters it updated are no longer finite; restart from a "
                   "checkpoint with a lower lr or gradient_clipping (bf16/fp16 runs skip these steps)", stacklevel=3)

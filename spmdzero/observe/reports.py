@@ -194,7 +194,7 @@ def _planned_entry(parameter: str, role: str, shape: tuple, dtype: torch.dtype, 
 
 
 def sharding_report(engine) -> ShardingReport:
-    names = {s.name: s for s in engine._slots}
+    names = {s.name: s for s in engine.trained_parameters()}
     entries = []
 
     def add(parameter: str, role: str, t: torch.Tensor) -> None:

@@ -16,7 +16,6 @@ creates its state by a priming step whose effects are undone.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any, Callable, Iterable
 
 import torch
@@ -24,6 +23,8 @@ import torch
 from spmdzero.config.errors import ConfigError
 from spmdzero.config.schema import OptimizerConfig
 from spmdzero.config.checks import check_params, check_value
+from spmdzero.optim.ops import TORCH_OPS
+from spmdzero.optim.update import GradScale, update_group
 
 
 def _is_device_tensor(value: Any) -> bool:
@@ -116,9 +117,10 @@ class SpmdOptimizer(torch.optim.Optimizer):
                 if laid_out:
                     self.laid_out.update(map(id, params))
                 continue
-            for p in params:
-                state = self.state[p]
-                new_p, new_state = self.scaled_math(p, grad_of[p], state, hp, group, TORCH_OPS, grad_scale, skip)
+            states = [self.state[p] for p in params]
+            new_params, new_states = update_group(self, params, [grad_of[p] for p in params], states, hp, group,
+                                                  GradScale(None, grad_scale, skip), TORCH_OPS)
+            for p, state, new_p, new_state in zip(params, states, new_params, new_states):
                 p.copy_(new_p)
                 for key, value in new_state.items():
                     state[key].copy_(value)
@@ -134,20 +136,6 @@ class SpmdOptimizer(torch.optim.Optimizer):
             new_p = ops.where(skip, p, new_p)
             new_state = {k: ops.where(skip, state[k], v) for k, v in new_state.items()}
         return new_p, new_state
-
-
-TORCH_OPS = SimpleNamespace(cast=lambda x, like: x.to(like.dtype), sqrt=torch.sqrt, where=torch.where, sign=torch.sign,
-                            norm=torch.linalg.vector_norm, clamp=lambda x, low, high: torch.clamp(x, min=low, max=high),
-                            ones_like=torch.ones_like)
-
-
-def jax_ops(**extra) -> SimpleNamespace:
-    """``TORCH_OPS`` on JAX arrays: the torch_xla backend's fused op and the torchax backend's
-    update program run the optimizers' math with it (``extra``: backend-only ops)."""
-    import jax.numpy as jnp
-
-    return SimpleNamespace(cast=lambda x, like: x.astype(like.dtype), sqrt=jnp.sqrt, where=jnp.where, sign=jnp.sign,
-                           norm=jnp.linalg.vector_norm, clamp=jnp.clip, ones_like=jnp.ones_like, **extra)
 
 
 def _step_counter(p: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""Mixed precision the ZeRO way: which dtype each tensor has, and dynamic loss scaling as
-pure functions on device state, so that overflow never needs a host sync.
+"""Mixed precision the ZeRO way: which dtype each tensor has, and what the boundary update
+checks and scales (``optim/update.py`` holds the overflow check and the dynamic loss scaler,
+pure functions on device state, so that overflow never needs a host sync).
 
 * fp32: everything fp32; no overflow check (DeepSpeed checks none either).
 * bf16: module params and activations bf16; fp32 master weights and optimizer states,
@@ -15,7 +16,6 @@ Gradients are reduced in ``communication_data_type`` and accumulated in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -64,56 +64,6 @@ def precision_policy(cfg: DeepSpeedConfig) -> PrecisionPolicy:
     accum = DTYPES[cfg.data_types.grad_accum_dtype] if cfg.data_types.grad_accum_dtype else model
     comm = DTYPES[cfg.communication_data_type] if cfg.communication_data_type else model
     return PrecisionPolicy(model, accum, comm, check, dynamic, initial, **extra)
-
-
-class LossScaleState(NamedTuple):
-    """DeepSpeed's DynamicLossScaler fields, as float32 device scalars."""
-
-    scale: torch.Tensor
-    hysteresis: torch.Tensor
-    last_overflow_iter: torch.Tensor
-    iteration: torch.Tensor
-
-
-def init_loss_scale(policy: PrecisionPolicy, device) -> LossScaleState:
-    values = torch.tensor([policy.initial_scale, policy.hysteresis, -1.0, 0.0], dtype=torch.float32).to(device)
-    return LossScaleState(*values.unbind())
-
-
-def update_loss_scale(state: LossScaleState, overflow: torch.Tensor, policy: PrecisionPolicy) -> LossScaleState:
-    """DeepSpeed's ``DynamicLossScaler.update_scale`` as a select between its two branches.
-
-    Overflow: halve the scale (not below min_scale) once hysteresis is used up, else use
-    up one unit of it. No overflow: refill hysteresis when consecutive; double the scale
-    after every loss_scale_window stable steps. DeepSpeed raises when it overflows at the
-    minimum scale; here the scale stays at the minimum and the step is skipped."""
-    if not policy.dynamic_loss_scale:
-        return state
-    scale, hysteresis, last, iteration = state
-    full = float(policy.hysteresis)
-    # overflow branch
-    shift = torch.ones_like(overflow) if policy.hysteresis == 1 else hysteresis == 1
-    scale_o = torch.where(shift, torch.clamp(scale / 2.0, min=policy.min_scale), scale)
-    hysteresis_o = torch.where(shift, hysteresis, hysteresis - 1)
-    # no-overflow branch
-    stable = iteration - last - 1
-    grow = (stable > 0) & (torch.remainder(stable, policy.scale_window) == 0)
-    scale_n = torch.where(grow, scale * 2.0, scale)
-    if policy.consecutive_hysteresis:
-        hysteresis_n = torch.full_like(hysteresis, full)
-    else:
-        hysteresis_n = torch.where(grow, torch.full_like(hysteresis, full), hysteresis)
-    return LossScaleState(
-        scale=torch.where(overflow, scale_o, scale_n),
-        hysteresis=torch.where(overflow, hysteresis_o, hysteresis_n),
-        last_overflow_iter=torch.where(overflow, iteration, last),
-        iteration=iteration + 1,
-    )
-
-
-def is_overflow(grad_norm_sq: torch.Tensor) -> torch.Tensor:
-    """inf/nan anywhere in the gradients makes their sum of squares non-finite."""
-    return ~torch.isfinite(grad_norm_sq)
 
 
 def keep_unless(overflow: torch.Tensor, tensors: list[torch.Tensor], before: list[torch.Tensor]) -> None:

@@ -8,7 +8,7 @@ data, so changing it never recompiles.
 
 When a step can be skipped inside the graph (mixed precision overflow), the engine calls
 ``step_if(applied)`` instead: t becomes a device counter and the same formulas run as
-graph ops (``DeviceMath``), so the schedule does not advance on skipped steps, as in
+graph ops (``optim/ops.py``'s ``TORCH_OPS``; ``HOST_OPS`` on the host), so the schedule does not advance on skipped steps, as in
 DeepSpeed, without reading the overflow flag on the host.
 """
 
@@ -22,6 +22,7 @@ import torch
 from spmdzero.config.errors import ConfigError
 from spmdzero.config.schema import SchedulerConfig
 from spmdzero.config.checks import check_params
+from spmdzero.optim.ops import HOST_OPS, TORCH_OPS
 
 LOG, LINEAR = "log", "linear"
 
@@ -37,27 +38,8 @@ def _per_group(optimizer, value, name: str) -> list[float]:
     return [float(v) for v in values]
 
 
-class HostMath:
-    """Python float64 arithmetic: DeepSpeed's exact values, on the host."""
-
-    where = staticmethod(lambda cond, a, b: a if cond else b)
-    log, cos, floor = math.log, math.cos, math.floor
-    maximum, minimum = max, min
-    remainder = staticmethod(lambda a, b: a % b)
-
-
-class DeviceMath:
-    """The same formulas as graph ops on a device step counter (float32), for steps that
-    may be skipped in the graph: the counter advances only when the update was applied."""
-
-    where = staticmethod(torch.where)
-    log, cos, floor, remainder = torch.log, torch.cos, torch.floor, torch.remainder
-    maximum = staticmethod(lambda a, b: torch.clamp(a, min=b) if isinstance(a, torch.Tensor) else torch.clamp(b, min=a))
-    minimum = staticmethod(lambda a, b: torch.clamp(a, max=b) if isinstance(a, torch.Tensor) else torch.clamp(b, max=a))
-
-
 # The formulas below are written branch-free (both sides of a `where` are evaluated), with
-# guards so that the side not taken stays finite, so one formula serves both backends.
+# guards so that the side not taken stays finite, so one formula serves the host and the device.
 
 
 def _warmup_fraction(t, warmup_steps: int, warmup_type: str, M):
@@ -79,11 +61,11 @@ class LRSchedule:
         if last_batch_iteration == -1:
             self._write(self.get_lr())
 
-    def lr_at(self, t, M=HostMath) -> list:
+    def lr_at(self, t, M=HOST_OPS) -> list:
         raise NotImplementedError
 
     def _math(self):
-        return DeviceMath if isinstance(self.last_batch_iteration, torch.Tensor) else HostMath
+        return TORCH_OPS if isinstance(self.last_batch_iteration, torch.Tensor) else HOST_OPS
 
     def get_lr(self) -> list:
         return self.lr_at(self.last_batch_iteration, self._math())
@@ -153,7 +135,7 @@ class WarmupLR(LRSchedule):
     def _after_warmup(self, t, M):
         return 1.0
 
-    def lr_at(self, t, M=HostMath):
+    def lr_at(self, t, M=HOST_OPS):
         warm = _warmup_fraction(t, self.warmup_num_steps, self.warmup_type, M)
         gamma = M.where(t < self.warmup_num_steps, warm, self._after_warmup(t, M))
         return [M.where(t < 0, lo, lo + (hi - lo) * gamma) for lo, hi in zip(self.min_lrs, self.max_lrs)]
@@ -185,7 +167,7 @@ class WarmupCosineLR(LRSchedule):
         self.base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
         super().__init__(optimizer, last_batch_iteration)
 
-    def ratio_at(self, t, M=HostMath):
+    def ratio_at(self, t, M=HOST_OPS):
         frac = _warmup_fraction(t, self.warmup_num_steps, self.warmup_type, M)
         warm = self.warmup_min_ratio + frac * (1.0 - self.warmup_min_ratio)
         progress = M.minimum(1.0, (t - self.warmup_num_steps + 1) / max(1, self.total_num_steps - self.warmup_num_steps))
@@ -193,7 +175,7 @@ class WarmupCosineLR(LRSchedule):
         after = M.maximum(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
         return M.where(t < 0, 0.0, M.where(t < self.warmup_num_steps, warm, after))
 
-    def lr_at(self, t, M=HostMath):
+    def lr_at(self, t, M=HOST_OPS):
         ratio = self.ratio_at(t, M)
         return [lr * ratio for lr in self.base_lrs]
 
@@ -211,7 +193,7 @@ class LRRangeTest(LRSchedule):
         self.staircase = lr_range_test_staircase
         super().__init__(optimizer, last_batch_iteration)
 
-    def lr_at(self, t, M=HostMath):
+    def lr_at(self, t, M=HOST_OPS):
         interval = (t + 1) / self.step_size
         if self.staircase:
             interval = M.floor(interval)
@@ -288,7 +270,7 @@ class OneCycle(LRSchedule):
         interval = M.maximum(t - self.total_size + 1, 0) / self.decay_step_size
         return 1 + rate * interval
 
-    def lr_at(self, t, M=HostMath):
+    def lr_at(self, t, M=HOST_OPS):
         scale = self._scale(t, M)
         in_cycle = t < self.total_size
         lrs = []
@@ -297,7 +279,7 @@ class OneCycle(LRSchedule):
             lrs.append(M.where(in_cycle, lo + (hi - lo) * scale, decayed))
         return lrs
 
-    def momentum_at(self, t, M=HostMath) -> list:
+    def momentum_at(self, t, M=HOST_OPS) -> list:
         scale = self._scale(t, M)
         in_cycle = t < self.total_size
         moms = []

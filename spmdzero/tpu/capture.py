@@ -4,7 +4,6 @@ XLA:CPU devices (``collectives_report``). After the capture the engine is as it 
 
 from __future__ import annotations
 import contextlib
-import copy
 import importlib.util
 import json
 import os
@@ -30,11 +29,11 @@ class StepCapture:
         self.donate: list[tuple[int, int]] = []
         self.loss: Optional[torch.Tensor] = None
 
-    def record(self, lr_kwargs) -> None:
+    def record(self) -> None:
+        """Called by the engine's ``step()`` once it has traced the update."""
         import torch_xla
         import torch_xla.core.xla_model as xm
 
-        self.engine._take_model_step(lr_kwargs)
         state = {k: t for k, (t, _) in self.engine.state_tensors().items()}
         state.update({f"grad.{k}": b for k, b in self.engine.grad_buffers().items()})
         # Outputs are the state the step changed (an untouched tensor is no output: the
@@ -78,14 +77,14 @@ class StepCapture:
                          micro_batch=micro_batch, gradient_names=self.gradient_names(), **result)
 
     def gradient_bytes(self) -> int:
-        trainable = [s.param for s in self.engine._slots]
+        trainable = [s.param for s in self.engine.trained_parameters()]
         return sum(p.numel() for p in trainable) * self.engine.precision.communication_dtype.itemsize
 
     def gradient_names(self) -> dict[str, list[str]]:
         """Each gradient's HLO shape (``f32[50257,768]``) -> the parameters with that shape."""
         dtype = HLO_DTYPES[self.engine.precision.communication_dtype]
         names: dict[str, list[str]] = {}
-        for slot in self.engine._slots:
+        for slot in self.engine.trained_parameters():
             shape = f"{dtype}[{','.join(str(d) for d in slot.param.shape)}]"
             names.setdefault(shape, []).append(slot.name)
         return names
@@ -137,56 +136,13 @@ def compile_mlir(mlir: str, topology: str, donate=(), timeout: int = 3600) -> di
 @contextlib.contextmanager
 def capture(engine, inputs: Optional[dict] = None):
     """Trace one training step without executing it; restore the engine afterwards.
-    ``inputs`` (from ``aot_shapes.shape_only_engine``) names the placeholders holding the
-    state before the step; by default the engine's live state is."""
-    import torch_xla
-
-    if inputs is None:  # a shape-only engine has nothing to execute (and nothing it could)
-        torch_xla.sync()
-    tensors = {k: t for k, (t, _) in engine.state_tensors().items()}
-    tensors.update({f"grad.{k}": b for k, b in engine.grad_buffers().items()})
-    # A clone shares the state's device buffer and keeps pointing at it while the traced
-    # step updates the tensor in place (``t.data`` would follow the update).
-    saved = {k: t.clone() for k, t in tensors.items()} if inputs is None else None
-    saved_attrs = {k: copy.copy(getattr(engine, k)) for k in (
-        "global_steps", "global_samples", "micro_steps", "_step_applied", "_last_overflow", "_global_grad_norm",
-        "_loss_scale", "_skipped_on_device", "_rows_since_step", "_backward_since_step", "samples_last_step")}
-    # Rebound, never updated in place, by a traced backward or step: the objects are kept
-    # (the gradients pending inside an accumulation window, the last loss read by last_loss()).
-    saved_attrs.update(_last_loss=engine._last_loss, _window_loss=engine._window_loss, _step_loss=engine._step_loss,
-                       _input_shapes=engine._input_shapes)
-    pending = [slot.grad for slot in engine._slots]
-    groups = [dict(g) for g in engine.optimizer.param_groups] if engine.optimizer else []
-    # the schedule's own attributes, not its state_dict(): that reads a device step count back
-    # as an int, which the next step sends as a new input and so compiles a new graph
-    scheduler = {k: v if isinstance(v, torch.Tensor) else copy.copy(v)
-                 for k, v in vars(engine.lr_scheduler).items()} if engine.lr_scheduler is not None else None
-    step = StepCapture(engine, inputs if inputs is not None else saved)
-    engine._capture = step
+    ``inputs`` (from ``spmdzero.aot.shapes.shape_only_engine``) names the placeholders holding
+    the state before the step; by default the engine's live state is (kept by its snapshot)."""
+    snapshot = engine.snapshot(with_tensors=inputs is None)  # a shape-only engine has nothing to execute
+    step = StepCapture(engine, inputs if inputs is not None else snapshot.values)
+    engine.capture_steps(step)
     try:
         yield step
     finally:
-        engine._capture = None
-        if saved is not None:
-            # An in-place copy, not a swap of the XLA tensor under the functional wrapper: views
-            # (a weight's transpose in the next forward) are rebuilt from the wrapper's base,
-            # which a swap would leave at the traced update.
-            with torch.no_grad():
-                for key, t in tensors.items():
-                    t.copy_(saved[key])
-            # laid out by the plan and executed now, as a graph of its own (compiled once): left
-            # pending, the copies would join the next training step's graph and make it a new
-            # one to compile
-            engine._reannotate()
-            torch_xla.sync()
-        for name, value in saved_attrs.items():
-            setattr(engine, name, value)
-        for slot, grad in zip(engine._slots, pending):
-            slot.grad = grad
-        if engine.optimizer:
-            for group, kept in zip(engine.optimizer.param_groups, groups):
-                group.update(kept)
-        if scheduler is not None:
-            vars(engine.lr_scheduler).update(scheduler)
-        for p in engine.module.parameters():
-            p.grad = None
+        engine.capture_steps(None)
+        engine.restore_snapshot(snapshot)

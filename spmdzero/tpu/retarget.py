@@ -43,9 +43,9 @@ def trace_devices(topology: str) -> int:
 
 def target_mesh_shape(engine, chips: int) -> dict:
     """The mesh the engine would build on ``chips`` devices (its ``spmd.mesh`` config)."""
-    if engine._config.spmd.dcn_mesh is not None:
+    if engine.validated_config.spmd.dcn_mesh is not None:
         raise ValueError("spmd.dcn_mesh: a multi-slice mesh cannot be traced on fewer devices than chips")
-    return resolve_mesh_shape(engine._config.spmd.mesh, chips)
+    return resolve_mesh_shape(engine.validated_config.spmd.mesh, chips)
 
 
 def _axes_of(tiles: np.ndarray, mesh: np.ndarray) -> Optional[list[tuple[int, ...]]]:

@@ -31,6 +31,12 @@ class EngineBase:
     the last optimizer step), and implements the step core: ``forward``, ``backward``,
     ``step``, ``zero_grad``."""
 
+    @property
+    def validated_config(self):
+        """The config as spmdzero read it (``config.schema.DeepSpeedConfig``: defaults filled,
+        checked); ``engine.config`` is DeepSpeed's, the dict as given."""
+        return self._config
+
     # ---- DeepSpeed batch numbers -------------------------------------------------
     def train_batch_size(self) -> int:
         return self._batch.global_batch

@@ -30,8 +30,10 @@ from spmdzero.train.build import (build_engine_optimizer, build_engine_scheduler
 
 def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh: Any = None, optimizer: Any = None,
           model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
-          collate_fn: Optional[Callable] = None, config_dict: Optional[dict] = None):
-    """``(engine, optimizer, training_dataloader, lr_scheduler)`` on torch_xla's runtime."""
+          collate_fn: Optional[Callable] = None, config_dict: Optional[dict] = None, shape_only: bool = False):
+    """``(engine, optimizer, training_dataloader, lr_scheduler)`` on torch_xla's runtime.
+    ``shape_only``: the model's parameters are placeholders with no buffers
+    (``spmdzero.aot.shapes``); the engine is built without executing anything."""
     if jax_runtime.selected():
         raise ConfigError(f"spmd.backend={cfg.spmd.backend!r} needs torch_xla's runtime, which was not started: "
                           f"{jax_runtime.VARIABLE}=torchax gave this process's devices to JAX. Set spmd.backend to "
@@ -89,5 +91,5 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh: Any = None, optimi
                                    pad_to_multiple_of=cfg.spmd.pad_to_multiple_of, pad_id=model_pad_id(module))
     engine = SpmdZeroEngine(module=module, optimizer=opt, lr_scheduler=scheduler, config=cfg, batch=batch,
                             mesh=mesh, plan=plan, precision=policy, master_weights=masters,
-                            training_dataloader=loader, config_dict=config_dict)
+                            training_dataloader=loader, config_dict=config_dict, shape_only=shape_only)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

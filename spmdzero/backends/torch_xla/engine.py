@@ -23,6 +23,8 @@ optimizer, with no zero-fill, add or copy of a full-size buffer.
 from __future__ import annotations
 
 import collections
+import copy
+import functools
 import time
 import warnings
 from dataclasses import dataclass
@@ -37,12 +39,13 @@ from spmdzero.sharding.batch import BatchSizes
 from spmdzero.config.schema import DeepSpeedConfig
 from spmdzero.train.data import batch_rows, map_tensors, model_pad_id, pad_sequences
 from spmdzero.backends.torch_xla.batches import to_device_sharded
-from spmdzero.optim.clipping import clip_divisor
 from spmdzero.train.engine_base import NO_GRADIENTS, TARGET_NAMES, EngineBase
 from spmdzero.observe.monitor import RecompileGuard, StepLogger, ThroughputTimer, compile_count, notice_nonfinite
-from spmdzero.optim.optimizers import TORCH_OPS, SpmdOptimizer, ZeroOptimizer
+from spmdzero.optim.ops import TORCH_OPS
+from spmdzero.optim.optimizers import SpmdOptimizer, ZeroOptimizer
 from spmdzero.sharding.plan import ShardingPlan, replicated
-from spmdzero.optim.precision import PrecisionPolicy, init_loss_scale, is_overflow, keep_unless, update_loss_scale
+from spmdzero.optim.precision import PrecisionPolicy, keep_unless
+from spmdzero.optim.update import GradScale, LossScale, boundary_update, init_loss_scale
 from spmdzero.backends.torch_xla.scan import scanned_parameters, stacked_layers
 from spmdzero.optim.schedules import LRSchedule
 from spmdzero.io.save import save_checkpoint
@@ -63,11 +66,31 @@ class Slot:
     summed: bool = False  # grad is a sum of micro-steps' gradients, not one backward's
 
 
+# What a traced step changes on the engine besides its tensors (``snapshot``): copied values,
+# and objects that a step rebinds rather than updates in place.
+_STEP_ATTRIBUTES = ("global_steps", "global_samples", "micro_steps", "_step_applied", "_last_overflow",
+                    "_global_grad_norm", "_loss_scale", "_skipped_on_device", "_rows_since_step",
+                    "_backward_since_step", "samples_last_step")
+_REBOUND_ATTRIBUTES = ("_last_loss", "_window_loss", "_step_loss", "_input_shapes")
+
+
+@dataclass
+class EngineSnapshot:
+    """What ``SpmdZeroEngine.snapshot`` kept; only ``restore_snapshot`` reads it."""
+
+    tensors: dict  # state key -> the live tensor
+    values: Optional[dict]  # state key -> a clone holding its value (None: not kept)
+    attrs: dict
+    pending: list  # each slot's pending gradient
+    groups: list  # copies of the optimizer's param groups
+    scheduler: Optional[dict]
+
+
 class SpmdZeroEngine(EngineBase, torch.nn.Module):
     def __init__(self, *, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], lr_scheduler: Any,
                  config: DeepSpeedConfig, batch: BatchSizes, mesh, plan: ShardingPlan, precision: PrecisionPolicy,
                  master_weights: Optional[dict] = None, training_dataloader: Any = None,
-                 config_dict: Optional[dict] = None):
+                 config_dict: Optional[dict] = None, shape_only: bool = False):
         super().__init__()
         self.module = module
         self.basic_optimizer = optimizer
@@ -97,7 +120,9 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         self._global_grad_norm: Optional[torch.Tensor] = None
         self._step_applied: Any = False
         self._last_overflow: Any = False
-        self._loss_scale = init_loss_scale(precision, self.device) if precision.scales_loss else None
+        initial = init_loss_scale(precision)
+        self._loss_scale = None if initial is None else LossScale(
+            *torch.tensor(initial, dtype=torch.float32).to(self.device).unbind())
         self._capture = None  # a spmdzero.tpu.capture.StepCapture while a step is being captured
         self._last_loss: Optional[torch.Tensor] = None
         # the mean of the micro-batch losses: of the window in progress, and of the last optimizer step's
@@ -125,11 +150,12 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
             params = [p for g in optimizer.param_groups for p in g["params"]]
             self._target_names.update({p: f"param{i}" for i, p in enumerate(params) if p not in self._target_names})
         self.optimizer = ZeroOptimizer(optimizer, self) if optimizer is not None else None
-        self._reannotate()
+        self.lay_out_state()
         self._keep_step_state_on_device()
-        import torch_xla
+        if not shape_only:  # placeholders (spmdzero.aot.shapes) have nothing to execute
+            import torch_xla
 
-        torch_xla.sync()  # materialize sharded states, masters and buffers before the first step
+            torch_xla.sync()  # materialize sharded states, masters and buffers before the first step
 
     # ---- the training step -----------------------------------------------------------
     def forward(self, *inputs, **kwargs):
@@ -233,7 +259,8 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         import torch_xla
 
         if self._capture is not None:  # trace the update for the TPU compiler; execute nothing
-            self._capture.record(lr_kwargs)
+            self._take_model_step(lr_kwargs)
+            self._capture.record()
             return
         start = time.perf_counter()
         boundary = self.is_gradient_accumulation_boundary()
@@ -266,39 +293,21 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         with torch.no_grad():
             grads = [self._gradient(s) for s in self._slots]
             sum_sq = fused.sum_of_squares(grads, self._memory_orders(grads)) if grads else torch.zeros((), device=self.device)
-            scale = self._loss_scale.scale if self._loss_scale is not None else None
-            norm = torch.sqrt(sum_sq) if scale is None else torch.sqrt(sum_sq) / scale
-            # DeepSpeed's combined scale: divide by the loss scale and, when the unscaled
-            # norm exceeds gradient_clipping, by (norm + 1e-6) / gradient_clipping too.
-            divisor = scale
-            if self._config.gradient_clipping > 0:
-                clip = clip_divisor(norm, self._config.gradient_clipping, TORCH_OPS)
-                divisor = clip if divisor is None else divisor * clip
-            inverse = 1.0 / divisor if divisor is not None else None
-            overflow = is_overflow(sum_sq) if policy.check_overflow else None
-            laid_out: set[int] = set()
-            if isinstance(self.optimizer.optimizer, SpmdOptimizer):  # scale, update, overflow select: one op per group
-                # Old buffers are reused only by a step that the sync below executes, and not
-                # under engine.compile(): dynamo's cached graphs keep reading the old ones.
-                donate = self._capture is None and not self._is_compiled
-                self.optimizer.optimizer.step(grads={s.target: g for s, g in zip(self._slots, grads)},
-                                              grad_scale=inverse, skip=overflow, donate=donate,
-                                              group_update=fused.update)
-                laid_out = self.optimizer.optimizer.laid_out
-            else:
-                self._client_optimizer_step(grads, inverse, overflow)
+            result = boundary_update(sum_sq, self._loss_scale, self._config.gradient_clipping, policy, TORCH_OPS,
+                                     functools.partial(self._apply_optimizer, grads))
+            laid_out = result.applied
             for slot in self._slots:  # the boundary consumed them: the next micro-step starts a new sum
                 slot.grad = None
             if policy.master_weights:  # the compiler all-gathers the cast master shards
                 params = [s.param for s in self._slots]
                 torch._foreach_copy_(params, [s.target for s in self._slots])
                 fused.settle(params)
-        self._global_grad_norm = norm
+        self._global_grad_norm = result.scale.norm
         if policy.check_overflow:
+            overflow = result.scale.skip
             applied = ~overflow
             self._skipped_on_device = overflow.float() + self._skipped_on_device
-            if self._loss_scale is not None:
-                self._loss_scale = update_loss_scale(self._loss_scale, overflow, policy)
+            self._loss_scale = result.loss_scale
             self._last_overflow, self._step_applied = overflow, applied
             self._step_scheduler_if(applied, lr_kwargs)
         else:
@@ -308,6 +317,21 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         self._annotate_updated(laid_out)
         self.global_steps += 1
         self.global_samples += self._consume_samples()
+
+    def _apply_optimizer(self, grads: list[torch.Tensor], scale: GradScale) -> set[int]:
+        """The optimizer's math for ``boundary_update``; returns the ids of the parameters whose
+        new values already carry their shardings (set inside the fused op)."""
+        if not isinstance(self.optimizer.optimizer, SpmdOptimizer):
+            self._client_optimizer_step(grads, scale.multiplier, scale.skip)
+            return set()
+        # scale, update and overflow select: one op per group. Old buffers are reused only by a
+        # step that the sync after it executes, and not under engine.compile(): dynamo's cached
+        # graphs keep reading the old ones.
+        donate = self._capture is None and not self._is_compiled
+        self.optimizer.optimizer.step(grads={s.target: g for s, g in zip(self._slots, grads)},
+                                      grad_scale=scale.multiplier, skip=scale.skip, donate=donate,
+                                      group_update=fused.update)
+        return self.optimizer.optimizer.laid_out
 
     def _keep_step_state_on_device(self) -> None:
         """Under overflow checks (fp16, bf16's check_grad_overflow) every optimizer step but
@@ -399,6 +423,93 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
                 out[f"loss_scale.{field}"] = (value, ())
         return out
 
+    # ---- the state protocol: what checkpoints, the TPU capture and reports use -------------------
+    def trained_parameters(self) -> list[Slot]:
+        """The parameters this engine trains, in order, each with its name, its optimizer target
+        (the fp32 master under mixed precision, else the parameter) and its pending gradient.
+        For reading: the engine owns them."""
+        return list(self._slots)
+
+    def optimized_names(self) -> dict[torch.Tensor, str]:
+        """{optimizer target: its name in checkpoints}: a module parameter's name, ``param<i>``
+        for an optimized tensor that is not one."""
+        return dict(self._target_names)
+
+    @property
+    def scales_loss(self) -> bool:
+        """Whether the loss is scaled (fp16): the loss scaler is then part of the state."""
+        return self._loss_scale is not None
+
+    def loaded(self, new_window: bool) -> None:
+        """A checkpoint load has written the state (``lay_out_state`` done): start a new
+        accumulation window when the counters were restored, put the step state the next step
+        reads where it reads it, and execute the copies now."""
+        import torch_xla
+
+        if new_window:
+            self._window_loss = None  # its mean loss starts again
+        self._keep_step_state_on_device()
+        torch_xla.sync()
+
+    def snapshot(self, with_tensors: bool = True) -> "EngineSnapshot":
+        """Everything a traced step changes, to be put back by ``restore_snapshot``: the state
+        tensors' values (executed first) unless ``with_tensors`` is False (a shape-only engine
+        has nothing to execute), the counters, the pending gradients, the param groups and the
+        schedule."""
+        import torch_xla
+
+        if with_tensors:
+            torch_xla.sync()
+        tensors = {k: t for k, (t, _) in self.state_tensors().items()}
+        tensors.update({f"grad.{k}": b for k, b in self.grad_buffers().items()})
+        # A clone shares the state's device buffer and keeps pointing at it while the traced
+        # step updates the tensor in place (``t.data`` would follow the update).
+        values = {k: t.clone() for k, t in tensors.items()} if with_tensors else None
+        attrs = {k: copy.copy(getattr(self, k)) for k in _STEP_ATTRIBUTES}
+        # Rebound, never updated in place, by a traced backward or step: the objects are kept
+        # (the gradients pending inside an accumulation window, the last loss read by last_loss()).
+        attrs.update({k: getattr(self, k) for k in _REBOUND_ATTRIBUTES})
+        groups = [dict(g) for g in self.optimizer.param_groups] if self.optimizer else []
+        # the schedule's own attributes, not its state_dict(): that reads a device step count back
+        # as an int, which the next step sends as a new input and so compiles a new graph
+        scheduler = {k: v if isinstance(v, torch.Tensor) else copy.copy(v)
+                     for k, v in vars(self.lr_scheduler).items()} if self.lr_scheduler is not None else None
+        return EngineSnapshot(tensors, values, attrs, [slot.grad for slot in self._slots], groups, scheduler)
+
+    def restore_snapshot(self, snapshot: "EngineSnapshot") -> None:
+        """Put the engine back as ``snapshot`` found it."""
+        import torch_xla
+
+        if snapshot.values is not None:
+            # An in-place copy, not a swap of the XLA tensor under the functional wrapper: views
+            # (a weight's transpose in the next forward) are rebuilt from the wrapper's base,
+            # which a swap would leave at the traced update.
+            with torch.no_grad():
+                for key, t in snapshot.tensors.items():
+                    t.copy_(snapshot.values[key])
+            # laid out by the plan and executed now, as a graph of its own (compiled once): left
+            # pending, the copies would join the next training step's graph and make it a new
+            # one to compile
+            self.lay_out_state()
+            torch_xla.sync()
+        for name, value in snapshot.attrs.items():
+            setattr(self, name, value)
+        for slot, grad in zip(self._slots, snapshot.pending):
+            slot.grad = grad
+        if self.optimizer:
+            for group, kept in zip(self.optimizer.param_groups, snapshot.groups):
+                group.update(kept)
+        if snapshot.scheduler is not None:
+            vars(self.lr_scheduler).update(snapshot.scheduler)
+        for p in self.module.parameters():
+            p.grad = None
+
+    def capture_steps(self, capture: Any) -> None:
+        """Trace, not execute, the next ``step()`` calls into ``capture`` (a
+        ``spmdzero.tpu.capture.StepCapture``: ``capture.record()`` after the traced update), or
+        execute them again (``None``)."""
+        self._capture = capture
+
     def lay_out(self, tensor: torch.Tensor, spec: tuple) -> None:
         """Give a device tensor of the training state the layout ``spec`` on this engine's mesh
         (what checkpoint loads stage their reads into)."""
@@ -416,14 +527,16 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
                 like_param = tuple(value.shape) == tuple(target.shape)
                 yield key, (value, self.plan[name].optimizer_state if like_param else replicated(value.dim()))
 
-    def _reannotate(self) -> None:
-        """Params replicated, buffers, masters and states per the plan: output propagation
-        would otherwise leave updated params sharded like the states they came from."""
+    def lay_out_state(self) -> None:
+        """Params replicated, buffers, masters and states per the plan: after anything wrote
+        the state (a checkpoint load, a captured step put back), and after an update, where
+        output propagation would otherwise leave updated params sharded like the states they
+        came from."""
         for tensor, spec in self.state_tensors().values():
             shard(tensor, self.mesh, spec)
 
     def _annotate_updated(self, laid_out: set[int]) -> None:
-        """``_reannotate`` for what an update changed, less the targets (by id) whose new values
+        """``lay_out_state`` for what an update changed, less the targets (by id) whose new values
         and states already carry their shardings (the fused update sets them inside its op):
         ~20 us per annotation, which for 700 tensors was most of the update's tracing."""
         mesh, state = self.mesh, self.optimizer.optimizer.state
@@ -535,7 +648,7 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
                 if slot.target is not slot.param:  # laid out as the master first: copy_ keeps a layout
                     value = constrain(slot.param.to(slot.target.dtype), self.mesh, self.plan[slot.name].master)
                     slot.target.copy_(value)
-        self._reannotate()
+        self.lay_out_state()
 
     def master_weights(self) -> dict[str, torch.Tensor]:
         """The fp32 master weights by parameter name (empty in fp32 training)."""

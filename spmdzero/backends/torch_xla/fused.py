@@ -27,10 +27,11 @@ from typing import Any, Optional
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensor
 
+from spmdzero.optim.ops import jax_ops
+from spmdzero.optim.update import GradScale, update_group
+
 _CACHE: dict[tuple, Any] = {}
 _FUSED_DTYPES = (torch.float32,)
-
-from spmdzero.optim.optimizers import jax_ops
 
 
 def applies(params: list[torch.Tensor], state) -> bool:
@@ -43,7 +44,7 @@ def applies(params: list[torch.Tensor], state) -> bool:
 def update(optimizer, params: list[torch.Tensor], grads: list[torch.Tensor], hp: dict[str, torch.Tensor],
            group: dict, grad_scale: torch.Tensor | None = None, skip: torch.Tensor | None = None,
            donate: bool = False) -> Optional[bool]:
-    """Apply ``optimizer.scaled_math`` to every tensor of the group as one graph op, in place
+    """Apply ``optim.update.update_group`` (the optimizer's math) to the whole group as one graph op, in place
     (``swap_in``, ``donate`` as there). Returns None, doing nothing, for a group the op does
     not apply to (see ``applies``); else whether the results carry their targets' shardings
     (set inside the op), in which case the caller need not annotate them."""
@@ -86,15 +87,11 @@ def update(optimizer, params: list[torch.Tensor], grads: list[torch.Tensor], hp:
             params, k = mine[:n], len(keys)
             hp = dict(zip(hp_keys, tail))
             extra = dict(zip(extras, tail[len(hp_keys):]))
-            new_params, new_states = [], []
-            for i, (p, g) in enumerate(zip(params, grads)):
-                state = dict(zip(keys, mine[n + i * k:n + (i + 1) * k]))
-                new_p, new_state = optimizer.scaled_math(p, g, state, hp, static, ops, **extra)
-                if inner[i] is not None:
-                    new_p = ops.layout(new_p, inner[i])
-                new_params.append(new_p)
-                new_states += [new_state[name] for name in keys]
-            return new_params + new_states  # in the order of targets
+            states = [dict(zip(keys, mine[n + i * k:n + (i + 1) * k])) for i in range(n)]
+            scale = GradScale(None, extra.get("grad_scale"), extra.get("skip"))
+            new_params, new_states = update_group(optimizer, params, grads, states, hp, static, scale, ops)
+            new_params = [p if layout is None else ops.layout(p, layout) for p, layout in zip(new_params, inner)]
+            return new_params + [state[name] for state in new_states for name in keys]  # in the order of targets
 
         plan = plans[slot] = (identity, _computation(key, group_update, flat, layouts), layouts is not None,
                               donors(targets))

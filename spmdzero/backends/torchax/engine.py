@@ -48,8 +48,9 @@ from torch.utils import _pytree as torch_pytree
 from spmdzero.sharding.batch import BatchSizes
 from spmdzero.config.schema import DeepSpeedConfig
 from spmdzero.train.data import like, model_pad_id, pad_sequences
-from spmdzero.optim.clipping import clip_divisor
-from spmdzero.optim.optimizers import SpmdOptimizer, jax_ops
+from spmdzero.optim.ops import jax_ops
+from spmdzero.optim.optimizers import SpmdOptimizer
+from spmdzero.optim.update import boundary_update, sum_of_squares, update_group
 from spmdzero.train.engine_base import EngineBase, NO_GRADIENTS, TARGET_NAMES
 from spmdzero.sharding.plan import ShardingPlan, replicated
 from spmdzero.optim.precision import precision_policy
@@ -145,9 +146,10 @@ def _find_loss(output) -> Optional[torch.Tensor]:
 # The torch_xla engine's public names this engine lacks (tests/test_torchax_backend.py checks
 # the list against both classes): asking for one says which backend has it.
 TORCH_XLA_ONLY = frozenset({
-    "collectives_report", "current_loss_scale", "grad_buffers", "is_compiled", "lay_out", "loss_scale",
-    "master_weights", "overflow", "refresh_fp32_params", "register_post_step_hook", "sharding_report",
-    "stacked_layers", "state_tensors", "step_loss",
+    "capture_steps", "collectives_report", "current_loss_scale", "grad_buffers", "is_compiled", "lay_out",
+    "lay_out_state", "loaded", "loss_scale", "master_weights", "optimized_names", "overflow", "refresh_fp32_params",
+    "register_post_step_hook", "restore_snapshot", "scales_loss", "sharding_report", "snapshot", "stacked_layers",
+    "state_tensors", "step_loss", "trained_parameters",
 })
 
 
@@ -601,26 +603,25 @@ class TorchaxEngine(EngineBase):
 
         def update(params, masters, states, shared, grads, skipped, hyper):
             self.traces["update"] += 1
-            sum_sq = 0  # the torch_xla engine's global norm: fp32, in parameter order
-            for name in order:
-                g = grads[name].astype(jnp.float32)
-                sum_sq = sum_sq + (g * g).sum()
-            norm = jnp.sqrt(sum_sq)
-            inverse = None
-            if clipping > 0:
-                inverse = 1.0 / clip_divisor(norm, clipping, ops)
-            # a non-finite sum is an overflow: the old values are kept (DeepSpeed skips the step)
-            skip = ~jnp.isfinite(sum_sq) if policy.check_overflow else None
             targets = masters if masters else params
-            new_targets, new_states, new_shared = dict(targets), dict(states), dict(shared)
-            for (names, keys, static), values in zip(groups, hyper):
-                hp = {k: values[i] for i, k in enumerate(keys)}
-                for name in names:
-                    new_targets[name], new_state = optimizer.scaled_math(
-                        targets[name], grads[name], {**states[name], **shared}, hp, static, ops, grad_scale=inverse,
-                        skip=skip)
-                    new_shared.update((k, new_state.pop(k)) for k in shared)  # the same value for every parameter
-                    new_states[name] = new_state
+
+            def apply(scale):
+                new_targets, new_states, new_shared = dict(targets), dict(states), dict(shared)
+                for (names, keys, static), values in zip(groups, hyper):
+                    hp = {k: values[i] for i, k in enumerate(keys)}
+                    group_targets, group_states = update_group(
+                        optimizer, [targets[n] for n in names], [grads[n] for n in names],
+                        [{**states[n], **shared} for n in names], hp, static, scale, ops)
+                    for name, new_target, new_state in zip(names, group_targets, group_states):
+                        new_shared.update((k, new_state.pop(k)) for k in shared)  # the same value for every parameter
+                        new_targets[name], new_states[name] = new_target, new_state
+                return new_targets, new_states, new_shared
+
+            # the torch_xla engine's global norm: fp32, in parameter order
+            sum_sq = sum_of_squares([grads[name] for name in order], ops)
+            result = boundary_update(sum_sq, None, clipping, policy, ops, apply)
+            new_targets, new_states, new_shared = result.applied
+            norm, skip = result.scale.norm, result.scale.skip
             skip = jnp.zeros((), bool) if skip is None else skip
             if not masters:
                 return new_targets, masters, new_states, new_shared, norm, skipped + skip, skip
