@@ -708,12 +708,12 @@ def aot_inputs(tmp_path):
     ("not_a_module", ["--seq-len", "16"], r"--seq-len applies to transformers configs"),
 ])
 def test_the_command_refuses_bad_input_with_one_line(aot_inputs, capsys, case, extra, message):
-    from spmdzero import aot
+    from spmdzero.aot import command
 
     model = aot_inputs[case] if case != "ds3" else aot_inputs["gpt2"]
     config = aot_inputs["ds3"] if case == "ds3" else aot_inputs["ds"]
     args = ["--topology", "v5e:2x2", "--deepspeed_config", config, "--model", model, "--stages", "2"]
-    code = aot.command.main(args + extra)
+    code = command.main(args + extra)
     err = capsys.readouterr().err
     assert code == 1 and re.search(message, err), err
     assert "Traceback" not in err and len(err.splitlines()) == 1
@@ -722,11 +722,11 @@ def test_the_command_refuses_bad_input_with_one_line(aot_inputs, capsys, case, e
 @pytest.mark.parametrize("flag, value", [("--stages", "x"), ("--stages", "1,3"), ("--seq-len", "0"),
                                          ("--micro-batch", "-1")])
 def test_the_command_refuses_bad_numbers_as_usage_errors(aot_inputs, capsys, flag, value):
-    from spmdzero import aot
+    from spmdzero.aot import command
 
     with pytest.raises(SystemExit) as exit_:
-        aot.command.main(["--topology", "v5e:2x2", "--deepspeed_config", aot_inputs["ds"], "--model", aot_inputs["gpt2"],
-                  flag, value])
+        command.main(["--topology", "v5e:2x2", "--deepspeed_config", aot_inputs["ds"], "--model", aot_inputs["gpt2"],
+                      flag, value])
     assert exit_.value.code == 2 and flag in capsys.readouterr().err
 
 

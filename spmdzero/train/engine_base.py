@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 from spmdzero import runtime
-from spmdzero.train.data import caller_stacklevel
+from spmdzero.train.data import caller_stacklevel, map_tensors, pad_sequences
 
 
 # Keyword inputs that are loss targets (transformers' ``labels``, the usual names): both engines
@@ -36,6 +36,24 @@ class EngineBase:
         """The config as spmdzero read it (``config.schema.DeepSpeedConfig``: defaults filled,
         checked); ``engine.config`` is DeepSpeed's, the dict as given."""
         return self._config
+
+    # ---- a forward's inputs, before the backend places them ------------------------
+    def _padded(self, inputs: tuple, kwargs: dict, pad_id: int) -> tuple[tuple, dict]:
+        """``spmd.pad_to_multiple_of``: host sequences padded so that their lengths, and so the
+        step's shapes, take few values (``train.data.pad_sequences``)."""
+        multiple = self._config.spmd.pad_to_multiple_of
+        return pad_sequences((inputs, kwargs), multiple, pad_id) if multiple else (inputs, kwargs)
+
+    def _in_model_dtype(self, inputs: tuple, kwargs: dict, keep=lambda t: False) -> tuple[tuple, dict]:
+        """Floating inputs cast to the model dtype, as DeepSpeed's ``fp16.auto_cast`` does; not
+        the targets named in ``TARGET_NAMES`` (an fp16 cast can overflow a regression target),
+        nor the tensors ``keep`` picks."""
+        dtype = self.precision.param_dtype
+        if dtype == torch.float32:
+            return inputs, kwargs
+        cast = lambda t: t.to(dtype) if t.is_floating_point() and not keep(t) else t  # noqa: E731
+        return map_tensors(inputs, cast), {k: v if k in TARGET_NAMES else map_tensors(v, cast)
+                                           for k, v in kwargs.items()}
 
     # ---- DeepSpeed batch numbers -------------------------------------------------
     def train_batch_size(self) -> int:

@@ -37,9 +37,9 @@ from spmdzero.backends.torch_xla import fused
 from spmdzero.backends.torch_xla.annotate import constrain, shard
 from spmdzero.sharding.batch import BatchSizes
 from spmdzero.config.schema import DeepSpeedConfig
-from spmdzero.train.data import batch_rows, map_tensors, model_pad_id, pad_sequences
+from spmdzero.train.data import batch_rows, map_tensors, model_pad_id
 from spmdzero.backends.torch_xla.batches import to_device_sharded
-from spmdzero.train.engine_base import NO_GRADIENTS, TARGET_NAMES, EngineBase
+from spmdzero.train.engine_base import NO_GRADIENTS, EngineBase
 from spmdzero.observe.monitor import RecompileGuard, StepLogger, ThroughputTimer, compile_count, notice_nonfinite
 from spmdzero.optim.ops import TORCH_OPS
 from spmdzero.optim.optimizers import SpmdOptimizer, ZeroOptimizer
@@ -166,8 +166,7 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         and counted in ``global_samples``."""
         start = time.perf_counter()
         self.recompile_guard.step_started()
-        if self._config.spmd.pad_to_multiple_of:
-            inputs, kwargs = pad_sequences((inputs, kwargs), self._config.spmd.pad_to_multiple_of, self._pad_id)
+        inputs, kwargs = self._padded(inputs, kwargs, self._pad_id)
         shapes = []
         map_tensors((inputs, kwargs), lambda t: shapes.append(tuple(t.shape)))
         self._input_shapes = tuple(shapes)
@@ -178,11 +177,7 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         # positional and keyword inputs together: the first tensor's leading dim is the batch
         inputs, kwargs = to_device_sharded((inputs, kwargs), self.mesh, self.plan.batch_spec,
                                            self._batch.dp_devices, self._batch.processes)
-        dtype = self.precision.param_dtype
-        if dtype != torch.float32:
-            cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
-            inputs = map_tensors(inputs, cast)
-            kwargs = {k: v if k in TARGET_NAMES else map_tensors(v, cast) for k, v in kwargs.items()}
+        inputs, kwargs = self._in_model_dtype(inputs, kwargs)
         try:
             return self.module(*inputs, **kwargs)
         finally:

@@ -159,7 +159,7 @@ def settle(tensors: list[torch.Tensor]) -> None:
     not at their next use. torch's functionalization applies an update (``copy_``, ``add_``,
     ``swap_in``) lazily, when the tensor is next read; once the step has executed that costs
     about 20 us per tensor on the host, against 3 us before (a 12-layer GPT-2's update,
-    592 tensors: see docs/benchmarks.md)."""
+    592 tensors: benchmarks/results/2026-11-history.md)."""
     sync = torch._functionalize_sync  # torch._sync's C++ call, without its Python wrapper (~1.5 us a tensor)
     for t in tensors:
         if isinstance(t, FunctionalTensor):  # AOTAutograd's Python wrapper: torch._sync knows how
@@ -174,7 +174,7 @@ def sum_of_squares(tensors: list[torch.Tensor], orders: Optional[list[Optional[t
     (``memory_order``): the sum reads it that way round. A sum is the same in any order, but
     XLA:CPU copies a tensor laid out transposed (a Linear weight's gradient) into row-major
     order before it reduces it, and that copy cost the 16.8M-parameter MLP's step about 10%
-    of its CPU time (docs/benchmarks.md); read in memory order there is no copy. On a TPU
+    of its CPU time (benchmarks/results/2026-11-history.md); read in memory order there is no copy. On a TPU
     the compiler lays the reduction out itself either way."""
     orders = list(orders) if orders is not None else [None] * len(tensors)
 

@@ -47,11 +47,11 @@ from torch.utils import _pytree as torch_pytree
 
 from spmdzero.sharding.batch import BatchSizes
 from spmdzero.config.schema import DeepSpeedConfig
-from spmdzero.train.data import like, model_pad_id, pad_sequences
+from spmdzero.train.data import like, model_pad_id
 from spmdzero.optim.ops import jax_ops
 from spmdzero.optim.optimizers import SpmdOptimizer
 from spmdzero.optim.update import boundary_update, sum_of_squares, update_group
-from spmdzero.train.engine_base import EngineBase, NO_GRADIENTS, TARGET_NAMES
+from spmdzero.train.engine_base import EngineBase, NO_GRADIENTS
 from spmdzero.sharding.plan import ShardingPlan, replicated
 from spmdzero.optim.precision import precision_policy
 from spmdzero.runtime import jax_runtime
@@ -73,6 +73,12 @@ def _as_dicts(obj):
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
         return type(obj)(_as_dicts(v) for v in obj)
     return obj
+
+
+def _is_torchax_tensor(t: torch.Tensor) -> bool:
+    from torchax import tensor as ttensor
+
+    return isinstance(t, ttensor.Tensor)
 
 
 def jax_devices(count: int) -> list:
@@ -251,10 +257,9 @@ class TorchaxEngine(EngineBase):
 
         return self._jax.device_put(mappings.t2j(t.detach().cpu()), sharding)
 
-    def _place_inputs(self, leaves: list, keep_dtype: frozenset = frozenset()) -> list:
+    def _place_inputs(self, leaves: list) -> list:
         """Tensors to JAX arrays: those with the batch's leading dim split along the batch axes
-        (replicated when it does not divide), others replicated; torchax tensors as they are.
-        Floating ones in the model dtype, except those whose id is in ``keep_dtype`` (targets)."""
+        (replicated when it does not divide), others replicated; torchax tensors as they are."""
         from torchax import tensor as ttensor
 
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
@@ -262,8 +267,6 @@ class TorchaxEngine(EngineBase):
         split = rows is not None and rows % self._batch.dp_devices == 0
         placed = []
         for t in tensors:
-            if t.is_floating_point() and not isinstance(t, ttensor.Tensor) and id(t) not in keep_dtype:
-                t = t.to(self.precision.param_dtype)  # in the model dtype, as the torch_xla engine does
             if isinstance(t, ttensor.Tensor):
                 placed.append(t._elem)
             elif split and t.dim() and t.shape[0] == rows:
@@ -372,17 +375,15 @@ class TorchaxEngine(EngineBase):
     def forward(self, *inputs, **kwargs):
         """Run the module in one jitted program; in training (train mode, grad enabled) it also
         takes the gradient of the loss the module returns (see the module docstring)."""
-        if self._config.spmd.pad_to_multiple_of:
-            inputs, kwargs = pad_sequences((inputs, kwargs), self._config.spmd.pad_to_multiple_of,
-                                           model_pad_id(self._module))
+        inputs, kwargs = self._padded(inputs, kwargs, model_pad_id(self._module))
+        # host tensors only: a torchax tensor (an earlier output) is the model's already
+        inputs, kwargs = self._in_model_dtype(inputs, kwargs, keep=_is_torchax_tensor)
         # a mapping that is not a dict (transformers' BatchEncoding) is one leaf to torch's pytree
         inputs, kwargs = _as_dicts(inputs), _as_dicts(kwargs)
         leaves, treespec = torch_pytree.tree_flatten((inputs, kwargs))
         static = tuple((i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor))
-        targets = {id(t) for name in TARGET_NAMES & set(kwargs)
-                   for t in torch_pytree.tree_leaves(kwargs[name]) if isinstance(t, torch.Tensor)}
         self._take_host_changes()
-        arrays = self._place_inputs(leaves, keep_dtype=targets)
+        arrays = self._place_inputs(leaves)
         rng = (self._rng, np.uint32(self.micro_steps))  # dropout draws anew at every micro-step
         rows = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim()), None)
         training = self._module.training
