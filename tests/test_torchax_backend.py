@@ -1,6 +1,7 @@
 """spmd.backend='torchax': the same results as the torch_xla engine, the plan's layouts on the JAX
 arrays, one trace per program, and clear refusals."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -62,6 +63,20 @@ def test_same_losses_and_parameters_as_the_torch_xla_engine(trained):
         torch.testing.assert_close(params[name], value, atol=1e-5, rtol=1e-5)
     initial = dict(WithLoss(tiny_mlp(seed=0)).named_parameters())
     assert all((params[n] - p).abs().max() > 1e-3 for n, p in initial.items())  # it trained
+
+
+def test_the_state_reads_as_the_torch_xla_engines(trained):
+    """Both backends name, shape and lay out the training state alike (what checkpoints read)."""
+    _, (ref, *_), (engine, *_) = trained
+    ours, theirs = engine.state_tensors(), ref.state_tensors()
+    assert sorted(ours) == sorted(theirs)
+    for key, (value, spec) in theirs.items():
+        assert tuple(ours[key][0].shape) == tuple(value.shape), key
+        assert tuple(ours[key][1]) == tuple(spec), key
+        assert str(ours[key][0].dtype) == str(value.dtype).removeprefix("torch."), key
+    host = {n: p.detach().cpu() for n, p in engine.module.named_parameters()}
+    for name, value in host.items():
+        torch.testing.assert_close(torch.from_numpy(np.asarray(ours[f"model.{name}"][0])), value)
 
 
 def test_no_retrace_after_warm_up(trained):

@@ -1,17 +1,68 @@
-"""The pieces of ``spmdzero.initialize`` that every backend shares: the config as DeepSpeed's
-``engine.config`` dict, moving a module without replacing its Parameters, the client
-optimizer and scheduler as DeepSpeed takes them, frozen parameters dropped from the groups,
-and which embedding tables are tied."""
+"""The build pipeline of ``spmdzero.initialize`` that every backend runs (``setup_training``:
+batch arithmetic, plan, optimizer, schedule, loader, in this order), and its pieces: the config
+as DeepSpeed's ``engine.config`` dict, moving a module without replacing its Parameters, the
+client optimizer and scheduler as DeepSpeed takes them, frozen parameters dropped from the
+groups, and which embedding tables are tied. A backend brings only what differs: its devices
+(the mesh shape), where the optimizer's state lives, and how a loader's batches are placed."""
 
 from __future__ import annotations
 import os
 import warnings
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
 import torch
 from spmdzero.config.errors import ConfigError
 from spmdzero.config.load import read_config_file
+from spmdzero.config.schema import DeepSpeedConfig
+from spmdzero.observe.monitor import log_block
 from spmdzero.optim.optimizers import build_optimizer
 from spmdzero.optim.schedules import build_scheduler
+from spmdzero.sharding.batch import BatchSizes, resolve_batch
+from spmdzero.sharding.mesh import data_parallel_size
+from spmdzero.sharding.plan import ShardingPlan, make_plan
+from spmdzero.train.data import ShardedDataLoader, model_pad_id
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """What ``setup_training`` built, for the backend's engine."""
+
+    batch: BatchSizes
+    plan: ShardingPlan
+    optimizer: Optional[torch.optim.Optimizer]
+    scheduler: Any
+    loader: Optional[ShardedDataLoader]
+
+
+def setup_training(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh_shape: dict[str, int], *,
+                   process_index: int = 0, process_count: int = 1, optimizer: Any = None,
+                   model_parameters: Any = None, lr_scheduler: Any = None, training_data: Any = None,
+                   collate_fn: Optional[Callable] = None, stacked: Optional[dict] = None, even: bool = False,
+                   prepare_optimizer: Callable[[torch.optim.Optimizer], None] = lambda optimizer: None,
+                   placement: Optional[Callable[[ShardingPlan, BatchSizes], Callable]] = None) -> TrainingSetup:
+    """DeepSpeed's batch arithmetic on this mesh (said once, by the first process), the ZeRO
+    plan of ``model``'s trainable parameters, the optimizer (the client's or the config's,
+    frozen parameters dropped, then ``prepare_optimizer``: where the backend puts its state),
+    the schedule, and a loader of ``training_data`` whose batches ``placement(plan, batch)``
+    places (None: host batches). ``stacked``/``even``: as ``make_plan`` takes them."""
+    batch = resolve_batch(cfg, data_parallel_size(mesh_shape), process_count)
+    if process_index == 0:
+        log_block(batch.describe())
+    trainable = [(n, p.shape) for n, p in model.named_parameters() if p.requires_grad]
+    plan = make_plan(trainable, mesh_shape, cfg.zero_stage, tied_embeddings=tied_embeddings(model),
+                     stacked=stacked or (), even=even)
+    built = build_engine_optimizer(optimizer, model_parameters, model, cfg)
+    if built is not None:
+        drop_frozen(built)  # as DeepSpeed's ZeRO optimizers: trainable parameters only, no empty groups
+        prepare_optimizer(built)
+    scheduler = build_engine_scheduler(lr_scheduler, built, cfg)
+    loader = None
+    if training_data is not None:
+        loader = ShardedDataLoader(training_data, batch, placement(plan, batch) if placement else None,
+                                   collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last,
+                                   process_index=process_index, pad_to_multiple_of=cfg.spmd.pad_to_multiple_of,
+                                   pad_id=model_pad_id(model))
+    return TrainingSetup(batch, plan, built, scheduler, loader)
 
 
 def config_dict(cfg, args, config, config_params) -> dict:

@@ -12,20 +12,15 @@ from spmdzero import runtime
 from spmdzero.runtime import jax_runtime
 from spmdzero.config.errors import ConfigError
 from spmdzero.config.schema import DeepSpeedConfig
-from spmdzero.sharding.batch import resolve_batch
-from spmdzero.train.data import ShardedDataLoader, model_pad_id
 from spmdzero.backends.torch_xla.batches import to_device_sharded
 from spmdzero.backends.torch_xla.engine import SpmdZeroEngine
 from spmdzero.backends.torch_xla.mesh import build_mesh
-from spmdzero.sharding.mesh import check_user_mesh, data_parallel_size, mesh_shape
-from spmdzero.observe.monitor import log_block
+from spmdzero.sharding.mesh import check_user_mesh, mesh_shape
 from spmdzero.optim.optimizers import materialize_state
-from spmdzero.sharding.plan import make_plan
 from spmdzero.backends.torch_xla.scan import (apply_scan_layers, lay_out_gradients, restack_groups, restack_optimizer,
                                              stacked_layers)
 from spmdzero.optim.precision import attach_master_weights, precision_policy
-from spmdzero.train.build import (build_engine_optimizer, build_engine_scheduler, drop_frozen, move_in_place,
-                                  move_state_to, tied_embeddings)
+from spmdzero.train.build import move_in_place, move_state_to, setup_training
 
 
 def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh: Any = None, optimizer: Any = None,
@@ -50,10 +45,6 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh: Any = None, optimi
         mesh = build_mesh(cfg.spmd.mesh, runtime.device_count(), cfg.spmd.dcn_mesh)
     shape = mesh_shape(mesh)
     process_index, process_count = runtime.hosts()
-    batch = resolve_batch(cfg, data_parallel_size(shape), process_count)
-    if process_index == 0:
-        log_block(batch.describe())
-
     module = move_in_place(model, runtime.device())
     if cfg.spmd.scan_layers:
         if model_parameters is not None and not isinstance(model_parameters, (list, tuple)):
@@ -63,33 +54,31 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh: Any = None, optimi
             model_parameters = restack_groups(model_parameters, stacked_from, "model_parameters")
             if isinstance(optimizer, torch.optim.Optimizer):
                 restack_optimizer(optimizer, stacked_from)
-    trainable = [(n, p.shape) for n, p in module.named_parameters() if p.requires_grad]
-    plan = make_plan(trainable, shape, cfg.zero_stage, tied_embeddings=tied_embeddings(module),
-                     stacked=stacked_layers(module))
-    if cfg.spmd.scan_layers:
-        lay_out_gradients(module, mesh, plan)
 
     policy = precision_policy(cfg)
-    opt = build_engine_optimizer(optimizer, model_parameters, module, cfg)
-    masters = {}
-    if opt is not None:
-        drop_frozen(opt)
+    masters: dict = {}
+
+    def prepare_optimizer(opt) -> None:
+        """The optimizer's state on the device, fp32 master weights under mixed precision, and
+        every state tensor made now, so that the engine can lay it out before the first step."""
         move_state_to(opt, runtime.device())
         if policy.master_weights:
-            masters = attach_master_weights(opt, module, policy.param_dtype)
+            masters.update(attach_master_weights(opt, module, policy.param_dtype))
         materialize_state(opt)
-    elif policy.master_weights:
-        module.to(policy.param_dtype)
-    scheduler = build_engine_scheduler(lr_scheduler, opt, cfg)
 
-    loader = None
-    if training_data is not None:
-        place = functools.partial(to_device_sharded, mesh=mesh, batch_spec=plan.batch_spec, dp_size=batch.dp_devices,
-                                  process_count=batch.processes)
-        loader = ShardedDataLoader(training_data, batch, place, collate_fn=collate_fn,
-                                   drop_last=cfg.dataloader_drop_last, process_index=process_index,
-                                   pad_to_multiple_of=cfg.spmd.pad_to_multiple_of, pad_id=model_pad_id(module))
-    engine = SpmdZeroEngine(module=module, optimizer=opt, lr_scheduler=scheduler, config=cfg, batch=batch,
-                            mesh=mesh, plan=plan, precision=policy, master_weights=masters,
-                            training_dataloader=loader, config_dict=config_dict, shape_only=shape_only)
+    def placement(plan, batch):
+        return functools.partial(to_device_sharded, mesh=mesh, batch_spec=plan.batch_spec, dp_size=batch.dp_devices,
+                                 process_count=batch.processes)
+
+    setup = setup_training(module, cfg, shape, process_index=process_index, process_count=process_count,
+                           optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
+                           training_data=training_data, collate_fn=collate_fn, stacked=stacked_layers(module),
+                           prepare_optimizer=prepare_optimizer, placement=placement)
+    if cfg.spmd.scan_layers:
+        lay_out_gradients(module, mesh, setup.plan)
+    if setup.optimizer is None and policy.master_weights:
+        module.to(policy.param_dtype)
+    engine = SpmdZeroEngine(module=module, optimizer=setup.optimizer, lr_scheduler=setup.scheduler, config=cfg,
+                            batch=setup.batch, mesh=mesh, plan=setup.plan, precision=policy, master_weights=masters,
+                            training_dataloader=setup.loader, config_dict=config_dict, shape_only=shape_only)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -1,14 +1,16 @@
 """The training engine: DeepSpeed's names and semantics over one traced SPMD step.
 
 Why one module: the step core (forward, backward, the boundary update) and the state it
-keeps between steps (gradient slots, the loss scale and counters on the device) are one unit;
-the DeepSpeed API around it is ``train/engine_base.py``, the update's math ``optim``.
+keeps between steps (gradient slots, the loss scale and counters on the device) are one unit,
+and so is the public state protocol over that state (``state_tensors``, ``lay_out_state``,
+``snapshot``/``restore_snapshot``, ``loaded``), which must change whenever the state does;
+the DeepSpeed API around it is ``train/engine_base.py``, the update's math ``optim/update.py``.
 
 Each ``engine.step()`` call ends the trace with ``torch_xla.sync()``, so a run compiles
 two programs: a micro-step (forward, backward, gradient accumulation) and a boundary
 step (the same plus clipping, the optimizer update and the re-annotation of every
 state). Nothing inside a step reads a device value on the host: overflow skipping, loss
-scaling and the schedule's step count live on the device (see ``precision``).
+scaling and the schedule's step count live on the device (see ``optim/update.py``).
 
 Every trainable parameter has a slot: its accumulated gradient, laid out by the plan
 (sharded at ZeRO-2), and the tensor the optimizer updates (the parameter itself in fp32,

@@ -5,17 +5,13 @@ of what this backend does not run yet."""
 from __future__ import annotations
 from typing import Any, Optional
 import torch
-from spmdzero.sharding.batch import resolve_batch
 from spmdzero.config.errors import ConfigError
 from spmdzero.config.schema import DeepSpeedConfig
-from spmdzero.train.data import ShardedDataLoader, model_pad_id
-from spmdzero.sharding.mesh import check_user_mesh, data_parallel_size, mesh_shape, resolve_mesh_shape
-from spmdzero.observe.monitor import log_block
-from spmdzero.optim.optimizers import SpmdOptimizer, build_optimizer
-from spmdzero.sharding.plan import make_plan
+from spmdzero.sharding.mesh import check_user_mesh, mesh_shape, resolve_mesh_shape
+from spmdzero.optim.optimizers import SpmdOptimizer
 from spmdzero.optim.precision import DTYPES
 from spmdzero.backends.torchax.engine import TorchaxEngine
-from spmdzero.train.build import build_engine_scheduler, drop_frozen, tied_embeddings
+from spmdzero.train.build import setup_training
 from spmdzero import runtime
 from spmdzero.runtime import jax_runtime
 
@@ -78,34 +74,28 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
     if hosts > 1:
         raise RuntimeError(f"spmd.backend='torchax' runs on one host (one process), this is one of {hosts}; use "
                            "spmd.backend='torch_xla'")
-    batch = resolve_batch(cfg, data_parallel_size(shape))
-    log_block(batch.describe())
-    # even: JAX shards only dims that divide by the axis size (a 10-class head on 8 devices)
-    plan = make_plan([(n, p.shape) for n, p in model.named_parameters() if p.requires_grad], shape, cfg.zero_stage,
-                     tied_embeddings=tied_embeddings(model), even=True)
-    params = model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(cfg.optimizer, params)
-    if not isinstance(optimizer, SpmdOptimizer):
-        raise ConfigError(f"optimizer.type {cfg.optimizer.type!r} is a torch.optim optimizer; spmd.backend='torchax' "
-                          "runs spmdzero's own (Adam/AdamW, Lamb, Lion, Adagrad, SGD) as JAX functions")
-
-    drop_frozen(optimizer)  # as DeepSpeed's ZeRO optimizers: trainable parameters only, no empty groups
     members = {id(p) for p in model.parameters()}
-    for i, group in enumerate(optimizer.param_groups):
-        strays = [tuple(p.shape) for p in group["params"] if id(p) not in members]
-        if strays:
-            raise ValueError(f"spmd.backend='torchax' trains the module's parameters only: param group {i} of "
-                             f"model_parameters holds {len(strays)} tensor(s) that are not parameters of the model "
-                             f"(shapes {strays[:3]}); register them on the module (nn.Parameter) or use "
-                             "spmd.backend='torch_xla'")
-    scheduler = build_engine_scheduler(lr_scheduler, optimizer, cfg)
-    loader = None
-    if training_data is not None:
-        loader = ShardedDataLoader(training_data, batch, collate_fn=collate_fn,
-                                   drop_last=cfg.dataloader_drop_last, pad_to_multiple_of=cfg.spmd.pad_to_multiple_of,
-                                   pad_id=model_pad_id(model))
-    engine = TorchaxEngine(model, optimizer, scheduler, cfg, batch, plan, shape, runtime.device_count(), loader,
-                           config_dict)
-    return engine, optimizer, loader, scheduler
+
+    def prepare_optimizer(optimizer) -> None:
+        """This backend runs spmdzero's optimizers as JAX functions over the module's parameters."""
+        if not isinstance(optimizer, SpmdOptimizer):
+            raise ConfigError(f"optimizer.type {cfg.optimizer.type!r} is a torch.optim optimizer; "
+                              "spmd.backend='torchax' runs spmdzero's own (Adam/AdamW, Lamb, Lion, Adagrad, SGD) "
+                              "as JAX functions")
+        for i, group in enumerate(optimizer.param_groups):
+            strays = [tuple(p.shape) for p in group["params"] if id(p) not in members]
+            if strays:
+                raise ValueError(f"spmd.backend='torchax' trains the module's parameters only: param group {i} of "
+                                 f"model_parameters holds {len(strays)} tensor(s) that are not parameters of the "
+                                 f"model (shapes {strays[:3]}); register them on the module (nn.Parameter) or use "
+                                 "spmd.backend='torch_xla'")
+
+    # even: JAX shards only dims that divide by the axis size (a 10-class head on 8 devices)
+    setup = setup_training(model, cfg, shape, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
+                           training_data=training_data, collate_fn=collate_fn, even=True,
+                           prepare_optimizer=prepare_optimizer)
+    engine = TorchaxEngine(model, setup.optimizer, setup.scheduler, cfg, setup.batch, setup.plan, shape,
+                           runtime.device_count(), setup.loader, config_dict)
+    return engine, setup.optimizer, setup.loader, setup.scheduler
 
 

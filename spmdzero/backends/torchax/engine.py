@@ -155,7 +155,7 @@ TORCH_XLA_ONLY = frozenset({
     "capture_steps", "collectives_report", "current_loss_scale", "grad_buffers", "is_compiled", "lay_out",
     "lay_out_state", "loaded", "loss_scale", "master_weights", "optimized_names", "overflow", "refresh_fp32_params",
     "register_post_step_hook", "restore_snapshot", "scales_loss", "sharding_report", "snapshot", "stacked_layers",
-    "state_tensors", "step_loss", "trained_parameters",
+    "step_loss", "trained_parameters",
 })
 
 
@@ -658,6 +658,27 @@ class TorchaxEngine(EngineBase):
         """The optimizer states by parameter name and key, as JAX arrays (laid out by the plan);
         the step counter is one array, the same in every parameter's states."""
         return {n: {**st, **self._shared_state} for n, st in self._opt_state.items()}
+
+    def state_tensors(self) -> dict[str, tuple[Any, tuple]]:
+        """Every device array of the training state by checkpoint key, with the partition spec
+        the plan gives it: the torch_xla engine's keys (``model.*``, ``buffer.*``, ``master.*``,
+        ``optim.<param>.<key>``), so that both backends' state reads the same. Reading only: a
+        change made on the host since the last forward is not in it yet."""
+        out: dict[str, tuple[Any, tuple]] = {}
+        for name, _ in self._host_tensors:
+            if name in self._params:
+                out[f"model.{name}"] = (self._params[name], tuple(self.plan[name].param))
+            elif name in self._constants:
+                kind = "model" if name in dict(self._module.named_parameters()) else "buffer"
+                out[f"{kind}.{name}"] = (self._constants[name], replicated(self._constants[name].ndim))
+        for name, master in self._masters.items():
+            out[f"master.{name}"] = (master, tuple(self.plan[name].master))
+        for name, states in self.optimizer_states().items():
+            shape = tuple(self._params[name].shape)
+            for key, value in states.items():
+                spec = self.plan[name].optimizer_state if tuple(value.shape) == shape else replicated(value.ndim)
+                out[f"optim.{name}.{key}"] = (value, tuple(spec))
+        return out
 
     def params(self) -> dict[str, Any]:
         """The trainable parameters by name, as JAX arrays (replicated)."""
