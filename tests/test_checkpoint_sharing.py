@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -183,6 +184,71 @@ def test_two_threads_saving_at_once_take_turns(engine, tmp_path, monkeypatch):
             assert engine.load_checkpoint(str(tmp_path), tag=f"t{me}_{k}")[1] == {"who": me, "k": k}
     assert engine.load_checkpoint(str(tmp_path), tag="shared")[1]["k"] == 1
     assert not [n for n in listing(tmp_path) if n.startswith(".")]
+
+
+HOLDER = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
+fcntl.flock(fd, fcntl.LOCK_SH)  # what a load in another process holds
+print("held", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_a_save_waits_for_a_load_in_another_process_and_says_so(engine, tmp_path):
+    engine.save_checkpoint(str(tmp_path), tag="t", client_state={"v": 1})
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path), "3"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        start = time.monotonic()
+        with pytest.warns(UserWarning, match="waiting to save into checkpoint directory .*under way in another"):
+            engine.save_checkpoint(str(tmp_path), tag="t", client_state={"v": 2})
+        assert holder.poll() is not None and time.monotonic() - start > 0.5
+    finally:
+        holder.kill()
+        holder.wait()
+    assert engine.load_checkpoint(str(tmp_path))[1] == {"v": 2}
+
+
+def test_where_a_directory_cannot_be_locked_a_lock_file_is(engine, tmp_path, monkeypatch):
+    """NFS emulates flock with POSIX locks, which refuse a directory opened read-only
+    (EBADF): the lock is then taken on ``.spmdzero.lock``, which recovery leaves alone, and
+    still makes a second holder wait."""
+    import fcntl
+    import stat
+
+    import spmdzero.io.checkpoint_dir as C
+
+    real = fcntl.flock
+
+    def nfs_like(fd, mode):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        return real(fd, mode)
+
+    monkeypatch.setattr(fcntl, "flock", nfs_like)
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    engine.save_checkpoint(str(tmp_path), tag="u")
+    assert listing(tmp_path) == [".spmdzero.lock", "latest", "t", "u"]
+    order = []
+
+    def second():
+        with C._dir_lock(str(tmp_path), exclusive=True):  # another thread: no lock held there
+            order.append("second")
+
+    with C._dir_lock(str(tmp_path), exclusive=True):
+        thread = threading.Thread(target=second)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            thread.start()
+            deadline = time.monotonic() + 60
+            while not caught and time.monotonic() < deadline:  # the second holder is waiting
+                time.sleep(0.05)
+        order.append("first")
+    thread.join(timeout=60)
+    assert order == ["first", "second"]
+    assert "waiting to save into" in str(caught[0].message)
+    assert engine.load_checkpoint(str(tmp_path), tag="u")[0].endswith("u")
 
 
 # ---- item 11: consolidation on a full disk -----------------------------------------------------

@@ -21,7 +21,8 @@ A save writes into ``save_dir/.saving.<tag>`` and renames it to ``<tag>`` once c
 then replaces ``latest``. Re-saving an existing tag moves the old one to ``.replaced.<tag>``
 first; a crash between those two renames is repaired by the next save (roll forward to the
 complete new copy, else back to the old one), and a load in between reads whichever copy
-is complete. A load first checks the checkpoint against the engine (keys, shapes, optimizer
+is complete. Saves into one directory take turns, and a save waits for loads from it
+(``checkpoint_dir.saving``, ``checkpoint_dir.reading``). A load first checks the checkpoint against the engine (keys, shapes, optimizer
 type), reads into staging tensors laid out like the live ones, and only then copies: a bad
 checkpoint raises without touching the model. Loading onto another device count or mesh
 works because torch.distributed.checkpoint reads whatever chunks each target shard needs."""
