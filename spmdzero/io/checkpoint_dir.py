@@ -309,8 +309,11 @@ def replace_file(path: str, write_to: Callable[[str], None]) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         write_to(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        fd = os.open(tmp, os.O_RDONLY)  # on the disk before the rename makes it the file
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         if os.path.isfile(path):  # keep the mode the user gave the file it replaces
             with contextlib.suppress(OSError):
                 shutil.copymode(path, tmp)
