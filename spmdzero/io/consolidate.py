@@ -1,11 +1,13 @@
 """``spmdzero checkpoint consolidate``: one plain state dict (``torch.save`` or safetensors) of
 a sharded checkpoint, on any machine, in fp32 or the model dtype, with stacked layers written
-under their per-layer names again."""
+under their per-layer names again; the output file is replaced atomically."""
 
 from __future__ import annotations
 import os
+import shutil
 from typing import Optional
 import torch
+from spmdzero.io.checkpoint_dir import reading, replace_file
 from spmdzero.io.restack import unstack
 from spmdzero.io.checkpoint_format import CheckpointError, _dtype, _quiet_dcp
 from spmdzero.io.read import _dcp_failure, open_state, read_meta, tagged_path
@@ -32,10 +34,30 @@ def consolidate(ckpt_dir: str, out_path: str, tag: Optional[str] = None, dtype: 
         for k, v in result.items():
             out[k] = v.contiguous() if id(v) not in seen else v.clone()
             seen.add(id(v))
-        save_file(out, out_path)
+        write = lambda tmp: save_file(out, tmp)  # noqa: E731
     else:
-        torch.save(result, out_path)
+        write = lambda tmp: torch.save(result, tmp)  # noqa: E731
+    _write_output(out_path, write)
     return {k: tuple(v.shape) for k, v in result.items()}
+
+
+def _write_output(out_path: str, write) -> None:
+    """Write the output whole or not at all (``replace_file``): written in place, a full disk
+    left a previous good output unloadable. torch.save and safetensors report a full disk in
+    their own exception types (torch's names no file): any failure becomes one
+    CheckpointError naming the output, the cause and the space left."""
+    target = os.path.realpath(out_path)  # an output that is a link: its target is replaced, the link kept
+    existed = os.path.isfile(target)
+    try:
+        replace_file(target, write)
+    except Exception as err:
+        cause = err.strerror if isinstance(err, OSError) and err.strerror else f"{type(err).__name__}: {err}"
+        try:
+            free = f"; {shutil.disk_usage(os.path.dirname(target)).free / 2**20:.1f} MiB free there"
+        except OSError:
+            free = ""
+        kept = f"the previous {out_path!r} is unchanged" if existed else "nothing was written"
+        raise CheckpointError(f"cannot write {out_path!r} ({cause}{free}); {kept}") from None
 
 
 def consolidated_state_dict(ckpt_dir: str, tag: Optional[str] = None, dtype: str = "fp32") -> dict:
@@ -49,29 +71,30 @@ def consolidated_state_dict(ckpt_dir: str, tag: Optional[str] = None, dtype: str
     out_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dtype)
     if out_dtype is None:
         raise CheckpointError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
-    tag, path = tagged_path(ckpt_dir, tag)
-    meta = read_meta(path)
-    index = meta["tensors"]
-    names = meta.get("module_keys") or {key.partition(".")[2]: key for key in index
-                                        if key.startswith(("model.", "buffer."))}
-    reader = open_state(path)
-    loaded: dict[str, torch.Tensor] = {}
-    result: dict[str, torch.Tensor] = {}
-    for name, key in names.items():
-        if key not in index:  # a frozen parameter left out of the save
-            continue
-        if key not in loaded:
-            kind, _, rest = key.partition(".")
-            source = f"master.{rest}" if f"master.{rest}" in index else key
-            shape, saved_dtype = index[source]
-            target = torch.empty(tuple(shape), dtype=_dtype(saved_dtype))
-            try:
-                with _quiet_dcp():
-                    dcp.load({source: target}, storage_reader=reader, no_dist=True)
-            except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
-                raise CheckpointError(f"cannot read {source!r} from {path!r}: {_dcp_failure(err)}") from None
-            loaded[key] = target.to(out_dtype) if target.is_floating_point() and kind == "model" else target
-        result[name] = loaded[key]
+    with reading(ckpt_dir):  # a save into ckpt_dir waits: it cannot move the copy being read
+        tag, path = tagged_path(ckpt_dir, tag)
+        meta = read_meta(path)
+        index = meta["tensors"]
+        names = meta.get("module_keys") or {key.partition(".")[2]: key for key in index
+                                            if key.startswith(("model.", "buffer."))}
+        reader = open_state(path)
+        loaded: dict[str, torch.Tensor] = {}
+        result: dict[str, torch.Tensor] = {}
+        for name, key in names.items():
+            if key not in index:  # a frozen parameter left out of the save
+                continue
+            if key not in loaded:
+                kind, _, rest = key.partition(".")
+                source = f"master.{rest}" if f"master.{rest}" in index else key
+                shape, saved_dtype = index[source]
+                target = torch.empty(tuple(shape), dtype=_dtype(saved_dtype))
+                try:
+                    with _quiet_dcp():
+                        dcp.load({source: target}, storage_reader=reader, no_dist=True)
+                except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+                    raise CheckpointError(f"cannot read {source!r} from {path!r}: {_dcp_failure(err)}") from None
+                loaded[key] = target.to(out_dtype) if target.is_floating_point() and kind == "model" else target
+            result[name] = loaded[key]
     stacks = meta.get("stacked_layers") or {}
     if not isinstance(stacks, dict) or not all(isinstance(stack, str) and isinstance(name, str)
                                                and name.startswith(f"{stack}.") for name, stack in stacks.items()):

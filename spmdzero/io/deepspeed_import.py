@@ -29,8 +29,8 @@ from spmdzero.io.checkpoint_format import (CLIENT_FILE, CheckpointError, FORMAT_
 from spmdzero.io.safe_pickle import (CONTAINER_GLOBALS, NUMPY_SCALAR_GLOBALS, RefusedGlobal, TENSOR_GLOBALS,
                                      pickle_module)
 from spmdzero.version import __version__
-from spmdzero.io.checkpoint_dir import _pickle_client_state, prepare_dir, publish, staging_dir
-from spmdzero.io.read import tagged_path
+from spmdzero.io.checkpoint_dir import _pickle_client_state, check_target, publish, saving, staging_dir
+from spmdzero.io.read import _dcp_failure, tagged_path
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 # Keys DeepSpeed itself writes into the model-states file; anything else is client_state.
@@ -159,6 +159,7 @@ def import_deepspeed(ds_dir: str, out_dir: str, tag: Optional[str] = None) -> st
     """Convert a DeepSpeed ZeRO-1/2 checkpoint into an spmdzero checkpoint (no devices
     needed); ``engine.load_checkpoint(out_dir)`` then loads it on any mesh. Returns the path."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     tag, path = tagged_path(ds_dir, tag, "DeepSpeed checkpoint")
     if not is_deepspeed_checkpoint(path):
@@ -172,13 +173,17 @@ def import_deepspeed(ds_dir: str, out_dir: str, tag: Optional[str] = None) -> st
             "imported_from": os.path.abspath(path), "client_state": CLIENT_FILE if client_bytes else None,
             "tensors": tensor_index(tensors)}
     meta_text = json.dumps(to_json(meta), indent=1)
-    prepare_dir(out_dir)
-    staging = staging_dir(out_dir, tag)
-    try:
-        with _quiet_dcp():
-            dcp.save(tensors, checkpoint_id=os.path.join(staging, STATE_DIR), no_dist=True)
-        publish(out_dir, tag, staging, meta_text, client_bytes, save_latest=True)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with saving(out_dir):  # as a save: after any other save into out_dir, never beside one
+        check_target(out_dir, tag)
+        staging = staging_dir(out_dir, tag)
+        try:
+            with _quiet_dcp():
+                dcp.save(tensors, checkpoint_id=os.path.join(staging, STATE_DIR), no_dist=True)
+            publish(out_dir, tag, staging, meta_text, client_bytes, save_latest=True)
+        except BaseException as err:  # an interrupt too: nothing half-written stays behind
+            shutil.rmtree(staging, ignore_errors=True)
+            if isinstance(err, CheckpointError) or not isinstance(err, (Exception, CheckpointException)):
+                raise
+            raise CheckpointError(f"cannot write checkpoint {tag!r} to {staging!r} (the previous checkpoints are "
+                                  f"untouched): {_dcp_failure(err)}") from None
     return os.path.join(out_dir, tag)

@@ -21,7 +21,8 @@ A save writes into ``save_dir/.saving.<tag>`` and renames it to ``<tag>`` once c
 then replaces ``latest``. Re-saving an existing tag moves the old one to ``.replaced.<tag>``
 first; a crash between those two renames is repaired by the next save (roll forward to the
 complete new copy, else back to the old one), and a load in between reads whichever copy
-is complete. A load first checks the checkpoint against the engine (keys, shapes, optimizer
+is complete. Saves into one directory take turns, and a save waits for loads from it
+(``checkpoint_dir.saving``, ``checkpoint_dir.reading``). A load first checks the checkpoint against the engine (keys, shapes, optimizer
 type), reads into staging tensors laid out like the live ones, and only then copies: a bad
 checkpoint raises without touching the model. Loading onto another device count or mesh
 works because torch.distributed.checkpoint reads whatever chunks each target shard needs."""
@@ -37,6 +38,7 @@ from spmdzero.io import restack
 from spmdzero.io.restack import stacking_mismatch
 from spmdzero.io.checkpoint_format import (CheckpointError, LATEST_FILE, META_FILE, _dtype, _no_dist, _quiet_dcp,
                                            tensor_index)
+from spmdzero.io.checkpoint_dir import reading
 from spmdzero.io.read import _dcp_failure, locate, open_state, read_client_state, read_meta, resolve_tag
 from spmdzero.io.deepspeed_import import is_deepspeed_checkpoint, read_deepspeed_checkpoint
 
@@ -48,39 +50,41 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     """DeepSpeed's ``load_checkpoint``: returns ``(load_path, client_state)``, or
     ``(None, None)`` with a warning when ``load_dir`` has no ``latest`` and no tag is given.
     ``trust_client_state`` (default: the config's ``spmd.trust_client_state``) allows a
-    ``client_state`` of arbitrary objects to be unpickled."""
+    ``client_state`` of arbitrary objects to be unpickled. The load shares the directory's
+    lock with other loads: a save into it waits, so no re-save moves the copy being read."""
     if trust_client_state is None:
         trust_client_state = engine.validated_config.spmd.trust_client_state
-    tag = resolve_tag(load_dir, tag)
-    if tag is None:
-        warnings.warn(f"Unable to find latest file at {os.path.join(load_dir, LATEST_FILE)}, if trying to load "
-                      "latest checkpoint please ensure this file exists or pass an explicit checkpoint tag when "
-                      "loading a checkpoint.", stacklevel=2)
-        return None, None
-    path = locate(load_dir, tag)
-    full_state = load_optimizer_states and not load_module_only
+    with reading(load_dir):  # a save into load_dir waits: it cannot move the copy being read
+        tag = resolve_tag(load_dir, tag)
+        if tag is None:
+            warnings.warn(f"Unable to find latest file at {os.path.join(load_dir, LATEST_FILE)}, if trying to load "
+                          "latest checkpoint please ensure this file exists or pass an explicit checkpoint tag when "
+                          "loading a checkpoint.", stacklevel=2)
+            return None, None
+        path = locate(load_dir, tag)
+        full_state = load_optimizer_states and not load_module_only
 
-    scheduler = load_lr_scheduler_states and not load_module_only
-    if is_deepspeed_checkpoint(path):
-        tensors, meta = read_deepspeed_checkpoint(path)
-        _check_optimizer(engine, meta, path, full_state)
-        restore = _host_state_restorer(engine, meta, path, full_state, scheduler, load_module_only)
-        tensors.update(_loss_scale_tensors(engine, meta.pop("loss_scaler")))
-        index = tensor_index(tensors)
-        selected = _select(engine, index, load_module_strict, full_state, meta)
-        _commit(engine, selected, _stage(engine, selected, index, tensors))
-        client_state = meta["client_state"]
-    else:
-        meta = read_meta(path, trust_client_state)
-        _check_optimizer(engine, meta, path, full_state)
-        restore = _host_state_restorer(engine, meta, os.path.join(path, META_FILE), full_state, scheduler,
-                                       load_module_only)
-        selected = _select(engine, meta["tensors"], load_module_strict, full_state, meta)
-        client_state = read_client_state(path, meta, trust_client_state)
-        _load_tensors(engine, path, selected, meta["tensors"])
-    restore()
-    engine.loaded(new_window=not load_module_only)  # module_only restores no counters
-    return path, client_state
+        scheduler = load_lr_scheduler_states and not load_module_only
+        if is_deepspeed_checkpoint(path):
+            tensors, meta = read_deepspeed_checkpoint(path)
+            _check_optimizer(engine, meta, path, full_state)
+            restore = _host_state_restorer(engine, meta, path, full_state, scheduler, load_module_only)
+            tensors.update(_loss_scale_tensors(engine, meta.pop("loss_scaler")))
+            index = tensor_index(tensors)
+            selected = _select(engine, index, load_module_strict, full_state, meta)
+            _commit(engine, selected, _stage(engine, selected, index, tensors))
+            client_state = meta["client_state"]
+        else:
+            meta = read_meta(path, trust_client_state)
+            _check_optimizer(engine, meta, path, full_state)
+            restore = _host_state_restorer(engine, meta, os.path.join(path, META_FILE), full_state, scheduler,
+                                           load_module_only)
+            selected = _select(engine, meta["tensors"], load_module_strict, full_state, meta)
+            client_state = read_client_state(path, meta, trust_client_state)
+            _load_tensors(engine, path, selected, meta["tensors"])
+        restore()
+        engine.loaded(new_window=not load_module_only)  # module_only restores no counters
+        return path, client_state
 
 
 # Names of one update rule (torch's, spmdzero's and DeepSpeed's classes and config types).

@@ -1,6 +1,7 @@
 """``engine.save_checkpoint``: every host writes its shards of the training state through
 torch.distributed.checkpoint, process 0 the host state as JSON, into a staging directory
-that ``checkpoint_dir.publish`` renames into place once complete."""
+that ``checkpoint_dir.publish`` renames into place once complete; one save at a time per
+directory (``checkpoint_dir.saving``)."""
 
 from __future__ import annotations
 import json
@@ -12,7 +13,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 from spmdzero.io import checkpoint_dir
-from spmdzero.io.checkpoint_dir import _pickle_client_state, prepare_dir, staging_dir
+from spmdzero.io.checkpoint_dir import _pickle_client_state, check_target, staging_dir
 from spmdzero.io.checkpoint_format import (CLIENT_FILE, CheckpointError, FORMAT_VERSION, STATE_DIR, _is_writer,
                                            _no_dist, _quiet_dcp, check_tag, tensor_index, to_json)
 from spmdzero.io.read import _dcp_failure
@@ -21,19 +22,26 @@ from spmdzero.version import __version__
 
 def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                     save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+    """The tag and the client state are checked before anything is touched; then the whole
+    save, device reads included, holds the directory (``checkpoint_dir.saving``): a second
+    save into it, from another thread or process, waits, so it cannot take this one's
+    staging directory for a leftover, and two threads never read the device state at once."""
+    tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}", save_dir)
+    client_bytes = _pickle_client_state(client_state)
+    with checkpoint_dir.saving(save_dir):  # saves into one directory take turns, from threads or processes
+        check_target(save_dir, tag)
+        _warn_if_mid_window(engine, tag)
+        _save(engine, save_dir, tag, client_bytes, save_latest, exclude_frozen_parameters)
+    return True
+
+
+def _save(engine, save_dir: str, tag: str, client_bytes: Optional[bytes], save_latest: bool,
+          exclude_frozen_parameters: bool) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.api import CheckpointException
     import torch_xla.core.xla_model as xm
     from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
-
-    tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}", save_dir)
-    client_bytes = _pickle_client_state(client_state)
-    prepare_dir(save_dir)
-    final = os.path.join(save_dir, tag)
-    if os.path.lexists(final) and not os.path.isdir(final):
-        raise CheckpointError(f"cannot save checkpoint {tag!r}: {final!r} exists and is not a directory")
-    _warn_if_mid_window(engine, tag)
 
     tensors = engine.state_tensors()
     if exclude_frozen_parameters:
@@ -65,7 +73,6 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
         raise
     if _is_writer():
         checkpoint_dir.publish(save_dir, tag, staging, meta, client_bytes, save_latest)
-    return True
 
 
 def _warn_if_mid_window(engine, tag: str) -> None:
