@@ -17,24 +17,11 @@ import warnings
 import pytest
 import torch
 
-import spmdzero
 from spmdzero.cli.main import main as cli
 from spmdzero.io.checkpoint_format import CheckpointError
 
-from conftest import REPO, tiny_mlp
-
-CONFIG = {"train_batch_size": 8, "zero_optimization": {"stage": 2},
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
-
-
-@pytest.fixture(scope="module")
-def engine():
-    engine, *_ = spmdzero.initialize(model=tiny_mlp(), config=CONFIG)
-    return engine
-
-
-def listing(path):
-    return sorted(os.listdir(path))
+from conftest import REPO
+from test_checkpoint_faults import CONFIG, engine, listing  # noqa: F401 (engine: the same module-scoped fixture)
 
 
 def tree(path):
