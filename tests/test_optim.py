@@ -5,7 +5,8 @@ import torch
 
 from spmdzero.config.errors import ConfigError
 from spmdzero.config.schema import OptimizerConfig
-from spmdzero.optim.optimizers import SGD, Adagrad, AdamW, Lamb, Lion, build_optimizer, materialize_state
+from spmdzero.optim.optimizers import (SGD, Adagrad, AdamW, Lamb, Lion, build_optimizer, drop_state, init_state,
+                                      placeholder_state)
 
 
 def run(opt_factory, steps=6, seed=0):
@@ -37,27 +38,33 @@ def test_matches_torch_optim(ours, theirs):
 def test_state_exists_before_the_first_step():
     p = torch.nn.Parameter(torch.randn(4, 2))
     opt = AdamW([p])
-    materialize_state(opt)
+    init_state(opt)
     assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"}
 
 
-def test_client_optimizer_state_is_primed_without_changing_anything():
-    torch.manual_seed(0)
+def test_a_client_optimizers_state_is_left_to_its_first_step():
+    """torch's first step is not a step from some initial state (SGD's momentum buffer is the
+    first gradient), so none is made up for a torch.optim optimizer."""
     p = torch.nn.Parameter(torch.randn(4, 2))
-    before = p.detach().clone()
-    opt = torch.optim.AdamW([p], lr=0.1, weight_decay=0.5)
-    materialize_state(opt)
-    assert torch.equal(p.detach(), before) and p.grad is None
-    assert float(opt.state[p]["step"]) == 0 and not opt.state[p]["exp_avg"].any()
-    # and it then trains exactly like a fresh optimizer
-    fresh = run(lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.5))
-    primed = run(lambda ps: _primed(torch.optim.AdamW(ps, lr=0.1, weight_decay=0.5)))
-    torch.testing.assert_close(primed, fresh)
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, weight_decay=0.01)
+    init_state(opt)
+    assert not opt.state
 
 
-def _primed(opt):
-    materialize_state(opt)
-    return opt
+def test_placeholder_state_has_the_first_steps_keys_changes_nothing_and_drops():
+    torch.manual_seed(0)
+    p, q = torch.nn.Parameter(torch.randn(4, 2)), torch.nn.Parameter(torch.randn(3))
+    opt = torch.optim.AdamW([p, q], lr=0.1, weight_decay=0.5)
+    q.grad = torch.ones(3)
+    opt.step()
+    q_state = {k: v.clone() for k, v in opt.state[q].items()}
+    before, grad = p.detach().clone(), q.grad
+    assert placeholder_state(opt) == [p]  # q has its state already: not stepped again
+    assert torch.equal(p.detach(), before) and p.grad is None and q.grad is grad
+    assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert all(torch.equal(opt.state[q][k], v) for k, v in q_state.items())
+    drop_state(opt, [p])
+    assert p not in opt.state and set(opt.state[q]) == set(q_state)
 
 
 @pytest.mark.parametrize("type_name,cls", [("Adam", AdamW), ("adamw", AdamW), ("AdaGrad", Adagrad), ("SGD", SGD),
@@ -147,7 +154,7 @@ def _xla_run(opt_factory, fused_path: bool, monkeypatch, steps=3):
     params = [torch.nn.Parameter(torch.randn(5, 3, generator=g).to("xla")),
               torch.nn.Parameter(torch.randn(7, generator=g).to("xla"))]
     opt = opt_factory(params)
-    materialize_state(opt)
+    init_state(opt)
     for _ in range(steps):
         for p in params:
             p.grad = torch.randn(p.shape, generator=g).to("xla")
@@ -187,7 +194,7 @@ def test_fused_results_take_the_targets_place_and_aliases_follow():
     p = torch.nn.Parameter(torch.randn(5, 3, generator=g).to("xla"))
     ref = torch.nn.Parameter(p.detach().cpu().clone())
     opt, ref_opt = AdamW([p], lr=0.1, weight_decay=0.1), torch.optim.AdamW([ref], lr=0.1, weight_decay=0.1)
-    materialize_state(opt)
+    init_state(opt)
     alias = p.detach()
     for step in range(3):
         if step == 1:

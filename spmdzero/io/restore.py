@@ -65,25 +65,36 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
         full_state = load_optimizer_states and not load_module_only
 
         scheduler = load_lr_scheduler_states and not load_module_only
-        if is_deepspeed_checkpoint(path):
-            tensors, meta = read_deepspeed_checkpoint(path)
-            _check_optimizer(engine, meta, path, full_state)
-            restore = _host_state_restorer(engine, meta, path, full_state, scheduler, load_module_only)
-            tensors.update(_loss_scale_tensors(engine, meta.pop("loss_scaler")))
-            index = tensor_index(tensors)
-            selected = _select(engine, index, load_module_strict, full_state, meta)
-            _commit(engine, selected, _stage(engine, selected, index, tensors))
-            client_state = meta["client_state"]
-        else:
-            meta = read_meta(path, trust_client_state)
-            _check_optimizer(engine, meta, path, full_state)
-            restore = _host_state_restorer(engine, meta, os.path.join(path, META_FILE), full_state, scheduler,
-                                           load_module_only)
-            selected = _select(engine, meta["tensors"], load_module_strict, full_state, meta)
-            client_state = read_client_state(path, meta, trust_client_state)
-            _load_tensors(engine, path, selected, meta["tensors"])
+        # A torch optimizer creates its state at its first step; one that has not stepped gets
+        # placeholder state to load into (_check_placeholders: every value is loaded), taken back
+        # if the load fails or the checkpoint has none for a tensor (saved before its first step).
+        created = engine.placeholder_optimizer_state() if full_state else []
+        try:
+            if is_deepspeed_checkpoint(path):
+                tensors, meta = read_deepspeed_checkpoint(path)
+                _check_optimizer(engine, meta, path, full_state)
+                restore = _host_state_restorer(engine, meta, path, full_state, scheduler, load_module_only)
+                tensors.update(_loss_scale_tensors(engine, meta.pop("loss_scaler")))
+                index = tensor_index(tensors)
+                selected, unsaved = _select(engine, index, load_module_strict, full_state, meta)
+                _check_placeholders(engine, created, unsaved, meta, path)
+                _commit(engine, selected, _stage(engine, selected, index, tensors))
+                client_state = meta["client_state"]
+            else:
+                meta = read_meta(path, trust_client_state)
+                _check_optimizer(engine, meta, path, full_state)
+                restore = _host_state_restorer(engine, meta, os.path.join(path, META_FILE), full_state, scheduler,
+                                               load_module_only)
+                selected, unsaved = _select(engine, meta["tensors"], load_module_strict, full_state, meta)
+                _check_placeholders(engine, created, unsaved, meta, os.path.join(path, META_FILE))
+                client_state = read_client_state(path, meta, trust_client_state)
+                _load_tensors(engine, path, selected, meta["tensors"])
+        except BaseException:
+            engine.drop_optimizer_state(created)
+            raise
         restore()
-        engine.loaded(new_window=not load_module_only)  # module_only restores no counters
+        engine.drop_optimizer_state(unsaved)  # as torch's load_state_dict: no saved state, none live
+        engine.loaded(new_window=not load_module_only)  # module_only restores no counters; drops pending gradients
         return path, client_state
 
 
@@ -138,12 +149,14 @@ def _layer_names(engine, meta: dict) -> tuple[dict, dict]:
             restack.layer_names(saved, {name: tuple(tensors[f"model.{name}"][0])[0] for name in saved}))
 
 
-def _select(engine, saved: dict, strict: bool, full_state: bool, meta: dict) -> dict:
+def _select(engine, saved: dict, strict: bool, full_state: bool, meta: dict) -> tuple[dict, list]:
     """{live key: (restack.Source, live tensor, spec)} to load, after checking them against
-    the checkpoint. A master weight missing on one side is taken from the other: a bf16 run's
-    fp32 masters become an fp32 run's params, an fp32 run's params a bf16 run's masters. A
-    checkpoint saved with ``spmd.scan_layers='stacked'`` and another setting loaded: each
-    tensor from its layers or its stack (``spmdzero.io.restack``)."""
+    the checkpoint, and the optimized tensors whose optimizer state the checkpoint does not
+    have and is to be dropped (a torch optimizer's state saved before its first step). A
+    master weight missing on one side is taken from the other: a bf16 run's fp32 masters
+    become an fp32 run's params, an fp32 run's params a bf16 run's masters. A checkpoint
+    saved with ``spmd.scan_layers='stacked'`` and another setting loaded: each tensor from
+    its layers or its stack (``spmdzero.io.restack``)."""
     live = engine.state_tensors()
     saved_shapes = {k: tuple(v[0]) for k, v in saved.items()}
     live_shapes = {k: tuple(t.shape) for k, (t, _) in live.items()}
@@ -169,6 +182,7 @@ def _select(engine, saved: dict, strict: bool, full_state: bool, meta: dict) -> 
         src = (found(f"master.{key[6:]}") if key.startswith("model.") else None) or found(key)
         if src is not None:
             source[key] = src
+    unsaved = []
     if full_state:
         state_keys = {k for k in live if k not in module_keys}
         absent = []
@@ -179,6 +193,15 @@ def _select(engine, saved: dict, strict: bool, full_state: bool, meta: dict) -> 
                 absent.append(key)
             else:
                 source[key] = src
+        if absent and engine.lazy_optimizer_state:
+            # torch's state is created by the first step: a tensor the checkpoint holds none of
+            # was saved before its first step, and has none after the load either
+            for target, name in engine.optimized_names().items():
+                prefix = f"optim.{name}."
+                keys = {k for k in live if k.startswith(prefix) and "." not in k[len(prefix):]}
+                if keys and keys <= set(absent):
+                    unsaved.append(target)
+                    absent = [k for k in absent if k not in keys]
         if absent:
             raise CheckpointError(f"checkpoint has no optimizer/precision state for {sorted(absent)} (saved with "
                                   "another optimizer or precision?); pass load_optimizer_states=False to load the "
@@ -192,7 +215,30 @@ def _select(engine, saved: dict, strict: bool, full_state: bool, meta: dict) -> 
                   for k, src in sorted(source.items()) if src.shape(saved_shapes) != live_shapes[k]]
     if mismatched:
         raise CheckpointError("checkpoint shapes do not match the model: " + "; ".join(mismatched))
-    return {key: (src, *live[key]) for key, src in source.items()}
+    return {key: (src, *live[key]) for key, src in source.items()}, unsaved
+
+
+def _check_placeholders(engine, created: list, unsaved: list, meta: dict, where: str) -> None:
+    """Placeholder optimizer state (``engine.placeholder_optimizer_state``) means nothing
+    until loaded. Its device tensors are (``_select`` refuses a checkpoint without them); a
+    value torch keeps on the host (Adam's step count) must be in the checkpoint's host state.
+    Checked before anything is written."""
+    dropped = {id(t) for t in unsaved}
+    names = engine.optimized_names()
+    saved = (meta.get("optimizer") or {}).get("host_state") or {}
+    saved_as = restack.host_state_names({name: None for name in names.values()}, saved, *_layer_names(engine, meta))
+    missing = []
+    for target in created:
+        if id(target) in dropped:
+            continue
+        name = names[target]
+        have = saved.get(saved_as[name], {}) if name in saved_as else {}
+        missing += [f"optim.{name}.{key}" for key, value in engine.optimizer.state[target].items()
+                    if not (isinstance(value, torch.Tensor) and value.device.type == "xla") and key not in have]
+    if missing:
+        raise CheckpointError(f"{where!r} has no value for the optimizer state {sorted(missing)}, which "
+                              f"{type(engine.optimizer.optimizer).__name__} keeps on the host; pass "
+                              "load_optimizer_states=False to load the module only")
 
 
 def _stage(engine, selected: dict, saved: dict, host_tensors: Optional[dict] = None) -> dict:

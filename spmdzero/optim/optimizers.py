@@ -8,10 +8,17 @@ two differences that matter under XLA:
   deduplicates equal scalars, so a value that happens to equal another one (an lr of
   exactly 0, a bias correction reaching 1.0) changes the graph and recompiles;
 * ``init_state()`` creates every state tensor up front, so the engine can shard them
-  before the first step instead of leaving their layout to lazy creation.
+  before the first step instead of leaving their layout to lazy creation. Their first step
+  is written against that state (SGD seeds its momentum buffer through a ``where`` on the
+  step count), so it is torch's first step.
 
-A client optimizer (any torch.optim instance) is used as is; ``materialize_state``
-creates its state by a priming step whose effects are undone.
+A client optimizer (any torch.optim instance) is used as is, and keeps torch's lazy state:
+its first real step creates it, as in plain torch and in DeepSpeed (whose ZeRO optimizer
+links the state "after the first step() call"). No state is made up before: torch's first
+step is not a step from some initial value (SGD's momentum buffer *is* the first gradient,
+weight decay included), so state made by a step on zero gradients trains differently.
+``placeholder_state`` gives it state whose values mean nothing, for what overwrites or never
+executes them (a checkpoint load, a shape-only engine).
 """
 
 from __future__ import annotations
@@ -363,51 +370,52 @@ def _construct(cls, params, kwargs: dict, type_name: str):
         raise ConfigError(f"optimizer.params for {type_name!r}: {err}") from None
 
 
-def materialize_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create every optimizer state tensor now, before the first real step.
+def is_lazy(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` creates its state at its first step (any torch.optim optimizer)
+    rather than up front (spmdzero's own, ``SpmdOptimizer.init_state``)."""
+    return not isinstance(optimizer, SpmdOptimizer)
 
-    spmdzero optimizers say what their state is (``init_state``). For any other
-    torch.optim optimizer, run one step on zero gradients while recording each state
-    entry as it is first assigned, then put back the parameters and those recorded
-    initial values: the step's effects are undone and only the state's layout remains.
-    """
-    if isinstance(optimizer, SpmdOptimizer):
+
+def init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the state now where its first step is written against it (spmdzero's
+    optimizers). A torch.optim optimizer is left to create its own at its first step: see the
+    module docstring for why no state is invented for it."""
+    if not is_lazy(optimizer):
         optimizer.init_state()
-        return
+
+
+def placeholder_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Give each parameter of a torch.optim optimizer that has no state yet the state its
+    first step creates (keys, shapes, dtypes, devices), by a step on zero gradients whose
+    effect on the parameters is undone. The values mean nothing: only for what writes every
+    one of them (a checkpoint load) or never executes them (a shape-only engine's traced
+    step). Returns the parameters given state, for ``drop_state`` to take it back."""
+    if not is_lazy(optimizer):
+        return []
     params = [p for g in optimizer.param_groups for p in g["params"]]
     pending = [p for p in params if not optimizer.state.get(p)]
     if not pending:
-        return
-    saved_params = [p.detach().clone() for p in params]
+        return []
+    saved_params = [p.detach().clone() for p in pending]
     saved_grads = [p.grad for p in params]
-    recorded: dict[torch.Tensor, _RecordingState] = {}
-    for p in pending:
-        recorded[p] = optimizer.state[p] = _RecordingState()
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    with torch.no_grad():
-        for p, saved, grad in zip(params, saved_params, saved_grads):
-            p.copy_(saved)
-            p.grad = grad
-    for p, rec in recorded.items():
-        optimizer.state[p] = dict(rec.initial)
+    waiting = set(pending)
+    for p in params:  # only the pending ones step: the others' state stays as it is
+        p.grad = torch.zeros_like(p) if p in waiting else None
+    try:
+        optimizer.step()
+    finally:
+        with torch.no_grad():
+            for p, saved in zip(pending, saved_params):
+                p.copy_(saved)
+            for p, grad in zip(params, saved_grads):
+                p.grad = grad
+    return pending
 
 
-class _RecordingState(dict):
-    """A per-parameter state dict that remembers the value each key was first given."""
-
-    def __init__(self):
-        super().__init__()
-        self.initial: dict[str, Any] = {}
-
-    def __setitem__(self, key, value):
-        if key not in self.initial:
-            self.initial[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
-        super().__setitem__(key, value)
-
-    def update(self, *args, **kwargs):
-        for k, v in dict(*args, **kwargs).items():
-            self[k] = v
+def drop_state(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> None:
+    """Take the state of ``params`` back to none: torch's next step creates it again."""
+    for p in params:
+        optimizer.state.pop(p, None)
 
 
 class ZeroOptimizer:
@@ -439,8 +447,20 @@ class ZeroOptimizer:
     def overflow(self) -> bool:
         return self._engine.overflow()
 
+    def step(self, closure: Callable | None = None) -> None:
+        """DeepSpeed's ZeRO optimizer stepped by the caller (``engine.backward(loss);
+        engine.optimizer.step()``): the update with the gradients reduced at the accumulation
+        boundary, which it consumes; the engine's counters and schedule stay
+        (``engine.optimizer_step``). Without this the base optimizer's own ``step()`` ran: it
+        reads ``.grad``, which the engine keeps elsewhere, and did nothing."""
+        if closure is not None:
+            raise TypeError("engine.optimizer.step() takes no closure (DeepSpeed's ZeRO optimizers do not support one)")
+        self._engine.optimizer_step()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._engine.zero_grad()
+        """DeepSpeed's ZeRO ``optimizer.zero_grad()``: what it drops depends on the stage
+        (``engine.optimizer_zero_grad``)."""
+        self._engine.optimizer_zero_grad()
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()

@@ -20,8 +20,13 @@ from spmdzero.train.data import caller_stacklevel, map_tensors, pad_sequences
 TARGET_NAMES = frozenset({"labels", "label", "target", "targets"})
 
 
-NO_GRADIENTS = ("engine.step() at a gradient accumulation boundary with no engine.backward() since the last "
-                "optimizer step: there are no gradients to apply")
+def no_gradients(call: str = "engine.step() at a gradient accumulation boundary",
+                 since: str = "the last optimizer step") -> str:
+    """The error for an optimizer step with nothing to apply: ``call`` is what was called."""
+    return f"{call} with no engine.backward() since {since}: there are no gradients to apply"
+
+
+NO_GRADIENTS = no_gradients()
 
 
 class EngineBase:
@@ -164,6 +169,32 @@ class EngineBase:
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         self._boundary_override = is_boundary
+
+    def zero_grad_keeps_gradients(self, by_optimizer: bool, reduced: bool) -> bool:
+        """Whether DeepSpeed's ``engine.zero_grad()`` (``by_optimizer``: its ZeRO
+        ``optimizer.zero_grad()``) keeps the gradients accumulated since the last optimizer
+        step. Both only set the parameters' ``.grad`` to None, so it depends on where the stage
+        keeps a window's gradients (DeepSpeed 0.19.8, runtime/zero/stage_1_and_2.py):
+
+        * ZeRO-2: in the optimizer's partitions, reduced after every backward
+          (``independent_gradient_partition_epilogue`` sums ``all_grad_tensors``; its
+          ``zero_grad`` clears ``p.grad`` and ``p.grad_accum`` only): kept;
+        * ZeRO-1: in ``p.grad`` until the boundary's backward reduces them into
+          ``averaged_gradients`` (``reduce_gradients``, called only at the boundary): dropped
+          before that (``reduced`` False), kept after. With bf16 parameters and fp32
+          accumulation DeepSpeed uses its BF16_Optimizer instead, which sums every backward into
+          fp32 buffers (``update_hp_grads``): the engine's zero_grad keeps them, the
+          optimizer's (``clear_hp_grads``) drops them;
+        * stage 0: in ``p.grad`` until the step (runtime/engine.py, ``allreduce_gradients``
+          reduces them in place): dropped."""
+        stage = self.plan.stage
+        if stage >= 2:
+            return True
+        if stage == 0:
+            return False
+        if self.precision.param_dtype == torch.bfloat16 and self.precision.grad_accum_dtype == torch.float32:
+            return not by_optimizer
+        return reduced
 
     # ---- shared by every backend ----------------------------------------------------------
     def get_lr(self) -> list[float]:

@@ -16,7 +16,7 @@ from spmdzero.backends.torch_xla.batches import to_device_sharded
 from spmdzero.backends.torch_xla.engine import SpmdZeroEngine
 from spmdzero.backends.torch_xla.mesh import build_mesh
 from spmdzero.sharding.mesh import check_user_mesh, mesh_shape
-from spmdzero.optim.optimizers import materialize_state
+from spmdzero.optim.optimizers import init_state, placeholder_state
 from spmdzero.backends.torch_xla.scan import (apply_scan_layers, lay_out_gradients, restack_groups, restack_optimizer,
                                              stacked_layers)
 from spmdzero.optim.precision import attach_master_weights, precision_policy
@@ -60,11 +60,14 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh: Any = None, optimi
 
     def prepare_optimizer(opt) -> None:
         """The optimizer's state on the device, fp32 master weights under mixed precision, and
-        every state tensor made now, so that the engine can lay it out before the first step."""
+        the state of spmdzero's optimizers made now, so that the engine can lay it out before the
+        first step (a torch.optim optimizer's is made by its first step: see optim.optimizers)."""
         move_state_to(opt, runtime.device())
         if policy.master_weights:
             masters.update(attach_master_weights(opt, module, policy.param_dtype))
-        materialize_state(opt)
+        init_state(opt)  # spmdzero's optimizers; a torch.optim optimizer's first step creates its own
+        if shape_only:  # the traced step is then a later step's, with the state as its input
+            placeholder_state(opt)
 
     def placement(plan, batch):
         return functools.partial(to_device_sharded, mesh=mesh, batch_spec=plan.batch_spec, dp_size=batch.dp_devices,

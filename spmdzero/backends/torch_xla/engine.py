@@ -41,10 +41,10 @@ from spmdzero.sharding.batch import BatchSizes
 from spmdzero.config.schema import DeepSpeedConfig
 from spmdzero.train.data import batch_rows, map_tensors, model_pad_id
 from spmdzero.backends.torch_xla.batches import to_device_sharded
-from spmdzero.train.engine_base import NO_GRADIENTS, EngineBase
+from spmdzero.train.engine_base import EngineBase, no_gradients
 from spmdzero.observe.monitor import RecompileGuard, StepLogger, ThroughputTimer, compile_count, notice_nonfinite
 from spmdzero.optim.ops import TORCH_OPS
-from spmdzero.optim.optimizers import SpmdOptimizer, ZeroOptimizer
+from spmdzero.optim.optimizers import SpmdOptimizer, ZeroOptimizer, drop_state, is_lazy, placeholder_state
 from spmdzero.sharding.plan import ShardingPlan, replicated
 from spmdzero.optim.precision import PrecisionPolicy, keep_unless
 from spmdzero.optim.update import GradScale, LossScale, boundary_update, init_loss_scale
@@ -72,7 +72,7 @@ class Slot:
 # and objects that a step rebinds rather than updates in place.
 _STEP_ATTRIBUTES = ("global_steps", "global_samples", "micro_steps", "_step_applied", "_last_overflow",
                     "_global_grad_norm", "_loss_scale", "_skipped_on_device", "_rows_since_step",
-                    "_backward_since_step", "samples_last_step")
+                    "_backward_since_step", "_window_reduced", "samples_last_step")
 _REBOUND_ATTRIBUTES = ("_last_loss", "_window_loss", "_step_loss", "_input_shapes")
 
 
@@ -86,6 +86,8 @@ class EngineSnapshot:
     pending: list  # each slot's pending gradient
     groups: list  # copies of the optimizer's param groups
     scheduler: Optional[dict]
+    optimizer_state: dict  # target -> a copy of its state dict (which keys it has: torch's are created lazily)
+    host_values: dict  # (target, key) -> a clone of a host tensor of its state (torch increments Adam's in place)
 
 
 class SpmdZeroEngine(EngineBase, torch.nn.Module):
@@ -131,6 +133,9 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         self._window_loss: Optional[torch.Tensor] = None
         self._step_loss: Optional[torch.Tensor] = None
         self._backward_since_step = False  # an optimizer step needs gradients from a backward since the last one
+        # the last backward was at an accumulation boundary: the window's gradients are complete,
+        # and DeepSpeed has reduced them into its ZeRO optimizer (see zero_grad_keeps_gradients)
+        self._window_reduced = False
         self._input_shapes: tuple = ()
         self._grad_orders: dict[tuple[str, str], Optional[tuple[int, ...]]] = {}  # see _memory_orders
         self.recompile_guard = RecompileGuard(config.spmd.max_recompiles)
@@ -248,13 +253,12 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
                 if grad is not reduced:  # a micro-step's output takes the compiler's layout unless annotated
                     shard(grad, self.mesh, spec)
                 slot.grad = grad
+        self._window_reduced = self.is_gradient_accumulation_boundary()
         self._step_logger.timers.add("backward", time.perf_counter() - start)
         return loss
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """Apply the update at an accumulation boundary; count every call; end the trace."""
-        import torch_xla
-
         if self._capture is not None:  # trace the update for the TPU compiler; execute nothing
             self._take_model_step(lr_kwargs)
             self._capture.record()
@@ -262,22 +266,10 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         start = time.perf_counter()
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
-            if self.optimizer is None:
-                raise RuntimeError("engine.step() needs an optimizer: pass optimizer= to initialize() "
-                                   "or add an 'optimizer' section to the config")
-            if not self._backward_since_step:
-                # DeepSpeed's ZeRO-1/2 optimizer has no gradients then and fails (its
-                # averaged_gradients are None after a step); an update would still apply weight
-                # decay and count a step, so refuse it clearly instead
-                raise RuntimeError(NO_GRADIENTS)
-            self._backward_since_step = False
+            self._take_gradients("engine.step() at a gradient accumulation boundary")
             self._take_model_step(lr_kwargs)
-            self._step_loss, self._window_loss = self._window_loss, None
         self.micro_steps += 1
-        compiles = compile_count()
-        torch_xla.sync()
-        self.recompile_guard.check(compile_count() - compiles, self.global_steps, boundary, self._input_shapes)
-        self.recompile_guard.check_graphs(self.global_steps)
+        self._end_step(boundary)
         self._step_logger.timers.add("step", time.perf_counter() - start)
         if boundary:
             self._step_logger.after_boundary(self)
@@ -285,35 +277,110 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
             for hook in list(self._post_step_hooks.values()):
                 hook(self)
 
+    def _take_gradients(self, call: str) -> None:
+        """Check that an optimizer step has gradients to apply, and mark them taken."""
+        if self.optimizer is None:
+            raise RuntimeError(f"{call} needs an optimizer: pass optimizer= to initialize() "
+                               "or add an 'optimizer' section to the config")
+        if not self._backward_since_step:
+            # DeepSpeed's ZeRO-1/2 optimizer has no gradients then and fails (its
+            # averaged_gradients are None after a step); an update would still apply weight
+            # decay and count a step, so refuse it clearly instead
+            raise RuntimeError(no_gradients(call, "the last optimizer step (or since a checkpoint load, or a "
+                                                  "zero_grad() that dropped the gradients)"))
+        self._backward_since_step = False
+
+    def _end_step(self, boundary: bool) -> None:
+        """End the trace: execute the step's graph, and hold it to the recompile guard."""
+        import torch_xla
+
+        compiles = compile_count()
+        torch_xla.sync()
+        self.recompile_guard.check(compile_count() - compiles, self.global_steps, boundary, self._input_shapes)
+        self.recompile_guard.check_graphs(self.global_steps)
+
     def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
+        """The engine's optimizer step: the update, then the schedule (not after a skipped
+        step) and the counters, as DeepSpeed's ``engine._take_model_step``."""
+        overflow = self._update(self._config.gradient_clipping)
+        if overflow is not None:
+            self._skipped_on_device = overflow.float() + self._skipped_on_device
+            self._step_scheduler_if(self._step_applied, lr_kwargs)
+        elif self.lr_scheduler is not None:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.global_steps += 1
+        self.global_samples += self._consume_samples()
+
+    def _update(self, clipping: float) -> Optional[torch.Tensor]:
+        """The optimizer's update with the gradients accumulated since the last one, which it
+        consumes (the next micro-step starts a new sum): the global norm, clipping to
+        ``clipping``, the overflow skip and the loss scale's update, the masters cast back
+        into the parameters, every updated state laid out by the plan. Returns the device
+        bool "this step overflowed" under overflow checks, else None."""
         policy = self.precision
         with torch.no_grad():
             grads = [self._gradient(s) for s in self._slots]
             sum_sq = fused.sum_of_squares(grads, self._memory_orders(grads)) if grads else torch.zeros((), device=self.device)
-            result = boundary_update(sum_sq, self._loss_scale, self._config.gradient_clipping, policy, TORCH_OPS,
+            result = boundary_update(sum_sq, self._loss_scale, clipping, policy, TORCH_OPS,
                                      functools.partial(self._apply_optimizer, grads))
             laid_out = result.applied
-            for slot in self._slots:  # the boundary consumed them: the next micro-step starts a new sum
+            for slot in self._slots:
                 slot.grad = None
+            self._window_reduced = False
+            self._step_loss, self._window_loss = self._window_loss, None
             if policy.master_weights:  # the compiler all-gathers the cast master shards
                 params = [s.param for s in self._slots]
                 torch._foreach_copy_(params, [s.target for s in self._slots])
                 fused.settle(params)
         self._global_grad_norm = result.scale.norm
+        overflow = None
         if policy.check_overflow:
             overflow = result.scale.skip
-            applied = ~overflow
-            self._skipped_on_device = overflow.float() + self._skipped_on_device
             self._loss_scale = result.loss_scale
-            self._last_overflow, self._step_applied = overflow, applied
-            self._step_scheduler_if(applied, lr_kwargs)
+            self._last_overflow, self._step_applied = overflow, ~overflow
         else:
             self._step_applied = True
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
         self._annotate_updated(laid_out)
-        self.global_steps += 1
-        self.global_samples += self._consume_samples()
+        return overflow
+
+    def optimizer_step(self) -> None:
+        """``engine.optimizer.step()``: DeepSpeed's ZeRO optimizer stepped by the caller. As its
+        ``step()`` (DeepSpeed 0.19.8, runtime/zero/stage_1_and_2.py), the update with the
+        gradients reduced at the accumulation boundary's backward (its ``averaged_gradients``),
+        clipped to ``gradient_clipping``, skipped on overflow with the loss scale updated, and
+        the gradients then dropped. What its caller, the engine's ``_take_model_step``, adds is
+        left out: ``global_steps``, ``global_samples``, the LR schedule and the skipped-step
+        count stay; ``micro_steps`` is ``engine.step()``'s. At stage 0 in fp32 DeepSpeed's
+        optimizer is the torch optimizer itself, which does not clip (the engine clips before
+        calling it). Ends the trace like ``engine.step()``.
+
+        Refused inside an accumulation window (the last backward not at a boundary): the
+        window's gradients are incomplete, and DeepSpeed's ZeRO optimizer then has no reduced
+        gradients and fails."""
+        if self._capture is not None:  # trace the update for the TPU compiler; execute nothing
+            self._update(self._optimizer_clipping())
+            self._capture.record()
+            return
+        call = "engine.optimizer.step()"
+        if self._backward_since_step and not self._window_reduced:
+            gas = self.gradient_accumulation_steps()
+            raise RuntimeError(
+                f"{call} inside a gradient accumulation window (micro-step {self.micro_steps % gas + 1} of {gas}): the "
+                "last engine.backward() was not at the accumulation boundary, so the window's gradients are "
+                "incomplete (DeepSpeed's ZeRO optimizer has none reduced then). Call engine.step() after every "
+                "micro-step; call engine.optimizer.step() only after the backward of a micro-step where "
+                "engine.is_gradient_accumulation_boundary() is True")
+        start = time.perf_counter()
+        self._take_gradients(call)
+        self._update(self._optimizer_clipping())
+        self._end_step(boundary=True)
+        self._step_logger.timers.add("step", time.perf_counter() - start)
+
+    def _optimizer_clipping(self) -> float:
+        """The clipping of DeepSpeed's optimizer (see ``optimizer_step``)."""
+        if self.plan.stage == 0 and self.precision.param_dtype == torch.float32:
+            return 0.0
+        return self._config.gradient_clipping
 
     def _apply_optimizer(self, grads: list[torch.Tensor], scale: GradScale) -> set[int]:
         """The optimizer's math for ``boundary_update``; returns the ids of the parameters whose
@@ -345,8 +412,19 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
 
     def _client_optimizer_step(self, grads: list, inverse: Optional[torch.Tensor],
                                overflow: Optional[torch.Tensor]) -> None:
-        """A torch.optim optimizer reads ``.grad``; an overflowed step is undone afterwards."""
+        """A torch.optim optimizer reads ``.grad``; an overflowed step is undone afterwards.
+
+        Its first step creates its state (torch's lazy state: nothing is made up before, see
+        ``spmdzero.optim.optimizers``); ``_annotate_updated`` then lays the new tensors out
+        by the plan, and from the next step on the graph is the same every step. An
+        overflowed step must not leave state it created: the next step must be torch's first
+        again (SGD's momentum buffer is the first applied gradient, not one derived from
+        inf), and whether a key exists is decided on the host. So a step that creates state
+        under overflow checks (fp16, bf16's ``check_grad_overflow``) reads its overflow flag:
+        only the steps before the first applied one (warm-up), never after."""
         grads = [g.float() if inverse is None else g.float() * inverse for g in grads]
+        state = self.optimizer.optimizer.state
+        keys_before = {s.target: set(state[s.target]) if s.target in state else None for s in self._slots}
         updated = [s.target for s in self._slots] + [t for k, (t, _) in self.state_tensors().items()
                                                       if k.startswith("optim.")]
         before = [t.clone() for t in updated] if overflow is not None else None
@@ -355,8 +433,21 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         self.optimizer.optimizer.step()
         for slot in self._slots:
             slot.target.grad = None
-        if overflow is not None:
-            keep_unless(overflow, updated, before)
+        if overflow is None:
+            return
+        keep_unless(overflow, updated, before)
+        created = {t: keys for t, keys in keys_before.items() if set(state.get(t, ())) != (keys or set())}
+        if created and self._capture is None:  # a captured step is put back as a whole (restore_snapshot)
+            import torch_xla
+
+            torch_xla.sync()  # the step so far, executed: its overflow flag is then read without a second run
+            if bool(overflow):
+                for target, keys in created.items():
+                    if keys is None:
+                        state.pop(target, None)
+                    else:
+                        for key in set(state[target]) - keys:
+                            del state[target][key]
 
     def _step_scheduler_if(self, applied: torch.Tensor, lr_kwargs: Optional[dict]) -> None:
         """DeepSpeed does not step the schedule on a skipped step. DeepSpeed's schedules do
@@ -438,11 +529,17 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         return self._loss_scale is not None
 
     def loaded(self, new_window: bool) -> None:
-        """A checkpoint load has written the state (``lay_out_state`` done): start a new
-        accumulation window when the counters were restored, put the step state the next step
-        reads where it reads it, and execute the copies now."""
+        """A checkpoint load has written the state (``lay_out_state`` done): drop the gradients
+        accumulated before it, start a new accumulation window when the counters were restored,
+        put the step state the next step reads where it reads it, and execute the copies now.
+
+        The gradients go with the weights they were computed at: a step after ``forward,
+        backward, load, forward, backward`` applies only the second gradient, as after a clean
+        load (DeepSpeed, at one micro-step a window, gets there because the boundary's backward
+        rebuilds its ``averaged_gradients`` from that backward alone)."""
         import torch_xla
 
+        self._drop_gradients()
         if new_window:
             self._window_loss = None  # its mean loss starts again
         self._keep_step_state_on_device()
@@ -467,11 +564,15 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         # (the gradients pending inside an accumulation window, the last loss read by last_loss()).
         attrs.update({k: getattr(self, k) for k in _REBOUND_ATTRIBUTES})
         groups = [dict(g) for g in self.optimizer.param_groups] if self.optimizer else []
+        optimizer_state = {t: dict(s) for t, s in self.optimizer.state.items()} if self.optimizer else {}
+        host_values = {(t, k): v.clone() for t, s in optimizer_state.items() for k, v in s.items()
+                       if isinstance(v, torch.Tensor) and v.device.type != "xla"}
         # the schedule's own attributes, not its state_dict(): that reads a device step count back
         # as an int, which the next step sends as a new input and so compiles a new graph
         scheduler = {k: v if isinstance(v, torch.Tensor) else copy.copy(v)
                      for k, v in vars(self.lr_scheduler).items()} if self.lr_scheduler is not None else None
-        return EngineSnapshot(tensors, values, attrs, [slot.grad for slot in self._slots], groups, scheduler)
+        return EngineSnapshot(tensors, values, attrs, [slot.grad for slot in self._slots], groups, scheduler,
+                              optimizer_state, host_values)
 
     def restore_snapshot(self, snapshot: "EngineSnapshot") -> None:
         """Put the engine back as ``snapshot`` found it."""
@@ -496,6 +597,16 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         if self.optimizer:
             for group, kept in zip(self.optimizer.param_groups, snapshot.groups):
                 group.update(kept)
+            # which state exists (a torch optimizer's first step creates it), and its host
+            # tensors' values (torch counts Adam's steps in a CPU tensor, in place)
+            state = self.optimizer.state
+            for target in [t for t in state if t not in snapshot.optimizer_state]:
+                del state[target]
+            for target, kept in snapshot.optimizer_state.items():
+                state[target] = dict(kept)
+            with torch.no_grad():
+                for (target, key), value in snapshot.host_values.items():
+                    state[target][key].copy_(value)
         if snapshot.scheduler is not None:
             vars(self.lr_scheduler).update(snapshot.scheduler)
         for p in self.module.parameters():
@@ -532,6 +643,28 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         for tensor, spec in self.state_tensors().values():
             shard(tensor, self.mesh, spec)
 
+    @property
+    def lazy_optimizer_state(self) -> bool:
+        """Whether the optimizer creates its state at its first step (a torch.optim optimizer;
+        spmdzero's make theirs up front)."""
+        return self.optimizer is not None and is_lazy(self.optimizer.optimizer)
+
+    def placeholder_optimizer_state(self) -> list[torch.Tensor]:
+        """Give each optimized tensor without optimizer state the state a torch optimizer's first
+        step creates, laid out by the plan, with values that mean nothing: for a checkpoint load
+        to write into. Returns those tensors, for ``drop_optimizer_state``."""
+        if self.optimizer is None:
+            return []
+        created = placeholder_state(self.optimizer.optimizer)
+        if created:
+            self.lay_out_state()
+        return created
+
+    def drop_optimizer_state(self, targets) -> None:
+        """Take the optimizer state of ``targets`` back to none (torch's next step creates it)."""
+        if self.optimizer is not None:
+            drop_state(self.optimizer.optimizer, targets)
+
     def _annotate_updated(self, laid_out: set[int]) -> None:
         """``lay_out_state`` for what an update changed, less the targets (by id) whose new values
         and states already carry their shardings (the fused update sets them inside its op):
@@ -551,10 +684,31 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
                 shard(value, mesh, ())
 
     def zero_grad(self) -> None:
-        """Drop accumulated gradients (DeepSpeed sets them to None)."""
+        """DeepSpeed's ``engine.zero_grad()``: it sets the parameters' ``.grad`` to None, which
+        drops the gradients accumulated since the last optimizer step only where the ZeRO
+        stage still keeps them there (``zero_grad_keeps_gradients``): at stage 0, and at
+        stage 1 before the boundary's backward. At ZeRO-2 a window's micro-batches all count
+        whatever zero_grad calls come between them, as in DeepSpeed."""
+        self._zero_grad(by_optimizer=False)
+
+    def optimizer_zero_grad(self) -> None:
+        """DeepSpeed's ZeRO ``optimizer.zero_grad()`` (``engine.optimizer.zero_grad()``)."""
+        self._zero_grad(by_optimizer=True)
+
+    def _zero_grad(self, by_optimizer: bool) -> None:
+        for slot in self._slots:
+            slot.param.grad = None
+        if not self.zero_grad_keeps_gradients(by_optimizer, self._window_reduced):
+            self._drop_gradients()
+
+    def _drop_gradients(self) -> None:
+        """Forget the gradients accumulated since the last optimizer step: an optimizer step
+        then needs a backward first (``_take_gradients``)."""
         for slot in self._slots:
             slot.param.grad = None
             slot.grad = None
+        self._backward_since_step = False
+        self._window_reduced = False
 
     # ---- checkpoints (spmdzero.checkpoint) ------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's)

@@ -1,0 +1,235 @@
+"""Issue #32, "nothing silently wrong", for the optimizer's side of the torch_xla engine: a
+client torch.optim optimizer's first step, ``engine.optimizer.step()`` called directly,
+``engine.zero_grad()`` inside an accumulation window, and a checkpoint load between a
+backward and its step. Each against plain PyTorch on one CPU device, or against what
+DeepSpeed 0.19.8 does (its source is cited in each test)."""
+
+import pytest
+import torch
+import torch_xla.debug.metrics as met
+
+import spmdzero
+from spmdzero.observe.reports import sharding_spec
+
+from conftest import batches, tiny_mlp
+
+ROWS = 16  # one micro-batch over the 8 devices
+
+
+def mse(out, y):
+    return torch.nn.functional.mse_loss(out, y)
+
+
+def engine_for(stage, optimizer=None, **extra):
+    cfg = {"train_micro_batch_size_per_gpu": ROWS // 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+           "zero_optimization": {"stage": stage}, **extra}  # unclipped, as the plain torch loops here
+    if optimizer is None:
+        cfg.setdefault("optimizer", {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}})
+    cfg["train_batch_size"] = cfg["train_micro_batch_size_per_gpu"] * 8 * cfg["gradient_accumulation_steps"]
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(), optimizer=optimizer, config=cfg)
+    return engine
+
+
+def engine_params(engine):
+    return {n: p.detach().float().cpu() for n, p in engine.module.named_parameters()}
+
+
+def assert_params_close(got, want, atol=1e-6, rtol=1e-5, what=""):
+    for name, ref in want.items():
+        torch.testing.assert_close(got[name], ref, atol=atol, rtol=rtol, msg=lambda m: f"{what} {name}: {m}")
+
+
+def micro(engine, x, y):
+    loss = mse(engine(x), y.to(engine.device))
+    engine.backward(loss)
+    return loss
+
+
+# ---- 1. a client torch.optim optimizer's first step is torch's ----------------------------------
+
+CLIENT_OPTIMIZERS = {
+    "SGD(momentum, weight_decay)": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+    "SGD(momentum, dampening)": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.3),
+    "SGD(nesterov)": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "Adam": lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=0.01),
+    "Adam(amsgrad)": lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True),
+    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
+    "RMSprop(momentum, centered)": lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.9, centered=True,
+                                                                  weight_decay=0.01),
+    "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1),
+    "Adadelta": lambda ps: torch.optim.Adadelta(ps, lr=1.0, weight_decay=0.01),
+    "Adamax": lambda ps: torch.optim.Adamax(ps, lr=0.01, weight_decay=0.01),
+    "NAdam": lambda ps: torch.optim.NAdam(ps, lr=0.01, weight_decay=0.01),
+    "RAdam": lambda ps: torch.optim.RAdam(ps, lr=0.01, weight_decay=0.01),
+    "Rprop": lambda ps: torch.optim.Rprop(ps, lr=0.01),
+    "Adafactor": lambda ps: torch.optim.Adafactor(ps, lr=0.01),
+}
+
+
+def plain_torch(factory, data, steps):
+    model = tiny_mlp()
+    opt = factory(model.parameters())
+    for x, y in data[:steps]:
+        opt.zero_grad()
+        mse(model(x), y).backward()
+        opt.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", list(CLIENT_OPTIMIZERS))
+def test_a_client_torch_optimizer_trains_like_torch(name):
+    """Three full-batch steps at ZeRO-2 land within 1e-6 of plain torch. The state used to be
+    made up front by a step on zero gradients, keeping torch's first assignment to each key:
+    SGD's momentum buffer then started as ``weight_decay * w`` instead of the first gradient."""
+    factory = CLIENT_OPTIMIZERS[name]
+    data = batches(3, ROWS)
+    engine = engine_for(2, optimizer=factory)
+    for x, y in data:
+        micro(engine, x, y)
+        engine.step()
+    assert_params_close(engine_params(engine), plain_torch(factory, data, 3), what=name)
+
+
+def test_a_client_optimizers_state_is_laid_out_by_the_plan_after_its_first_step_and_never_recompiles():
+    """torch creates the state in the first step (a warm-up graph of its own); the engine lays
+    it out by the plan right after, and the steps after warm-up compile nothing."""
+    engine = engine_for(2, optimizer=CLIENT_OPTIMIZERS["SGD(momentum, weight_decay)"])
+    w = engine.module[0].weight
+    assert not engine.optimizer.state[w]  # torch's state before the first step: none
+    data = batches(8, ROWS)
+    for x, y in data[:4]:
+        micro(engine, x, y)
+        engine.step()
+    assert sharding_spec(engine.optimizer.state[w]["momentum_buffer"]) == "{devices=[8,1]0,1,2,3,4,5,6,7}"
+    compiles = met.metric_data("CompileTime")[0]
+    for x, y in data[4:]:
+        micro(engine, x, y)
+        engine.step()
+    assert met.metric_data("CompileTime")[0] == compiles
+    assert_params_close(engine_params(engine), plain_torch(CLIENT_OPTIMIZERS["SGD(momentum, weight_decay)"], data, 8))
+
+
+# ---- 2. engine.optimizer.step() called directly ----------------------------------------------
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_optimizer_step_called_directly_applies_the_update_as_deepspeeds_zero_optimizer(stage):
+    """DeepSpeed's ZeRO optimizer.step() (stage_1_and_2.py, step) clips, steps and drops the
+    reduced gradients; the engine's counters and LR schedule are the engine's and stay."""
+    clip = 0.05
+    data = batches(2, ROWS)
+    engine = engine_for(stage, gradient_clipping=clip)
+    model = tiny_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
+    for x, y in data:
+        micro(engine, x, y)
+        engine.optimizer.step()
+        mse(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    assert_params_close(engine_params(engine), {n: p.detach() for n, p in model.named_parameters()})
+    assert (engine.global_steps, engine.micro_steps, engine.global_samples) == (0, 0, 0)
+    assert engine.grad_buffers() == {}
+    with pytest.raises(RuntimeError, match="no engine.backward"):  # its gradients were used: DeepSpeed fails too
+        engine.step()
+
+
+def test_optimizer_step_inside_an_accumulation_window_is_refused():
+    """Mid-window DeepSpeed's ZeRO optimizer has no reduced gradients yet (averaged_gradients is
+    built at the boundary's backward) and fails; here the error says why."""
+    engine = engine_for(2, gradient_accumulation_steps=2)
+    x, y = batches(1, ROWS)[0]
+    micro(engine, x, y)
+    with pytest.raises(RuntimeError, match="accumulation boundary"):
+        engine.optimizer.step()
+    with pytest.raises(RuntimeError, match="no engine.backward"):
+        engine_for(2).optimizer.step()
+
+
+# ---- 3. engine.zero_grad() inside an accumulation window ----------------------------------
+
+def torch_window(data, used):
+    """Plain torch: one AdamW step on the micro-batches ``used`` of a 2-step window."""
+    model = tiny_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
+    for i, (x, y) in enumerate(data):
+        if i in used:
+            (mse(model(x), y) / 2).backward()
+    opt.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("stage,kept", [(0, [1]), (1, [1]), (2, [0, 1])])
+def test_zero_grad_between_micro_steps_follows_deepspeed_stage_by_stage(stage, kept):
+    """backward, step, zero_grad per micro-step, two micro-steps a window. DeepSpeed keeps a
+    ZeRO-2 window's gradients in the optimizer's partitions (stage_1_and_2.py:
+    independent_gradient_partition_epilogue accumulates all_grad_tensors), which
+    engine.zero_grad() (engine.py: param.grad = None) does not touch; at stages 0 and 1 they
+    are param.grad until the boundary's reduction, and zero_grad drops them."""
+    data = batches(2, ROWS)
+    engine = engine_for(stage, gradient_accumulation_steps=2)
+    for x, y in data:
+        micro(engine, x, y)
+        engine.step()
+        engine.zero_grad()
+    assert engine.global_steps == 1
+    assert_params_close(engine_params(engine), torch_window(data, kept), what=f"stage {stage}")
+
+
+@pytest.mark.parametrize("stage,zero_grad", [(1, "engine"), (1, "optimizer"), (2, "engine")])
+def test_zero_grad_after_the_boundarys_backward_keeps_the_reduced_gradients(stage, zero_grad):
+    """At ZeRO-1/2 the boundary's backward reduces the window into the optimizer's partitions
+    (averaged_gradients), which neither zero_grad touches: the step applies the whole window."""
+    data = batches(2, ROWS)
+    engine = engine_for(stage, gradient_accumulation_steps=2)
+    micro(engine, *data[0])
+    engine.step()
+    micro(engine, *data[1])
+    (engine if zero_grad == "engine" else engine.optimizer).zero_grad()
+    engine.step()
+    assert_params_close(engine_params(engine), torch_window(data, [0, 1]))
+
+
+def test_zero_grad_that_drops_everything_leaves_nothing_to_step():
+    """Stage 0 keeps gradients in param.grad until the step; after zero_grad there is nothing
+    to apply, and the step says so instead of decaying the weights on zero gradients."""
+    engine = engine_for(0)
+    micro(engine, *batches(1, ROWS)[0])
+    engine.zero_grad()
+    with pytest.raises(RuntimeError, match="no engine.backward"):
+        engine.step()
+
+
+# ---- 4. a checkpoint load between backward and step ------------------------------------------
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_load_between_backward_and_step_trains_like_a_clean_load(stage, tmp_path):
+    """forward, backward, load_checkpoint, forward, backward, step: the step applies only the
+    gradient computed after the load, as after a clean load (the load starts a new window)."""
+    data = batches(4, ROWS)
+    saver = engine_for(stage)
+    micro(saver, *data[0])
+    saver.step()
+    saver.save_checkpoint(str(tmp_path))
+
+    clean = engine_for(stage)
+    clean.load_checkpoint(str(tmp_path))
+    micro(clean, *data[2])
+    clean.step()
+
+    engine = engine_for(stage)
+    micro(engine, *data[1])  # a gradient of the weights the load replaces
+    engine.load_checkpoint(str(tmp_path))
+    assert engine.grad_buffers() == {}
+    micro(engine, *data[2])
+    engine.step()
+    assert_params_close(engine_params(engine), engine_params(clean), atol=0, rtol=0)
+
+
+def test_a_step_right_after_a_load_has_no_gradients(tmp_path):
+    engine = engine_for(2)
+    engine.save_checkpoint(str(tmp_path))
+    micro(engine, *batches(1, ROWS)[0])
+    engine.load_checkpoint(str(tmp_path))
+    with pytest.raises(RuntimeError, match="no engine.backward"):
+        engine.step()
