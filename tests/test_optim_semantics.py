@@ -233,3 +233,96 @@ def test_a_step_right_after_a_load_has_no_gradients(tmp_path):
     engine.load_checkpoint(str(tmp_path))
     with pytest.raises(RuntimeError, match="no engine.backward"):
         engine.step()
+
+
+# ---- what a lazily created state asks of the rest of the engine -----------------------------------
+
+SGD_MOMENTUM = CLIENT_OPTIMIZERS["SGD(momentum, weight_decay)"]
+
+
+def test_a_client_optimizer_resumes_from_a_checkpoint_as_it_continues(tmp_path):
+    """A fresh engine has no optimizer state to load into until its first step: the load gives
+    it torch's keys, then the checkpoint's values (Adam's host-side step count included)."""
+    for name in ("SGD(momentum, weight_decay)", "Adam"):
+        data = batches(4, ROWS)
+        engine = engine_for(2, optimizer=CLIENT_OPTIMIZERS[name])
+        for x, y in data[:2]:
+            micro(engine, x, y)
+            engine.step()
+        engine.save_checkpoint(str(tmp_path / name))
+        for x, y in data[2:]:
+            micro(engine, x, y)
+            engine.step()
+        resumed = engine_for(2, optimizer=CLIENT_OPTIMIZERS[name])
+        resumed.load_checkpoint(str(tmp_path / name))
+        w = resumed.module[0].weight
+        assert sharding_spec(next(v for v in resumed.optimizer.state[w].values() if v.dim() == 2)).startswith(
+            "{devices=[8,1]")
+        for x, y in data[2:]:
+            micro(resumed, x, y)
+            resumed.step()
+        assert_params_close(engine_params(resumed), engine_params(engine), atol=0, rtol=0, what=name)
+        assert_params_close(engine_params(resumed), plain_torch(CLIENT_OPTIMIZERS[name], data, 4), what=name)
+
+
+def test_a_checkpoint_saved_before_the_first_step_loads_no_optimizer_state(tmp_path):
+    """As torch's load_state_dict: no saved state, none after the load, and the next step is
+    torch's first again (a fresh engine; one that had stepped drops its state)."""
+    data = batches(2, ROWS)
+    engine_for(2, optimizer=SGD_MOMENTUM).save_checkpoint(str(tmp_path))
+    fresh = engine_for(2, optimizer=SGD_MOMENTUM)
+    fresh.load_checkpoint(str(tmp_path))
+    stepped = engine_for(2, optimizer=SGD_MOMENTUM)
+    micro(stepped, *data[0])
+    stepped.step()
+    stepped.load_checkpoint(str(tmp_path))
+    for engine in (fresh, stepped):
+        assert not any(engine.optimizer.state.values())
+        for x, y in data:
+            micro(engine, x, y)
+            engine.step()
+        assert_params_close(engine_params(engine), plain_torch(SGD_MOMENTUM, data, 2))
+
+
+def test_an_overflowed_first_step_leaves_no_state():
+    """Under overflow checks (bf16 here) a skipped first step must not keep the state it
+    created: the first applied step is then torch's first, as if the skipped one never ran."""
+    data = batches(3, ROWS)
+    runs = []
+    for skipped_first in (True, False):
+        engine = engine_for(2, optimizer=SGD_MOMENTUM, bf16={"enabled": True})
+        if skipped_first:
+            x, y = data[0]
+            engine.backward(mse(engine(x).float(), y.to(engine.device)) * float("inf"))
+            engine.step()
+            assert not engine.was_step_applied() and not any(engine.optimizer.state.values())
+        for x, y in data[1:]:
+            engine.backward(mse(engine(x).float(), y.to(engine.device)))
+            engine.step()
+        runs.append(engine_params(engine))
+    assert_params_close(runs[0], runs[1], atol=0, rtol=0)
+
+
+def test_a_capture_before_the_first_step_leaves_no_state():
+    """The TPU capture traces a step and puts the engine back: the state that step created too."""
+    data = batches(2, ROWS)
+    engine = engine_for(2, optimizer=SGD_MOMENTUM)
+    engine.collectives_report(data[0][0], loss_fn=lambda out: mse(out, data[0][1].to(engine.device)))
+    assert not any(engine.optimizer.state.values())
+    for x, y in data:
+        micro(engine, x, y)
+        engine.step()
+    assert_params_close(engine_params(engine), plain_torch(SGD_MOMENTUM, data, 2))
+
+
+def test_a_capture_puts_back_adams_host_side_step_count():
+    data = batches(3, ROWS)
+    engine = engine_for(2, optimizer=CLIENT_OPTIMIZERS["Adam"])
+    micro(engine, *data[0])
+    engine.step()
+    engine.collectives_report(data[1][0], loss_fn=lambda out: mse(out, data[1][1].to(engine.device)))
+    assert float(engine.optimizer.state[engine.module[0].weight]["step"]) == 1
+    for x, y in data[1:]:
+        micro(engine, x, y)
+        engine.step()
+    assert_params_close(engine_params(engine), plain_torch(CLIENT_OPTIMIZERS["Adam"], data, 3))
