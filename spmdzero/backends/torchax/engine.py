@@ -152,10 +152,11 @@ def _find_loss(output) -> Optional[torch.Tensor]:
 # The torch_xla engine's public names this engine lacks (tests/test_torchax_backend.py checks
 # the list against both classes): asking for one says which backend has it.
 TORCH_XLA_ONLY = frozenset({
-    "capture_steps", "collectives_report", "current_loss_scale", "grad_buffers", "is_compiled", "lay_out",
-    "lay_out_state", "loaded", "loss_scale", "master_weights", "optimized_names", "overflow", "refresh_fp32_params",
-    "register_post_step_hook", "restore_snapshot", "scales_loss", "sharding_report", "snapshot", "stacked_layers",
-    "step_loss", "trained_parameters",
+    "capture_steps", "collectives_report", "current_loss_scale", "drop_optimizer_state", "grad_buffers",
+    "is_compiled", "lay_out", "lay_out_state", "lazy_optimizer_state", "loaded", "loss_scale", "master_weights",
+    "optimized_names", "optimizer_step", "optimizer_zero_grad", "overflow", "placeholder_optimizer_state",
+    "refresh_fp32_params", "register_post_step_hook", "restore_snapshot", "scales_loss", "sharding_report",
+    "snapshot", "stacked_layers", "step_loss", "trained_parameters",
 })
 
 
