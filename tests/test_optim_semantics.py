@@ -4,6 +4,9 @@ client torch.optim optimizer's first step, ``engine.optimizer.step()`` called di
 backward and its step. Each against plain PyTorch on one CPU device, or against what
 DeepSpeed 0.19.8 does (its source is cited in each test)."""
 
+import json
+import os
+
 import pytest
 import torch
 import torch_xla.debug.metrics as met
@@ -11,7 +14,7 @@ import torch_xla.debug.metrics as met
 import spmdzero
 from spmdzero.observe.reports import sharding_spec
 
-from conftest import batches, tiny_mlp
+from conftest import REPO, batches, run_python, tiny_mlp
 
 ROWS = 16  # one micro-batch over the 8 devices
 
@@ -326,3 +329,25 @@ def test_a_capture_puts_back_adams_host_side_step_count():
         micro(engine, x, y)
         engine.step()
     assert_params_close(engine_params(engine), plain_torch(CLIENT_OPTIMIZERS["Adam"], data, 3))
+
+
+def test_the_tpu_compile_of_a_torch_optimizer_traces_a_later_step():
+    """``spmdzero aot`` compiles the step every step after the first runs: a torch optimizer's
+    state is its input (donated), whether the engine is materialized or shape-only. (In a fresh
+    process: a real engine's step after a shape-only engine crashes torch_xla.)"""
+    out = run_python("""
+        import json, torch
+        from conftest import tiny_mlp
+        from spmdzero.aot.models import ModelSource
+        from spmdzero.aot.steps import capture_step
+        source = ModelSource("mlp", tiny_mlp, lambda m, b: ((torch.randn(b, 16),), {}), lambda out: out.square().mean())
+        config = {"train_batch_size": 16, "optimizer": {"type": "RMSprop", "params": {"lr": 0.01, "momentum": 0.9}}}
+        for shape_only in (False, True):
+            step = capture_step(source, config, stage=2, shape_only=shape_only)
+            state = [k for k in step.inputs if k.startswith("optim.")] if step.inputs else [
+                k for k in step.engine.state_tensors() if k.startswith("optim.")]
+            print(json.dumps([shape_only, len(state), len(step.donate)]))
+    """, env={"PYTHONPATH": os.pathsep.join([os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")])})
+    runs = [json.loads(line) for line in out.strip().splitlines()[-2:]]
+    # square_avg and momentum_buffer of 4 tensors (the step count is on the host), donated with the parameters
+    assert runs == [[False, 8, 4 + 8], [True, 8, 4 + 8]]

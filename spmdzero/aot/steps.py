@@ -56,6 +56,9 @@ def capture_step(source, config: dict, stage: int, micro_batch: Optional[int] = 
     else:
         model, inputs = checked_module(source, source.build()), None
         engine, *_ = initialize(model=model, config=cfg)
+        # a torch optimizer's first step creates its state: trace a later step, over placeholder
+        # state, as the shape-only engine does (the state then an input, donated, as every step after)
+        engine.placeholder_optimizer_state()
     args, kwargs = source.inputs(model, engine.train_micro_batch_size_per_gpu() * engine.dp_world_size)
     with capture(engine, inputs) as step:
         loss = source.loss(engine(*args, **kwargs))
