@@ -223,7 +223,6 @@ def test_a_load_between_backward_and_step_trains_like_a_clean_load(stage, tmp_pa
     engine = engine_for(stage)
     micro(engine, *data[1])  # a gradient of the weights the load replaces
     engine.load_checkpoint(str(tmp_path))
-    assert engine.grad_buffers() == {}
     micro(engine, *data[2])
     engine.step()
     assert_params_close(engine_params(engine), engine_params(clean), atol=0, rtol=0)
@@ -234,6 +233,7 @@ def test_a_step_right_after_a_load_has_no_gradients(tmp_path):
     engine.save_checkpoint(str(tmp_path))
     micro(engine, *batches(1, ROWS)[0])
     engine.load_checkpoint(str(tmp_path))
+    assert engine.grad_buffers() == {}
     with pytest.raises(RuntimeError, match="no engine.backward"):
         engine.step()
 
