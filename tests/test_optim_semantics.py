@@ -306,6 +306,24 @@ def test_an_overflowed_first_step_leaves_no_state():
     assert_params_close(runs[0], runs[1], atol=0, rtol=0)
 
 
+def test_skipped_first_steps_are_warm_up_however_many():
+    """Each skipped step that created state reads its overflow flag (a second graph) and leaves
+    the state to the next: warm-up for the recompile guard, however long it lasts."""
+    import warnings
+
+    data = batches(8, ROWS)
+    engine = engine_for(2, optimizer=SGD_MOMENTUM, bf16={"enabled": True}, spmd={"max_recompiles": 0})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, (x, y) in enumerate(data):
+            scale = float("inf") if i < 5 else 1.0
+            engine.backward(mse(engine(x).float(), y.to(engine.device)) * scale)
+            engine.step()
+    assert engine.skipped_steps == 5 and engine.optimizer.state[engine.master_weights()["0.weight"]]
+    assert not [str(w.message) for w in caught if "graphs instead of one" in str(w.message)
+                or "recompiled" in str(w.message)]
+
+
 def test_a_capture_before_the_first_step_leaves_no_state():
     """The TPU capture traces a step and puts the engine back: the state that step created too."""
     data = batches(2, ROWS)

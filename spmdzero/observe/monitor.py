@@ -109,10 +109,11 @@ class RecompileGuard:
             # counters that first appear after warm-up count from 0 in the warning's figures
             self._reads_at_start = host_read_counters(self._read_names)
 
-    def check_graphs(self, global_steps: int) -> None:
-        """After the step's sync: warn once if the step ran more than one graph."""
+    def check_graphs(self, global_steps: int, warmup: bool = False) -> None:
+        """After the step's sync: warn once if the step ran more than one graph. ``warmup``:
+        the step is known to be warm-up (see ``check``)."""
         start, self._graphs_at_start = self._graphs_at_start, None
-        if self._warned_graphs or start is None or self._warming_up():
+        if self._warned_graphs or start is None or self._warming_up() or warmup:
             return
         graphs = graph_count() - start
         if graphs <= 1:
@@ -136,12 +137,16 @@ class RecompileGuard:
             "when every row is full length reads nothing. "
             "PT_XLA_DEBUG_LEVEL=2 prints the Python frame of each graph cut. (warned once)", stacklevel=3)
 
-    def check(self, compiled: int, global_steps: int, boundary: bool, input_shapes: tuple = ()) -> None:
-        """``input_shapes``: the shapes of this step's forward inputs, to name a shape change."""
+    def check(self, compiled: int, global_steps: int, boundary: bool, input_shapes: tuple = (),
+              warmup: bool = False) -> None:
+        """``input_shapes``: the shapes of this step's forward inputs, to name a shape change.
+        ``warmup``: the step is known to be warm-up whenever it comes (a torch optimizer creating
+        its state, which a skipped step under overflow checks leaves to the next): neither
+        checked nor counted among the warm-up steps, so the step after it may compile too."""
         previous, self._last_shapes = getattr(self, "_last_shapes", None), input_shapes
         evaluated, self._evaluated = self._evaluated, False  # this step's, compiled or not
-        self._boundaries_seen += boundary
-        if compiled == 0 or self._warming_up():
+        self._boundaries_seen += boundary and not warmup
+        if compiled == 0 or self._warming_up() or warmup:
             return
         self.recompiles += compiled
         where = "an optimizer (boundary) step" if boundary else "a gradient-accumulation micro-step"

@@ -72,7 +72,7 @@ class Slot:
 # and objects that a step rebinds rather than updates in place.
 _STEP_ATTRIBUTES = ("global_steps", "global_samples", "micro_steps", "_step_applied", "_last_overflow",
                     "_global_grad_norm", "_loss_scale", "_skipped_on_device", "_rows_since_step",
-                    "_backward_since_step", "_window_reduced", "samples_last_step")
+                    "_backward_since_step", "_window_reduced", "_creating_state", "samples_last_step")
 _REBOUND_ATTRIBUTES = ("_last_loss", "_window_loss", "_step_loss", "_input_shapes")
 
 
@@ -136,6 +136,7 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         # the last backward was at an accumulation boundary: the window's gradients are complete,
         # and DeepSpeed has reduced them into its ZeRO optimizer (see zero_grad_keeps_gradients)
         self._window_reduced = False
+        self._creating_state = False  # this step's torch optimizer creates its state: warm-up (_end_step)
         self._input_shapes: tuple = ()
         self._grad_orders: dict[tuple[str, str], Optional[tuple[int, ...]]] = {}  # see _memory_orders
         self.recompile_guard = RecompileGuard(config.spmd.max_recompiles)
@@ -296,8 +297,10 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
 
         compiles = compile_count()
         torch_xla.sync()
-        self.recompile_guard.check(compile_count() - compiles, self.global_steps, boundary, self._input_shapes)
-        self.recompile_guard.check_graphs(self.global_steps)
+        warmup, self._creating_state = self._creating_state, False
+        self.recompile_guard.check(compile_count() - compiles, self.global_steps, boundary, self._input_shapes,
+                                   warmup=warmup)
+        self.recompile_guard.check_graphs(self.global_steps, warmup=warmup)
 
     def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
         """The engine's optimizer step: the update, then the schedule (not after a skipped
@@ -433,10 +436,11 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         self.optimizer.optimizer.step()
         for slot in self._slots:
             slot.target.grad = None
+        created = {t: keys for t, keys in keys_before.items() if set(state.get(t, ())) != (keys or set())}
+        self._creating_state = bool(created)
         if overflow is None:
             return
         keep_unless(overflow, updated, before)
-        created = {t: keys for t, keys in keys_before.items() if set(state.get(t, ())) != (keys or set())}
         if created and self._capture is None:  # a captured step is put back as a whole (restore_snapshot)
             import torch_xla
 
