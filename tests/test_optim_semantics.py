@@ -114,10 +114,12 @@ def test_a_client_optimizers_state_is_laid_out_by_the_plan_after_its_first_step_
 
 # ---- 2. engine.optimizer.step() called directly ----------------------------------------------
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2])
 def test_optimizer_step_called_directly_applies_the_update_as_deepspeeds_zero_optimizer(stage):
     """DeepSpeed's ZeRO optimizer.step() (stage_1_and_2.py, step) clips, steps and drops the
-    reduced gradients; the engine's counters and LR schedule are the engine's and stay."""
+    reduced gradients; the engine's counters and LR schedule are the engine's and stay. At
+    stage 0 in fp32 DeepSpeed's optimizer is torch's (engine.py, _configure_optimizer), which
+    does not clip: the engine's _take_model_step clips before calling it."""
     clip = 0.05
     data = batches(2, ROWS)
     engine = engine_for(stage, gradient_clipping=clip)
@@ -127,10 +129,12 @@ def test_optimizer_step_called_directly_applies_the_update_as_deepspeeds_zero_op
         micro(engine, x, y)
         engine.optimizer.step()
         mse(model(x), y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if stage > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
     assert_params_close(engine_params(engine), {n: p.detach() for n, p in model.named_parameters()})
+    assert engine.get_global_grad_norm() > clip  # so the clipping, or its absence, shows
     assert (engine.global_steps, engine.micro_steps, engine.global_samples) == (0, 0, 0)
     assert engine.grad_buffers() == {}
     with pytest.raises(RuntimeError, match="no engine.backward"):  # its gradients were used: DeepSpeed fails too
