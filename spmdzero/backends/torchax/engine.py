@@ -666,11 +666,12 @@ class TorchaxEngine(EngineBase):
         ``optim.<param>.<key>``), so that both backends' state reads the same. Reading only: a
         change made on the host since the last forward is not in it yet."""
         out: dict[str, tuple[Any, tuple]] = {}
+        parameters = {name for name, _ in self._module.named_parameters()}
         for name, _ in self._host_tensors:
             if name in self._params:
                 out[f"model.{name}"] = (self._params[name], tuple(self.plan[name].param))
             elif name in self._constants:
-                kind = "model" if name in dict(self._module.named_parameters()) else "buffer"
+                kind = "model" if name in parameters else "buffer"
                 out[f"{kind}.{name}"] = (self._constants[name], replicated(self._constants[name].ndim))
         for name, master in self._masters.items():
             out[f"master.{name}"] = (master, tuple(self.plan[name].master))
