@@ -1,6 +1,7 @@
-"""Console entry point for ``spmdzero``: its config and checkpoint commands need no
-devices, so it imports the package without starting the XLA runtime, except for
-``spmdzero launch``, which trains."""
+"""Console entry point for ``spmdzero``: it imports the package without starting the XLA
+runtime. The config and checkpoint commands need no devices; ``spmdzero launch`` starts the
+runtime itself, so that a bad ``CPU_NUM_DEVICES`` or ``PJRT_DEVICE`` is one line, not a
+traceback from the import."""
 
 import os
 import sys
@@ -8,8 +9,7 @@ import sys
 
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if args[:1] != ["launch"]:
-        os.environ.setdefault("SPMDZERO_NO_RUNTIME", "1")
+    os.environ.setdefault("SPMDZERO_NO_RUNTIME", "1")
     from spmdzero.cli.main import main as cli_main
 
     return cli_main(argv)

@@ -1,10 +1,12 @@
-"""Bad input, as a tough user gives it (issue #13, config and CLI): every error is one line
-that names the key, file or argument, and the CLI exits 2. Device-free."""
+"""Bad input, as a tough user gives it (issues #13 and #32, config, CLI, model and optimizer
+parameters): every error is one line that names the key, file, argument or module, and the CLI
+exits 2. Device-free but for a few initialize calls that are refused before any step."""
 
 import json
 import re
 
 import pytest
+import torch
 
 from spmdzero.cli.main import main
 from spmdzero.config.errors import ConfigError
@@ -175,3 +177,135 @@ def test_a_no_op_keys_invalid_value_is_refused_as_deepspeed_refuses_it(cfg, key)
         parse_config({"train_batch_size": 16, **cfg})
     parse_config({"train_batch_size": 16, **{k: ({"tag_validation": "FAIL"} if k == "checkpoint" else "bf16")
                                               for k in cfg}})
+
+
+# ---- issue #32: a sparse embedding, huge batch numbers, bytes and depths the reader chokes on --------
+
+class _SparseLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = torch.nn.ModuleDict({"wte": torch.nn.Embedding(16, 4, sparse=True)})
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, ids):
+        return self.head(self.model["wte"](ids)).float().pow(2).mean()
+
+
+@pytest.mark.parametrize("backend", ["torch_xla", "torchax"])
+def test_a_sparse_embedding_is_refused_at_initialize_naming_the_module(backend):
+    """torch_xla failed in engine.backward with ~100 lines of NotImplementedError naming no module
+    (a sparse gradient cannot be sharded by annotation); the torchax backend ignored the flag."""
+    import spmdzero
+
+    model = _SparseLM()
+    with pytest.raises(ValueError, match=r"module 'model.wte' \(Embedding\) has sparse=True: .* sparse=False"):
+        spmdzero.initialize(model=model, config={"train_batch_size": 8, "optimizer": {"type": "SGD",
+                                                 "params": {"lr": 0.1}}, "spmd": {"backend": backend}})
+    assert all(p.device.type == "cpu" for p in model.parameters())  # refused before anything was touched
+    with pytest.raises(ValueError, match=r"the model \(EmbeddingBag\) has sparse=True"):
+        spmdzero.initialize(model=torch.nn.EmbeddingBag(16, 4, sparse=True), config={"train_batch_size": 8})
+
+
+@pytest.mark.parametrize("cfg,message", [
+    ({"train_batch_size": 10**30}, r"train_batch_size=1000000000000000000000000000000 is too large: .*64-bit"),
+    ({"train_micro_batch_size_per_gpu": 10**30}, r"train_micro_batch_size_per_gpu=10+ is too large"),
+    ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2**63},
+     r"gradient_accumulation_steps=9223372036854775808 is too large"),
+    ({"train_micro_batch_size_per_gpu": 2**60, "gradient_accumulation_steps": 2**10},
+     r"train_batch_size resolved to \d+ = train_micro_batch_size_per_gpu 1152921504606846976 x "
+     r"gradient_accumulation_steps 1024 x world size 8"),
+])
+def test_huge_batch_numbers_are_one_config_error_naming_the_key(cfg, message):
+    """With a training_data loader, 10**30 used to end in "ValueError: Stop argument for islice()"
+    at the first batch, naming no key."""
+    import spmdzero
+
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 4))
+    with pytest.raises(ConfigError, match=message):
+        engine, _, loader, _ = spmdzero.initialize(model=torch.nn.Linear(4, 4), training_data=data, config={
+            **cfg, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        next(iter(loader))
+
+
+def test_a_batch_size_larger_than_the_dataset_that_fits_in_64_bits_is_accepted_as_deepspeed_accepts_it():
+    from spmdzero.sharding.batch import resolve_batch
+
+    batch = resolve_batch(parse_config({"train_batch_size": 2**62}), 8)
+    assert (batch.global_batch, batch.rows_per_rank) == (2**62, 2**59)
+
+
+@pytest.mark.parametrize("content,message", [
+    (b'\xff\xfe{"train_batch_size": 8}', r"is not UTF-8 text \(byte 0"),
+    (b"[" * 100000 + b"]" * 100000, "nested too deeply"),
+    ('{"train_batch_size": 8, "fp16": {"enabled": true, "initial_scale_power": 2000}}',
+     r"fp16.initial_scale_power: .*at most 127: the loss scale 2\*\*initial_scale_power is kept in float32"),
+    ('{"train_batch_size": 8, "fp16": {"enabled": true, "loss_scale": 1e300}}',
+     r"fp16.loss_scale: .*at most 3.403e\+38"),
+])
+def test_config_check_of_bytes_depths_and_scales_that_used_to_escape_as_tracebacks(tmp_path, capsys, content,
+                                                                                   message):
+    """A non-UTF-8 file (UnicodeDecodeError), a deeply nested one (RecursionError) and an fp16
+    scale 2**2000 (OverflowError) escaped `config check` as tracebacks naming nothing."""
+    path = tmp_path / "ds.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    code, err = cli_error(capsys, ["config", "check", str(path), "--devices", "8", "--params", "1000"])
+    assert code == 2 and re.search(message, err) and str(path) in err, err
+
+
+def test_config_check_of_a_directory_and_a_bom(tmp_path, capsys):
+    code, err = cli_error(capsys, ["config", "check", str(tmp_path), "--devices", "8"])
+    assert code == 2 and f"{str(tmp_path)!r} is a directory" in err, err
+    path = tmp_path / "bom.json"
+    path.write_bytes(b'\xef\xbb\xbf{"train_batch_size": 8}')  # what some Windows editors write
+    assert main(["config", "check", str(path), "--devices", "8"]) == 0
+
+
+@pytest.mark.parametrize("value", ["x", "0", "-1", ""])
+def test_config_check_with_a_bad_cpu_num_devices_names_it(tmp_path, capsys, monkeypatch, value):
+    """``CPU_NUM_DEVICES=x`` was a ValueError traceback; 0 or -1 a message about fsdp_inner."""
+    monkeypatch.setenv("CPU_NUM_DEVICES", value)
+    code, err = cli_error(capsys, ["config", "check", write(tmp_path, BATCH)])
+    assert code == 2 and f"CPU_NUM_DEVICES={value!r} is not a device count" in err and "--devices" in err, err
+
+
+# ---- optimizer parameters DeepSpeed passes through to torch ----------------------------------------
+
+@pytest.mark.parametrize("type_,params", [
+    ("SGD", {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01, "maximize": True, "foreach": False, "fused": False,
+             "differentiable": False}),
+    ("SGD", {"lr": 0.1, "nesterov": True, "momentum": 0.9, "foreach": None}),
+    ("Adagrad", {"lr": 0.1, "eps": 1e-8, "maximize": True, "foreach": False, "differentiable": False, "fused": None}),
+])
+def test_torch_optimizer_params_deepspeed_passes_through_train_as_torch(type_, params):
+    """DeepSpeed builds "SGD" and "Adagrad" as torch.optim's with the params as kwargs, so
+    ``maximize``, ``foreach``, ``fused`` and ``differentiable`` are accepted there; they were
+    refused here as unknown keys."""
+    from spmdzero.config.schema import OptimizerConfig
+    from spmdzero.optim.optimizers import build_optimizer
+
+    def run(make):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(5, 3))
+        opt, g = make([p]), torch.Generator().manual_seed(1)
+        for _ in range(4):
+            p.grad = torch.randn(5, 3, generator=g)
+            opt.step()
+        return p.detach()
+
+    ours = run(lambda ps: build_optimizer(OptimizerConfig(type=type_, params=params), ps))
+    torch.testing.assert_close(ours, run(lambda ps: getattr(torch.optim, type_)(ps, **params)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_adams_fp32_optimizer_states_is_taken_out_as_deepspeed_takes_it_out(value):
+    """DeepSpeed pops it for any Adam (it sets the CPU-offloaded moments' precision); it was
+    refused here as an unknown key of FusedAdam's signature."""
+    from spmdzero.config.schema import OptimizerConfig
+    from spmdzero.optim.optimizers import AdamW, build_optimizer
+
+    opt = build_optimizer(OptimizerConfig(type="Adam", params={"lr": 0.1, "fp32_optimizer_states": value}),
+                          [torch.nn.Parameter(torch.zeros(2))])
+    assert isinstance(opt, AdamW)
+    with pytest.raises(ConfigError, match="fp32_optimizer_states must be true or false"):
+        build_optimizer(OptimizerConfig(type="Adam", params={"fp32_optimizer_states": "yes"}),
+                        [torch.nn.Parameter(torch.zeros(2))])

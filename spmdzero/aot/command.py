@@ -81,6 +81,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
 
 
+def for_compile(config: dict, path: str, micro_batch: int | None) -> dict:
+    """A config as a Hugging Face integration writes it, made compilable: what only the HF
+    Trainer fills in (``"auto"`` optimizer and scheduler parameters; the optimizer it passes
+    when the config has none) does not change the compiled step's memory or collectives (the
+    learning rate and its schedule are device numbers fed to the step), so ``"auto"``
+    optimizer parameters take their defaults, a scheduler with ``"auto"`` parameters is left
+    out, and a config with no optimizer gets AdamW, each said once on stderr. A config
+    without a batch size needs ``--micro-batch``."""
+    if not isinstance(config, dict):
+        return config  # parse_config names it
+    config = dict(config)
+    notes = []
+    optimizer = config.get("optimizer")
+    if optimizer is None:
+        config["optimizer"] = {"type": "AdamW"}
+        notes.append("it has no 'optimizer' section: compiled with AdamW (the optimizer the Hugging Face Trainer "
+                     "gives DeepSpeed by default)")
+    elif isinstance(optimizer, dict) and isinstance(optimizer.get("params"), dict):
+        auto = [k for k, v in optimizer["params"].items() if v == "auto"]
+        if auto:
+            config["optimizer"] = {**optimizer, "params": {k: v for k, v in optimizer["params"].items()
+                                                           if k not in auto}}
+            notes.append(f"optimizer.params {', '.join(auto)} are \"auto\": compiled with the optimizer's defaults "
+                         "(the values do not change the compiled step)")
+    scheduler = config.get("scheduler")
+    if isinstance(scheduler, dict) and isinstance(scheduler.get("params"), dict) and "auto" in \
+            scheduler["params"].values():
+        del config["scheduler"]
+        notes.append("scheduler.params hold \"auto\": compiled without the schedule (it sets the learning rate "
+                     "between steps; the compiled step is the same)")
+    batch = [config.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu")]
+    if micro_batch is None and all(v is None or v == "auto" for v in batch):
+        raise ValueError(f"{path}: train_batch_size and train_micro_batch_size_per_gpu are \"auto\" or absent "
+                         "(an integration fills them in): pass --micro-batch")
+    for note in notes:
+        print(f"spmdzero aot: {path}: {note}", file=sys.stderr)
+    return config
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="spmdzero aot", description="compile the training step for a TPU topology")
     add_arguments(parser)
@@ -94,10 +133,11 @@ def main(argv=None) -> int:
     shape_only = not args.materialize
     try:
         check_traceable(args.topology)
-        config = read_config_file(args.deepspeed_config)
+        config = for_compile(read_config_file(args.deepspeed_config), args.deepspeed_config, args.micro_batch)
         parse_config(config, args.deepspeed_config)  # as given: a stage-3 config is refused, not compiled as 0-2
         if args.scan_layers:
-            config.setdefault("spmd", {})["scan_layers"] = args.scan_layers
+            config["spmd"] = {**(config.get("spmd") if isinstance(config.get("spmd"), dict) else {}),
+                              "scan_layers": args.scan_layers}
         source = load_model_source(args.model or default_model(), args.seq_len)
         reports = [compile_step(source, config, args.topology, stage, args.micro_batch, shape_only)
                    for stage in stages]

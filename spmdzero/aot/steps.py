@@ -32,7 +32,9 @@ from spmdzero import runtime
 
 def _stage_config(config: dict, stage: int, micro_batch: Optional[int]) -> dict:
     cfg = copy.deepcopy(config)
-    cfg.setdefault("zero_optimization", {})["stage"] = stage
+    if not isinstance(cfg.get("zero_optimization"), dict):  # absent, "auto", or DeepSpeed's old `true`/`false`
+        cfg["zero_optimization"] = {}
+    cfg["zero_optimization"]["stage"] = stage
     if micro_batch is not None:  # per chip; the global batch follows
         cfg["train_micro_batch_size_per_gpu"] = micro_batch
         cfg.pop("train_batch_size", None)

@@ -36,13 +36,40 @@ _IGNORED_FLAGS = ("--no_ssh", "--no_ssh_check", "--force_multi", "--save_pid", "
 _SHORT = {"--hostfile": "-H", "--include": "-i", "--exclude": "-e", "--quiet": "-q"}  # DeepSpeed's aliases
 
 
+def _port(text: str) -> int:
+    """A TCP port number, 0-65535 (torch.distributed's store would fail on another one later,
+    far from the cause)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number (0-65535), got {text!r}")
+    return port
+
+
+def _master_port(given: Optional[int]) -> int:
+    """``--master_port``, else ``MASTER_PORT`` from the environment, else DeepSpeed's default."""
+    if given is not None:
+        return given
+    text = os.environ.get("MASTER_PORT")
+    if text is None:
+        return DEFAULT_PORT
+    try:
+        return _port(text)
+    except argparse.ArgumentTypeError:
+        raise ValueError(f"MASTER_PORT={text!r} in the environment is not a port number (0-65535): fix it, unset "
+                         "it, or pass --master_port") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="spmdzero launch", allow_abbrev=False,
         description="Run a DeepSpeed training script on this host's XLA devices (one process per host; run the "
                     "same command on every host of a pod). `import deepspeed` resolves to spmdzero.")
     parser.add_argument("--master_addr", default=None, help="address of the first host (several hosts)")
-    parser.add_argument("--master_port", type=int, default=None, help=f"rendezvous port (default {DEFAULT_PORT})")
+    parser.add_argument("--master_port", type=_port, default=None,
+                        help=f"rendezvous port (default: MASTER_PORT, else {DEFAULT_PORT})")
     parser.add_argument("--module", action="store_true", help="SCRIPT is a module name (python -m)")
     parser.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank=0 to the script")
     parser.add_argument("--spmd", default=None, metavar="JSON",
@@ -119,9 +146,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     from spmdzero import runtime
     from spmdzero.compat import alias
 
-    runtime.start()
-    index, count = runtime.hosts()
-    port = args.master_port or int(os.environ.get("MASTER_PORT", DEFAULT_PORT))
+    try:
+        port = _master_port(args.master_port)  # before the runtime starts: a bad value costs no startup
+    except ValueError as err:
+        print(f"spmdzero launch: {err}", file=sys.stderr)
+        return 2
+    try:
+        runtime.start()
+        index, count = runtime.hosts()
+    except (runtime.EnvironmentSettingError, RuntimeError) as err:  # CPU_NUM_DEVICES, PJRT_DEVICE, SPMDZERO_BACKEND
+        device = os.environ.get("PJRT_DEVICE")
+        where = f" (PJRT_DEVICE={device!r})" if device is not None and not isinstance(
+            err, runtime.EnvironmentSettingError) else ""
+        print(f"spmdzero launch: the XLA runtime did not start{where}: {' '.join(str(err).split())}",
+              file=sys.stderr)
+        return 2
     set_launcher_env(index, count, _master_addr(args.master_addr, count), port)
     try:
         alias.install()

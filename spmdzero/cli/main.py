@@ -78,11 +78,14 @@ def main(argv=None) -> int:
         total = sum(int(np.prod(s)) for s in shapes.values())
         print(f"wrote {args.out}: {len(shapes)} tensors, {total:,} values ({args.dtype})")
         return 0
-    devices = args.devices if args.devices is not None else runtime.visible_device_count()
     try:
+        devices = args.devices if args.devices is not None else runtime.visible_device_count()
         print(config_check(args.path, devices, args.params))
     except (ConfigError, OSError) as err:
         print(f"config {args.path}: {_one_line(err)}", file=sys.stderr)
+        return 2
+    except runtime.EnvironmentSettingError as err:  # CPU_NUM_DEVICES, read for the device count
+        print(f"config {args.path}: {_one_line(err)}; or pass --devices", file=sys.stderr)
         return 2
     return 0
 

@@ -27,19 +27,28 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]], source: str) -> dict:
 def read_config_file(path: str | os.PathLike) -> dict:
     """Read a JSON (or HJSON, as DeepSpeed allows) file, refusing duplicate keys."""
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ConfigError(f"DeepSpeed config file {path!r} is a directory")
     if not os.path.isfile(path):
         decoded = _base64_config(path)
         if decoded is None:
             raise ConfigError(f"DeepSpeed config file not found: {path!r} (nor is it a base64-encoded config)")
         text, path = decoded, "config (base64)"
     else:
-        with open(path) as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8-sig")  # JSON is UTF-8 whatever the locale (a BOM is skipped)
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"DeepSpeed config file {path!r} is not UTF-8 text (byte {err.start}: "
+                              f"{raw[err.start:err.start + 1]!r}); JSON files are UTF-8") from None
     if not text.strip():
         raise ConfigError(f"DeepSpeed config file {path!r} is empty")
     hook = lambda pairs: _no_duplicate_keys(pairs, path)  # noqa: E731
     try:
         return json.loads(text, object_pairs_hook=hook)
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a DeepSpeed config") from None
     except json.JSONDecodeError as json_err:
         try:
             import hjson
@@ -49,6 +58,8 @@ def read_config_file(path: str | os.PathLike) -> dict:
             return dict(hjson.loads(text, object_pairs_hook=hook))
         except ConfigError:
             raise
+        except RecursionError:
+            raise ConfigError(f"{path}: nested too deeply to be a DeepSpeed config") from None
         except Exception as err:
             raise ConfigError(f"{path}: neither valid JSON nor HJSON ({err})") from None
 

@@ -65,6 +65,10 @@ class ZeroConfig(Section):
         return stage
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
+FLOAT32_MAX_POWER = 127  # the largest power of 2 below it
+
+
 class Fp16Config(Section):
     enabled: bool = False
     auto_cast: bool = False
@@ -75,6 +79,22 @@ class Fp16Config(Section):
     consecutive_hysteresis: bool = False
     min_loss_scale: int = Field(1, gt=0)
     fp16_master_weights_and_grads: bool = False
+
+    @field_validator("initial_scale_power")
+    @classmethod
+    def _scale_power_in_float32(cls, power: int) -> int:
+        if power > FLOAT32_MAX_POWER:
+            raise ValueError(f"must be at most {FLOAT32_MAX_POWER}: the loss scale 2**initial_scale_power is kept in "
+                             "float32 on the device, where 2**128 is infinite (the scale could never come down)")
+        return power
+
+    @field_validator("loss_scale", "min_loss_scale")
+    @classmethod
+    def _scale_in_float32(cls, scale: float) -> float:
+        if scale > FLOAT32_MAX:
+            raise ValueError(f"must be at most {FLOAT32_MAX:.4g}: the loss scale is kept in float32 on the device, "
+                             "where a larger value is infinite")
+        return scale
 
 
 class Bf16Config(Section):

@@ -196,12 +196,15 @@ class SGD(SpmdOptimizer):
     """torch.optim.SGD's math. The first step seeds the momentum buffer with the gradient
     (torch's rule) through a ``where`` on the step count, not a Python branch."""
 
-    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False):
+    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
+                 maximize=False, foreach=None, differentiable=False, fused=None):
+        # foreach, differentiable, fused: torch's choice of implementation (DeepSpeed passes them to
+        # torch.optim.SGD); the same math here, one traced op
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         _check_hyper(lr, weight_decay=weight_decay, momentum=(momentum, 0.0, 1.0), dampening=(dampening, 0.0, 1.0))
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
-                                      weight_decay=weight_decay, nesterov=nesterov))
+                                      weight_decay=weight_decay, nesterov=nesterov, maximize=maximize))
 
     def _hyper_values(self, group):
         return dict(lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
@@ -213,6 +216,8 @@ class SGD(SpmdOptimizer):
         return dict(step=_step_counter(p), momentum_buffer=torch.zeros_like(p))
 
     def _math(self, p, grad, state, hp, group, ops):
+        if group["maximize"]:  # torch's: ascend the objective
+            grad = -grad
         grad = grad + hp["weight_decay"] * p
         new_state = {}
         if "momentum_buffer" in state:  # momentum != 0
@@ -226,10 +231,13 @@ class SGD(SpmdOptimizer):
 class Adagrad(SpmdOptimizer):
     """torch.optim.Adagrad's math (dense gradients)."""
 
-    def __init__(self, params, lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-10):
+    def __init__(self, params, lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-10,
+                 foreach=None, *, maximize=False, differentiable=False, fused=None):
+        # foreach, differentiable, fused: as SGD's (DeepSpeed passes them to torch.optim.Adagrad)
         _check_hyper(lr, eps=eps, weight_decay=weight_decay)
         super().__init__(params, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
-                                      initial_accumulator_value=initial_accumulator_value, eps=eps))
+                                      initial_accumulator_value=initial_accumulator_value, eps=eps,
+                                      maximize=maximize))
 
     def _hyper_values(self, group):
         return dict(lr=group["lr"], lr_decay=group["lr_decay"], weight_decay=group["weight_decay"], eps=group["eps"])
@@ -240,6 +248,8 @@ class Adagrad(SpmdOptimizer):
 
     def _math(self, p, grad, state, hp, group, ops):
         step = state["step"] + 1
+        if group["maximize"]:
+            grad = -grad
         grad = grad + hp["weight_decay"] * p
         clr = hp["lr"] / (1 + (step - 1) * hp["lr_decay"])
         total = state["sum"] + grad * grad
@@ -326,6 +336,12 @@ def build_optimizer(opt_cfg: OptimizerConfig, params: Iterable) -> torch.optim.O
     if name in ("adam", "adamw"):
         for flag in ("adam_w_mode", "torch_adam"):  # taken out before the constructor's checks
             check_value(flag, kwargs.get(flag, False), False, f"optimizer.params for {opt_cfg.type!r}")
+        # DeepSpeed takes it out too; it picks the precision of CPU-offloaded Adam moments only
+        # (states are fp32 here: there is no offload)
+        if kwargs.get("fp32_optimizer_states") is not None:
+            check_value("fp32_optimizer_states", kwargs["fp32_optimizer_states"], False,
+                        f"optimizer.params for {opt_cfg.type!r}")
+        kwargs.pop("fp32_optimizer_states", None)
         adam_w_mode = kwargs.pop("adam_w_mode", True) or name == "adamw"
         if kwargs.pop("torch_adam", False):
             cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam

@@ -9,6 +9,28 @@ import os
 DEFAULT_CPU_DEVICES = 8
 
 
+class EnvironmentSettingError(ValueError):
+    """An environment variable spmdzero reads holds a value it cannot use; the message names
+    the variable, its value and what it takes."""
+
+
+def cpu_device_count() -> int:
+    """``CPU_NUM_DEVICES`` (8 when unset), checked: torch_xla reads ``"x"``, ``"0"`` or ``"-1"``
+    as no device at all, and every later step would fail far from the cause."""
+    text = os.environ.get("CPU_NUM_DEVICES")
+    if text is None:
+        return DEFAULT_CPU_DEVICES
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise EnvironmentSettingError(f"CPU_NUM_DEVICES={text!r} is not a device count: set it to a positive "
+                                      f"integer (the number of virtual CPU devices), or unset it for "
+                                      f"{DEFAULT_CPU_DEVICES}")
+    return count
+
+
 TPU_PCI_VENDOR = "0x1ae0"  # Google; how torch_xla itself counts TPU chips
 
 
@@ -39,4 +61,4 @@ def visible_device_count() -> int:
             with open(vendor_file) as f:
                 count += f.read().strip() == TPU_PCI_VENDOR
         return count
-    return int(os.environ.get("CPU_NUM_DEVICES", DEFAULT_CPU_DEVICES))
+    return cpu_device_count()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 from typing import Optional
-from spmdzero.runtime.devices import DEFAULT_CPU_DEVICES, _select_device_type
+from spmdzero.runtime.devices import EnvironmentSettingError, _select_device_type, cpu_device_count
 
 VARIABLE = "SPMDZERO_BACKEND"
 CHOICES = ("torch_xla", "torchax")
@@ -32,7 +32,7 @@ def selected() -> bool:
 def from_environment() -> bool:
     value = os.environ.get(VARIABLE, "torch_xla")
     if value not in CHOICES:
-        raise ValueError(f"{VARIABLE}={value!r} is not a backend: use 'torchax' (JAX takes the devices, for "
+        raise EnvironmentSettingError(f"{VARIABLE}={value!r} is not a backend: use 'torchax' (JAX takes the devices, for "
                          "spmd.backend='torchax') or 'torch_xla' (the default; or leave it unset)")
     return value == "torchax"
 
@@ -49,7 +49,7 @@ def _device_type() -> str:
 
 
 def _cpu_count() -> int:
-    return int(os.environ.get("CPU_NUM_DEVICES", DEFAULT_CPU_DEVICES))
+    return cpu_device_count()
 
 
 def configure() -> None:

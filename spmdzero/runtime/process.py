@@ -15,7 +15,7 @@ Everything here runs once, on ``import spmdzero``, before any XLA tensor exists:
 
 from __future__ import annotations
 import os
-from spmdzero.runtime.devices import DEFAULT_CPU_DEVICES, _select_device_type
+from spmdzero.runtime.devices import _select_device_type, cpu_device_count
 from spmdzero.runtime import jax_runtime, libtpu_flags
 
 
@@ -33,7 +33,7 @@ def bootstrap() -> None:
     device_type = _select_device_type()
     os.environ["PJRT_DEVICE"] = device_type
     if device_type == "CPU":
-        os.environ.setdefault("CPU_NUM_DEVICES", str(DEFAULT_CPU_DEVICES))
+        os.environ["CPU_NUM_DEVICES"] = str(cpu_device_count())  # checked: torch_xla reads "x" as no device
     elif device_type == "TPU":  # the compiler flags spmdzero aot compiles with, before libtpu loads
 
         libtpu_flags.apply()

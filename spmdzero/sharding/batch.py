@@ -13,6 +13,9 @@ from spmdzero.config.schema import DeepSpeedConfig
 _RANK = {"device": "data-parallel device", "process": "process (one per host)"}
 
 
+MAX_BATCH_NUMBER = 2**63 - 1  # torch's samplers (itertools.islice) and tensor shapes hold 64-bit integers
+
+
 @dataclass(frozen=True)
 class BatchSizes:
     """The batch numbers, resolved by the batch rule (``spmd.rank``).
@@ -88,6 +91,11 @@ def resolve_batch(cfg: DeepSpeedConfig, dp_devices: int, processes: int = 1) -> 
     if dp_devices % processes:
         raise ConfigError(f"{dp_devices} data-parallel devices do not divide over {processes} processes")
     tb, mb, gas = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+    for name, value in (("train_batch_size", tb), ("train_micro_batch_size_per_gpu", mb),
+                        ("gradient_accumulation_steps", gas)):
+        if value is not None and value > MAX_BATCH_NUMBER:
+            raise ConfigError(f"{name}={value} is too large: batch numbers must fit in a 64-bit integer (at most "
+                              f"2**63 - 1, what torch's samplers and tensor shapes hold)")
     ws = dp_devices if rule == "device" else processes
     if tb is not None and mb is not None and gas is not None:
         pass
@@ -108,6 +116,11 @@ def resolve_batch(cfg: DeepSpeedConfig, dp_devices: int, processes: int = 1) -> 
                         ("gradient_accumulation_steps", gas)):
         if value <= 0:
             raise ConfigError(f"{name} resolved to {value} with a world size of {ws} {unit}; it must be > 0")
+    if tb > MAX_BATCH_NUMBER:  # inferred as a product: the given numbers are each in range
+        raise ConfigError(f"train_batch_size resolved to {tb} = train_micro_batch_size_per_gpu {mb} x "
+                          f"gradient_accumulation_steps {gas} x world size {ws} {unit}, more than a 64-bit integer "
+                          "holds (2**63 - 1); make train_micro_batch_size_per_gpu or gradient_accumulation_steps "
+                          "smaller")
     if tb != mb * gas * ws:
         raise ConfigError(
             "Check batch related parameters. train_batch_size is not equal to "

@@ -65,6 +65,20 @@ def setup_training(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh_shape: dic
     return TrainingSetup(batch, plan, built, scheduler, loader)
 
 
+def refuse_sparse_gradients(model: torch.nn.Module) -> None:
+    """An ``nn.Embedding`` or ``nn.EmbeddingBag`` built with ``sparse=True`` makes a sparse
+    gradient, which a sharding annotation cannot lay out: torch_xla fails on it in
+    ``backward`` (deep inside, naming no module) and a backend that computes gradients dense
+    would ignore the flag. Refused before anything is touched, naming the module. (DeepSpeed's
+    ``sparse_gradients`` config key is another thing: see config.keys.)"""
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
+            where = f"module {name!r}" if name else "the model"
+            raise ValueError(f"{where} ({type(module).__name__}) has sparse=True: a sparse gradient cannot be "
+                             "sharded by annotation under SPMD. Construct it with sparse=False (the gradient "
+                             "values are the same; XLA computes them dense)")
+
+
 def config_dict(cfg, args, config, config_params) -> dict:
     """The config as DeepSpeed's ``engine.config`` holds it: the user's dict (a file read)."""
     source = next((c for c in (config, config_params, getattr(args, "deepspeed_config", None)) if c is not None), None)

@@ -20,7 +20,7 @@ from spmdzero.optim.optimizers import init_state, placeholder_state
 from spmdzero.backends.torch_xla.scan import (apply_scan_layers, lay_out_gradients, restack_groups, restack_optimizer,
                                              stacked_layers)
 from spmdzero.optim.precision import attach_master_weights, precision_policy
-from spmdzero.train.build import move_in_place, move_state_to, setup_training
+from spmdzero.train.build import move_in_place, move_state_to, refuse_sparse_gradients, setup_training
 
 
 def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh: Any = None, optimizer: Any = None,
@@ -34,6 +34,7 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh: Any = None, optimi
                           f"{jax_runtime.VARIABLE}=torchax gave this process's devices to JAX. Set spmd.backend to "
                           f"'torchax', or unset {jax_runtime.VARIABLE} before `import spmdzero` (in a notebook: "
                           "restart the kernel)")
+    refuse_sparse_gradients(model)
     if cfg.spmd.compile_cache_dir:
         runtime.enable_compile_cache(cfg.spmd.compile_cache_dir)
 

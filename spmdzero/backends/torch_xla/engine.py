@@ -261,6 +261,7 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """Apply the update at an accumulation boundary; count every call; end the trace."""
         if self._capture is not None:  # trace the update for the TPU compiler; execute nothing
+            self._require_optimizer("engine.step() in spmdzero.aot.capture")
             self._take_model_step(lr_kwargs)
             self._capture.record()
             return
@@ -278,11 +279,14 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
             for hook in list(self._post_step_hooks.values()):
                 hook(self)
 
-    def _take_gradients(self, call: str) -> None:
-        """Check that an optimizer step has gradients to apply, and mark them taken."""
+    def _require_optimizer(self, call: str) -> None:
         if self.optimizer is None:
             raise RuntimeError(f"{call} needs an optimizer: pass optimizer= to initialize() "
                                "or add an 'optimizer' section to the config")
+
+    def _take_gradients(self, call: str) -> None:
+        """Check that an optimizer step has gradients to apply, and mark them taken."""
+        self._require_optimizer(call)
         if not self._backward_since_step:
             # DeepSpeed's ZeRO-1/2 optimizer has no gradients then and fails (its
             # averaged_gradients are None after a step); an update would still apply weight

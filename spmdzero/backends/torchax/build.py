@@ -11,7 +11,7 @@ from spmdzero.sharding.mesh import check_user_mesh, mesh_shape, resolve_mesh_sha
 from spmdzero.optim.optimizers import SpmdOptimizer
 from spmdzero.optim.precision import DTYPES
 from spmdzero.backends.torchax.engine import TorchaxEngine
-from spmdzero.train.build import setup_training
+from spmdzero.train.build import refuse_sparse_gradients, setup_training
 from spmdzero import runtime
 from spmdzero.runtime import jax_runtime
 
@@ -56,6 +56,7 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
 
     check_config(cfg, optimizer)
     _require_torchax()
+    refuse_sparse_gradients(model)
     for name, sub in model.named_modules():
         if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm) and sub.track_running_stats:
             # torchax 0.0.13's batch norm leaves the running statistics as they were
