@@ -794,3 +794,82 @@ def test_the_stages_table_rows_add_up_to_the_total():
     figures = [float(rows[k].split()[0]) for k in ("arguments (model states)", "outputs", "aliased (donated state)",
                                                    "temporaries", "code", "total per chip")]
     assert figures[0] + figures[1] - figures[2] + figures[3] + figures[4] == pytest.approx(figures[5])
+
+
+HF_CONFIG = {  # as the Hugging Face Trainer's docs write it: the Trainer fills in every "auto"
+    "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": "auto"},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+}
+
+
+@pytest.mark.parametrize("config, extra, notes", [
+    (HF_CONFIG, ["--micro-batch", "2"], ['optimizer.params lr, betas, eps, weight_decay are "auto": compiled with the '
+                                         "optimizer's defaults", 'scheduler.params hold "auto": compiled without the '
+                                         "schedule"]),
+    ({"train_micro_batch_size_per_gpu": 1, "zero_optimization": True}, [],
+     ["it has no 'optimizer' section: compiled with AdamW"]),
+    ({"train_micro_batch_size_per_gpu": 1, "zero_optimization": "auto", "optimizer": {"type": "SGD"}}, [], []),
+    ({"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}, ["--micro-batch", "4"],
+     ["it has no 'optimizer' section"]),
+])
+def test_the_command_compiles_configs_as_integrations_write_them(tmp_path, capsys, monkeypatch, config, extra, notes):
+    """Each used to fail before compiling: "auto" optimizer parameters refused (only the HF
+    Trainer fills them in, and they do not change the compiled step), ``"zero_optimization":
+    true`` (DeepSpeed's old form) or "auto" a TypeError traceback, no optimizer section an
+    AttributeError from inside the traced step. The compile itself is faked: each config is
+    taken as far as the stage's engine config."""
+    from spmdzero.aot import command
+    from spmdzero.aot.steps import _stage_config
+    from spmdzero.config.load import parse_config
+
+    class Reached(RuntimeError):
+        pass
+
+    def compile_step(source, config, topology, stage, micro_batch, shape_only):
+        cfg = parse_config(_stage_config(config, stage, micro_batch))
+        raise Reached(f"compiling stage {cfg.zero_stage} with {cfg.optimizer.type}")
+
+    monkeypatch.setattr(command, "compile_step", compile_step)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    gpt2 = tmp_path / "gpt2.json"
+    gpt2.write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 64, "n_head": 2, "vocab_size": 256,
+                                "n_positions": 32}))
+    code = command.main(["--topology", "v5e:2x2", "--deepspeed_config", str(path), "--model", str(gpt2),
+                         "--stages", "2", *extra])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == "spmdzero aot: compiling stage 2 with " + config.get("optimizer", {}).get(
+        "type", "AdamW"), err
+    for note in notes:
+        assert f"spmdzero aot: {path}: {note}" in err, err
+
+
+def test_the_command_asks_for_micro_batch_when_the_config_has_no_batch_size(tmp_path, capsys):
+    from spmdzero.aot import command
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(HF_CONFIG))
+    assert command.main(["--topology", "v5e:2x2", "--deepspeed_config", str(path), "--stages", "2"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (f'spmdzero aot: {path}: train_batch_size and train_micro_batch_size_per_gpu are "auto" or absent '
+                   "(an integration fills them in): pass --micro-batch"), err
+
+
+def test_a_captured_step_without_an_optimizer_says_so():
+    import torch
+
+    import spmdzero
+    from spmdzero.tpu.capture import capture
+
+    engine, *_ = spmdzero.initialize(model=torch.nn.Linear(8, 8), config={"train_batch_size": 8})
+    with pytest.raises(RuntimeError, match=r"engine.step\(\) in spmdzero.aot.capture needs an optimizer"):
+        with capture(engine):
+            engine.backward(engine(torch.randn(8, 8)).sum())
+            engine.step()

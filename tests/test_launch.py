@@ -130,3 +130,61 @@ def test_init_distributed_joins_the_hosts_into_one_process_group(tmp_path):
 def test_deepspeeds_short_launcher_options_are_named_under_their_long_names():
     args = _parser().parse_args(["-i", "localhost:0", "-H", "hosts", "-e", "localhost:1", "-q", "train.py"])
     assert _ignored_options(args) == ["--hostfile=hosts", "--include=localhost:0", "--exclude=localhost:1", "--quiet"]
+
+
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "CPU_NUM_DEVICES", "SPMDZERO_BACKEND", "PJRT_DEVICE")
+
+
+@pytest.mark.parametrize("variable,value,message", [
+    ("MASTER_PORT", "abc", "MASTER_PORT='abc' in the environment is not a port number (0-65535)"),
+    ("MASTER_PORT", "", "MASTER_PORT='' in the environment is not a port number"),
+    ("MASTER_PORT", "99999", "MASTER_PORT='99999' in the environment is not a port number"),
+    ("CPU_NUM_DEVICES", "x", "the XLA runtime did not start: CPU_NUM_DEVICES='x' is not a device count"),
+    ("CPU_NUM_DEVICES", "0", "CPU_NUM_DEVICES='0' is not a device count"),
+    ("CPU_NUM_DEVICES", "-1", "CPU_NUM_DEVICES='-1' is not a device count"),
+    ("SPMDZERO_BACKEND", "jax", "SPMDZERO_BACKEND='jax' is not a backend"),
+])
+def test_a_bad_environment_is_one_line_naming_the_variable(monkeypatch, capsys, tmp_path, variable, value, message):
+    """``MASTER_PORT=abc`` was a ValueError traceback from int(); ``CPU_NUM_DEVICES=x``, 0 or -1
+    gave torch_xla no device at all (every later step failed far from the cause); a bad
+    ``SPMDZERO_BACKEND`` was a traceback. In this process the runtime has started: the check
+    runs where a fresh process would start it."""
+    from spmdzero.cli.launch import main
+
+    for key in LAUNCHER_ENV:  # recorded, so restored (or removed) after the test, whatever launch sets
+        present = key in os.environ
+        monkeypatch.setenv(key, os.environ.get(key, ""))
+        if not present:
+            monkeypatch.delenv(key)
+    monkeypatch.setenv(variable, value)
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('the script ran')\n")
+    assert main([str(script)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("spmdzero launch: ") and message in err and len(err.splitlines()) == 1, err
+
+
+def test_a_master_port_argument_out_of_range_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as done:
+        _parser().parse_args(["--master_port", "70000", "train.py"])
+    assert done.value.code == 2 and "argument --master_port: must be a port number (0-65535), got '70000'" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_bad_device_environment_is_one_line_from_the_console_entry_point(tmp_path):
+    """Through ``spmdzero launch`` in a fresh process, where the runtime starts: the package
+    import used to start it first, so a bad CPU_NUM_DEVICES or PJRT_DEVICE was a traceback."""
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('the script ran')\n")
+    for variable, value, message in [("CPU_NUM_DEVICES", "x", "CPU_NUM_DEVICES='x' is not a device count"),
+                                     ("PJRT_DEVICE", "GPU", "(PJRT_DEVICE='GPU'): No PjRtPlugin registered for: GPU")]:
+        env = {**os.environ, "PYTHONPATH": REPO, variable: value}
+        env.pop("SPMDZERO_NO_RUNTIME", None)
+        command = [sys.executable, "-c", "import sys, spmdzero_cli; sys.exit(spmdzero_cli.main())", "launch",
+                   str(script)]
+        proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        err = [line for line in proc.stderr.splitlines() if line.startswith("spmdzero launch:")]
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(err) == 1 and message in err[0], \
+            proc.stderr[-3000:]
