@@ -4,11 +4,9 @@ runtime itself, so that a bad ``CPU_NUM_DEVICES`` or ``PJRT_DEVICE`` is one line
 traceback from the import."""
 
 import os
-import sys
 
 
 def main(argv=None) -> int:
-    args = sys.argv[1:] if argv is None else argv
     os.environ.setdefault("SPMDZERO_NO_RUNTIME", "1")
     from spmdzero.cli.main import main as cli_main
 
