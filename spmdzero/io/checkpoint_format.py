@@ -57,6 +57,23 @@ def _is_writer() -> bool:
     return xr.process_index() == 0
 
 
+def non_persistent_buffers(module: torch.nn.Module) -> set[str]:
+    """The names of the module's ``persistent=False`` buffers (rotary embeddings' ``inv_freq``,
+    causal masks): values the model computes from its settings, which torch's ``state_dict``
+    and DeepSpeed's checkpoints leave out. A checkpoint neither holds nor restores them, so a
+    load keeps what the model computed (a changed ``rope_theta`` takes effect) and a model
+    that gained one still loads an older checkpoint."""
+    return {f"{prefix}.{name}" if prefix else name
+            for prefix, sub in module.named_modules() for name in sub._non_persistent_buffers_set}
+
+
+def checkpointed(engine) -> dict[str, tuple[Any, tuple]]:
+    """What a checkpoint holds of the engine's state: ``engine.state_tensors()`` less the
+    module's non-persistent buffers."""
+    skip = {f"buffer.{name}" for name in non_persistent_buffers(engine.module)}
+    return {k: v for k, v in engine.state_tensors().items() if k not in skip}
+
+
 def tensor_index(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], str]]:
     """{key: (shape, dtype)}: what the meta records of each tensor, for checks and consolidation."""
     return {k: (tuple(t.shape), str(t.dtype)) for k, t in tensors.items()}

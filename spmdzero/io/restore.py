@@ -37,7 +37,7 @@ import torch
 from spmdzero.io import restack
 from spmdzero.io.restack import stacking_mismatch
 from spmdzero.io.checkpoint_format import (CheckpointError, LATEST_FILE, META_FILE, _dtype, _no_dist, _quiet_dcp,
-                                           tensor_index)
+                                           checkpointed, non_persistent_buffers, tensor_index)
 from spmdzero.io.checkpoint_dir import reading
 from spmdzero.io.read import _dcp_failure, locate, open_state, read_client_state, read_meta, resolve_tag
 from spmdzero.io.deepspeed_import import is_deepspeed_checkpoint, read_deepspeed_checkpoint
@@ -157,7 +157,7 @@ def _select(engine, saved: dict, strict: bool, full_state: bool, meta: dict) -> 
     become an fp32 run's params, an fp32 run's params a bf16 run's masters. A checkpoint
     saved with ``spmd.scan_layers='stacked'`` and another setting loaded: each tensor from
     its layers or its stack (``spmdzero.io.restack``)."""
-    live = engine.state_tensors()
+    live = checkpointed(engine)
     saved_shapes = {k: tuple(v[0]) for k, v in saved.items()}
     live_shapes = {k: tuple(t.shape) for k, (t, _) in live.items()}
     # a param's master and a master's param: where the two precisions meet
@@ -169,7 +169,9 @@ def _select(engine, saved: dict, strict: bool, full_state: bool, meta: dict) -> 
         return restack.Source((key,)) if key in saved else aliases.get(key)
 
     module_keys = {k for k in live if k.startswith(("model.", "buffer."))}
-    saved_module = {k for k in saved if k.startswith(("model.", "buffer."))}
+    # an older checkpoint may hold a buffer that the model now computes (non-persistent): not loaded
+    computed = {f"buffer.{name}" for name in non_persistent_buffers(engine.module)}
+    saved_module = {k for k in saved if k.startswith(("model.", "buffer.")) and k not in computed}
     consumed = {k for key in module_keys if (src := found(key)) for k in src.keys}
     missing = sorted(k for k in module_keys if found(k) is None)
     unexpected = sorted(k for k in saved_module - module_keys if k not in consumed)

@@ -15,7 +15,8 @@ import torch
 from spmdzero.io import checkpoint_dir
 from spmdzero.io.checkpoint_dir import _pickle_client_state, check_target, staging_dir
 from spmdzero.io.checkpoint_format import (CLIENT_FILE, CheckpointError, FORMAT_VERSION, STATE_DIR, _is_writer,
-                                           _no_dist, _quiet_dcp, check_tag, tensor_index, to_json)
+                                           _no_dist, _quiet_dcp, check_tag, checkpointed, tensor_index,
+                                           to_json)
 from spmdzero.io.read import _dcp_failure
 from spmdzero.version import __version__
 
@@ -43,7 +44,7 @@ def _save(engine, save_dir: str, tag: str, client_bytes: Optional[bytes], save_l
     import torch_xla.core.xla_model as xm
     from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
 
-    tensors = engine.state_tensors()
+    tensors = checkpointed(engine)
     if exclude_frozen_parameters:
         frozen = {f"model.{n}" for n, p in engine.module.named_parameters() if not p.requires_grad}
         tensors = {k: v for k, v in tensors.items() if k not in frozen}
