@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable
 import torch
+from spmdzero import runtime
 from spmdzero.backends.torch_xla.annotate import shard
 from spmdzero.sharding.plan import replicated
 from spmdzero.train.data import _first_batch_size, caller_stacklevel, map_tensors
@@ -22,6 +23,29 @@ def _note_replicated(rows: int, devices: int) -> None:
                   f"runs replicated along the batch (every device computes all {rows} rows, the same result at "
                   f"{devices}x the compute, and one more compiled program for this shape). Use a multiple of "
                   f"{devices} rows to split it (noted once per shape).", stacklevel=caller_stacklevel())
+
+
+class _SendWithGradient(torch.autograd.Function):
+    """The sharded move of a host tensor that requires grad (input gradients: saliency,
+    adversarial examples). torch_xla's sharded transfer is outside autograd, so its backward
+    is given here: the gradient goes back to the host tensor as ``tensor.to(device)``'s
+    would, each host taking its own rows of the global gradient. The copy to the host is a
+    device read, made only for tensors whose gradient the user asked for."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, sharding, device, process_count: int) -> torch.Tensor:
+        import torch_xla.core.xla_model as xm
+
+        ctx.source, ctx.rows, ctx.process_count = (t.device, t.dtype), t.shape[0], process_count
+        return xm.send_cpu_data_to_device([t.detach()], device, sharding)[0]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.process_count > 1:  # the global batch is the hosts' rows in process order
+            start = runtime.hosts()[0] * ctx.rows
+            grad = grad[start:start + ctx.rows]
+        device, dtype = ctx.source
+        return grad.to(device=device, dtype=dtype), None, None, None
 
 
 def to_device_sharded(batch: Any, mesh, batch_spec: Callable[[int], tuple], dp_size: int,
@@ -56,6 +80,8 @@ def to_device_sharded(batch: Any, mesh, batch_spec: Callable[[int], tuple], dp_s
             shard(t, mesh, spec)
             return t
         sharding = xs.ShardingSpec(mesh, spec, minibatch=process_count > 1)
+        if t.requires_grad and torch.is_grad_enabled():
+            return _SendWithGradient.apply(t, sharding, device, process_count)
         return xm.send_cpu_data_to_device([t], device, sharding)[0]
 
     return map_tensors(batch, move)
