@@ -686,10 +686,12 @@ def test_the_optimizers_state_dict_is_refused_not_empty():
 
 
 def test_the_batch_rule_holds_for_training_forwards():
+    """More rows than configured are trained and counted (DeepSpeed does not check them),
+    fewer warn once."""
     engine, *_ = spmdzero.initialize(model=WithLoss(tiny_mlp(seed=0)), config=config("torchax"))
     (x, y), = batches(1, 32)
-    with pytest.raises(ValueError, match="32"):
-        engine(x, y)
+    engine.backward(engine(x, y))
+    assert engine._rows_since_step == 32
     with pytest.warns(UserWarning, match="partial batch"):
         engine(x[:8], y[:8])
     with torch.no_grad():

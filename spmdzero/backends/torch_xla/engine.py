@@ -39,7 +39,7 @@ from spmdzero.backends.torch_xla import fused
 from spmdzero.backends.torch_xla.annotate import constrain, shard
 from spmdzero.sharding.batch import BatchSizes
 from spmdzero.config.schema import DeepSpeedConfig
-from spmdzero.train.data import batch_rows, map_tensors, model_pad_id
+from spmdzero.train.data import map_tensors, model_pad_id
 from spmdzero.backends.torch_xla.batches import to_device_sharded
 from spmdzero.train.engine_base import EngineBase, no_gradients
 from spmdzero.observe.monitor import RecompileGuard, StepLogger, ThroughputTimer, compile_count, notice_nonfinite
@@ -178,13 +178,13 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         shapes = []
         map_tensors((inputs, kwargs), lambda t: shapes.append(tuple(t.shape)))
         self._input_shapes = tuple(shapes)
+        layout = self._batch_layout(self.module, inputs, kwargs)
         if self.module.training and torch.is_grad_enabled():
-            self._count_training_rows(*batch_rows((inputs, kwargs)))
+            self._count_training_rows(layout.rows, layout.on_device)
         else:
             self.recompile_guard.note_evaluation()
-        # positional and keyword inputs together: the first tensor's leading dim is the batch
         inputs, kwargs = to_device_sharded((inputs, kwargs), self.mesh, self.plan.batch_spec,
-                                           self._batch.dp_devices, self._batch.processes)
+                                           self._batch.dp_devices, self._batch.processes, layout)
         inputs, kwargs = self._in_model_dtype(inputs, kwargs)
         try:
             return self.module(*inputs, **kwargs)

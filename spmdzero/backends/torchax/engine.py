@@ -258,20 +258,20 @@ class TorchaxEngine(EngineBase):
 
         return self._jax.device_put(mappings.t2j(t.detach().cpu()), sharding)
 
-    def _place_inputs(self, leaves: list) -> list:
-        """Tensors to JAX arrays: those with the batch's leading dim split along the batch axes
-        (replicated when it does not divide), others replicated; torchax tensors as they are."""
+    def _place_inputs(self, leaves: list, layout) -> list:
+        """Tensors to JAX arrays: the inputs that carry the batch (``layout``) split along the
+        batch axes on their batch dim (replicated when the rows do not divide), others
+        replicated; torchax tensors as they are."""
         from torchax import tensor as ttensor
 
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        rows = next((t.shape[0] for t in tensors if t.dim()), None)
-        split = rows is not None and rows % self._batch.dp_devices == 0
+        split = layout.rows is not None and layout.rows % self._batch.dp_devices == 0
         placed = []
-        for t in tensors:
+        for t in (t for t in leaves if isinstance(t, torch.Tensor)):
+            dim = layout.dim_of(t)
             if isinstance(t, ttensor.Tensor):
                 placed.append(t._elem)
-            elif split and t.dim() and t.shape[0] == rows:
-                placed.append(self._put(t, self._sharding(self.plan.batch_spec(t.dim()))))
+            elif split and dim is not None:
+                placed.append(self._put(t, self._sharding(self.plan.batch_spec(t.dim(), dim))))
             else:
                 placed.append(self._put(t, self._replicated))
         return placed
@@ -384,9 +384,10 @@ class TorchaxEngine(EngineBase):
         leaves, treespec = torch_pytree.tree_flatten((inputs, kwargs))
         static = tuple((i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor))
         self._take_host_changes()
-        arrays = self._place_inputs(leaves)
+        layout = self._batch_layout(self._module, inputs, kwargs, on_device=_is_torchax_tensor)
+        arrays = self._place_inputs(leaves, layout)
         rng = (self._rng, np.uint32(self.micro_steps))  # dropout draws anew at every micro-step
-        rows = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim()), None)
+        rows = layout.rows if layout.on_device else None if layout.rows is None else layout.rows * self._batch.processes
         training = self._module.training
         if training and torch.is_grad_enabled():
             self._last_output_loss = self._deferred = None
