@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import spmdzero
 from spmdzero.train.data import pad_sequences
 
-from conftest import tiny_mlp
+from conftest import spmdzero_log, tiny_mlp
 
 ADAMW = {"type": "AdamW", "params": {"lr": 0.01}}
 # plain SGD, unclipped (DeepSpeed clips at 1.0 by default): compared with torch.optim.SGD
@@ -89,19 +89,19 @@ def test_the_process_rule_loader_draws_like_deepspeeds_loader_on_that_rank():
     assert torch.equal(ours.cpu(), theirs)
 
 
-def test_more_rows_than_the_config_says_are_trained_and_counted_as_deepspeed_would(caplog):
+def test_more_rows_than_the_config_says_are_trained_and_counted_as_deepspeed_would():
     """DeepSpeed never compares a forward's rows with train_micro_batch_size_per_gpu (a reward
     model feeds chosen and rejected sequences as one batch of twice the rows). It used to be
     refused ("got 32 rows per process, more than the 16")."""
     engine = engine_for("device", micro=2, **SGD)  # 2 per device x 8 devices = 16 rows per micro-step
     reference = tiny_mlp()
     x = torch.randn(32, 16)
-    with caplog.at_level(logging.INFO, logger="spmdzero"), warnings.catch_warnings():
+    with spmdzero_log() as records, warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing to warn about
         train_step_on(engine, x)
         train_step_on(engine, x)
     assert engine.global_samples == 64 and engine.samples_last_step == 32
-    noted = [r.getMessage() for r in caplog.records if "32 rows per process, more than the 16" in r.getMessage()]
+    noted = [r.getMessage() for r in records if "32 rows per process, more than the 16" in r.getMessage()]
     assert len(noted) == 1  # once, in the log
     sgd_steps(reference, x, 2, lr=0.01)
     for (name, ours), theirs in zip(engine.module.named_parameters(), reference.parameters()):

@@ -755,3 +755,34 @@ def test_the_torch_xla_only_names_are_exactly_what_the_torchax_engine_lacks():
 
     public = lambda cls: {n for n in dir(cls) if not n.startswith("_")}  # noqa: E731
     assert TORCH_XLA_ONLY == public(SpmdZeroEngine) - public(torch.nn.Module) - public(TorchaxEngine)
+
+
+def test_the_step_log_monitors_and_a_nonfinite_fp32_loss_are_told(tmp_path):
+    """steps_per_print and the csv/TensorBoard monitors write as on the torch_xla backend (they
+    were refused, and steps_per_print ignored), and a NaN loss in fp32, which poisons the
+    parameters as in DeepSpeed, is told once at the print step that reads it, with no device
+    read of its own."""
+    import warnings
+
+    from conftest import spmdzero_log
+
+    class Scaled(WithLoss):
+        def forward(self, x, y, scale):
+            return super().forward(x, y) * scale
+
+    engine, *_ = spmdzero.initialize(model=Scaled(tiny_mlp(seed=0)), config=config(
+        "torchax", steps_per_print=2, csv_monitor={"enabled": True, "output_path": str(tmp_path), "job_name": "j"}))
+    (x, y), = batches(1, 16)
+    with spmdzero_log() as records, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(6):
+            engine.backward(engine(x, y, torch.tensor(float("nan") if i == 2 else 1.0)))
+            engine.step()
+    lines = [r.getMessage() for r in records if r.getMessage().startswith("step=")]
+    assert [line.split(",")[0] for line in lines] == ["step=2", "step=4", "step=6"]
+    assert "loss=nan" in lines[1] and "grad_norm=nan" in lines[1]
+    told = [str(w.message) for w in caught if "no longer finite" in str(w.message)]
+    assert len(told) == 1 and "the loss is nan at global step 4" in told[0], told
+    logged = (tmp_path / "j" / "Train_Samples_train_loss.csv").read_text().splitlines()
+    assert logged[0] == "step,train_loss" and [row.split(",")[0] for row in logged[1:]] == ["32", "64", "96"]
+    assert logged[2].endswith(",nan")

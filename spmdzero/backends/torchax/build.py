@@ -24,16 +24,13 @@ def check_config(cfg: DeepSpeedConfig, client_optimizer: Any = None) -> None:
         "spmd.dcn_mesh": cfg.spmd.dcn_mesh is not None,
         "spmd.max_recompiles": cfg.spmd.max_recompiles is not None,
         "spmd.compile_cache_dir": cfg.spmd.compile_cache_dir is not None,
-        "tensorboard.enabled": cfg.tensorboard.enabled,
-        "csv_monitor.enabled": cfg.csv_monitor.enabled,
         "communication_data_type": DTYPES.get(cfg.communication_data_type) == torch.float16,
         "data_types.grad_accum_dtype": DTYPES.get(cfg.data_types.grad_accum_dtype) == torch.float16,
     }
     for key, on in refused.items():
         if on:
             raise ConfigError(f"{key} is not supported by the torchax backend (spmd.backend='torchax'; it trains "
-                              "in fp32 or bf16 with the config's optimizer, no checkpoints, monitors or loss "
-                              "scaling); remove it or use spmd.backend='torch_xla'")
+                              "in fp32 or bf16 with the config's optimizer, no checkpoints or loss scaling); remove it or use spmd.backend='torch_xla'")
     if client_optimizer is not None:
         raise ConfigError("spmd.backend='torchax' takes its optimizer from the config's 'optimizer' section; a "
                           "client optimizer (initialize(optimizer=...)) is not supported")

@@ -48,6 +48,7 @@ from torch.utils import _pytree as torch_pytree
 from spmdzero.sharding.batch import BatchSizes
 from spmdzero.config.schema import DeepSpeedConfig
 from spmdzero.train.data import like, model_pad_id
+from spmdzero.observe.monitor import StepLogger, notice_nonfinite
 from spmdzero.optim.ops import jax_ops
 from spmdzero.optim.optimizers import SpmdOptimizer
 from spmdzero.optim.update import boundary_update, sum_of_squares, update_group
@@ -231,6 +232,8 @@ class TorchaxEngine(EngineBase):
         self._pending: Optional[dict] = None  # the last training forward's accumulation, until backward commits it
         self._last_output_loss = None  # the loss tensor the last training forward returned
         self._last_loss = None
+        self._window_loss = self._step_loss = None  # the mean loss of the accumulation window, a JAX array
+        self._step_logger = StepLogger(cfg)  # steps_per_print and the monitors
         self._pending_rows = self._rows_since_step = 0  # training rows fed: global_samples
         self._global_grad_norm = None
         self._skipped = self._put(torch.zeros(()), self._replicated)  # steps skipped for non-finite gradients
@@ -560,6 +563,8 @@ class TorchaxEngine(EngineBase):
         self._accum, self._pending, self._last_output_loss = self._pending, None, None
         self._rows_since_step += self._pending_rows
         gas = self.gradient_accumulation_steps()
+        term = loss._elem.astype("float32") / gas  # a JAX op: no device read
+        self._window_loss = term if self._window_loss is None else self._window_loss + term
         return loss / gas if gas > 1 else loss
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
@@ -589,6 +594,8 @@ class TorchaxEngine(EngineBase):
             self.lr_scheduler.step(**(lr_kwargs or {}))
         self.global_steps += 1
         self.global_samples += self._consume_samples()
+        self._step_loss, self._window_loss = self._window_loss, None
+        self._step_logger.after_boundary(self)  # reads the device at print steps only
 
     def _build_update(self):
         """``(params, masters, states, shared states, grads, skipped, hyperparameters) -> (params,
@@ -642,7 +649,18 @@ class TorchaxEngine(EngineBase):
 
     # ---- reporting -------------------------------------------------------------------------------
     def get_global_grad_norm(self) -> Optional[float]:
-        return None if self._global_grad_norm is None else float(self._global_grad_norm)
+        """The pre-clip global gradient norm of the last boundary step (reads the device; a
+        non-finite fp32 norm is told once)."""
+        norm = None if self._global_grad_norm is None else float(self._global_grad_norm)
+        notice_nonfinite(self, norm, "gradient norm of the last step")
+        return norm
+
+    def step_loss(self) -> Optional[float]:
+        """The mean of the losses passed to ``backward`` in the last optimizer step's
+        accumulation window (what the step log and monitors report); reads the device."""
+        loss = None if self._step_loss is None else float(self._step_loss)
+        notice_nonfinite(self, loss, "loss")
+        return loss
 
     @property
     def skipped_steps(self) -> int:
@@ -654,7 +672,10 @@ class TorchaxEngine(EngineBase):
         return self.global_steps > 0 and (self._last_skip is None or not bool(self._last_skip))
 
     def last_loss(self) -> Optional[float]:
-        return None if self._last_loss is None else float(self._last_loss.numpy())
+        """The loss last passed to ``backward``; reads the device."""
+        loss = None if self._last_loss is None else float(self._last_loss.numpy())
+        notice_nonfinite(self, loss, "loss")
+        return loss
 
     def optimizer_states(self) -> dict[str, dict[str, Any]]:
         """The optimizer states by parameter name and key, as JAX arrays (laid out by the plan);
