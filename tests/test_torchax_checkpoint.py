@@ -163,7 +163,8 @@ def test_a_deepspeed_checkpoint_continues_on_torchax_as_deepspeed_did():
     sys.path.insert(0, os.path.join(REPO, "tests", "oracle"))
     from training_case import CONFIG, global_micro_batches
 
-    ds = json.loads(open(os.path.join(REPO, "tests", "fixtures", "deepspeed_zero2_fp32.json")).read())
+    with open(os.path.join(REPO, "tests", "fixtures", "deepspeed_zero2_fp32.json")) as f:
+        ds = json.load(f)
     torch.manual_seed(123)
     model = SequentialWithLoss(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     cfg = {k: v for k, v in CONFIG.items() if k != "train_micro_batch_size_per_gpu"}

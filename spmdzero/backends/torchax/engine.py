@@ -24,7 +24,8 @@ TPU chip on a TPU VM, else ``CPU_NUM_DEVICES`` CPU devices) and torch_xla's runt
 (``spmdzero.runtime.jax_runtime``); without it, JAX CPU devices as many as torch_xla's runtime has, since
 that runtime, started by ``import spmdzero``, would hold any TPU. One host. fp32, or
 bf16 with fp32 master weights and DeepSpeed's overflow skip; what it refuses is checked by
-``check_config`` (docs/config.md, ``spmd.backend``).
+``check_config`` (docs/config.md, ``spmd.backend``). Checkpoints are the torch_xla backend's
+(``spmdzero.io``), this engine's arrays moved through ``checkpoint.TorchaxStateShards``.
 
 Why one module: the two jitted programs and the host-side bookkeeping between them (pending
 gradients, the deferred eval-mode backward, outputs as torchax tensors, arrays released off
