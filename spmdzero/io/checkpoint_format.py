@@ -32,12 +32,15 @@ class CheckpointError(RuntimeError):
 
 
 def _quiet_dcp():
-    """DCP warns that it runs single-process (we ask it to) and torch_xla's sharded tensor
-    warns about an indexing idiom of its own; neither concerns the user."""
+    """DCP warns that it runs single-process (we ask it to), about its own use of
+    ``tensor.storage()`` and about torch_xla's planner's signature, and torch_xla's sharded
+    tensor about an indexing idiom of its own; none of it concerns the user."""
     stack = contextlib.ExitStack()
     stack.enter_context(warnings.catch_warnings())
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     warnings.filterwarnings("ignore", message="Using a non-tuple sequence for multidimensional indexing")
+    warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+    warnings.filterwarnings("ignore", message="The function definition for SavePlanner.set_up_planner")
     return stack
 
 
@@ -50,6 +53,12 @@ def _is_writer() -> bool:
     Device-free tools (consolidation, import) never start the runtime: they are the writer."""
     import sys
 
+    from spmdzero.runtime import jax_runtime
+
+    if jax_runtime.selected():  # JAX's process index, once JAX has started
+        if "jax" not in sys.modules or not sys.modules["jax"]._src.xla_bridge.backends_are_initialized():
+            return True
+        return sys.modules["jax"].process_index() == 0
     if "torch_xla.runtime" not in sys.modules:
         return True
     import torch_xla.runtime as xr
@@ -75,8 +84,9 @@ def checkpointed(engine) -> dict[str, tuple[Any, tuple]]:
 
 
 def tensor_index(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """{key: (shape, dtype)}: what the meta records of each tensor, for checks and consolidation."""
-    return {k: (tuple(t.shape), str(t.dtype)) for k, t in tensors.items()}
+    """{key: (shape, dtype)}: what the meta records of each tensor, for checks and consolidation;
+    the dtype as torch names it, for torch tensors and JAX arrays alike."""
+    return {k: (tuple(t.shape), "torch." + str(t.dtype).removeprefix("torch.")) for k, t in tensors.items()}
 
 
 def check_tag(tag: Any, where: str) -> str:

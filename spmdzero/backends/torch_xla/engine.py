@@ -37,6 +37,7 @@ import torch
 from spmdzero import runtime
 from spmdzero.backends.torch_xla import fused
 from spmdzero.backends.torch_xla.annotate import constrain, shard
+from spmdzero.backends.torch_xla.checkpoint import XlaStateShards
 from spmdzero.sharding.batch import BatchSizes
 from spmdzero.config.schema import DeepSpeedConfig
 from spmdzero.train.data import map_tensors, model_pad_id
@@ -622,10 +623,9 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         execute them again (``None``)."""
         self._capture = capture
 
-    def lay_out(self, tensor: torch.Tensor, spec: tuple) -> None:
-        """Give a device tensor of the training state the layout ``spec`` on this engine's mesh
-        (what checkpoint loads stage their reads into)."""
-        shard(tensor, self.mesh, spec)
+    def state_shards(self) -> XlaStateShards:
+        """The device side of checkpoints (``spmdzero.io.shards.StateShards``)."""
+        return XlaStateShards(self)
 
     def stacked_layers(self) -> dict[str, str]:
         """{stacked parameter name: its stack's name} under ``spmd.scan_layers='stacked'`` (else

@@ -30,7 +30,8 @@ def check_config(cfg: DeepSpeedConfig, client_optimizer: Any = None) -> None:
     for key, on in refused.items():
         if on:
             raise ConfigError(f"{key} is not supported by the torchax backend (spmd.backend='torchax'; it trains "
-                              "in fp32 or bf16 with the config's optimizer, no checkpoints or loss scaling); remove it or use spmd.backend='torch_xla'")
+                              "in fp32 or bf16 with the config's optimizer, no loss scaling); remove it or use "
+                              "spmd.backend='torch_xla'")
     if client_optimizer is not None:
         raise ConfigError("spmd.backend='torchax' takes its optimizer from the config's 'optimizer' section; a "
                           "client optimizer (initialize(optimizer=...)) is not supported")

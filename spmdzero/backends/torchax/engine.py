@@ -24,7 +24,8 @@ TPU chip on a TPU VM, else ``CPU_NUM_DEVICES`` CPU devices) and torch_xla's runt
 (``spmdzero.runtime.jax_runtime``); without it, JAX CPU devices as many as torch_xla's runtime has, since
 that runtime, started by ``import spmdzero``, would hold any TPU. One host. fp32, or
 bf16 with fp32 master weights and DeepSpeed's overflow skip; what it refuses is checked by
-``check_config`` (docs/config.md, ``spmd.backend``).
+``check_config`` (docs/config.md, ``spmd.backend``). Checkpoints are the torch_xla backend's
+(``spmdzero.io``), this engine's arrays moved through ``checkpoint.TorchaxStateShards``.
 
 Why one module: the two jitted programs and the host-side bookkeeping between them (pending
 gradients, the deferred eval-mode backward, outputs as torchax tensors, arrays released off
@@ -153,11 +154,9 @@ def _find_loss(output) -> Optional[torch.Tensor]:
 # The torch_xla engine's public names this engine lacks (tests/test_torchax_backend.py checks
 # the list against both classes): asking for one says which backend has it.
 TORCH_XLA_ONLY = frozenset({
-    "capture_steps", "collectives_report", "current_loss_scale", "drop_optimizer_state", "grad_buffers",
-    "is_compiled", "lay_out", "lay_out_state", "lazy_optimizer_state", "loaded", "loss_scale", "master_weights",
-    "optimized_names", "optimizer_step", "optimizer_zero_grad", "overflow", "placeholder_optimizer_state",
-    "refresh_fp32_params", "register_post_step_hook", "restore_snapshot", "scales_loss", "sharding_report",
-    "snapshot", "stacked_layers", "step_loss", "trained_parameters",
+    "capture_steps", "collectives_report", "current_loss_scale", "grad_buffers", "is_compiled", "lay_out_state",
+    "loss_scale", "master_weights", "optimizer_step", "optimizer_zero_grad", "overflow", "refresh_fp32_params",
+    "register_post_step_hook", "restore_snapshot", "sharding_report", "snapshot", "step_loss", "trained_parameters",
 })
 
 
@@ -249,11 +248,17 @@ class TorchaxEngine(EngineBase):
         self._warned_fewer_rows = False
         _refuse_optimizer_state(optimizer)
         _sync_before_state_dict(module, self)
-        self._rng = jax.random.key(torch.initial_seed() % (1 << 63))
+        self._seed(torch.initial_seed())
         self._programs: dict = {}  # jitted functions by static structure
         self.traces: collections.Counter = collections.Counter()  # by program kind, counted while tracing
         self.runs: collections.Counter = collections.Counter()  # programs executed, by kind
         self._update = self._build_update()
+
+    def _seed(self, seed: int) -> None:
+        """The key dropout draws from (folded with the micro-step); its seed is what a
+        checkpoint saves as ``rng.xla``."""
+        self._rng_seed = int(seed)  # torch_xla's seeds are 64-bit unsigned, JAX's signed
+        self._rng = self._jax.random.key(self._rng_seed % (1 << 63))
 
     # ---- placement ---------------------------------------------------------------------
     def _put(self, t: torch.Tensor, sharding):
@@ -289,13 +294,11 @@ class TorchaxEngine(EngineBase):
 
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # it is copied
-                if self._module_stale:
-                    for name, p in self._module.named_parameters():
-                        if name in self._params:
-                            p.copy_(mappings.j2t(self._params[name], use_dlpack=False))
-                for name, b in self._module.named_buffers():
-                    if name in self._buffers_stale:
-                        b.copy_(mappings.j2t(self._constants[name], use_dlpack=False))
+                for name, t in self._host_tensors:  # a frozen parameter's value is a constant, as a buffer's
+                    if self._module_stale and name in self._params:
+                        t.copy_(mappings.j2t(self._params[name], use_dlpack=False))
+                    elif name in self._buffers_stale:
+                        t.copy_(mappings.j2t(self._constants[name], use_dlpack=False))
             self._module_stale, self._buffers_stale = False, set()
             self._host_versions = self._versions()
         return self._module
@@ -667,6 +670,10 @@ class TorchaxEngine(EngineBase):
         """Steps skipped for non-finite gradients (bf16's overflow check); reads the device."""
         return int(self._skipped)
 
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped = self._put(torch.tensor(float(value)), self._replicated)
+
     def was_step_applied(self) -> bool:
         """Whether the last optimizer step changed the parameters (False before the first)."""
         return self.global_steps > 0 and (self._last_skip is None or not bool(self._last_skip))
@@ -716,11 +723,95 @@ class TorchaxEngine(EngineBase):
         raise NotImplementedError("engine.compile() does not apply to the torchax backend: its programs are "
                                   "compiled by jax.jit")
 
-    def save_checkpoint(self, *args, **kwargs):
-        raise NotImplementedError("checkpoints are not supported by the torchax backend (spmd.backend='torchax'); "
-                                  "engine.module holds the trained weights")
+    # ---- the state protocol: what checkpoints use (spmdzero.io) ------------------------------------
+    def optimized_names(self) -> dict[torch.Tensor, str]:
+        """{optimizer target: its name in checkpoints}: the module's host parameters, which the
+        optimizer's param groups hold (their values and states live on the devices)."""
+        params = dict(self._module.named_parameters())
+        return {params[name]: name for name in self._names}
 
-    load_checkpoint = save_checkpoint
+    def stacked_layers(self) -> dict[str, str]:
+        """Empty: this backend does not stack layers (``spmd.scan_layers`` is refused)."""
+        return {}
+
+    @property
+    def scales_loss(self) -> bool:
+        """False: fp16's loss scaling is refused by this backend."""
+        return False
+
+    @property
+    def lazy_optimizer_state(self) -> bool:
+        """False: spmdzero's optimizers make their states up front."""
+        return False
+
+    def placeholder_optimizer_state(self) -> list:
+        """Nothing to make up: every optimizer state exists from initialize on."""
+        return []
+
+    def drop_optimizer_state(self, targets) -> None:
+        """Nothing to drop (``placeholder_optimizer_state`` makes none)."""
+
+    def state_shards(self):
+        """The device side of checkpoints (``spmdzero.io.shards.StateShards``)."""
+        from spmdzero.backends.torchax.checkpoint import TorchaxStateShards
+
+        return TorchaxStateShards(self)
+
+    def _load_state(self, values: dict[str, Any]) -> None:
+        """Put loaded values (JAX arrays by checkpoint key, any dtype and layout) in place of the
+        live ones, in the live dtype and layout: the programs see the same inputs as before and
+        are not traced again."""
+        jax = self._jax
+
+        def like(live, value):
+            return jax.device_put(value.astype(live.dtype), live.sharding)
+
+        for key, value in values.items():
+            kind, _, rest = key.partition(".")
+            if kind == "model" and rest in self._params:
+                self._params = {**self._params, rest: like(self._params[rest], value)}
+                self._module_stale = True
+            elif kind in ("model", "buffer") and rest in self._constants:
+                self._constants = {**self._constants, rest: like(self._constants[rest], value)}
+                self._buffers_stale.add(rest)
+            elif kind == "master":
+                self._masters = {**self._masters, rest: like(self._masters[rest], value)}
+            elif kind == "optim":
+                name, _, state = rest.rpartition(".")
+                if state in self._shared_state:  # one counter for every parameter: each saved copy is the same
+                    self._shared_state = {**self._shared_state, state: like(self._shared_state[state], value)}
+                else:
+                    self._opt_state = {**self._opt_state,
+                                       name: {**self._opt_state[name], state: like(self._opt_state[name][state], value)}}
+            else:
+                raise KeyError(f"{key!r} is not a state tensor of this engine")  # _select picks live keys only
+        jax.block_until_ready((self._params, self._constants, self._masters, self._opt_state, self._shared_state))
+
+    def loaded(self, new_window: bool) -> None:
+        """A checkpoint load has written the state: drop the gradients accumulated before it (they
+        go with the weights they were computed at) and what a forward left pending. The host
+        module is brought up to date when it is next read."""
+        self._accum = self._pending = self._deferred = self._last_output_loss = None
+        self._last_skip = None
+
+    # ---- checkpoints (spmdzero.io) -----------------------------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's)
+                        exclude_frozen_parameters=False) -> bool:
+        """DeepSpeed's ``save_checkpoint``, in the torch_xla backend's format (docs/checkpoints.md)."""
+        from spmdzero.io.save import save_checkpoint
+
+        self._take_host_changes()  # what the script changed on the module since the last forward is saved
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, trust_client_state=None):
+        """DeepSpeed's ``load_checkpoint``: returns ``(load_path, client_state)``; loads either
+        backend's checkpoints and DeepSpeed ZeRO-1/2 ones, on any device count."""
+        from spmdzero.io.restore import load_checkpoint
+
+        self._take_host_changes()  # the load then writes over the host's changes, not the reverse
+        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only, trust_client_state)
 
 def _refuse_optimizer_state(optimizer) -> None:
     """This backend keeps the optimizer states on the devices, as JAX arrays: the torch
@@ -728,7 +819,7 @@ def _refuse_optimizer_state(optimizer) -> None:
     def refuse(*args, **kwargs):
         raise NotImplementedError("optimizer.state_dict()/load_state_dict() are not supported by the torchax backend "
                                   "(spmd.backend='torchax'): its optimizer states live on the devices "
-                                  "(engine.optimizer_states()); use spmd.backend='torch_xla' for checkpoints")
+                                  "(engine.optimizer_states()); engine.save_checkpoint/load_checkpoint save and load them")
 
     optimizer.state_dict = optimizer.load_state_dict = refuse
 
