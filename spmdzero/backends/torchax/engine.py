@@ -156,7 +156,7 @@ def _find_loss(output) -> Optional[torch.Tensor]:
 TORCH_XLA_ONLY = frozenset({
     "capture_steps", "collectives_report", "current_loss_scale", "grad_buffers", "is_compiled", "lay_out_state",
     "loss_scale", "master_weights", "optimizer_step", "optimizer_zero_grad", "overflow", "refresh_fp32_params",
-    "register_post_step_hook", "restore_snapshot", "sharding_report", "snapshot", "step_loss", "trained_parameters",
+    "register_post_step_hook", "restore_snapshot", "sharding_report", "snapshot", "trained_parameters",
 })
 
 
