@@ -24,7 +24,7 @@ import os
 import time
 import warnings
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 logger = logging.getLogger("spmdzero")
 WARMUP_STEPS = 3  # optimizer steps whose compiles are expected (first boundary, schedules moving to the device)
@@ -177,13 +177,14 @@ class Timers:
 
     PHASES = ("forward", "backward", "step")
 
-    def __init__(self):
+    def __init__(self, device_clock: Optional[Callable[[], float]] = None):
+        self._device_clock = device_clock  # None: no device time (the torchax backend)
         self.reset()
 
     def reset(self) -> None:
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
         self.calls = dict.fromkeys(self.PHASES, 0)
-        self._device_start = _execute_seconds()
+        self._device_start = self._device_clock() if self._device_clock else 0.0
 
     def add(self, phase: str, seconds: float) -> None:
         self.seconds[phase] += seconds
@@ -191,11 +192,13 @@ class Timers:
 
     def summary_ms(self) -> dict[str, float]:
         out = {p: 1e3 * self.seconds[p] / max(1, self.calls[p]) for p in self.PHASES}
-        out["device"] = 1e3 * (_execute_seconds() - self._device_start) / max(1, self.calls["step"])
+        if self._device_clock:
+            out["device"] = 1e3 * (self._device_clock() - self._device_start) / max(1, self.calls["step"])
         return out
 
 
-def _execute_seconds() -> float:
+def xla_execute_seconds() -> float:
+    """torch_xla's device execution time so far (``ExecuteReplicatedTime``), read on the host."""
     import torch_xla.debug.metrics as met
 
     data = met.metric_data("ExecuteReplicatedTime")
@@ -269,12 +272,12 @@ class StepLogger:
     wall-clock breakdown when asked, and the monitors' events (every 10 steps when
     steps_per_print is unset). These are the only steps that read the device."""
 
-    def __init__(self, config):
+    def __init__(self, config, device_clock: Optional[Callable[[], float]] = xla_execute_seconds):
         self.steps_per_print = config.steps_per_print
         self.wall_clock_breakdown = config.wall_clock_breakdown
         self.monitors = Monitors(config)
         self.interval = self.steps_per_print or (10 if self.monitors.writers else None)
-        self.timers = Timers()
+        self.timers = Timers(device_clock)
         self._since = time.perf_counter()
         self._samples = 0
 
