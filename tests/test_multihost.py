@@ -121,6 +121,7 @@ def train(engine, loader, die_at=None):
 if __name__ == "__main__":
     import deepspeed
     import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
     from spmdzero import runtime
 
     parser = argparse.ArgumentParser()
@@ -133,6 +134,7 @@ if __name__ == "__main__":
     engine, _, loader, _ = deepspeed.initialize(model=Net(), config=CONFIG, training_data=dataset())
     losses, norms = train(engine, loader, die_at=2 if rank == args.die_rank else None)
     torch.save({"losses": losses, "norms": norms, "hosts": runtime.hosts(), "devices": runtime.device_count(),
+                "local_devices": get_accelerator().device_count(),
                 "world": (engine.dp_world_size, dist.get_rank(), dist.get_world_size()),
                 "samples": engine.global_samples, "rows": len(loader) and loader.batch_size,
                 "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()}}, args.out)
@@ -205,7 +207,7 @@ def test_two_processes_of_four_devices_train_as_one_process_of_eight(tmp_path):
         assert proc.wait(timeout=240) == 0, (tmp_path / f"log{i}.txt").read_text()[-4000:]
     outs = [torch.load(tmp_path / f"out{i}.pt") for i in range(2)]
     for i, out in enumerate(outs):
-        assert out["hosts"] == (i, 2) and out["devices"] == 8
+        assert out["hosts"] == (i, 2) and out["devices"] == 8 and out["local_devices"] == 4
         assert out["world"] == (8, i, 2)  # DeepSpeed's world: 8 devices; torch.distributed's: the 2 processes
         assert out["samples"] == engine.global_samples == 128 and out["rows"] == 2
         assert len(out["losses"]) == len(losses) == 8
@@ -251,8 +253,11 @@ def test_a_process_whose_peers_never_come_says_so_within_the_initialization_time
         proc.stderr[-3000:]
 
 
-def test_the_environment_names_the_processes_jax_distributed_joins():
+def test_the_environment_names_the_processes_jax_distributed_joins(monkeypatch):
+    from spmdzero.runtime import jax_runtime
     from spmdzero.runtime.jax_runtime import distributed_settings
+
+    monkeypatch.setattr(jax_runtime, "_on_cloud_tpu_vm", lambda: True)
 
     base = {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "10.0.0.2", "MASTER_PORT": "29600"}
     assert distributed_settings(base, "CPU") == {"coordinator_address": "10.0.0.2:29601", "num_processes": 2,
@@ -267,6 +272,8 @@ def test_the_environment_names_the_processes_jax_distributed_joins():
     assert distributed_settings({**base, "SPMDZERO_DISTRIBUTED": "0"}, "CPU") is None
     assert distributed_settings({}, "TPU") == {}  # JAX finds the TPU VM's hosts itself
     assert distributed_settings(timeouts, "TPU") == {"initialization_timeout": 30, "heartbeat_timeout_seconds": 10}
+    monkeypatch.setattr(jax_runtime, "_on_cloud_tpu_vm", lambda: False)
+    assert distributed_settings({}, "TPU") is None  # libtpu without chips (this machine): nothing to discover
     for environ, message in [
         ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 asks for 2 processes but RANK and MASTER_ADDR are not set"),
         ({**base, "RANK": "2"}, "RANK='2': this process's index among WORLD_SIZE=2 processes, 0 to 1"),
@@ -282,11 +289,13 @@ def test_the_environment_names_the_processes_jax_distributed_joins():
 def test_launch_flags_name_the_hosts_and_are_checked():
     from spmdzero.cli.launch import _hosts_from_flags, _parser
 
-    def hosts(*flags):
-        return _hosts_from_flags(_parser().parse_args([*flags, "train.py"]))
+    def hosts(*flags, join=True):
+        return _hosts_from_flags(_parser().parse_args([*flags, "train.py"]), join)
 
     assert hosts() is None and hosts("--num_nodes", "1") == (0, 1)
     assert hosts("--num_nodes", "4", "--node_rank", "3", "--master_addr", "10.0.0.2") == (3, 4)
+    # torch_xla's runtime finds a pod's hosts and their addresses: the flags are only checked against it
+    assert hosts("--num_nodes", "4", join=False) == (None, 4)
     for flags, message in [
         (("--num_nodes", "2", "--master_addr", "h0"), "--num_nodes 2 needs --node_rank, this host's index (0 to 1)"),
         (("--num_nodes", "2", "--node_rank", "2", "--master_addr", "h0"), "(0 to 1), got 2"),

@@ -483,6 +483,7 @@ def test_jax_is_told_which_devices_to_take(monkeypatch, device_type, jax_platfor
     monkeypatch.setattr(jax.config, "update", lambda key, value: updates.append((key, value)))
     monkeypatch.setattr(jax_runtime, "_device_type", lambda: device_type)
     monkeypatch.setenv("CPU_NUM_DEVICES", "4")
+    monkeypatch.setenv("SPMDZERO_DISTRIBUTED", "0")  # joining the hosts of a TPU VM: tests/test_multihost.py
     if jax_platforms is None:
         monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     else:

@@ -97,8 +97,11 @@ def _master_addr(given: Optional[str], process_count: int) -> str:
                          f"(the first host's address) or set MASTER_ADDR ({err})") from None
 
 
-def _hosts_from_flags(args: argparse.Namespace) -> tuple[int, int] | None:
-    """(node_rank, num_nodes) as the flags give them (None: the runtime finds the hosts), checked."""
+def _hosts_from_flags(args: argparse.Namespace, join: bool) -> tuple[int | None, int] | None:
+    """(node_rank, num_nodes) as the flags give them, checked; None without ``--num_nodes`` (the
+    runtime finds the hosts). ``join``: JAX will join the hosts they name, so ``--node_rank``
+    and the master address are needed; torch_xla's runtime only checks them (node_rank None
+    when not given)."""
     if args.num_nodes is None:
         if args.node_rank not in (None, 0):
             raise SystemExit(f"spmdzero launch: --node_rank {args.node_rank} needs --num_nodes (the number of hosts)")
@@ -107,10 +110,10 @@ def _hosts_from_flags(args: argparse.Namespace) -> tuple[int, int] | None:
         raise SystemExit(f"spmdzero launch: --num_nodes {args.num_nodes}: the number of hosts, >= 1")
     if args.num_nodes == 1:
         return 0, 1
-    if args.node_rank is None or not 0 <= args.node_rank < args.num_nodes:
+    if (args.node_rank is None and join) or not 0 <= (args.node_rank or 0) < args.num_nodes:
         raise SystemExit(f"spmdzero launch: --num_nodes {args.num_nodes} needs --node_rank, this host's index "
                          f"(0 to {args.num_nodes - 1}), got {args.node_rank}")
-    if not (args.master_addr or os.environ.get("MASTER_ADDR")):
+    if join and not (args.master_addr or os.environ.get("MASTER_ADDR")):
         raise SystemExit(f"spmdzero launch: --num_nodes {args.num_nodes} needs --master_addr (the address of the "
                          "host with --node_rank 0) or MASTER_ADDR")
     return args.node_rank, args.num_nodes
@@ -153,13 +156,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     from spmdzero.runtime import jax_runtime
 
     port = args.master_port or int(os.environ.get("MASTER_PORT", DEFAULT_PORT))
-    given = _hosts_from_flags(args)
-    if given is not None and jax_runtime.from_environment():  # before JAX starts: it joins the hosts these name
+    join = jax_runtime.from_environment()
+    given = _hosts_from_flags(args, join)
+    if given is not None and join:  # before JAX starts: it joins the hosts these name
         set_launcher_env(*given, _master_addr(args.master_addr, given[1]), port)
     runtime.start()
     index, count = runtime.hosts()
-    if given is not None and given != (index, count):
-        print(f"spmdzero launch: --num_nodes {given[1]} --node_rank {given[0]}, but the runtime found process "
+    if given is not None and (given[0] not in (None, index) or given[1] != count):
+        rank = "" if given[0] is None else f" --node_rank {given[0]}"
+        print(f"spmdzero launch: --num_nodes {given[1]}{rank}, but the runtime found process "
               f"{index} of {count}. torch_xla's runtime finds the hosts itself (a TPU pod) and cannot join "
               "processes on CPU; to join hosts named by these flags, set SPMDZERO_BACKEND=torchax (with "
               '"spmd": {"backend": "torchax"} in the config)', file=sys.stderr)

@@ -83,7 +83,7 @@ def _seconds(name: str, environ: Mapping[str, str]) -> int | None:
 def distributed_settings(environ: Mapping[str, str] | None = None, device_type: str | None = None) -> dict | None:
     """The ``jax.distributed.initialize`` arguments this process's environment asks for, or
     None (one process): ``WORLD_SIZE`` > 1 with ``RANK`` and ``MASTER_ADDR`` (``MASTER_PORT``,
-    29500 if unset; the coordinator listens on the port after it); on a TPU VM without
+    29500 if unset; the coordinator listens on the port after it); on a Cloud TPU VM without
     ``WORLD_SIZE``, no address (JAX discovers the hosts from the TPU runtime). A process that
     ``multiprocessing`` started (a DataLoader worker) is not a host and joins nothing."""
     import multiprocessing
@@ -100,7 +100,7 @@ def distributed_settings(environ: Mapping[str, str] | None = None, device_type: 
     timeouts = {k: v for k, v in timeouts.items() if v is not None}
     world = environ.get("WORLD_SIZE")
     if world is None:
-        if (device_type or _device_type()) == "TPU":
+        if (device_type or _device_type()) == "TPU" and _on_cloud_tpu_vm():
             return timeouts  # JAX finds the TPU VM's hosts and this one's index itself
         return None
     try:
@@ -124,6 +124,14 @@ def distributed_settings(environ: Mapping[str, str] | None = None, device_type: 
         raise ValueError(f"MASTER_PORT={port!r}: a TCP port (JAX's coordinator takes the one after it)")
     return {"coordinator_address": f"{environ['MASTER_ADDR']}:{int(port) + 1}", "num_processes": count,
             "process_id": int(rank), **timeouts}
+
+
+def _on_cloud_tpu_vm() -> bool:
+    """Whether JAX found TPU chips and libtpu when it was imported: where its discovery of the
+    TPU VM's hosts (the TPU runtime's metadata) can work."""
+    from jax._src import cloud_tpu_init
+
+    return cloud_tpu_init.running_in_cloud_tpu_vm
 
 
 def join_processes(settings: dict) -> None:
@@ -230,6 +238,14 @@ def devices() -> list:
 
 def device_count() -> int:
     return len(devices())
+
+
+def local_devices() -> list:
+    """This process's own devices (``devices()`` holds every process's when several joined)."""
+    import jax
+
+    found = devices()
+    return [d for d in found if d.process_index == jax.process_index()]
 
 
 def hosts() -> tuple[int, int]:
