@@ -137,6 +137,7 @@ if __name__ == "__main__":
                 "local_devices": get_accelerator().device_count(),
                 "world": (engine.dp_world_size, dist.get_rank(), dist.get_world_size()),
                 "samples": engine.global_samples, "rows": len(loader) and loader.batch_size,
+                "traces": dict(engine.traces),
                 "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()}}, args.out)
 '''
 
@@ -210,6 +211,7 @@ def test_two_processes_of_four_devices_train_as_one_process_of_eight(tmp_path):
         assert out["hosts"] == (i, 2) and out["devices"] == 8 and out["local_devices"] == 4
         assert out["world"] == (8, i, 2)  # DeepSpeed's world: 8 devices; torch.distributed's: the 2 processes
         assert out["samples"] == engine.global_samples == 128 and out["rows"] == 2
+        assert out["traces"] == dict(engine.traces)  # compiled once each, as on one process
         assert len(out["losses"]) == len(losses) == 8
         assert out["losses"] == pytest.approx(losses, abs=1e-6, rel=1e-6)  # global losses, the same on each
         assert out["norms"] == pytest.approx(norms, abs=1e-6, rel=1e-6)
