@@ -407,11 +407,6 @@ JAX_OWNED = """
         spmdzero.initialize(model=WithLoss(tiny_mlp()), config=config("torchax"), mesh=object())
     except ConfigError as err:
         out["mesh"] = str(err)
-    jax.process_count = lambda: 2  # a pod slice's hosts, as JAX counts them
-    try:
-        spmdzero.initialize(model=WithLoss(tiny_mlp()), config=config("torchax"))
-    except RuntimeError as err:
-        out["hosts"] = str(err)
     out["torch_xla_imported"] = "torch_xla" in sys.modules
     import torch_xla, _XLAC
     out["runtime_started"] = _XLAC._xla_runtime_is_initialized()
@@ -453,7 +448,7 @@ def test_with_spmdzero_backend_torchax_torch_xla_never_starts(jax_owned):
     assert "'spmd.mesh'" in jax_owned["mesh"]  # a torch_xla Mesh would start torch_xla's runtime
     assert "spmd.backend='torch_xla'" in jax_owned["torch_xla_backend"]
     assert "SPMDZERO_BACKEND=torchax" in jax_owned["torch_xla_backend"]
-    assert "one host" in jax_owned["hosts"] and "one of 2" in jax_owned["hosts"]
+    # several hosts: tests/test_multihost.py
 
 
 def test_the_backend_variable_is_checked(monkeypatch):
@@ -488,6 +483,7 @@ def test_jax_is_told_which_devices_to_take(monkeypatch, device_type, jax_platfor
     monkeypatch.setattr(jax.config, "update", lambda key, value: updates.append((key, value)))
     monkeypatch.setattr(jax_runtime, "_device_type", lambda: device_type)
     monkeypatch.setenv("CPU_NUM_DEVICES", "4")
+    monkeypatch.setenv("SPMDZERO_DISTRIBUTED", "0")  # joining the hosts of a TPU VM: tests/test_multihost.py
     if jax_platforms is None:
         monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     else:

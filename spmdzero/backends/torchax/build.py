@@ -68,10 +68,11 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
         shape = mesh_shape(mesh)
     else:
         shape = resolve_mesh_shape(cfg.spmd.mesh, runtime.device_count())
-    hosts = runtime.hosts()[1]
-    if hosts > 1:
-        raise RuntimeError(f"spmd.backend='torchax' runs on one host (one process), this is one of {hosts}; use "
-                           "spmd.backend='torch_xla'")
+    process_index, process_count = runtime.hosts()
+    if process_count > 1 and not jax_runtime.selected():
+        raise RuntimeError(f"spmd.backend='torchax' on {process_count} hosts needs {jax_runtime.VARIABLE}=torchax "
+                           "before `import spmdzero` (JAX then joins the hosts into one mesh; see docs/multihost.md); "
+                           "this process runs torch_xla's runtime")
     members = {id(p) for p in model.parameters()}
 
     def prepare_optimizer(optimizer) -> None:
@@ -89,7 +90,8 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
                                  "spmd.backend='torch_xla'")
 
     # even: JAX shards only dims that divide by the axis size (a 10-class head on 8 devices)
-    setup = setup_training(model, cfg, shape, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
+    setup = setup_training(model, cfg, shape, process_index=process_index, process_count=process_count,
+                           model_parameters=model_parameters, lr_scheduler=lr_scheduler,
                            training_data=training_data, collate_fn=collate_fn, even=True,
                            prepare_optimizer=prepare_optimizer)
     engine = TorchaxEngine(model, setup.optimizer, setup.scheduler, cfg, setup.batch, setup.plan, shape,

@@ -22,7 +22,11 @@ torchax tensors (JAX arrays seen as torch tensors; torch ops on them run eagerly
 Its devices: with ``SPMDZERO_BACKEND=torchax`` set before ``import spmdzero``, JAX's own (every
 TPU chip on a TPU VM, else ``CPU_NUM_DEVICES`` CPU devices) and torch_xla's runtime never starts
 (``spmdzero.runtime.jax_runtime``); without it, JAX CPU devices as many as torch_xla's runtime has, since
-that runtime, started by ``import spmdzero``, would hold any TPU. One host. fp32, or
+that runtime, started by ``import spmdzero``, would hold any TPU. Under the variable, several hosts
+(``jax.distributed``, ``spmdzero.runtime.jax_runtime``) make one global mesh: each process
+starts from process 0's parameters (as DeepSpeed broadcasts them) and places only its own rows
+of a batch (``jax.make_array_from_process_local_data``); losses and norms read back are the
+global values, the same on every process. fp32, or
 bf16 with fp32 master weights and DeepSpeed's overflow skip; what it refuses is checked by
 ``check_config`` (docs/config.md, ``spmd.backend``). Checkpoints are the torch_xla backend's
 (``spmdzero.io``), this engine's arrays moved through ``checkpoint.TorchaxStateShards``.
@@ -172,6 +176,10 @@ class TorchaxEngine(EngineBase):
 
         self._jax = jax
         devices = np.array(jax_devices(device_count)).reshape(tuple(mesh_shape.values()))  # before any JAX array
+        self._processes = jax.process_count()  # hosts joined by jax.distributed; 1 without
+        seed = torch.initial_seed()
+        if self._processes > 1:
+            seed = _broadcast_from_first_process(module, seed)
         self._env = torchax.default_env()
         self._Output = _output_tensor_class()
         self._module = module
@@ -248,7 +256,7 @@ class TorchaxEngine(EngineBase):
         self._warned_fewer_rows = False
         _refuse_optimizer_state(optimizer)
         _sync_before_state_dict(module, self)
-        self._seed(torch.initial_seed())
+        self._seed(seed)  # process 0's
         self._programs: dict = {}  # jitted functions by static structure
         self.traces: collections.Counter = collections.Counter()  # by program kind, counted while tracing
         self.runs: collections.Counter = collections.Counter()  # programs executed, by kind
@@ -258,28 +266,56 @@ class TorchaxEngine(EngineBase):
         """The key dropout draws from (folded with the micro-step); its seed is what a
         checkpoint saves as ``rng.xla``."""
         self._rng_seed = int(seed)  # torch_xla's seeds are 64-bit unsigned, JAX's signed
-        self._rng = self._jax.random.key(self._rng_seed % (1 << 63))
+        key = functools.partial(self._jax.random.key, self._rng_seed % (1 << 63))
+        # one key for every process: a global array when the mesh spans processes
+        self._rng = key() if self._processes == 1 else self._jax.jit(key, out_shardings=self._replicated)()
 
     # ---- placement ---------------------------------------------------------------------
     def _put(self, t: torch.Tensor, sharding):
+        """``t``, the whole value (the same on every process), laid out by ``sharding``."""
         from torchax.ops import mappings
 
-        return self._jax.device_put(mappings.t2j(t.detach().cpu()), sharding)
+        value = mappings.t2j(t.detach().cpu())
+        if self._processes == 1:
+            return self._jax.device_put(value, sharding)
+        # jax.device_put would compare the value across the processes first (a collective per array)
+        value = np.asarray(value)
+        return self._jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+    def _put_rows(self, t: torch.Tensor, sharding, dim: int):
+        """``t``, this process's rows of a batch (along ``dim``), as its part of the global batch."""
+        if self._processes == 1:
+            return self._put(t, sharding)
+        from torchax.ops import mappings
+
+        local = np.asarray(mappings.t2j(t.detach().cpu()))
+        shape = (*local.shape[:dim], local.shape[dim] * self._processes, *local.shape[dim + 1:])
+        return self._jax.make_array_from_process_local_data(sharding, local, shape)
 
     def _place_inputs(self, leaves: list, layout) -> list:
         """Tensors to JAX arrays: the inputs that carry the batch (``layout``) split along the
         batch axes on their batch dim (replicated when the rows do not divide), others
-        replicated; torchax tensors as they are."""
+        replicated; torchax tensors as they are. With several processes, host tensors that
+        carry the batch hold this process's rows of the global batch; the others must be the
+        same on every process."""
         from torchax import tensor as ttensor
 
-        split = layout.rows is not None and layout.rows % self._batch.dp_devices == 0
+        local = layout.rows is not None and not layout.on_device  # this process's rows
+        rows = None if layout.rows is None else layout.rows * (self._processes if local else 1)
+        split = rows is not None and rows % self._batch.dp_devices == 0
+        if local and not split and self._processes > 1:
+            devices = self._batch.dp_devices // self._processes
+            raise ValueError(f"a batch of {layout.rows} rows does not divide over the {devices} data-parallel devices "
+                             f"of this process; with several processes ({self._processes}) each one's rows are split "
+                             f"over its own devices: use a multiple of {devices} rows per process")
         placed = []
         for t in (t for t in leaves if isinstance(t, torch.Tensor)):
             dim = layout.dim_of(t)
             if isinstance(t, ttensor.Tensor):
                 placed.append(t._elem)
             elif split and dim is not None:
-                placed.append(self._put(t, self._sharding(self.plan.batch_spec(t.dim(), dim))))
+                sharding = self._sharding(self.plan.batch_spec(t.dim(), dim))
+                placed.append(self._put_rows(t, sharding, dim) if local else self._put(t, sharding))
             else:
                 placed.append(self._put(t, self._replicated))
         return placed
@@ -812,6 +848,27 @@ class TorchaxEngine(EngineBase):
         self._take_host_changes()  # the load then writes over the host's changes, not the reverse
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only, trust_client_state)
+
+def _broadcast_from_first_process(module: torch.nn.Module, seed: int) -> int:
+    """Process 0's parameters and buffers copied into every process's ``module`` (DeepSpeed's
+    engine broadcasts them from rank 0 at initialize, so each rank may seed or load its own),
+    and process 0's ``seed``, returned. One program over every process's devices."""
+    from jax.experimental import multihost_utils
+    from torchax.ops import mappings
+
+    tensors = [t for _, t in [*module.named_parameters(), *module.named_buffers()]]
+    host = [np.asarray(mappings.t2j(t.detach().cpu())) for t in tensors]
+    # booleans are summed as bytes (the broadcast adds process 0's values to the others' zeros)
+    host = [h.view(np.uint8) if h.dtype == np.bool_ else h for h in host]
+    seed_words = np.array([seed >> 32, seed & 0xFFFFFFFF], dtype=np.uint32)
+    *values, seed_words = multihost_utils.broadcast_one_to_all([*host, seed_words])
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # it is copied
+        for t, value in zip(tensors, values):
+            value = np.asarray(value)
+            t.copy_(mappings.j2t(value.view(np.bool_) if t.dtype == torch.bool else value, use_dlpack=False))
+    return int(seed_words[0]) << 32 | int(seed_words[1])
+
 
 def _refuse_optimizer_state(optimizer) -> None:
     """This backend keeps the optimizer states on the devices, as JAX arrays: the torch
