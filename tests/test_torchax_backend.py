@@ -139,7 +139,7 @@ def test_a_loss_computed_outside_the_module_is_refused_clearly():
 
 
 @pytest.mark.parametrize("extra, key", [
-    ({"fp16": {"enabled": True}}, "fp16.enabled"),
+    ({"communication_data_type": "fp16"}, "communication_data_type fp16 without fp16.enabled"),
     ({"spmd": {"backend": "torchax", "scan_layers": True}}, "spmd.scan_layers"),
     ({"optimizer": {"type": "RMSprop", "params": {"lr": 1e-3}}}, "optimizer.type 'RMSprop'"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}, "optimizer.type 'AdamW'"),
@@ -338,6 +338,64 @@ def test_bf16_skips_a_step_with_non_finite_gradients():
     assert engine.skipped_steps == 1 and not engine.was_step_applied() and engine.global_steps == 1
     for name, p in engine.module.named_parameters():
         assert torch.equal(p, before[name])
+
+
+def test_fp16_loss_scaling_matches_the_torch_xla_engine(tmp_path):
+    """DeepSpeed's dynamic loss scaler on both backends: two overflowed steps (an inf input)
+    skipped, the scale halved once hysteresis is used up and doubled after a stable window, the
+    same parameters; the scale is an input of the programs (no retrace) and checkpoints carry it."""
+    def fp16_config(backend):
+        cfg = config(backend, fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2})
+        del cfg["scheduler"]  # this backend's schedule steps on the host, skipped steps too
+        return cfg
+
+    results = {}
+    for backend in ("torch_xla", "torchax"):
+        engine, *_ = spmdzero.initialize(model=WithLoss(tiny_mlp(seed=0)), config=fp16_config(backend))
+        scales, skipped = [], []
+        for i, (x, y) in enumerate(batches(7, 16)):
+            if i in (2, 3):
+                x[0, 0] = float("inf")
+            engine.backward(engine(x, y))
+            engine.step()
+            scales.append(engine.current_loss_scale())
+            skipped.append(engine.skipped_steps)
+        results[backend] = engine, scales, skipped, {n: p.detach().cpu() for n, p in engine.module.named_parameters()}
+    (ref, ref_scales, ref_skipped, ref_params), (engine, scales, skipped, params) = results.values()
+    assert scales == ref_scales == [256.0, 256.0, 256.0, 128.0, 128.0, 128.0, 256.0]
+    assert skipped == ref_skipped == [0, 0, 1, 2, 2, 2, 2]
+    assert engine.loss_scale() == ref.loss_scale() == 0 and not engine.overflow()
+    assert engine.traces == {"train_forward": 1, "update": 1}
+    for name, value in ref_params.items():
+        assert params[name].dtype == torch.float16
+        torch.testing.assert_close(params[name], value, atol=1e-2, rtol=1e-2)
+    assert sorted(engine.state_tensors()) == sorted(ref.state_tensors())  # loss_scale.* included
+    engine.save_checkpoint(str(tmp_path))
+    again, *_ = spmdzero.initialize(model=WithLoss(tiny_mlp(seed=1)), config=fp16_config("torchax"))
+    again.load_checkpoint(str(tmp_path))
+    assert again.current_loss_scale() == 256.0 and again.skipped_steps == 2
+    for key, (value, _) in engine.state_tensors().items():
+        if key.startswith("loss_scale."):
+            assert float(again.state_tensors()[key][0]) == float(value), key
+    with pytest.warns(UserWarning, match="including steps skipped for overflow"):
+        spmdzero.initialize(model=WithLoss(tiny_mlp(seed=0)), config={**fp16_config("torchax"),
+                                                                      "scheduler": config("torchax")["scheduler"]})
+
+
+def test_a_retrace_after_warm_up_is_held_to_max_recompiles():
+    """The torch_xla backend's recompile guard, counting this backend's traces: a new input shape
+    after warm-up retraces the training program, an error past spmd.max_recompiles."""
+    cfg = config("torchax", train_batch_size=32, spmd={"backend": "torchax", "max_recompiles": 0})
+    engine, *_ = spmdzero.initialize(model=WithLoss(tiny_mlp(seed=0)), config=cfg)
+    for x, y in batches(5, 32):
+        engine.backward(engine(x, y))
+        engine.step()
+    x, y = batches(1, 24)[0]  # an epoch's partial last batch
+    engine.backward(engine(x, y))
+    with pytest.raises(RuntimeError, match=r"recompiled after warm-up \(global step 6.*input shapes changed: "
+                                           r"\[\(32, 16\), \(32, 8\)\] -> \[\(24, 16\), \(24, 8\)\].*"
+                                           r"JAX_LOG_COMPILES.*max_recompiles=0"):
+        engine.step()
 
 
 def test_the_training_loader_feeds_host_batches():

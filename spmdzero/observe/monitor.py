@@ -79,8 +79,10 @@ _READ_NAMES = {"aten::_local_scalar_dense": ".item(), bool() or an `if` on a ten
 
 
 class RecompileGuard:
-    def __init__(self, max_recompiles: Optional[int]):
+    def __init__(self, max_recompiles: Optional[int],
+                 debug_hint: str = "PT_XLA_DEBUG_LEVEL=2 prints the cause of each compilation."):
         self.max_recompiles = max_recompiles
+        self.debug_hint = debug_hint  # how to see why a program compiled, on this backend
         self.recompiles = 0
         self._warned = False
         self._warned_graphs = False
@@ -162,7 +164,7 @@ class RecompileGuard:
             cause = ("Something in the traced step changed: a tensor shape, a Python number baked into the graph, "
                      "or a host read such as .item() splitting the step.")
         message = (f"the training step recompiled after warm-up (global step {global_steps}, {where}; "
-                   f"{self.recompiles} so far). {cause} PT_XLA_DEBUG_LEVEL=2 prints the cause of each compilation.")
+                   f"{self.recompiles} so far). {cause} {self.debug_hint}")
         if self.max_recompiles is not None and self.recompiles > self.max_recompiles:
             raise RuntimeError(f"spmdzero: {message} This exceeds spmd.max_recompiles={self.max_recompiles}.")
         if not self._warned:

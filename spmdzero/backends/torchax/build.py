@@ -18,19 +18,21 @@ from spmdzero.runtime import jax_runtime
 
 def check_config(cfg: DeepSpeedConfig, client_optimizer: Any = None) -> None:
     """Refuse what this backend does not implement, naming the key."""
+    unscaled = not cfg.fp16.enabled
     refused = {
-        "fp16.enabled": cfg.fp16.enabled,
         "spmd.scan_layers": cfg.spmd.scan_layers,
         "spmd.dcn_mesh": cfg.spmd.dcn_mesh is not None,
-        "spmd.max_recompiles": cfg.spmd.max_recompiles is not None,
         "spmd.compile_cache_dir": cfg.spmd.compile_cache_dir is not None,
-        "communication_data_type": DTYPES.get(cfg.communication_data_type) == torch.float16,
-        "data_types.grad_accum_dtype": DTYPES.get(cfg.data_types.grad_accum_dtype) == torch.float16,
+        # fp16 gradients of an unscaled loss underflow: fp16 gradients only with fp16's loss scaling
+        "communication_data_type fp16 without fp16.enabled": unscaled and DTYPES.get(
+            cfg.communication_data_type) == torch.float16,
+        "data_types.grad_accum_dtype fp16 without fp16.enabled": unscaled and DTYPES.get(
+            cfg.data_types.grad_accum_dtype) == torch.float16,
     }
     for key, on in refused.items():
         if on:
             raise ConfigError(f"{key} is not supported by the torchax backend (spmd.backend='torchax'; it trains "
-                              "in fp32 or bf16 with the config's optimizer, no loss scaling); remove it or use "
+                              "with the config's optimizer in fp32, bf16 or fp16); remove it or use "
                               "spmd.backend='torch_xla'")
     if client_optimizer is not None:
         raise ConfigError("spmd.backend='torchax' takes its optimizer from the config's 'optimizer' section; a "

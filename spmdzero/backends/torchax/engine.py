@@ -27,7 +27,7 @@ that runtime, started by ``import spmdzero``, would hold any TPU. Under the vari
 starts from process 0's parameters (as DeepSpeed broadcasts them) and places only its own rows
 of a batch (``jax.make_array_from_process_local_data``); losses and norms read back are the
 global values, the same on every process. fp32, or
-bf16 with fp32 master weights and DeepSpeed's overflow skip; what it refuses is checked by
+bf16 or fp16 with fp32 master weights and DeepSpeed's overflow skip (fp16: its loss scaler); what it refuses is checked by
 ``check_config`` (docs/config.md, ``spmd.backend``). Checkpoints are the torch_xla backend's
 (``spmdzero.io``), this engine's arrays moved through ``checkpoint.TorchaxStateShards``.
 
@@ -53,10 +53,10 @@ from torch.utils import _pytree as torch_pytree
 from spmdzero.sharding.batch import BatchSizes
 from spmdzero.config.schema import DeepSpeedConfig
 from spmdzero.train.data import like, model_pad_id
-from spmdzero.observe.monitor import StepLogger, notice_nonfinite
+from spmdzero.observe.monitor import RecompileGuard, StepLogger, notice_nonfinite
 from spmdzero.optim.ops import jax_ops
 from spmdzero.optim.optimizers import SpmdOptimizer
-from spmdzero.optim.update import boundary_update, sum_of_squares, update_group
+from spmdzero.optim.update import LossScale, boundary_update, init_loss_scale, sum_of_squares, update_group
 from spmdzero.train.engine_base import EngineBase, NO_GRADIENTS
 from spmdzero.sharding.plan import ShardingPlan, replicated
 from spmdzero.optim.precision import precision_policy
@@ -158,8 +158,8 @@ def _find_loss(output) -> Optional[torch.Tensor]:
 # The torch_xla engine's public names this engine lacks (tests/test_torchax_backend.py checks
 # the list against both classes): asking for one says which backend has it.
 TORCH_XLA_ONLY = frozenset({
-    "capture_steps", "collectives_report", "current_loss_scale", "grad_buffers", "is_compiled", "lay_out_state",
-    "loss_scale", "master_weights", "optimizer_step", "optimizer_zero_grad", "overflow", "refresh_fp32_params",
+    "capture_steps", "collectives_report", "grad_buffers", "is_compiled", "lay_out_state",
+    "master_weights", "optimizer_step", "optimizer_zero_grad", "refresh_fp32_params",
     "register_post_step_hook", "restore_snapshot", "sharding_report", "snapshot", "trained_parameters",
 })
 
@@ -244,6 +244,11 @@ class TorchaxEngine(EngineBase):
         self._pending_rows = self._rows_since_step = 0  # training rows fed: global_samples
         self._global_grad_norm = None
         self._skipped = self._put(torch.zeros(()), self._replicated)  # steps skipped for non-finite gradients
+        # fp16's loss scaler (DeepSpeed's DynamicLossScaler, or a static scale): device scalars that
+        # the training program multiplies the loss by and the update program steps (optim/update.py)
+        initial = init_loss_scale(self.precision)
+        self._loss_scale = None if initial is None else LossScale(
+            *(self._put(torch.tensor(v, dtype=torch.float32), self._replicated) for v in initial))
         self._last_skip = None
         self._module_stale = False
         self._buffers_stale: set[str] = set()  # buffers a forward changed on the devices
@@ -260,7 +265,16 @@ class TorchaxEngine(EngineBase):
         self._programs: dict = {}  # jitted functions by static structure
         self.traces: collections.Counter = collections.Counter()  # by program kind, counted while tracing
         self.runs: collections.Counter = collections.Counter()  # programs executed, by kind
+        # training programs traced after warm-up: a warning, or an error past spmd.max_recompiles
+        self.recompile_guard = RecompileGuard(cfg.spmd.max_recompiles, "JAX_LOG_COMPILES=1 logs each compilation.")
+        self._traces_at_step = 0
+        self._input_shapes: tuple = ()  # the last training forward's, to name a shape change
         self._update = self._build_update()
+        if self.precision.check_overflow and lr_scheduler is not None:
+            # the hyperparameters are read on the host; whether a step overflowed is known on the device
+            warnings.warn(f"spmdzero: spmd.backend='torchax' steps the {type(lr_scheduler).__name__} schedule on "
+                          "every boundary, including steps skipped for overflow (DeepSpeed does not step it then); "
+                          "spmd.backend='torch_xla' has the exact behaviour", stacklevel=4)
 
     def _seed(self, seed: int) -> None:
         """The key dropout draws from (folded with the micro-step); its seed is what a
@@ -464,6 +478,7 @@ class TorchaxEngine(EngineBase):
         module's output holds no loss."""
         if rows is not None:
             self._check_training_rows(rows)
+        self._input_shapes = tuple(tuple(a.shape) for a in arrays)
         program = self._program("train" if self._accum is None else "accumulate", treespec, static, training)
         ran = None if program.no_loss else program(self._params, self._constants, self._accum, rng, arrays)
         if ran is None:
@@ -536,7 +551,7 @@ class TorchaxEngine(EngineBase):
             output, changed = run(params, constants, rng, arrays)
             return flatten_output(output), changed
 
-        def program_train(params, constants, accum, rng, arrays):
+        def program_train(params, constants, accum, rng, arrays, loss_scale):
             self.traces["train_forward"] += 1
 
             def objective(params):
@@ -548,8 +563,10 @@ class TorchaxEngine(EngineBase):
                 tensors = [t for t in torch_pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
                 loss_leaf[:] = [next(i for i, t in enumerate(tensors) if t is loss)]
                 value = env.t2j_iso(loss).reshape(())
-                # DeepSpeed's backward scales the loss by 1/gradient_accumulation_steps
-                return (value / gas if gas > 1 else value), (outputs, changed)
+                # DeepSpeed's backward scales the loss by 1/gradient_accumulation_steps, then by
+                # fp16's loss scale (an input: a new scale is not a new program)
+                value = value / gas if gas > 1 else value
+                return (value if loss_scale is None else value * loss_scale), (outputs, changed)
 
             grads, (outputs, changed) = jax.grad(objective, has_aux=True)(params)
             # reduced in communication_data_type, accumulated in grad_accum_dtype (both the model's by default)
@@ -565,8 +582,9 @@ class TorchaxEngine(EngineBase):
             jitted = jax.jit(program_train)
 
             def call(params, constants, accum, rng, arrays):
+                scale = None if self._loss_scale is None else self._loss_scale.scale
                 try:
-                    return jitted(params, constants, accum, rng, arrays)
+                    return jitted(params, constants, accum, rng, arrays, scale)
                 except _NoLoss:
                     call.no_loss = True
                     return None
@@ -607,12 +625,19 @@ class TorchaxEngine(EngineBase):
         return loss / gas if gas > 1 else loss
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
-        """Apply the update at an accumulation boundary; count every call."""
-        if self.is_gradient_accumulation_boundary():
+        """Apply the update at an accumulation boundary; count every call; hold the step's
+        traces to the recompile guard."""
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             if self._accum is None:
                 raise RuntimeError(NO_GRADIENTS)
             self._take_model_step(lr_kwargs)
         self.micro_steps += 1
+        # the training programs traced since the last step (a trace is a compile); an evaluation
+        # forward's program is not the step's
+        traces = sum(n for kind, n in self.traces.items() if kind != "forward")
+        self.recompile_guard.check(traces - self._traces_at_step, self.global_steps, boundary, self._input_shapes)
+        self._traces_at_step = traces
 
     def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
         hyper = [np.array(list(self.optimizer._hyper_values(g).values()), dtype=np.float32)
@@ -621,13 +646,13 @@ class TorchaxEngine(EngineBase):
         # array that a dispatched program still uses blocks the host until that program has run.
         _release_in_background(self._retired_inputs)
         self._retired_inputs = (self._params, self._masters, self._opt_state, self._shared_state, self._accum,
-                                self._skipped)
+                                self._skipped, self._loss_scale)
         self._accum = None
         self.runs["update"] += 1
         with warnings.catch_warnings():  # the gradients are donated to be freed, not to hold results
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
             (self._params, self._masters, self._opt_state, self._shared_state, self._global_grad_norm, self._skipped,
-             self._last_skip) = self._update(*self._retired_inputs, hyper)
+             self._last_skip, self._loss_scale) = self._update(*self._retired_inputs, hyper)
         self._module_stale = True
         if self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
@@ -637,10 +662,11 @@ class TorchaxEngine(EngineBase):
         self._step_logger.after_boundary(self)  # reads the device at print steps only
 
     def _build_update(self):
-        """``(params, masters, states, shared states, grads, skipped, hyperparameters) -> (params,
-        masters, states, shared states, norm, skipped, skip)``, jitted, all but the hyperparameters
-        donated: the engine's boundary step (clipping, the optimizer's math, the overflow skip under
-        bf16). The shared states (the step counter) are every parameter's."""
+        """``(params, masters, states, shared states, grads, skipped, loss scale, hyperparameters) ->
+        (params, masters, states, shared states, norm, skipped, skip, loss scale)``, jitted, all but
+        the hyperparameters donated: the engine's boundary step (clipping, the optimizer's math, the
+        overflow skip under fp16 and bf16's check, fp16's loss scaler). The shared states (the step
+        counter) are every parameter's."""
         import jax
         import jax.numpy as jnp
 
@@ -650,7 +676,7 @@ class TorchaxEngine(EngineBase):
         order, policy = self._names, self.precision
         param_dtype = _jax_dtype(policy.param_dtype)
 
-        def update(params, masters, states, shared, grads, skipped, hyper):
+        def update(params, masters, states, shared, grads, skipped, loss_scale, hyper):
             self.traces["update"] += 1
             targets = masters if masters else params
 
@@ -668,19 +694,20 @@ class TorchaxEngine(EngineBase):
 
             # the torch_xla engine's global norm: fp32, in parameter order
             sum_sq = sum_of_squares([grads[name] for name in order], ops)
-            result = boundary_update(sum_sq, None, clipping, policy, ops, apply)
+            result = boundary_update(sum_sq, loss_scale, clipping, policy, ops, apply)
             new_targets, new_states, new_shared = result.applied
             norm, skip = result.scale.norm, result.scale.skip
             skip = jnp.zeros((), bool) if skip is None else skip
             if not masters:
-                return new_targets, masters, new_states, new_shared, norm, skipped + skip, skip
-            new_params = {n: t.astype(param_dtype) for n, t in new_targets.items()}  # all-gathered in bf16
-            return new_params, new_targets, new_states, new_shared, norm, skipped + skip, skip
+                return new_targets, masters, new_states, new_shared, norm, skipped + skip, skip, result.loss_scale
+            new_params = {n: t.astype(param_dtype) for n, t in new_targets.items()}  # all-gathered in bf16/fp16
+            return new_params, new_targets, new_states, new_shared, norm, skipped + skip, skip, result.loss_scale
 
         rep = self._replicated
+        scaler = None if self._loss_scale is None else LossScale(*(rep,) * len(LossScale._fields))
         shardings = (self._param_specs, self._master_specs, self._state_specs, {k: rep for k in self._shared_state},
-                     rep, rep, rep)
-        return jax.jit(update, out_shardings=shardings, donate_argnums=(0, 1, 2, 3, 4, 5))
+                     rep, rep, rep, scaler)
+        return jax.jit(update, out_shardings=shardings, donate_argnums=(0, 1, 2, 3, 4, 5, 6))
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (DeepSpeed sets them to None)."""
@@ -703,7 +730,7 @@ class TorchaxEngine(EngineBase):
 
     @property
     def skipped_steps(self) -> int:
-        """Steps skipped for non-finite gradients (bf16's overflow check); reads the device."""
+        """Steps skipped for non-finite gradients (fp16, bf16's overflow check); reads the device."""
         return int(self._skipped)
 
     @skipped_steps.setter
@@ -713,6 +740,21 @@ class TorchaxEngine(EngineBase):
     def was_step_applied(self) -> bool:
         """Whether the last optimizer step changed the parameters (False before the first)."""
         return self.global_steps > 0 and (self._last_skip is None or not bool(self._last_skip))
+
+    def overflow(self) -> bool:
+        """Whether the last optimizer step was skipped for non-finite gradients; reads the device."""
+        return self._last_skip is not None and bool(self._last_skip)
+
+    def loss_scale(self) -> float:
+        """DeepSpeed's: the configured static fp16 loss scale (0 for dynamic scaling), 1.0 under
+        bf16, 0 in fp32. The scale in use is ``current_loss_scale()``."""
+        if self.fp16_enabled():
+            return self._config.fp16.loss_scale
+        return 1.0 if self.bfloat16_enabled() else 0
+
+    def current_loss_scale(self) -> float:
+        """The loss scale in use (reads the device under fp16 scaling); 1.0 without one."""
+        return 1.0 if self._loss_scale is None else float(self._loss_scale.scale)
 
     def last_loss(self) -> Optional[float]:
         """The loss last passed to ``backward``; reads the device."""
@@ -745,6 +787,9 @@ class TorchaxEngine(EngineBase):
             for key, value in states.items():
                 spec = self.plan[name].optimizer_state if tuple(value.shape) == shape else replicated(value.ndim)
                 out[f"optim.{name}.{key}"] = (value, tuple(spec))
+        if self._loss_scale is not None:
+            for field, value in zip(self._loss_scale._fields, self._loss_scale):
+                out[f"loss_scale.{field}"] = (value, ())
         return out
 
     def params(self) -> dict[str, Any]:
@@ -772,8 +817,8 @@ class TorchaxEngine(EngineBase):
 
     @property
     def scales_loss(self) -> bool:
-        """False: fp16's loss scaling is refused by this backend."""
-        return False
+        """Whether the loss is scaled (fp16): the loss scaler is then part of the state."""
+        return self._loss_scale is not None
 
     @property
     def lazy_optimizer_state(self) -> bool:
@@ -810,6 +855,8 @@ class TorchaxEngine(EngineBase):
             elif kind in ("model", "buffer") and rest in self._constants:
                 self._constants = {**self._constants, rest: like(self._constants[rest], value)}
                 self._buffers_stale.add(rest)
+            elif kind == "loss_scale" and self._loss_scale is not None:
+                self._loss_scale = self._loss_scale._replace(**{rest: like(getattr(self._loss_scale, rest), value)})
             elif kind == "master":
                 self._masters = {**self._masters, rest: like(self._masters[rest], value)}
             elif kind == "optim":
@@ -821,7 +868,8 @@ class TorchaxEngine(EngineBase):
                                        name: {**self._opt_state[name], state: like(self._opt_state[name][state], value)}}
             else:
                 raise KeyError(f"{key!r} is not a state tensor of this engine")  # _select picks live keys only
-        jax.block_until_ready((self._params, self._constants, self._masters, self._opt_state, self._shared_state))
+        jax.block_until_ready((self._params, self._constants, self._masters, self._opt_state, self._shared_state,
+                               self._loss_scale))
 
     def loaded(self, new_window: bool) -> None:
         """A checkpoint load has written the state: drop the gradients accumulated before it (they
