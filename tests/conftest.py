@@ -1,6 +1,8 @@
 """Shared helpers. Importing spmdzero starts an 8-device CPU SPMD runtime for this process;
 tests needing another device count run in a subprocess (``run_python``)."""
 
+import contextlib
+import logging
 import os
 import subprocess
 import sys
@@ -39,3 +41,19 @@ def run_python(*code: str, env: dict | None = None, timeout: int = 600) -> str:
     if proc.returncode != 0:
         pytest.fail(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}")
     return proc.stdout
+
+
+@contextlib.contextmanager
+def spmdzero_log():
+    """The records of the "spmdzero" logger (which does not propagate once its own handler is on)."""
+    records, logger = [], logging.getLogger("spmdzero")
+    handler = logging.Handler()
+    handler.emit = records.append
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

@@ -13,14 +13,31 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import spmdzero
 from spmdzero.train.data import pad_sequences
 
-from conftest import tiny_mlp
+from conftest import spmdzero_log, tiny_mlp
 
 ADAMW = {"type": "AdamW", "params": {"lr": 0.01}}
+# plain SGD, unclipped (DeepSpeed clips at 1.0 by default): compared with torch.optim.SGD
+SGD = {"optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "gradient_clipping": 0.0}
 
 
 def engine_for(rule="device", micro=2, model=None, **extra):
     config = {"train_micro_batch_size_per_gpu": micro, "optimizer": ADAMW, "spmd": {"rank": rule}, **extra}
     return spmdzero.initialize(model=model or tiny_mlp(), config=config)[0]
+
+
+def train_step_on(engine, *inputs, **kwargs):
+    loss = engine(*inputs, **kwargs).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+
+
+def sgd_steps(model, x, steps, lr, *extra):
+    """Plain PyTorch: ``steps`` SGD steps of the same loss as ``train_step_on``."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in range(steps):
+        model(x, *extra).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
 
 
 def train_step(engine, rows):
@@ -72,12 +89,23 @@ def test_the_process_rule_loader_draws_like_deepspeeds_loader_on_that_rank():
     assert torch.equal(ours.cpu(), theirs)
 
 
-def test_more_rows_than_the_config_says_is_an_error_naming_the_rule():
-    engine = engine_for("device", micro=2)  # 2 per device x 8 devices = 16 rows per micro-step
-    with pytest.raises(ValueError, match="got 32 rows per process, more than the 16 .*'process' it would be 2"):
-        engine(torch.randn(32, 16))
-    engine.eval()
-    engine(torch.randn(32, 16))  # evaluation takes any batch
+def test_more_rows_than_the_config_says_are_trained_and_counted_as_deepspeed_would():
+    """DeepSpeed never compares a forward's rows with train_micro_batch_size_per_gpu (a reward
+    model feeds chosen and rejected sequences as one batch of twice the rows). It used to be
+    refused ("got 32 rows per process, more than the 16")."""
+    engine = engine_for("device", micro=2, **SGD)  # 2 per device x 8 devices = 16 rows per micro-step
+    reference = tiny_mlp()
+    x = torch.randn(32, 16)
+    with spmdzero_log() as records, warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about
+        train_step_on(engine, x)
+        train_step_on(engine, x)
+    assert engine.global_samples == 64 and engine.samples_last_step == 32
+    noted = [r.getMessage() for r in records if "32 rows per process, more than the 16" in r.getMessage()]
+    assert len(noted) == 1  # once, in the log
+    sgd_steps(reference, x, 2, lr=0.01)
+    for (name, ours), theirs in zip(engine.module.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.detach().cpu(), theirs.detach(), rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_fewer_rows_warn_once_and_global_samples_counts_the_rows_fed():
@@ -273,3 +301,84 @@ def test_ranks_batches_of_different_shapes_without_a_mask_are_a_clear_error():
         collate_fn=lambda items: torch.nn.utils.rnn.pad_sequence(items, batch_first=True))
     with pytest.raises(ValueError, match="different shapes for batch.*pad to a fixed length in your collate_fn"):
         next(iter(loader))
+
+
+class SequenceFirst(torch.nn.Module):
+    """nn.Transformer's default layout: ``src`` is [seq, batch, d], its padding mask [batch, seq]."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0)
+
+    def forward(self, src, src_key_padding_mask=None):
+        return self.layer(src, src_key_padding_mask=src_key_padding_mask)
+
+
+def assert_trained_like(engine, reference):
+    for (name, ours), theirs in zip(engine.module.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.detach().cpu(), theirs.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("seq", [16, 4])
+def test_a_sequence_first_model_says_its_batch_dim(seq):
+    """A [seq, batch, d] input with 8 rows (1 per device): dim 0 used to be taken for the batch:
+    seq 16 was refused as "16 rows", seq 4 ran replicated with a "fewer rows" warning and
+    global_samples counted 4. With spmd.batch_dim 1 the batch is split and counted on dim 1;
+    without it, the forward trains as fed and a hint names the key."""
+    src = torch.randn(seq, 8, 8)
+    mask = torch.zeros(8, seq, dtype=torch.bool)
+    mask[0, -1] = True
+    reference = SequenceFirst()
+    sgd_steps(reference, src, 1, 0.01, None)
+
+    engine = engine_for("device", micro=1, model=SequenceFirst(), **SGD, spmd={"batch_dim": 1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning: not "fewer rows", not "replicated"
+        train_step_on(engine, src)
+    assert engine.global_samples == 8
+    assert_trained_like(engine, reference)
+
+    # per argument: the mask is batch-first
+    engine = engine_for("device", micro=1, model=SequenceFirst(), **SGD,
+                        spmd={"batch_dim": {"src": 1, "src_key_padding_mask": 0}})
+    reference = SequenceFirst()
+    reference(src, mask).pow(2).mean().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = engine(src, src_key_padding_mask=mask).pow(2).mean()
+    engine.backward(loss)
+    for (name, p), ref in zip(engine.module.named_parameters(), reference.parameters()):
+        assert p.grad is None  # the gradients are the engine's
+    assert engine.global_samples == 0 and engine._rows_since_step == 8
+
+    engine = engine_for("device", micro=1, model=SequenceFirst(), **SGD)
+    with pytest.warns(UserWarning, match='set "spmd": {"batch_dim": 1}'):
+        train_step_on(engine, src)
+    assert engine.global_samples == seq  # as fed: dim 0, the documented default
+
+
+def test_a_lookup_table_passed_before_the_batch_is_not_taken_for_it():
+    """``engine(prototypes[16, 4], x[8, 4])`` with 8 rows per micro-step: x is the batch (it has
+    the configured rows), the table is replicated. It used to be refused as 16 rows."""
+
+    class Nearest(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, prototypes, x):
+            return self.proj(x) @ prototypes.T
+
+    prototypes, x = torch.randn(16, 4), torch.randn(8, 4)
+    engine = engine_for("device", micro=1, model=Nearest(), **SGD)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train_step_on(engine, prototypes, x)
+    assert engine.global_samples == 8
+    reference = Nearest()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.01)
+    reference(prototypes, x).pow(2).mean().backward()
+    optimizer.step()
+    assert_trained_like(engine, reference)

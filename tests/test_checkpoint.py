@@ -356,3 +356,49 @@ def test_consolidation_needs_about_the_output_size_in_memory(tmp_path):
     output_mb = 16 * 1024 * 1024 * 4 / 2**20
     print(f"consolidation grew the peak RSS by {grew:.0f} MB for {output_mb:.0f} MB of output")
     assert grew < 1.5 * output_mb, grew
+
+
+class Rotary(torch.nn.Module):
+    """A model with a non-persistent buffer computed from a setting (as rotary embeddings'
+    ``inv_freq`` is computed from ``rope_theta``), and a persistent one."""
+
+    def __init__(self, theta: float = 10000.0, with_cache: bool = True, persistent: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(16, 8)
+        self.register_buffer("scale", torch.full((8,), 0.5))  # persistent: checkpointed
+        if with_cache:
+            self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, 16, 2).float() / 16),
+                                 persistent=persistent)
+
+    def forward(self, x):
+        out = self.proj(x) * self.scale
+        return out * self.inv_freq if hasattr(self, "inv_freq") else out
+
+
+def test_non_persistent_buffers_are_neither_saved_nor_restored(tmp_path):
+    """torch's state_dict and DeepSpeed's checkpoints leave ``persistent=False`` buffers out:
+    a load keeps the value the model computed (a changed rope_theta takes effect), and a
+    model that gained such a buffer loads a checkpoint saved before it had one."""
+    config = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    engine, *_ = spmdzero.initialize(model=Rotary(theta=10000.0), config=config)
+    engine.save_checkpoint(str(tmp_path), tag="a")
+    assert "buffer.inv_freq" not in json.loads((tmp_path / "a" / "meta.json").read_text())["tensors"]
+
+    other, *_ = spmdzero.initialize(model=Rotary(theta=500000.0), config=config)
+    other.load_checkpoint(str(tmp_path), tag="a")
+    expected = 1.0 / 500000.0 ** (torch.arange(0, 16, 2).float() / 16)
+    torch.testing.assert_close(other.module.inv_freq.cpu(), expected)
+    torch.testing.assert_close(other.module.scale.cpu(), torch.full((8,), 0.5))
+
+    older, *_ = spmdzero.initialize(model=Rotary(with_cache=False), config=config)
+    older.save_checkpoint(str(tmp_path), tag="old")
+    gained, *_ = spmdzero.initialize(model=Rotary(), config=config)
+    gained.load_checkpoint(str(tmp_path), tag="old")  # strict: no missing key
+    torch.testing.assert_close(gained.module.inv_freq.cpu(), 1.0 / 10000.0 ** (torch.arange(0, 16, 2).float() / 16))
+
+    # a checkpoint that holds it (written where it was persistent, or by an older spmdzero)
+    persisted, *_ = spmdzero.initialize(model=Rotary(persistent=True), config=config)
+    persisted.save_checkpoint(str(tmp_path), tag="held")
+    other.load_checkpoint(str(tmp_path), tag="held")
+    torch.testing.assert_close(other.module.inv_freq.cpu(), expected)

@@ -1,5 +1,6 @@
 """The engine on 8 CPU devices against a plain single-device PyTorch loop."""
 
+import contextlib
 import copy
 
 import numpy as np
@@ -357,3 +358,23 @@ def test_loss_scale_is_deepspeeds_config_value_and_cur_scale_the_live_one(fp16, 
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
     assert engine.loss_scale() == expected and engine.dynamic_loss_scale() is (expected == 0)
     assert optimizer.cur_scale == (2.0 ** 16 if expected == 0 else expected)
+
+
+@pytest.mark.parametrize("rows", [16, 4])  # split over the 8 devices, and replicated (does not divide)
+def test_an_input_that_requires_grad_gets_its_gradient_as_in_pytorch(rows):
+    """``x.requires_grad_()`` on a host input (input gradients: saliency, adversarial
+    examples): after ``engine.backward`` the host tensor's ``.grad`` is torch's, as
+    ``x.to(device)`` would give. The engine's sharded move to the devices used to be outside
+    autograd, leaving ``x.grad`` None without a word."""
+    model = tiny_mlp()
+    x, y = batches(1, rows)[0]
+    x_ref = x.clone().requires_grad_()
+    torch.nn.functional.mse_loss(copy.deepcopy(model)(x_ref), y).backward()
+
+    engine, *_ = spmdzero.initialize(model=model, config={
+        "train_batch_size": 16, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    x.requires_grad_()
+    with pytest.warns(UserWarning) if rows == 4 else contextlib.nullcontext():
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y.to(engine.device)))
+    assert x.grad is not None and x.grad.device.type == "cpu"
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-7)

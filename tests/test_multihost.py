@@ -1,6 +1,8 @@
 """The multi-host and multislice planning, without the hardware: config -> mesh shapes ->
 partition specs -> each host's batch slice."""
 
+import re
+
 import pytest
 import torch
 
@@ -69,3 +71,252 @@ def test_under_the_process_rule_a_host_is_one_deepspeed_rank():
     sampler = loader.rank_loaders[0].sampler
     assert len(loader.rank_loaders) == 1 and (sampler.rank, sampler.num_replicas) == (1, 2)
     assert loader.rank_loaders[0].batch_size == 8 and batch.rows_per_device == 2
+
+
+# ---- several processes (hosts) in one mesh: the torchax backend, through jax.distributed ------------------------
+
+SCRIPT = '''
+"""A DeepSpeed script as users write one; `spmdzero launch` runs it on every host."""
+import argparse
+import os
+
+import torch
+
+
+class Net(torch.nn.Module):  # returns its loss: the torchax backend takes the gradient in the forward
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.body(x), y)
+
+
+def dataset():
+    g = torch.Generator().manual_seed(1)
+    return torch.utils.data.TensorDataset(torch.randn(128, 16, generator=g), torch.randn(128, 8, generator=g))
+
+
+# a DeepSpeed rank is a device: 2 rows x 8 devices x 2 accumulation steps, on 1 or 2 processes
+CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+          "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+          "spmd": {"backend": "torchax", "rank": "device"}}
+
+
+def train(engine, loader, die_at=None):
+    losses, norms = [], []
+    for x, y in loader:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if engine.micro_steps % 2 == 0:  # an optimizer step
+            norms.append(engine.get_global_grad_norm())
+        if engine.global_steps == die_at:
+            print("DYING", flush=True)
+            os._exit(1)
+    return losses, norms
+
+
+if __name__ == "__main__":
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+    from spmdzero import runtime
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local_rank", type=int)
+    parser.add_argument("--out")
+    parser.add_argument("--die_rank", type=int, default=-1)
+    args = parser.parse_args()
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(100 + rank)  # each host its own weights: deepspeed.initialize takes process 0's
+    engine, _, loader, _ = deepspeed.initialize(model=Net(), config=CONFIG, training_data=dataset())
+    losses, norms = train(engine, loader, die_at=2 if rank == args.die_rank else None)
+    torch.save({"losses": losses, "norms": norms, "hosts": runtime.hosts(), "devices": runtime.device_count(),
+                "local_devices": get_accelerator().device_count(),
+                "world": (engine.dp_world_size, dist.get_rank(), dist.get_world_size()),
+                "samples": engine.global_samples, "rows": len(loader) and loader.batch_size,
+                "traces": dict(engine.traces),
+                "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()}}, args.out)
+'''
+
+
+def _free_port_pair() -> int:
+    """A port P with P + 1 free too (torch.distributed's store and JAX's coordinator)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free pair of ports")
+
+
+def _launch_hosts(tmp_path, *script_args, hosts: int = 2):
+    """``spmdzero launch --num_nodes 2 --node_rank I ...`` for each I, as on two hosts of 4 CPU
+    devices each; returns the Popen objects (stdout and stderr to files in tmp_path)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT",
+                                                             "SPMDZERO_NO_RUNTIME", "XLA_FLAGS")}
+    env.update({"PYTHONPATH": REPO, "SPMDZERO_BACKEND": "torchax", "JAX_PLATFORMS": "cpu", "PJRT_DEVICE": "CPU",
+                "CPU_NUM_DEVICES": "4", "SPMDZERO_DISTRIBUTED_INIT_TIMEOUT": "60",
+                "SPMDZERO_DISTRIBUTED_HEARTBEAT_TIMEOUT": "10", "PYTHONUNBUFFERED": "1"})
+    port = _free_port_pair()
+    procs = []
+    for i in range(hosts):
+        command = [sys.executable, "-c", "import sys, spmdzero_cli; sys.exit(spmdzero_cli.main())", "launch",
+                   "--num_nodes", str(hosts), "--node_rank", str(i), "--master_addr", "127.0.0.1",
+                   "--master_port", str(port), str(script), "--out", str(tmp_path / f"out{i}.pt"), *script_args]
+        with open(tmp_path / f"log{i}.txt", "w") as log:  # the child keeps its own copy of the file
+            procs.append(subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def _reference(tmp_path):
+    """The same script's model, data and config on this process's 8 devices."""
+    import runpy
+
+    import spmdzero
+
+    (tmp_path / "ref.py").write_text(SCRIPT)
+    script = runpy.run_path(str(tmp_path / "ref.py"))
+    torch.manual_seed(100)
+    engine, _, loader, _ = spmdzero.initialize(model=script["Net"](), config=script["CONFIG"],
+                                               training_data=script["dataset"]())
+    losses, norms = script["train"](engine, loader)
+    return losses, norms, {n: p.detach().clone() for n, p in engine.module.named_parameters()}, engine
+
+
+@pytest.mark.slow
+def test_two_processes_of_four_devices_train_as_one_process_of_eight(tmp_path):
+    procs = _launch_hosts(tmp_path)
+    losses, norms, params, engine = _reference(tmp_path)  # meanwhile, here
+    for i, proc in enumerate(procs):
+        assert proc.wait(timeout=240) == 0, (tmp_path / f"log{i}.txt").read_text()[-4000:]
+    outs = [torch.load(tmp_path / f"out{i}.pt") for i in range(2)]
+    for i, out in enumerate(outs):
+        assert out["hosts"] == (i, 2) and out["devices"] == 8 and out["local_devices"] == 4
+        assert out["world"] == (8, i, 2)  # DeepSpeed's world: 8 devices; torch.distributed's: the 2 processes
+        assert out["samples"] == engine.global_samples == 128 and out["rows"] == 2
+        assert out["traces"] == dict(engine.traces)  # compiled once each, as on one process
+        assert len(out["losses"]) == len(losses) == 8
+        assert out["losses"] == pytest.approx(losses, abs=1e-6, rel=1e-6)  # global losses, the same on each
+        assert out["norms"] == pytest.approx(norms, abs=1e-6, rel=1e-6)
+        for name, value in params.items():  # process 0's initial weights (seeded 100), trained on all rows
+            torch.testing.assert_close(out["params"][name], value, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_lost_process_stops_the_others_with_an_error_naming_it(tmp_path):
+    import time
+
+    procs = _launch_hosts(tmp_path, "--die_rank", "1")
+    assert procs[1].wait(timeout=240) == 1
+    died = time.monotonic()
+    code = procs[0].wait(timeout=120)
+    waited = time.monotonic() - died
+    log = (tmp_path / "log0.txt").read_text()
+    assert "DYING" in (tmp_path / "log1.txt").read_text()
+    assert code != 0 and waited < 60, (code, waited, log[-3000:])
+    # JAX's coordination service names the lost process: task N is --node_rank N
+    assert "stopped sending heartbeats" in log and "task:1" in log, log[-3000:]
+
+
+@pytest.mark.slow
+def test_a_process_whose_peers_never_come_says_so_within_the_initialization_timeout(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = {k: v for k, v in os.environ.items() if k not in ("SPMDZERO_NO_RUNTIME", "XLA_FLAGS")}
+    env.update({"PYTHONPATH": REPO, "SPMDZERO_BACKEND": "torchax", "JAX_PLATFORMS": "cpu", "PJRT_DEVICE": "CPU",
+                "CPU_NUM_DEVICES": "4", "SPMDZERO_DISTRIBUTED_INIT_TIMEOUT": "3", "WORLD_SIZE": "2", "RANK": "1",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port_pair())})
+    # a plain script (no launcher): the variables alone make `import spmdzero` join the others
+    proc = subprocess.run([sys.executable, "-c", "import spmdzero"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode != 0
+    assert "process 1 of 2 could not join the others through jax.distributed at 127.0.0.1:" in proc.stderr, \
+        proc.stderr[-3000:]
+
+
+def test_the_environment_names_the_processes_jax_distributed_joins(monkeypatch):
+    from spmdzero.runtime import jax_runtime
+    from spmdzero.runtime.jax_runtime import distributed_settings
+
+    monkeypatch.setattr(jax_runtime, "_on_cloud_tpu_vm", lambda: True)
+
+    base = {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "10.0.0.2", "MASTER_PORT": "29600"}
+    assert distributed_settings(base, "CPU") == {"coordinator_address": "10.0.0.2:29601", "num_processes": 2,
+                                                 "process_id": 1}
+    timeouts = {"SPMDZERO_DISTRIBUTED_INIT_TIMEOUT": "30", "SPMDZERO_DISTRIBUTED_HEARTBEAT_TIMEOUT": "10"}
+    assert distributed_settings({**base, **timeouts}, "CPU") == {
+        "coordinator_address": "10.0.0.2:29601", "num_processes": 2, "process_id": 1,
+        "initialization_timeout": 30, "heartbeat_timeout_seconds": 10}
+    assert distributed_settings({"MASTER_ADDR": "h0", "WORLD_SIZE": "3", "RANK": "0"}, "CPU")[
+        "coordinator_address"] == "h0:29501"  # DeepSpeed's default MASTER_PORT, 29500
+    assert distributed_settings({}, "CPU") is None and distributed_settings({"WORLD_SIZE": "1"}, "CPU") is None
+    assert distributed_settings({**base, "SPMDZERO_DISTRIBUTED": "0"}, "CPU") is None
+    assert distributed_settings({}, "TPU") == {}  # JAX finds the TPU VM's hosts itself
+    assert distributed_settings(timeouts, "TPU") == {"initialization_timeout": 30, "heartbeat_timeout_seconds": 10}
+    monkeypatch.setattr(jax_runtime, "_on_cloud_tpu_vm", lambda: False)
+    assert distributed_settings({}, "TPU") is None  # libtpu without chips (this machine): nothing to discover
+    for environ, message in [
+        ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 asks for 2 processes but RANK and MASTER_ADDR are not set"),
+        ({**base, "RANK": "2"}, "RANK='2': this process's index among WORLD_SIZE=2 processes, 0 to 1"),
+        ({**base, "WORLD_SIZE": "two"}, "WORLD_SIZE='two': the number of processes"),
+        ({**base, "MASTER_PORT": "x"}, "MASTER_PORT='x': a TCP port"),
+        ({**base, "SPMDZERO_DISTRIBUTED_HEARTBEAT_TIMEOUT": "0"}, "SPMDZERO_DISTRIBUTED_HEARTBEAT_TIMEOUT='0'"),
+        ({"SPMDZERO_DISTRIBUTED": "maybe"}, "SPMDZERO_DISTRIBUTED='maybe'"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            distributed_settings(environ, "CPU")
+
+
+def test_launch_flags_name_the_hosts_and_are_checked():
+    from spmdzero.cli.launch import _hosts_from_flags, _parser
+
+    def hosts(*flags, join=True):
+        return _hosts_from_flags(_parser().parse_args([*flags, "train.py"]), join)
+
+    assert hosts() is None and hosts("--num_nodes", "1") == (0, 1)
+    assert hosts("--num_nodes", "4", "--node_rank", "3", "--master_addr", "10.0.0.2") == (3, 4)
+    # torch_xla's runtime finds a pod's hosts and their addresses: the flags are only checked against it
+    assert hosts("--num_nodes", "4", join=False) == (None, 4)
+    for flags, message in [
+        (("--num_nodes", "2", "--master_addr", "h0"), "--num_nodes 2 needs --node_rank, this host's index (0 to 1)"),
+        (("--num_nodes", "2", "--node_rank", "2", "--master_addr", "h0"), "(0 to 1), got 2"),
+        (("--node_rank", "1",), "--node_rank 1 needs --num_nodes"),
+        (("--num_nodes", "0",), "--num_nodes 0: the number of hosts"),
+    ]:
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            hosts(*flags)
+
+
+def test_torch_xlas_runtime_refuses_hosts_it_cannot_join(tmp_path, capsys, monkeypatch):
+    """torch_xla's runtime finds its hosts itself (one here, on CPU): flags naming two are refused."""
+    from spmdzero.cli.launch import main
+
+    for key in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    assert main(["--num_nodes", "2", "--node_rank", "1", "--master_addr", "127.0.0.1", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert "--num_nodes 2 --node_rank 1, but the runtime found process 0 of 1" in err
+    assert "set SPMDZERO_BACKEND=torchax" in err

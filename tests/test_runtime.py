@@ -76,3 +76,23 @@ def test_reinitializing_in_the_same_process_works():
             print("run", run, engine.global_steps)
     """)
     assert "run 0 2" in out and "run 1 2" in out
+
+
+@pytest.mark.parametrize("level, shown", [(None, False), ("0", True)])
+def test_xla_compiler_warnings_show_only_when_asked_for(level, shown):
+    """XLA prints "GSPMD sharding propagation is going to be deprecated" on every torch_xla
+    compile; it is hidden unless TF_CPP_MIN_LOG_LEVEL asks for warnings."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    from conftest import REPO
+
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    if level is not None:
+        env["TF_CPP_MIN_LOG_LEVEL"] = level
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(TRAIN_ONE_STEP)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert ("GSPMD sharding propagation is going to be deprecated" in proc.stderr) == shown, proc.stderr[-2000:]

@@ -7,7 +7,14 @@ to spmdzero's compatibility layer (``spmdzero.compat.alias``). As DeepSpeed's la
 it sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_SIZE``, ``CROSS_RANK``,
 ``CROSS_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``, and passes ``--local_rank=0``. On a
 pod, run the same command on every host: the process index and count come from the XLA
-runtime.
+runtime (torch_xla's on a TPU pod; JAX's, through the TPU runtime, under
+``SPMDZERO_BACKEND=torchax``).
+
+DeepSpeed's ``--num_nodes N --node_rank I --master_addr A --master_port P`` name the hosts
+explicitly: they are exported (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``, ``MASTER_PORT``)
+before the runtime starts, so that under ``SPMDZERO_BACKEND=torchax`` the N processes join one
+global mesh through ``jax.distributed`` (``spmdzero.runtime.jax_runtime``), on CPU hosts too.
+torch_xla's runtime finds its hosts itself; there the flags are checked against it.
 """
 
 from __future__ import annotations
@@ -22,12 +29,12 @@ from typing import Optional
 DEFAULT_PORT = 29500
 
 # DeepSpeed launcher options that select GPUs, nodes or a remote launcher: under
-# spmdzero each host runs one process that drives all of its devices, and the XLA
-# runtime knows the hosts, so these have no meaning here.
+# spmdzero each host runs one process that drives all of its devices, started on each host
+# by the user (--num_nodes/--node_rank name them), so these have no meaning here.
 _IGNORED = {
     "--hostfile": str, "--include": str, "--exclude": str,
-    "--num_nodes": int, "--num_gpus": int, "--num_accelerators": int, "--min_elastic_nodes": int,
-    "--max_elastic_nodes": int, "--node_rank": int, "--launcher": str, "--launcher_args": str,
+    "--num_gpus": int, "--num_accelerators": int, "--min_elastic_nodes": int,
+    "--max_elastic_nodes": int, "--launcher": str, "--launcher_args": str,
     "--enable_each_rank_log": str, "--autotuning": str, "--bind_core_list": str, "--ssh_port": int,
     "--venv_script": str, "--log_level": str,
 }
@@ -69,7 +76,12 @@ def _parser() -> argparse.ArgumentParser:
                     "same command on every host of a pod). `import deepspeed` resolves to spmdzero.")
     parser.add_argument("--master_addr", default=None, help="address of the first host (several hosts)")
     parser.add_argument("--master_port", type=_port, default=None,
-                        help=f"rendezvous port (default: MASTER_PORT, else {DEFAULT_PORT})")
+                        help=f"rendezvous port of torch.distributed (default: MASTER_PORT, else {DEFAULT_PORT}); "
+                             "JAX's coordinator (SPMDZERO_BACKEND=torchax) takes the next one")
+    parser.add_argument("--num_nodes", type=int, default=None,
+                        help="the number of hosts (one process each); run this command on every host")
+    parser.add_argument("--node_rank", type=int, default=None,
+                        help="this host's index, 0 to num_nodes - 1 (0 is the master_addr host)")
     parser.add_argument("--module", action="store_true", help="SCRIPT is a module name (python -m)")
     parser.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank=0 to the script")
     parser.add_argument("--spmd", default=None, metavar="JSON",
@@ -111,6 +123,28 @@ def _master_addr(given: Optional[str], process_count: int) -> str:
                          f"(the first host's address) or set MASTER_ADDR ({err})") from None
 
 
+def _hosts_from_flags(args: argparse.Namespace, join: bool) -> tuple[int | None, int] | None:
+    """(node_rank, num_nodes) as the flags give them, checked; None without ``--num_nodes`` (the
+    runtime finds the hosts). ``join``: JAX will join the hosts they name, so ``--node_rank``
+    and the master address are needed; torch_xla's runtime only checks them (node_rank None
+    when not given)."""
+    if args.num_nodes is None:
+        if args.node_rank not in (None, 0):
+            raise SystemExit(f"spmdzero launch: --node_rank {args.node_rank} needs --num_nodes (the number of hosts)")
+        return None
+    if args.num_nodes < 1:
+        raise SystemExit(f"spmdzero launch: --num_nodes {args.num_nodes}: the number of hosts, >= 1")
+    if args.num_nodes == 1:
+        return 0, 1
+    if (args.node_rank is None and join) or not 0 <= (args.node_rank or 0) < args.num_nodes:
+        raise SystemExit(f"spmdzero launch: --num_nodes {args.num_nodes} needs --node_rank, this host's index "
+                         f"(0 to {args.num_nodes - 1}), got {args.node_rank}")
+    if join and not (args.master_addr or os.environ.get("MASTER_ADDR")):
+        raise SystemExit(f"spmdzero launch: --num_nodes {args.num_nodes} needs --master_addr (the address of the "
+                         "host with --node_rank 0) or MASTER_ADDR")
+    return args.node_rank, args.num_nodes
+
+
 def set_launcher_env(process_index: int, process_count: int, master_addr: str, master_port: int) -> None:
     """What DeepSpeed's launcher exports to each process, for one process per host."""
     os.environ.update({
@@ -145,21 +179,31 @@ def main(argv: Optional[list[str]] = None) -> int:
     os.environ.pop("SPMDZERO_NO_RUNTIME", None)  # the console entry point sets it for its other commands
     from spmdzero import runtime
     from spmdzero.compat import alias
+    from spmdzero.runtime import jax_runtime
 
-    try:
-        port = _master_port(args.master_port)  # before the runtime starts: a bad value costs no startup
-    except ValueError as err:
+    try:  # before the runtime starts: a bad value costs no startup
+        port = _master_port(args.master_port)
+        join = jax_runtime.from_environment()
+    except ValueError as err:  # MASTER_PORT, SPMDZERO_BACKEND
         print(f"spmdzero launch: {err}", file=sys.stderr)
         return 2
+    given = _hosts_from_flags(args, join)
+    if given is not None and join:  # before JAX starts: it joins the hosts these name
+        set_launcher_env(*given, _master_addr(args.master_addr, given[1]), port)
     try:
         runtime.start()
         index, count = runtime.hosts()
-    except (runtime.EnvironmentSettingError, RuntimeError) as err:  # CPU_NUM_DEVICES, PJRT_DEVICE, SPMDZERO_BACKEND
+    except (ValueError, RuntimeError) as err:  # CPU_NUM_DEVICES, PJRT_DEVICE, WORLD_SIZE/RANK (torchax), ...
         device = os.environ.get("PJRT_DEVICE")
-        where = f" (PJRT_DEVICE={device!r})" if device is not None and not isinstance(
-            err, runtime.EnvironmentSettingError) else ""
-        print(f"spmdzero launch: the XLA runtime did not start{where}: {' '.join(str(err).split())}",
-              file=sys.stderr)
+        where = f" (PJRT_DEVICE={device!r})" if device is not None and not isinstance(err, ValueError) else ""
+        print(f"spmdzero launch: the runtime did not start{where}: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    if given is not None and (given[0] not in (None, index) or given[1] != count):
+        rank = "" if given[0] is None else f" --node_rank {given[0]}"
+        print(f"spmdzero launch: --num_nodes {given[1]}{rank}, but the runtime found process "
+              f"{index} of {count}. torch_xla's runtime finds the hosts itself (a TPU pod) and cannot join "
+              "processes on CPU; to join hosts named by these flags, set SPMDZERO_BACKEND=torchax (with "
+              '"spmd": {"backend": "torchax"} in the config)', file=sys.stderr)
         return 2
     set_launcher_env(index, count, _master_addr(args.master_addr, count), port)
     try:

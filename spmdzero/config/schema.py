@@ -12,7 +12,8 @@ switched on (``REFUSED_KEYS``)."""
 from __future__ import annotations
 import typing
 from typing import Annotated, Any, Literal, Mapping, Optional, Union
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, PrivateAttr, field_validator,
+                      model_validator)
 
 
 # Strict types: a JSON boolean is not a number nor a number a boolean, a string is neither
@@ -201,6 +202,9 @@ class SpmdConfig(Section):
     # What one DeepSpeed "rank" is in the batch arithmetic (docs/migrating.md, "The batch rule"):
     # a data-parallel device, or a process (one per host, what torch.distributed counts).
     rank: Literal["device", "process"] = "device"
+    # Which dim of the forward's inputs is the batch (spmdzero.train.batch_inputs): one for every input
+    # (1: a sequence-first model), or per forward argument ({"src": 1, "prototypes": null}; null: not a batch).
+    batch_dim: Union[NonNegativeInt, dict[str, Optional[NonNegativeInt]]] = 0
     # Shape buckets: pad the sequence dim of dict inputs to a multiple of this (data.PAD_VALUES).
     pad_to_multiple_of: Optional[int] = Field(None, gt=0)
     mesh: Optional[MeshConfig] = None

@@ -32,12 +32,15 @@ class CheckpointError(RuntimeError):
 
 
 def _quiet_dcp():
-    """DCP warns that it runs single-process (we ask it to) and torch_xla's sharded tensor
-    warns about an indexing idiom of its own; neither concerns the user."""
+    """DCP warns that it runs single-process (we ask it to), about its own use of
+    ``tensor.storage()`` and about torch_xla's planner's signature, and torch_xla's sharded
+    tensor about an indexing idiom of its own; none of it concerns the user."""
     stack = contextlib.ExitStack()
     stack.enter_context(warnings.catch_warnings())
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     warnings.filterwarnings("ignore", message="Using a non-tuple sequence for multidimensional indexing")
+    warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+    warnings.filterwarnings("ignore", message="The function definition for SavePlanner.set_up_planner")
     return stack
 
 
@@ -50,6 +53,12 @@ def _is_writer() -> bool:
     Device-free tools (consolidation, import) never start the runtime: they are the writer."""
     import sys
 
+    from spmdzero.runtime import jax_runtime
+
+    if jax_runtime.selected():  # JAX's process index, once JAX has started
+        if "jax" not in sys.modules or not sys.modules["jax"]._src.xla_bridge.backends_are_initialized():
+            return True
+        return sys.modules["jax"].process_index() == 0
     if "torch_xla.runtime" not in sys.modules:
         return True
     import torch_xla.runtime as xr
@@ -57,9 +66,27 @@ def _is_writer() -> bool:
     return xr.process_index() == 0
 
 
+def non_persistent_buffers(module: torch.nn.Module) -> set[str]:
+    """The names of the module's ``persistent=False`` buffers (rotary embeddings' ``inv_freq``,
+    causal masks): values the model computes from its settings, which torch's ``state_dict``
+    and DeepSpeed's checkpoints leave out. A checkpoint neither holds nor restores them, so a
+    load keeps what the model computed (a changed ``rope_theta`` takes effect) and a model
+    that gained one still loads an older checkpoint."""
+    return {f"{prefix}.{name}" if prefix else name
+            for prefix, sub in module.named_modules() for name in sub._non_persistent_buffers_set}
+
+
+def checkpointed(engine) -> dict[str, tuple[Any, tuple]]:
+    """What a checkpoint holds of the engine's state: ``engine.state_tensors()`` less the
+    module's non-persistent buffers."""
+    skip = {f"buffer.{name}" for name in non_persistent_buffers(engine.module)}
+    return {k: v for k, v in engine.state_tensors().items() if k not in skip}
+
+
 def tensor_index(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """{key: (shape, dtype)}: what the meta records of each tensor, for checks and consolidation."""
-    return {k: (tuple(t.shape), str(t.dtype)) for k, t in tensors.items()}
+    """{key: (shape, dtype)}: what the meta records of each tensor, for checks and consolidation;
+    the dtype as torch names it, for torch tensors and JAX arrays alike."""
+    return {k: (tuple(t.shape), "torch." + str(t.dtype).removeprefix("torch.")) for k, t in tensors.items()}
 
 
 def check_tag(tag: Any, where: str) -> str:

@@ -37,7 +37,7 @@ import torch
 from spmdzero.io import restack
 from spmdzero.io.restack import stacking_mismatch
 from spmdzero.io.checkpoint_format import (CheckpointError, LATEST_FILE, META_FILE, _dtype, _no_dist, _quiet_dcp,
-                                           tensor_index)
+                                           checkpointed, non_persistent_buffers, tensor_index)
 from spmdzero.io.checkpoint_dir import reading
 from spmdzero.io.read import _dcp_failure, locate, open_state, read_client_state, read_meta, resolve_tag
 from spmdzero.io.deepspeed_import import is_deepspeed_checkpoint, read_deepspeed_checkpoint
@@ -108,10 +108,10 @@ def _check_optimizer(engine, meta: dict, path: str, full_state: bool) -> None:
     """Moments of one optimizer are not another's: refuse to load them across types, or
     into another number of param groups or other parameters."""
     saved = (meta.get("optimizer") or {}).get("type")
-    live = type(engine.optimizer.optimizer).__name__ if engine.optimizer is not None else None
+    live = type(engine.basic_optimizer).__name__ if engine.optimizer is not None else None
     if live is None or not full_state:
         return
-    groups, live_groups = meta["optimizer"]["param_groups"], engine.optimizer.optimizer.param_groups
+    groups, live_groups = meta["optimizer"]["param_groups"], engine.basic_optimizer.param_groups
     if len(groups) != len(live_groups):
         raise CheckpointError(f"checkpoint {path!r} has {len(groups)} optimizer param groups, this engine's "
                               f"optimizer {len(live_groups)}; pass load_optimizer_states=False to load the module only")
@@ -157,7 +157,7 @@ def _select(engine, saved: dict, strict: bool, full_state: bool, meta: dict) -> 
     become an fp32 run's params, an fp32 run's params a bf16 run's masters. A checkpoint
     saved with ``spmd.scan_layers='stacked'`` and another setting loaded: each tensor from
     its layers or its stack (``spmdzero.io.restack``)."""
-    live = engine.state_tensors()
+    live = checkpointed(engine)
     saved_shapes = {k: tuple(v[0]) for k, v in saved.items()}
     live_shapes = {k: tuple(t.shape) for k, (t, _) in live.items()}
     # a param's master and a master's param: where the two precisions meet
@@ -169,7 +169,9 @@ def _select(engine, saved: dict, strict: bool, full_state: bool, meta: dict) -> 
         return restack.Source((key,)) if key in saved else aliases.get(key)
 
     module_keys = {k for k in live if k.startswith(("model.", "buffer."))}
-    saved_module = {k for k in saved if k.startswith(("model.", "buffer."))}
+    # an older checkpoint may hold a buffer that the model now computes (non-persistent): not loaded
+    computed = {f"buffer.{name}" for name in non_persistent_buffers(engine.module)}
+    saved_module = {k for k in saved if k.startswith(("model.", "buffer.")) and k not in computed}
     consumed = {k for key in module_keys if (src := found(key)) for k in src.keys}
     missing = sorted(k for k in module_keys if found(k) is None)
     unexpected = sorted(k for k in saved_module - module_keys if k not in consumed)
@@ -237,58 +239,44 @@ def _check_placeholders(engine, created: list, unsaved: list, meta: dict, where:
                     if not (isinstance(value, torch.Tensor) and value.device.type == "xla") and key not in have]
     if missing:
         raise CheckpointError(f"{where!r} has no value for the optimizer state {sorted(missing)}, which "
-                              f"{type(engine.optimizer.optimizer).__name__} keeps on the host; pass "
+                              f"{type(engine.basic_optimizer).__name__} keeps on the host; pass "
                               "load_optimizer_states=False to load the module only")
 
 
 def _stage(engine, selected: dict, saved: dict, host_tensors: Optional[dict] = None) -> dict:
-    """Device tensors in the checkpoint's dtype, laid out like the live targets: zeros to
-    read a DCP checkpoint into, or the given host tensors sent shard by shard."""
-    import torch_xla.core.xla_model as xm
-    import torch_xla.distributed.spmd as xs
-
+    """Targets in the checkpoint's dtype, laid out like the live ones (``engine.state_shards()``):
+    empty, to read a DCP checkpoint into, or the given host tensors placed shard by shard."""
+    shards = engine.state_shards()
     staging = {}
-    for source, tensor, spec in selected.values():
+    for source, _, spec in selected.values():
         layout = source.layer_spec(spec)
         for key in source.keys:
             if key in staging:  # one checkpoint tensor can feed two targets (a param and its master)
                 continue
             if host_tensors is None:
-                staged = torch.zeros(tuple(saved[key][0]), dtype=_dtype(saved[key][1]), device=tensor.device)
-                engine.lay_out(staged, layout)
+                staging[key] = shards.staging(tuple(saved[key][0]), _dtype(saved[key][1]), layout)
             else:
-                sharding = xs.ShardingSpec(engine.mesh, tuple(layout))
-                staged = xm.send_cpu_data_to_device([host_tensors[key]], engine.device, sharding)[0]
-            staging[key] = staged
-    # DCP's SPMDLoadPlanner reads each staging tensor's device shard handles directly;
-    # those are placeholders until the execution that creates them has finished, so
-    # execute them and wait (torch_xla.sync() returns while it is still in flight).
-    xm.unlazy(list(staging.values()))
-    xm.wait_device_ops()
+                staging[key] = shards.from_host(host_tensors[key], layout)
     return staging
 
 
 def _commit(engine, selected: dict, staging: dict) -> None:
-    """Copy staged values into the live tensors (only once everything was read)."""
-    import torch_xla
-
-    with torch.no_grad():
-        for source, tensor, _ in selected.values():
-            tensor.copy_(source.assemble(staging))
-    engine.lay_out_state()
-    torch_xla.sync()
+    """Write the staged values into the live state (only once everything was read)."""
+    shards = engine.state_shards()
+    values = shards.values(staging)
+    shards.commit({key: source.assemble(values) for key, (source, _, _) in selected.items()})
 
 
 def _load_tensors(engine, path: str, selected: dict, saved: dict) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
 
     reader = open_state(path)
     staging = _stage(engine, selected, saved)
+    state, planner = engine.state_shards().readable(staging)
     try:
         with _quiet_dcp():
-            dcp.load(staging, storage_reader=reader, planner=SPMDLoadPlanner(), no_dist=_no_dist())
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=_no_dist())
     except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
         raise CheckpointError(f"cannot read the tensors of checkpoint {path!r}: {_dcp_failure(err)}") from None
     _commit(engine, selected, staging)
@@ -304,8 +292,6 @@ def _host_state_restorer(engine, meta: dict, where: str, full_state: bool, sched
     RNG). ``micro_steps`` is put at the start of an accumulation window (``global_steps`` x
     this engine's ``gradient_accumulation_steps``): DeepSpeed does not restore it, and the
     accumulated gradients of a window are not saved."""
-    import torch_xla.core.xla_model as xm
-
     def bad(key: str, why: str) -> CheckpointError:
         return CheckpointError(f"{where!r}: {key!r} {why}; the checkpoint is damaged or not this engine's")
 
@@ -317,7 +303,7 @@ def _host_state_restorer(engine, meta: dict, where: str, full_state: bool, sched
                 raise bad(key, f"is {value!r}, not a count")
             counters[key] = value
         counters["micro_steps"] = counters["global_steps"] * engine.gradient_accumulation_steps()
-    optimizer = engine.optimizer.optimizer if engine.optimizer is not None else None
+    optimizer = engine.basic_optimizer if engine.optimizer is not None else None
     groups, host_state = [], {}
     if full_state and optimizer is not None:
         groups = meta["optimizer"]["param_groups"]
@@ -355,7 +341,7 @@ def _host_state_restorer(engine, meta: dict, where: str, full_state: bool, sched
             engine.lr_scheduler.load_state_dict(schedule)
         if rng is not None:
             torch.set_rng_state(rng["torch"])
-            xm.set_rng_state(rng["xla"])
+            engine.state_shards().set_rng_state(rng["xla"])
             random.setstate(rng["python"])
             np.random.set_state(rng["numpy"])
 

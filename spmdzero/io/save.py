@@ -15,7 +15,8 @@ import torch
 from spmdzero.io import checkpoint_dir
 from spmdzero.io.checkpoint_dir import _pickle_client_state, check_target, staging_dir
 from spmdzero.io.checkpoint_format import (CLIENT_FILE, CheckpointError, FORMAT_VERSION, STATE_DIR, _is_writer,
-                                           _no_dist, _quiet_dcp, check_tag, tensor_index, to_json)
+                                           _no_dist, _quiet_dcp, check_tag, checkpointed, tensor_index,
+                                           to_json)
 from spmdzero.io.read import _dcp_failure
 from spmdzero.version import __version__
 
@@ -40,21 +41,15 @@ def _save(engine, save_dir: str, tag: str, client_bytes: Optional[bytes], save_l
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.api import CheckpointException
-    import torch_xla.core.xla_model as xm
-    from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
 
-    tensors = engine.state_tensors()
+    tensors = checkpointed(engine)
     if exclude_frozen_parameters:
         frozen = {f"model.{n}" for n, p in engine.module.named_parameters() if not p.requires_grad}
         tensors = {k: v for k, v in tensors.items() if k not in frozen}
-    # Materialize the state without ending the trace (torch_xla.sync() would advance the
-    # XLA RNG seed, so a run that saves would draw other dropout masks than one that does
-    # not), and wait: DCP reads the shards' device handles, which an in-flight execution
-    # has not filled yet.
-    xm.unlazy([t for t, _ in tensors.values()])
-    xm.wait_device_ops()
+    shards = engine.state_shards()
+    state, planner = shards.writable({k: t for k, (t, _) in tensors.items()})
     engine.get_global_grad_norm()  # the data is on the host now anyway: tells once of a non-finite fp32 run
-    meta = json.dumps(to_json(_host_state(engine, tensors, tag, bool(client_bytes))), indent=1)
+    meta = json.dumps(to_json(_host_state(engine, shards, tensors, tag, bool(client_bytes))), indent=1)
     staging = staging_dir(save_dir, tag)
     try:
         with _quiet_dcp():
@@ -62,8 +57,7 @@ def _save(engine, save_dir: str, tag: str, client_bytes: Optional[bytes], save_l
             # whenever a privateuse1 device module is available, and importing torchax (which
             # spmd.scan_layers does) registers one without CUDA-style streams: save would fail.
             writer = FileSystemWriter(os.path.join(staging, STATE_DIR), per_thread_copy_ahead=0)
-            dcp.save({k: t for k, (t, _) in tensors.items()}, storage_writer=writer,
-                     planner=SPMDSavePlanner(), no_dist=_no_dist())
+            dcp.save(state, storage_writer=writer, planner=planner, no_dist=_no_dist())
     except BaseException as err:  # an interrupt too: nothing half-written stays behind
         if _is_writer():
             shutil.rmtree(staging, ignore_errors=True)
@@ -94,10 +88,8 @@ def module_keys(module: torch.nn.Module) -> dict[str, str]:
     return {name: keys[id(t)] for name, t in module.state_dict(keep_vars=True).items() if id(t) in keys}
 
 
-def _host_state(engine, tensors: dict, tag: str, has_client_state: bool) -> dict:
-    import torch_xla.core.xla_model as xm
-
-    optimizer = engine.optimizer.optimizer if engine.optimizer is not None else None
+def _host_state(engine, shards, tensors: dict, tag: str, has_client_state: bool) -> dict:
+    optimizer = engine.basic_optimizer if engine.optimizer is not None else None
     groups, host_state = [], {}
     if optimizer is not None:
         for group in optimizer.param_groups:
@@ -115,11 +107,11 @@ def _host_state(engine, tensors: dict, tag: str, has_client_state: bool) -> dict
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "optimizer": {"type": type(optimizer).__name__ if optimizer is not None else None,
                       "param_groups": groups, "host_state": host_state},
-        "rng": {"torch": torch.get_rng_state(), "xla": xm.get_rng_state(), "python": random.getstate(),
+        "rng": {"torch": torch.get_rng_state(), "xla": shards.rng_state(), "python": random.getstate(),
                 "numpy": np.random.get_state()},
         "client_state": CLIENT_FILE if has_client_state else None,
         "ds_config": json.loads(json.dumps(engine.validated_config.model_dump(mode="json"), default=repr)),
-        "mesh": dict(zip(engine.mesh.axis_names, engine.mesh.mesh_shape)),
+        "mesh": dict(engine.plan.mesh_shape),
         "zero_stage": engine.plan.stage,
         "param_dtype": str(engine.precision.param_dtype),
         "tensors": tensor_index({k: t for k, (t, _) in tensors.items()}),

@@ -24,7 +24,7 @@ import os
 import time
 import warnings
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 logger = logging.getLogger("spmdzero")
 WARMUP_STEPS = 3  # optimizer steps whose compiles are expected (first boundary, schedules moving to the device)
@@ -79,8 +79,10 @@ _READ_NAMES = {"aten::_local_scalar_dense": ".item(), bool() or an `if` on a ten
 
 
 class RecompileGuard:
-    def __init__(self, max_recompiles: Optional[int]):
+    def __init__(self, max_recompiles: Optional[int],
+                 debug_hint: str = "PT_XLA_DEBUG_LEVEL=2 prints the cause of each compilation."):
         self.max_recompiles = max_recompiles
+        self.debug_hint = debug_hint  # how to see why a program compiled, on this backend
         self.recompiles = 0
         self._warned = False
         self._warned_graphs = False
@@ -162,7 +164,7 @@ class RecompileGuard:
             cause = ("Something in the traced step changed: a tensor shape, a Python number baked into the graph, "
                      "or a host read such as .item() splitting the step.")
         message = (f"the training step recompiled after warm-up (global step {global_steps}, {where}; "
-                   f"{self.recompiles} so far). {cause} PT_XLA_DEBUG_LEVEL=2 prints the cause of each compilation.")
+                   f"{self.recompiles} so far). {cause} {self.debug_hint}")
         if self.max_recompiles is not None and self.recompiles > self.max_recompiles:
             raise RuntimeError(f"spmdzero: {message} This exceeds spmd.max_recompiles={self.max_recompiles}.")
         if not self._warned:
@@ -177,13 +179,14 @@ class Timers:
 
     PHASES = ("forward", "backward", "step")
 
-    def __init__(self):
+    def __init__(self, device_clock: Optional[Callable[[], float]] = None):
+        self._device_clock = device_clock  # None: no device time (the torchax backend)
         self.reset()
 
     def reset(self) -> None:
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
         self.calls = dict.fromkeys(self.PHASES, 0)
-        self._device_start = _execute_seconds()
+        self._device_start = self._device_clock() if self._device_clock else 0.0
 
     def add(self, phase: str, seconds: float) -> None:
         self.seconds[phase] += seconds
@@ -191,11 +194,13 @@ class Timers:
 
     def summary_ms(self) -> dict[str, float]:
         out = {p: 1e3 * self.seconds[p] / max(1, self.calls[p]) for p in self.PHASES}
-        out["device"] = 1e3 * (_execute_seconds() - self._device_start) / max(1, self.calls["step"])
+        if self._device_clock:
+            out["device"] = 1e3 * (self._device_clock() - self._device_start) / max(1, self.calls["step"])
         return out
 
 
-def _execute_seconds() -> float:
+def xla_execute_seconds() -> float:
+    """torch_xla's device execution time so far (``ExecuteReplicatedTime``), read on the host."""
     import torch_xla.debug.metrics as met
 
     data = met.metric_data("ExecuteReplicatedTime")
@@ -269,12 +274,12 @@ class StepLogger:
     wall-clock breakdown when asked, and the monitors' events (every 10 steps when
     steps_per_print is unset). These are the only steps that read the device."""
 
-    def __init__(self, config):
+    def __init__(self, config, device_clock: Optional[Callable[[], float]] = xla_execute_seconds):
         self.steps_per_print = config.steps_per_print
         self.wall_clock_breakdown = config.wall_clock_breakdown
         self.monitors = Monitors(config)
         self.interval = self.steps_per_print or (10 if self.monitors.writers else None)
-        self.timers = Timers()
+        self.timers = Timers(device_clock)
         self._since = time.perf_counter()
         self._samples = 0
 

@@ -7,5 +7,6 @@ from spmdzero.runtime.devices import DEFAULT_CPU_DEVICES, EnvironmentSettingErro
 from spmdzero.runtime.process import (bootstrap, device, device_count, enable_compile_cache, explain_backward_trap,
                                       hosts, register_torch_device_module, start)
 
-__all__ = ["DEFAULT_CPU_DEVICES", "EnvironmentSettingError", "visible_device_count", "bootstrap", "device", "device_count",
-           "enable_compile_cache", "explain_backward_trap", "hosts", "register_torch_device_module", "start"]
+__all__ = ["DEFAULT_CPU_DEVICES", "EnvironmentSettingError", "visible_device_count", "bootstrap", "device",
+           "device_count", "enable_compile_cache", "explain_backward_trap", "hosts", "register_torch_device_module",
+           "start"]

@@ -7,17 +7,32 @@ JAX's instead: JAX is told which devices to take (every TPU chip on a TPU VM, el
 ``CPU_NUM_DEVICES`` CPU devices, 8 when unset, as torch_xla would), device and host counts come
 from JAX, and only ``spmd.backend='torchax'`` can train. It is a per-process choice made before
 any runtime starts, hence a variable and not a config key.
+
+Several hosts (one process each) join one global mesh through ``jax.distributed``, before JAX
+starts its devices (``configure``, from ``runtime.start`` at ``import spmdzero``), as the
+environment says (``distributed_settings``): ``WORLD_SIZE`` > 1 with ``RANK`` and
+``MASTER_ADDR``/``MASTER_PORT`` (what ``spmdzero launch --num_nodes N --node_rank I`` sets, or
+set by hand for a plain script), the coordinator listening on ``MASTER_PORT + 1`` of the first
+host (``MASTER_PORT`` is torch.distributed's, which ``deepspeed.init_distributed`` takes); on a
+TPU VM without ``WORLD_SIZE``, JAX's own discovery from the TPU runtime.
+``SPMDZERO_DISTRIBUTED=0`` joins nothing. Device counts and ``hosts()`` are then the global ones.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from typing import Optional
 from spmdzero.runtime.devices import EnvironmentSettingError, _select_device_type, cpu_device_count
 
 VARIABLE = "SPMDZERO_BACKEND"
 CHOICES = ("torch_xla", "torchax")
+
+DISTRIBUTED = "SPMDZERO_DISTRIBUTED"  # 0: never call jax.distributed.initialize
+INIT_TIMEOUT = "SPMDZERO_DISTRIBUTED_INIT_TIMEOUT"  # s to wait for every process to join (JAX: 300)
+HEARTBEAT_TIMEOUT = "SPMDZERO_DISTRIBUTED_HEARTBEAT_TIMEOUT"  # s of silence before a process counts as lost (JAX: 100)
+DEFAULT_MASTER_PORT = 29500
 
 _decided: Optional[bool] = None  # the choice runtime.start() made; None until it runs
 
@@ -32,8 +47,8 @@ def selected() -> bool:
 def from_environment() -> bool:
     value = os.environ.get(VARIABLE, "torch_xla")
     if value not in CHOICES:
-        raise EnvironmentSettingError(f"{VARIABLE}={value!r} is not a backend: use 'torchax' (JAX takes the devices, for "
-                         "spmd.backend='torchax') or 'torch_xla' (the default; or leave it unset)")
+        raise EnvironmentSettingError(f"{VARIABLE}={value!r} is not a backend: use 'torchax' (JAX takes the devices, "
+                                      "for spmd.backend='torchax') or 'torch_xla' (the default; or leave it unset)")
     return value == "torchax"
 
 
@@ -52,14 +67,138 @@ def _cpu_count() -> int:
     return cpu_device_count()
 
 
+def _seconds(name: str, environ: Mapping[str, str]) -> int | None:
+    value = environ.get(name)
+    if value is None:
+        return None
+    try:
+        seconds = int(value)
+    except ValueError:
+        seconds = 0
+    if seconds <= 0:
+        raise ValueError(f"{name}={value!r}: give a whole number of seconds > 0")
+    return seconds
+
+
+def distributed_settings(environ: Mapping[str, str] | None = None, device_type: str | None = None) -> dict | None:
+    """The ``jax.distributed.initialize`` arguments this process's environment asks for, or
+    None (one process): ``WORLD_SIZE`` > 1 with ``RANK`` and ``MASTER_ADDR`` (``MASTER_PORT``,
+    29500 if unset; the coordinator listens on the port after it); on a Cloud TPU VM without
+    ``WORLD_SIZE``, no address (JAX discovers the hosts from the TPU runtime). A process that
+    ``multiprocessing`` started (a DataLoader worker) is not a host and joins nothing."""
+    import multiprocessing
+
+    environ = os.environ if environ is None else environ
+    value = environ.get(DISTRIBUTED, "1").strip().lower()
+    if value not in ("0", "1", "true", "false", ""):
+        raise ValueError(f"{DISTRIBUTED}={value!r}: use 1 (join the processes WORLD_SIZE/RANK/MASTER_ADDR name, "
+                         "the default) or 0 (this process alone)")
+    if value in ("0", "false") or multiprocessing.parent_process() is not None:
+        return None
+    timeouts = {"initialization_timeout": _seconds(INIT_TIMEOUT, environ),
+                "heartbeat_timeout_seconds": _seconds(HEARTBEAT_TIMEOUT, environ)}
+    timeouts = {k: v for k, v in timeouts.items() if v is not None}
+    world = environ.get("WORLD_SIZE")
+    if world is None:
+        if (device_type or _device_type()) == "TPU" and _on_cloud_tpu_vm():
+            return timeouts  # JAX finds the TPU VM's hosts and this one's index itself
+        return None
+    try:
+        count = int(world)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise ValueError(f"WORLD_SIZE={world!r}: the number of processes (hosts), a whole number >= 1")
+    if count == 1:
+        return None
+    missing = [name for name in ("RANK", "MASTER_ADDR") if not environ.get(name)]
+    if missing:
+        raise ValueError(f"WORLD_SIZE={count} asks for {count} processes but {' and '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} not set: RANK is this process's index (0 to "
+                         f"{count - 1}), MASTER_ADDR the first host's address (`spmdzero launch --num_nodes "
+                         f"{count} --node_rank I --master_addr ADDR` sets them)")
+    rank, port = environ["RANK"], environ.get("MASTER_PORT", str(DEFAULT_MASTER_PORT))
+    if not rank.isdigit() or int(rank) >= count:
+        raise ValueError(f"RANK={rank!r}: this process's index among WORLD_SIZE={count} processes, 0 to {count - 1}")
+    if not port.isdigit() or not 0 < int(port) < 65535:
+        raise ValueError(f"MASTER_PORT={port!r}: a TCP port (JAX's coordinator takes the one after it)")
+    return {"coordinator_address": f"{environ['MASTER_ADDR']}:{int(port) + 1}", "num_processes": count,
+            "process_id": int(rank), **timeouts}
+
+
+def _on_cloud_tpu_vm() -> bool:
+    """Whether JAX found TPU chips and libtpu when it was imported: where its discovery of the
+    TPU VM's hosts (the TPU runtime's metadata) can work."""
+    from jax._src import cloud_tpu_init
+
+    return cloud_tpu_init.running_in_cloud_tpu_vm
+
+
+def join_processes(settings: dict) -> None:
+    """``jax.distributed.initialize(**settings)``: blocks until every process has joined (or the
+    initialization timeout passes, an error naming the coordinator)."""
+    import jax
+    from jax._src import distributed
+
+    if jax.distributed.is_initialized():
+        return
+    where = settings.get("coordinator_address", "found by JAX from the TPU runtime")
+    timeout = settings.get("initialization_timeout", 300)
+    if "num_processes" in settings:
+        print(f"[spmdzero] process {settings['process_id']} of {settings['num_processes']}: joining the others "
+              f"through jax.distributed at {where} (waiting up to {timeout} s, {INIT_TIMEOUT})", file=sys.stderr)
+    try:
+        if settings.get("process_id", 0) > 0:
+            # JAX stops the process (no exception) when the coordinator never answers: wait for it here
+            settings = {**settings, "initialization_timeout": _wait_for_coordinator(where, timeout)}
+        jax.distributed.initialize(**settings)
+    except Exception as err:
+        if "num_processes" not in settings:
+            raise RuntimeError(f"{VARIABLE}=torchax on a TPU VM: JAX could not find this host's place among the "
+                               "TPU VM's hosts (jax.distributed.initialize() with no arguments). Name the hosts "
+                               "yourself (spmdzero launch --num_nodes N --node_rank I --master_addr ADDR, or "
+                               f"WORLD_SIZE/RANK/MASTER_ADDR/MASTER_PORT), or set {DISTRIBUTED}=0 to run this "
+                               f"process alone. JAX said: {err}") from err
+        raise RuntimeError(f"{VARIABLE}=torchax: process {settings['process_id']} of {settings['num_processes']} "
+                           f"could not join the others through jax.distributed at {where} (MASTER_ADDR, port "
+                           "MASTER_PORT + 1, served by the RANK 0 process). Did every host start, with the same "
+                           f"WORLD_SIZE, MASTER_ADDR and MASTER_PORT and its own RANK? ({INIT_TIMEOUT} sets how long "
+                           f"to wait.) {type(err).__name__}: {err}") from err
+    # JAX names a lost process "task:N" when it stops the others (docs/multihost.md)
+    joined = distributed.global_state  # jax.process_index() would start the devices
+    print(f"[spmdzero] process {joined.process_id} of {joined.num_processes} joined the others", file=sys.stderr)
+
+
+def _wait_for_coordinator(address: str, timeout: int) -> int:
+    """Wait until the coordinator (``host:port``) accepts connections; return the seconds left
+    of ``timeout``, or raise TimeoutError."""
+    import socket
+    import time
+
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
+                return max(1, int(deadline - time.monotonic()))
+        except OSError as err:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing answered at {address} for {timeout} s ({err})") from None
+            time.sleep(0.5)
+
+
 def configure() -> None:
-    """Tell JAX which devices to take, before it starts (this starts nothing): on a TPU VM
-    only TPU and CPU, so that a TPU JAX cannot open (held by another process) is an error
-    rather than a silent fallback to one CPU device."""
+    """Tell JAX which devices to take, before it starts (this starts nothing but the join of the
+    processes, ``distributed_settings``): on a TPU VM only TPU and CPU, so that a TPU JAX cannot
+    open (held by another process) is an error rather than a silent fallback to one CPU device."""
     import jax
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
+        if not jax.distributed.is_initialized() and (distributed_settings() or {}).get("num_processes"):
+            raise RuntimeError(f"{VARIABLE}=torchax with WORLD_SIZE={os.environ['WORLD_SIZE']}: JAX started its "
+                               "devices before `import spmdzero`, so this process can no longer join the others "
+                               "(jax.distributed must come first). Import spmdzero before any JAX computation.")
         return  # JAX ran before `import spmdzero`; devices() checks what it took
     device_type = _device_type()
     if device_type == "CPU":
@@ -70,14 +209,18 @@ def configure() -> None:
             jax.config.update("jax_platforms", "tpu,cpu")
     else:
         raise RuntimeError(f"{VARIABLE}=torchax runs on TPU or CPU; PJRT_DEVICE={device_type} is neither")
+    settings = distributed_settings(device_type=device_type)
+    if settings is not None:
+        join_processes(settings)
 
 
 def devices() -> list:
-    """The devices of this process: the TPU chips on a TPU VM, else ``CPU_NUM_DEVICES`` CPU devices."""
+    """The devices of this process: the TPU chips on a TPU VM, else ``CPU_NUM_DEVICES`` CPU devices;
+    every process's, in JAX's order, when several processes joined (``jax.distributed``)."""
     import jax
 
     device_type = _device_type()
-    if device_type == "CPU":
+    if device_type == "CPU" and not jax.distributed.is_initialized():
         return cpu_devices(_cpu_count())
     configure()
     try:
@@ -97,8 +240,16 @@ def device_count() -> int:
     return len(devices())
 
 
+def local_devices() -> list:
+    """This process's own devices (``devices()`` holds every process's when several joined)."""
+    import jax
+
+    found = devices()
+    return [d for d in found if d.process_index == jax.process_index()]
+
+
 def hosts() -> tuple[int, int]:
-    """(this process's index, the number of processes), as JAX counts them."""
+    """(this process's index, the number of processes), as JAX counts them (``jax.distributed``)."""
     import jax
 
     devices()  # the devices first: the process count is known once they have started

@@ -4,6 +4,8 @@ Everything here runs once, on ``import spmdzero``, before any XLA tensor exists:
 
 * pick the PJRT device: every TPU chip on a TPU VM, else the CPU client with
   ``CPU_NUM_DEVICES`` virtual devices (8 when unset), the embedded default;
+* keep XLA's C++ warnings quiet unless ``TF_CPP_MIN_LOG_LEVEL`` is set (compiler noise on
+  request only);
 * on a TPU, add spmdzero's libtpu compiler flags to ``LIBTPU_INIT_ARGS``
   (``spmdzero.runtime.libtpu_flags``, the flags ``spmdzero aot`` compiles with);
 * switch torch_xla into SPMD mode (it must precede the first XLA tensor);
@@ -32,6 +34,10 @@ def bootstrap() -> None:
     """Configure and start the XLA runtime in SPMD mode. Idempotent."""
     device_type = _select_device_type()
     os.environ["PJRT_DEVICE"] = device_type
+    # XLA's C++ warnings, read when torch_xla loads: a "GSPMD sharding propagation is going to be
+    # deprecated" line on every compile says nothing the user can act on (torch_xla 2.9 has no
+    # Shardy path). Errors still show; TF_CPP_MIN_LOG_LEVEL=0 (or 1) shows the warnings again.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if device_type == "CPU":
         os.environ["CPU_NUM_DEVICES"] = str(cpu_device_count())  # checked: torch_xla reads "x" as no device
     elif device_type == "TPU":  # the compiler flags spmdzero aot compiles with, before libtpu loads

@@ -108,9 +108,9 @@ class ShardingPlan:
             raise KeyError(f"no parameter named {name!r} in the sharding plan")
         return self._by_name[name]
 
-    def batch_spec(self, ndim: int) -> PartitionSpec:
-        """Split dim 0 (the batch) across every data-parallel axis."""
-        return batch_spec(dict(self.mesh_shape), ndim)
+    def batch_spec(self, ndim: int, dim: int = 0) -> PartitionSpec:
+        """Split dim ``dim`` (the batch) across every data-parallel axis."""
+        return batch_spec(dict(self.mesh_shape), ndim, dim)
 
     def table(self) -> str:
         rows = [("parameter", "shape", "param", "grad", "optimizer state", "master")]
@@ -181,10 +181,10 @@ def shard_dims(spec: PartitionSpec) -> tuple[int, ...]:
     return tuple(d for d, s in enumerate(spec) if s is not None)
 
 
-def batch_spec(mesh_shape: Mapping[str, int], ndim: int) -> PartitionSpec:
+def batch_spec(mesh_shape: Mapping[str, int], ndim: int, dim: int = 0) -> PartitionSpec:
     axes = data_parallel_axes(mesh_shape)
     first = axes[0] if len(axes) == 1 else axes
-    return (first,) + (None,) * (ndim - 1)
+    return (None,) * dim + (first,) + (None,) * (ndim - dim - 1)
 
 
 def make_plan(named_shapes: Iterable[tuple[str, Sequence[int]]], mesh_shape: Mapping[str, int],

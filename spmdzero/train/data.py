@@ -47,14 +47,6 @@ def _first_batch_size(obj: Any) -> Optional[int]:
     return found[0] if found else None
 
 
-def batch_rows(obj: Any) -> tuple[Optional[int], bool]:
-    """(rows, already on the device): the first tensor's leading dim, read from its shape
-    (no device access); an XLA tensor's rows are the global batch, a host tensor's this host's."""
-    found: list[torch.Tensor] = []
-    map_tensors(obj, lambda t: found.append(t) if t.dim() and not found else None)
-    return (found[0].shape[0], found[0].device.type == "xla") if found else (None, False)
-
-
 PAD_ID = "pad_id"  # stands for the model's pad token id (config.pad_token_id, else 0)
 
 

@@ -9,8 +9,10 @@ import os
 import warnings
 from typing import Optional
 
+import logging
 import torch
 from spmdzero import runtime
+from spmdzero.train.batch_inputs import BatchLayout, batch_layout, forward_argument_names
 from spmdzero.train.data import caller_stacklevel, map_tensors, pad_sequences
 
 
@@ -27,6 +29,8 @@ def no_gradients(call: str = "engine.step() at a gradient accumulation boundary"
 
 
 NO_GRADIENTS = no_gradients()
+
+logger = logging.getLogger("spmdzero")
 
 
 class EngineBase:
@@ -136,12 +140,34 @@ class EngineBase:
     def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
         return self.save_16bit_model(save_dir, save_filename)
 
-    def _check_training_rows(self, global_rows: int) -> None:
-        """The batch rule for a training forward: more rows than a micro-step has is an error,
-        fewer (an epoch's partial last batch) a one-time warning. Needs ``_warned_fewer_rows``."""
+    def _batch_layout(self, module: torch.nn.Module, inputs: tuple, kwargs: dict,
+                      on_device=lambda t: t.device.type == "xla") -> BatchLayout:
+        """Which inputs carry the batch, and along which dim (``train.batch_inputs``, by
+        ``spmd.batch_dim``); a likely sequence-first input is hinted at once."""
+        if getattr(self, "_forward_names", None) is None:
+            self._forward_names = forward_argument_names(module)
         batch = self._batch
-        if global_rows > batch.rows_per_micro_step:
-            raise ValueError(f"spmdzero: {batch.mismatch(global_rows)}")
+        layout = batch_layout(inputs, kwargs, self._forward_names, self._config.spmd.batch_dim,
+                              lambda device: batch.rows_per_micro_step if device else batch.rows_per_process,
+                              on_device)
+        if layout.hint and not getattr(self, "_hinted_batch_dim", False):
+            self._hinted_batch_dim = True
+            warnings.warn(f"spmdzero: {layout.hint} (noted once)", stacklevel=caller_stacklevel())
+        return layout
+
+    def _check_training_rows(self, global_rows: int) -> None:
+        """A training forward's rows against the configured micro-batch. DeepSpeed never
+        compares them (``train_micro_batch_size_per_gpu`` is accounting), so any number is
+        trained and counted (``global_samples``, samples/s count the rows fed). More rows (a
+        reward model's chosen and rejected sequences in one batch) are noted once in the log;
+        fewer, once in a warning, since a config that disagrees with the loader on every batch
+        makes ``train_batch_size()`` and the LR schedule's notion of an epoch mislead. Needs
+        ``_warned_fewer_rows``."""
+        batch = self._batch
+        if global_rows > batch.rows_per_micro_step and not getattr(self, "_noted_more_rows", False):
+            self._noted_more_rows = True
+            logger.info("spmdzero: %s; trained as fed: global_samples and samples/s count the rows fed (noted once)",
+                        batch.mismatch(global_rows))
         if global_rows < batch.rows_per_micro_step and not self._warned_fewer_rows:
             self._warned_fewer_rows = True
             warnings.warn(f"spmdzero: {batch.mismatch(global_rows)} This is normal for the last, partial batch "

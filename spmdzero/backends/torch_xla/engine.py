@@ -37,9 +37,10 @@ import torch
 from spmdzero import runtime
 from spmdzero.backends.torch_xla import fused
 from spmdzero.backends.torch_xla.annotate import constrain, shard
+from spmdzero.backends.torch_xla.checkpoint import XlaStateShards
 from spmdzero.sharding.batch import BatchSizes
 from spmdzero.config.schema import DeepSpeedConfig
-from spmdzero.train.data import batch_rows, map_tensors, model_pad_id
+from spmdzero.train.data import map_tensors, model_pad_id
 from spmdzero.backends.torch_xla.batches import to_device_sharded
 from spmdzero.train.engine_base import EngineBase, no_gradients
 from spmdzero.observe.monitor import RecompileGuard, StepLogger, ThroughputTimer, compile_count, notice_nonfinite
@@ -178,13 +179,13 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         shapes = []
         map_tensors((inputs, kwargs), lambda t: shapes.append(tuple(t.shape)))
         self._input_shapes = tuple(shapes)
+        layout = self._batch_layout(self.module, inputs, kwargs)
         if self.module.training and torch.is_grad_enabled():
-            self._count_training_rows(*batch_rows((inputs, kwargs)))
+            self._count_training_rows(layout.rows, layout.on_device)
         else:
             self.recompile_guard.note_evaluation()
-        # positional and keyword inputs together: the first tensor's leading dim is the batch
         inputs, kwargs = to_device_sharded((inputs, kwargs), self.mesh, self.plan.batch_spec,
-                                           self._batch.dp_devices, self._batch.processes)
+                                           self._batch.dp_devices, self._batch.processes, layout)
         inputs, kwargs = self._in_model_dtype(inputs, kwargs)
         try:
             return self.module(*inputs, **kwargs)
@@ -626,10 +627,9 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         execute them again (``None``)."""
         self._capture = capture
 
-    def lay_out(self, tensor: torch.Tensor, spec: tuple) -> None:
-        """Give a device tensor of the training state the layout ``spec`` on this engine's mesh
-        (what checkpoint loads stage their reads into)."""
-        shard(tensor, self.mesh, spec)
+    def state_shards(self) -> XlaStateShards:
+        """The device side of checkpoints (``spmdzero.io.shards.StateShards``)."""
+        return XlaStateShards(self)
 
     def stacked_layers(self) -> dict[str, str]:
         """{stacked parameter name: its stack's name} under ``spmd.scan_layers='stacked'`` (else

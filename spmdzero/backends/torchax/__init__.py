@@ -1,2 +1,2 @@
-"""The torchax backend: the module traced once by JAX through torchax (``engine``) and its
-build pipeline (``build``)."""
+"""The torchax backend: the module traced once by JAX through torchax (``engine``), its
+build pipeline (``build``) and the device side of checkpoints (``checkpoint``)."""

@@ -18,22 +18,22 @@ from spmdzero.runtime import jax_runtime
 
 def check_config(cfg: DeepSpeedConfig, client_optimizer: Any = None) -> None:
     """Refuse what this backend does not implement, naming the key."""
+    unscaled = not cfg.fp16.enabled
     refused = {
-        "fp16.enabled": cfg.fp16.enabled,
         "spmd.scan_layers": cfg.spmd.scan_layers,
         "spmd.dcn_mesh": cfg.spmd.dcn_mesh is not None,
-        "spmd.max_recompiles": cfg.spmd.max_recompiles is not None,
         "spmd.compile_cache_dir": cfg.spmd.compile_cache_dir is not None,
-        "tensorboard.enabled": cfg.tensorboard.enabled,
-        "csv_monitor.enabled": cfg.csv_monitor.enabled,
-        "communication_data_type": DTYPES.get(cfg.communication_data_type) == torch.float16,
-        "data_types.grad_accum_dtype": DTYPES.get(cfg.data_types.grad_accum_dtype) == torch.float16,
+        # fp16 gradients of an unscaled loss underflow: fp16 gradients only with fp16's loss scaling
+        "communication_data_type fp16 without fp16.enabled": unscaled and DTYPES.get(
+            cfg.communication_data_type) == torch.float16,
+        "data_types.grad_accum_dtype fp16 without fp16.enabled": unscaled and DTYPES.get(
+            cfg.data_types.grad_accum_dtype) == torch.float16,
     }
     for key, on in refused.items():
         if on:
             raise ConfigError(f"{key} is not supported by the torchax backend (spmd.backend='torchax'; it trains "
-                              "in fp32 or bf16 with the config's optimizer, no checkpoints, monitors or loss "
-                              "scaling); remove it or use spmd.backend='torch_xla'")
+                              "with the config's optimizer in fp32, bf16 or fp16); remove it or use "
+                              "spmd.backend='torch_xla'")
     if client_optimizer is not None:
         raise ConfigError("spmd.backend='torchax' takes its optimizer from the config's 'optimizer' section; a "
                           "client optimizer (initialize(optimizer=...)) is not supported")
@@ -71,10 +71,11 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
         shape = mesh_shape(mesh)
     else:
         shape = resolve_mesh_shape(cfg.spmd.mesh, runtime.device_count())
-    hosts = runtime.hosts()[1]
-    if hosts > 1:
-        raise RuntimeError(f"spmd.backend='torchax' runs on one host (one process), this is one of {hosts}; use "
-                           "spmd.backend='torch_xla'")
+    process_index, process_count = runtime.hosts()
+    if process_count > 1 and not jax_runtime.selected():
+        raise RuntimeError(f"spmd.backend='torchax' on {process_count} hosts needs {jax_runtime.VARIABLE}=torchax "
+                           "before `import spmdzero` (JAX then joins the hosts into one mesh; see docs/multihost.md); "
+                           "this process runs torch_xla's runtime")
     members = {id(p) for p in model.parameters()}
 
     def prepare_optimizer(optimizer) -> None:
@@ -92,7 +93,8 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
                                  "spmd.backend='torch_xla'")
 
     # even: JAX shards only dims that divide by the axis size (a 10-class head on 8 devices)
-    setup = setup_training(model, cfg, shape, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
+    setup = setup_training(model, cfg, shape, process_index=process_index, process_count=process_count,
+                           model_parameters=model_parameters, lr_scheduler=lr_scheduler,
                            training_data=training_data, collate_fn=collate_fn, even=True,
                            prepare_optimizer=prepare_optimizer)
     engine = TorchaxEngine(model, setup.optimizer, setup.scheduler, cfg, setup.batch, setup.plan, shape,

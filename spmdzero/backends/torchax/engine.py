@@ -22,9 +22,14 @@ torchax tensors (JAX arrays seen as torch tensors; torch ops on them run eagerly
 Its devices: with ``SPMDZERO_BACKEND=torchax`` set before ``import spmdzero``, JAX's own (every
 TPU chip on a TPU VM, else ``CPU_NUM_DEVICES`` CPU devices) and torch_xla's runtime never starts
 (``spmdzero.runtime.jax_runtime``); without it, JAX CPU devices as many as torch_xla's runtime has, since
-that runtime, started by ``import spmdzero``, would hold any TPU. One host. fp32, or
-bf16 with fp32 master weights and DeepSpeed's overflow skip; what it refuses is checked by
-``check_config`` (docs/config.md, ``spmd.backend``).
+that runtime, started by ``import spmdzero``, would hold any TPU. Under the variable, several hosts
+(``jax.distributed``, ``spmdzero.runtime.jax_runtime``) make one global mesh: each process
+starts from process 0's parameters (as DeepSpeed broadcasts them) and places only its own rows
+of a batch (``jax.make_array_from_process_local_data``); losses and norms read back are the
+global values, the same on every process. fp32, or
+bf16 or fp16 with fp32 master weights and DeepSpeed's overflow skip (fp16: its loss scaler); what it refuses is checked by
+``check_config`` (docs/config.md, ``spmd.backend``). Checkpoints are the torch_xla backend's
+(``spmdzero.io``), this engine's arrays moved through ``checkpoint.TorchaxStateShards``.
 
 Why one module: the two jitted programs and the host-side bookkeeping between them (pending
 gradients, the deferred eval-mode backward, outputs as torchax tensors, arrays released off
@@ -48,9 +53,10 @@ from torch.utils import _pytree as torch_pytree
 from spmdzero.sharding.batch import BatchSizes
 from spmdzero.config.schema import DeepSpeedConfig
 from spmdzero.train.data import like, model_pad_id
+from spmdzero.observe.monitor import RecompileGuard, StepLogger, notice_nonfinite
 from spmdzero.optim.ops import jax_ops
 from spmdzero.optim.optimizers import SpmdOptimizer
-from spmdzero.optim.update import boundary_update, sum_of_squares, update_group
+from spmdzero.optim.update import LossScale, boundary_update, init_loss_scale, sum_of_squares, update_group
 from spmdzero.train.engine_base import EngineBase, NO_GRADIENTS
 from spmdzero.sharding.plan import ShardingPlan, replicated
 from spmdzero.optim.precision import precision_policy
@@ -152,11 +158,9 @@ def _find_loss(output) -> Optional[torch.Tensor]:
 # The torch_xla engine's public names this engine lacks (tests/test_torchax_backend.py checks
 # the list against both classes): asking for one says which backend has it.
 TORCH_XLA_ONLY = frozenset({
-    "capture_steps", "collectives_report", "current_loss_scale", "drop_optimizer_state", "grad_buffers",
-    "is_compiled", "lay_out", "lay_out_state", "lazy_optimizer_state", "loaded", "loss_scale", "master_weights",
-    "optimized_names", "optimizer_step", "optimizer_zero_grad", "overflow", "placeholder_optimizer_state",
-    "refresh_fp32_params", "register_post_step_hook", "restore_snapshot", "scales_loss", "sharding_report",
-    "snapshot", "stacked_layers", "step_loss", "trained_parameters",
+    "capture_steps", "collectives_report", "grad_buffers", "is_compiled", "lay_out_state",
+    "master_weights", "optimizer_step", "optimizer_zero_grad", "refresh_fp32_params",
+    "register_post_step_hook", "restore_snapshot", "sharding_report", "snapshot", "trained_parameters",
 })
 
 
@@ -172,6 +176,10 @@ class TorchaxEngine(EngineBase):
 
         self._jax = jax
         devices = np.array(jax_devices(device_count)).reshape(tuple(mesh_shape.values()))  # before any JAX array
+        self._processes = jax.process_count()  # hosts joined by jax.distributed; 1 without
+        seed = torch.initial_seed()
+        if self._processes > 1:
+            seed = _broadcast_from_first_process(module, seed)
         self._env = torchax.default_env()
         self._Output = _output_tensor_class()
         self._module = module
@@ -231,9 +239,16 @@ class TorchaxEngine(EngineBase):
         self._pending: Optional[dict] = None  # the last training forward's accumulation, until backward commits it
         self._last_output_loss = None  # the loss tensor the last training forward returned
         self._last_loss = None
+        self._window_loss = self._step_loss = None  # the mean loss of the accumulation window, a JAX array
+        self._step_logger = StepLogger(cfg, device_clock=None)  # steps_per_print and the monitors (no torch_xla)
         self._pending_rows = self._rows_since_step = 0  # training rows fed: global_samples
         self._global_grad_norm = None
         self._skipped = self._put(torch.zeros(()), self._replicated)  # steps skipped for non-finite gradients
+        # fp16's loss scaler (DeepSpeed's DynamicLossScaler, or a static scale): device scalars that
+        # the training program multiplies the loss by and the update program steps (optim/update.py)
+        initial = init_loss_scale(self.precision)
+        self._loss_scale = None if initial is None else LossScale(
+            *(self._put(torch.tensor(v, dtype=torch.float32), self._replicated) for v in initial))
         self._last_skip = None
         self._module_stale = False
         self._buffers_stale: set[str] = set()  # buffers a forward changed on the devices
@@ -246,32 +261,75 @@ class TorchaxEngine(EngineBase):
         self._warned_fewer_rows = False
         _refuse_optimizer_state(optimizer)
         _sync_before_state_dict(module, self)
-        self._rng = jax.random.key(torch.initial_seed() % (1 << 63))
+        self._seed(seed)  # process 0's
         self._programs: dict = {}  # jitted functions by static structure
         self.traces: collections.Counter = collections.Counter()  # by program kind, counted while tracing
         self.runs: collections.Counter = collections.Counter()  # programs executed, by kind
+        # training programs traced after warm-up: a warning, or an error past spmd.max_recompiles
+        self.recompile_guard = RecompileGuard(cfg.spmd.max_recompiles, "JAX_LOG_COMPILES=1 logs each compilation.")
+        self._traces_at_step = 0
+        self._input_shapes: tuple = ()  # the last training forward's, to name a shape change
         self._update = self._build_update()
+        if self.precision.check_overflow and lr_scheduler is not None:
+            # the hyperparameters are read on the host; whether a step overflowed is known on the device
+            warnings.warn(f"spmdzero: spmd.backend='torchax' steps the {type(lr_scheduler).__name__} schedule on "
+                          "every boundary, including steps skipped for overflow (DeepSpeed does not step it then); "
+                          "spmd.backend='torch_xla' has the exact behaviour", stacklevel=4)
+
+    def _seed(self, seed: int) -> None:
+        """The key dropout draws from (folded with the micro-step); its seed is what a
+        checkpoint saves as ``rng.xla``."""
+        self._rng_seed = int(seed)  # torch_xla's seeds are 64-bit unsigned, JAX's signed
+        key = functools.partial(self._jax.random.key, self._rng_seed % (1 << 63))
+        # one key for every process: a global array when the mesh spans processes
+        self._rng = key() if self._processes == 1 else self._jax.jit(key, out_shardings=self._replicated)()
 
     # ---- placement ---------------------------------------------------------------------
     def _put(self, t: torch.Tensor, sharding):
+        """``t``, the whole value (the same on every process), laid out by ``sharding``."""
         from torchax.ops import mappings
 
-        return self._jax.device_put(mappings.t2j(t.detach().cpu()), sharding)
+        value = mappings.t2j(t.detach().cpu())
+        if self._processes == 1:
+            return self._jax.device_put(value, sharding)
+        # jax.device_put would compare the value across the processes first (a collective per array)
+        value = np.asarray(value)
+        return self._jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
-    def _place_inputs(self, leaves: list) -> list:
-        """Tensors to JAX arrays: those with the batch's leading dim split along the batch axes
-        (replicated when it does not divide), others replicated; torchax tensors as they are."""
+    def _put_rows(self, t: torch.Tensor, sharding, dim: int):
+        """``t``, this process's rows of a batch (along ``dim``), as its part of the global batch."""
+        if self._processes == 1:
+            return self._put(t, sharding)
+        from torchax.ops import mappings
+
+        local = np.asarray(mappings.t2j(t.detach().cpu()))
+        shape = (*local.shape[:dim], local.shape[dim] * self._processes, *local.shape[dim + 1:])
+        return self._jax.make_array_from_process_local_data(sharding, local, shape)
+
+    def _place_inputs(self, leaves: list, layout) -> list:
+        """Tensors to JAX arrays: the inputs that carry the batch (``layout``) split along the
+        batch axes on their batch dim (replicated when the rows do not divide), others
+        replicated; torchax tensors as they are. With several processes, host tensors that
+        carry the batch hold this process's rows of the global batch; the others must be the
+        same on every process."""
         from torchax import tensor as ttensor
 
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        rows = next((t.shape[0] for t in tensors if t.dim()), None)
+        local = layout.rows is not None and not layout.on_device  # this process's rows
+        rows = None if layout.rows is None else layout.rows * (self._processes if local else 1)
         split = rows is not None and rows % self._batch.dp_devices == 0
+        if local and not split and self._processes > 1:
+            devices = self._batch.dp_devices // self._processes
+            raise ValueError(f"a batch of {layout.rows} rows does not divide over the {devices} data-parallel devices "
+                             f"of this process; with several processes ({self._processes}) each one's rows are split "
+                             f"over its own devices: use a multiple of {devices} rows per process")
         placed = []
-        for t in tensors:
+        for t in (t for t in leaves if isinstance(t, torch.Tensor)):
+            dim = layout.dim_of(t)
             if isinstance(t, ttensor.Tensor):
                 placed.append(t._elem)
-            elif split and t.dim() and t.shape[0] == rows:
-                placed.append(self._put(t, self._sharding(self.plan.batch_spec(t.dim()))))
+            elif split and dim is not None:
+                sharding = self._sharding(self.plan.batch_spec(t.dim(), dim))
+                placed.append(self._put_rows(t, sharding, dim) if local else self._put(t, sharding))
             else:
                 placed.append(self._put(t, self._replicated))
         return placed
@@ -286,13 +344,11 @@ class TorchaxEngine(EngineBase):
 
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # it is copied
-                if self._module_stale:
-                    for name, p in self._module.named_parameters():
-                        if name in self._params:
-                            p.copy_(mappings.j2t(self._params[name], use_dlpack=False))
-                for name, b in self._module.named_buffers():
-                    if name in self._buffers_stale:
-                        b.copy_(mappings.j2t(self._constants[name], use_dlpack=False))
+                for name, t in self._host_tensors:  # a frozen parameter's value is a constant, as a buffer's
+                    if self._module_stale and name in self._params:
+                        t.copy_(mappings.j2t(self._params[name], use_dlpack=False))
+                    elif name in self._buffers_stale:
+                        t.copy_(mappings.j2t(self._constants[name], use_dlpack=False))
             self._module_stale, self._buffers_stale = False, set()
             self._host_versions = self._versions()
         return self._module
@@ -384,9 +440,10 @@ class TorchaxEngine(EngineBase):
         leaves, treespec = torch_pytree.tree_flatten((inputs, kwargs))
         static = tuple((i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor))
         self._take_host_changes()
-        arrays = self._place_inputs(leaves)
+        layout = self._batch_layout(self._module, inputs, kwargs, on_device=_is_torchax_tensor)
+        arrays = self._place_inputs(leaves, layout)
         rng = (self._rng, np.uint32(self.micro_steps))  # dropout draws anew at every micro-step
-        rows = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim()), None)
+        rows = layout.rows if layout.on_device else None if layout.rows is None else layout.rows * self._batch.processes
         training = self._module.training
         if training and torch.is_grad_enabled():
             self._last_output_loss = self._deferred = None
@@ -421,6 +478,7 @@ class TorchaxEngine(EngineBase):
         module's output holds no loss."""
         if rows is not None:
             self._check_training_rows(rows)
+        self._input_shapes = tuple(tuple(a.shape) for a in arrays)
         program = self._program("train" if self._accum is None else "accumulate", treespec, static, training)
         ran = None if program.no_loss else program(self._params, self._constants, self._accum, rng, arrays)
         if ran is None:
@@ -493,7 +551,7 @@ class TorchaxEngine(EngineBase):
             output, changed = run(params, constants, rng, arrays)
             return flatten_output(output), changed
 
-        def program_train(params, constants, accum, rng, arrays):
+        def program_train(params, constants, accum, rng, arrays, loss_scale):
             self.traces["train_forward"] += 1
 
             def objective(params):
@@ -505,8 +563,10 @@ class TorchaxEngine(EngineBase):
                 tensors = [t for t in torch_pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
                 loss_leaf[:] = [next(i for i, t in enumerate(tensors) if t is loss)]
                 value = env.t2j_iso(loss).reshape(())
-                # DeepSpeed's backward scales the loss by 1/gradient_accumulation_steps
-                return (value / gas if gas > 1 else value), (outputs, changed)
+                # DeepSpeed's backward scales the loss by 1/gradient_accumulation_steps, then by
+                # fp16's loss scale (an input: a new scale is not a new program)
+                value = value / gas if gas > 1 else value
+                return (value if loss_scale is None else value * loss_scale), (outputs, changed)
 
             grads, (outputs, changed) = jax.grad(objective, has_aux=True)(params)
             # reduced in communication_data_type, accumulated in grad_accum_dtype (both the model's by default)
@@ -522,8 +582,9 @@ class TorchaxEngine(EngineBase):
             jitted = jax.jit(program_train)
 
             def call(params, constants, accum, rng, arrays):
+                scale = None if self._loss_scale is None else self._loss_scale.scale
                 try:
-                    return jitted(params, constants, accum, rng, arrays)
+                    return jitted(params, constants, accum, rng, arrays, scale)
                 except _NoLoss:
                     call.no_loss = True
                     return None
@@ -559,15 +620,24 @@ class TorchaxEngine(EngineBase):
         self._accum, self._pending, self._last_output_loss = self._pending, None, None
         self._rows_since_step += self._pending_rows
         gas = self.gradient_accumulation_steps()
+        term = loss._elem.astype("float32") / gas  # a JAX op: no device read
+        self._window_loss = term if self._window_loss is None else self._window_loss + term
         return loss / gas if gas > 1 else loss
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
-        """Apply the update at an accumulation boundary; count every call."""
-        if self.is_gradient_accumulation_boundary():
+        """Apply the update at an accumulation boundary; count every call; hold the step's
+        traces to the recompile guard."""
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             if self._accum is None:
                 raise RuntimeError(NO_GRADIENTS)
             self._take_model_step(lr_kwargs)
         self.micro_steps += 1
+        # the training programs traced since the last step (a trace is a compile); an evaluation
+        # forward's program is not the step's
+        traces = sum(n for kind, n in self.traces.items() if kind != "forward")
+        self.recompile_guard.check(traces - self._traces_at_step, self.global_steps, boundary, self._input_shapes)
+        self._traces_at_step = traces
 
     def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
         hyper = [np.array(list(self.optimizer._hyper_values(g).values()), dtype=np.float32)
@@ -576,24 +646,27 @@ class TorchaxEngine(EngineBase):
         # array that a dispatched program still uses blocks the host until that program has run.
         _release_in_background(self._retired_inputs)
         self._retired_inputs = (self._params, self._masters, self._opt_state, self._shared_state, self._accum,
-                                self._skipped)
+                                self._skipped, self._loss_scale)
         self._accum = None
         self.runs["update"] += 1
         with warnings.catch_warnings():  # the gradients are donated to be freed, not to hold results
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
             (self._params, self._masters, self._opt_state, self._shared_state, self._global_grad_norm, self._skipped,
-             self._last_skip) = self._update(*self._retired_inputs, hyper)
+             self._last_skip, self._loss_scale) = self._update(*self._retired_inputs, hyper)
         self._module_stale = True
         if self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
         self.global_steps += 1
         self.global_samples += self._consume_samples()
+        self._step_loss, self._window_loss = self._window_loss, None
+        self._step_logger.after_boundary(self)  # reads the device at print steps only
 
     def _build_update(self):
-        """``(params, masters, states, shared states, grads, skipped, hyperparameters) -> (params,
-        masters, states, shared states, norm, skipped, skip)``, jitted, all but the hyperparameters
-        donated: the engine's boundary step (clipping, the optimizer's math, the overflow skip under
-        bf16). The shared states (the step counter) are every parameter's."""
+        """``(params, masters, states, shared states, grads, skipped, loss scale, hyperparameters) ->
+        (params, masters, states, shared states, norm, skipped, skip, loss scale)``, jitted, all but
+        the hyperparameters donated: the engine's boundary step (clipping, the optimizer's math, the
+        overflow skip under fp16 and bf16's check, fp16's loss scaler). The shared states (the step
+        counter) are every parameter's."""
         import jax
         import jax.numpy as jnp
 
@@ -603,7 +676,7 @@ class TorchaxEngine(EngineBase):
         order, policy = self._names, self.precision
         param_dtype = _jax_dtype(policy.param_dtype)
 
-        def update(params, masters, states, shared, grads, skipped, hyper):
+        def update(params, masters, states, shared, grads, skipped, loss_scale, hyper):
             self.traces["update"] += 1
             targets = masters if masters else params
 
@@ -621,19 +694,20 @@ class TorchaxEngine(EngineBase):
 
             # the torch_xla engine's global norm: fp32, in parameter order
             sum_sq = sum_of_squares([grads[name] for name in order], ops)
-            result = boundary_update(sum_sq, None, clipping, policy, ops, apply)
+            result = boundary_update(sum_sq, loss_scale, clipping, policy, ops, apply)
             new_targets, new_states, new_shared = result.applied
             norm, skip = result.scale.norm, result.scale.skip
             skip = jnp.zeros((), bool) if skip is None else skip
             if not masters:
-                return new_targets, masters, new_states, new_shared, norm, skipped + skip, skip
-            new_params = {n: t.astype(param_dtype) for n, t in new_targets.items()}  # all-gathered in bf16
-            return new_params, new_targets, new_states, new_shared, norm, skipped + skip, skip
+                return new_targets, masters, new_states, new_shared, norm, skipped + skip, skip, result.loss_scale
+            new_params = {n: t.astype(param_dtype) for n, t in new_targets.items()}  # all-gathered in bf16/fp16
+            return new_params, new_targets, new_states, new_shared, norm, skipped + skip, skip, result.loss_scale
 
         rep = self._replicated
+        scaler = None if self._loss_scale is None else LossScale(*(rep,) * len(LossScale._fields))
         shardings = (self._param_specs, self._master_specs, self._state_specs, {k: rep for k in self._shared_state},
-                     rep, rep, rep)
-        return jax.jit(update, out_shardings=shardings, donate_argnums=(0, 1, 2, 3, 4, 5))
+                     rep, rep, rep, scaler)
+        return jax.jit(update, out_shardings=shardings, donate_argnums=(0, 1, 2, 3, 4, 5, 6))
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (DeepSpeed sets them to None)."""
@@ -641,19 +715,52 @@ class TorchaxEngine(EngineBase):
 
     # ---- reporting -------------------------------------------------------------------------------
     def get_global_grad_norm(self) -> Optional[float]:
-        return None if self._global_grad_norm is None else float(self._global_grad_norm)
+        """The pre-clip global gradient norm of the last boundary step (reads the device; a
+        non-finite fp32 norm is told once)."""
+        norm = None if self._global_grad_norm is None else float(self._global_grad_norm)
+        notice_nonfinite(self, norm, "gradient norm of the last step")
+        return norm
+
+    def step_loss(self) -> Optional[float]:
+        """The mean of the losses passed to ``backward`` in the last optimizer step's
+        accumulation window (what the step log and monitors report); reads the device."""
+        loss = None if self._step_loss is None else float(self._step_loss)
+        notice_nonfinite(self, loss, "loss")
+        return loss
 
     @property
     def skipped_steps(self) -> int:
-        """Steps skipped for non-finite gradients (bf16's overflow check); reads the device."""
+        """Steps skipped for non-finite gradients (fp16, bf16's overflow check); reads the device."""
         return int(self._skipped)
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped = self._put(torch.tensor(float(value)), self._replicated)
 
     def was_step_applied(self) -> bool:
         """Whether the last optimizer step changed the parameters (False before the first)."""
         return self.global_steps > 0 and (self._last_skip is None or not bool(self._last_skip))
 
+    def overflow(self) -> bool:
+        """Whether the last optimizer step was skipped for non-finite gradients; reads the device."""
+        return self._last_skip is not None and bool(self._last_skip)
+
+    def loss_scale(self) -> float:
+        """DeepSpeed's: the configured static fp16 loss scale (0 for dynamic scaling), 1.0 under
+        bf16, 0 in fp32. The scale in use is ``current_loss_scale()``."""
+        if self.fp16_enabled():
+            return self._config.fp16.loss_scale
+        return 1.0 if self.bfloat16_enabled() else 0
+
+    def current_loss_scale(self) -> float:
+        """The loss scale in use (reads the device under fp16 scaling); 1.0 without one."""
+        return 1.0 if self._loss_scale is None else float(self._loss_scale.scale)
+
     def last_loss(self) -> Optional[float]:
-        return None if self._last_loss is None else float(self._last_loss.numpy())
+        """The loss last passed to ``backward``; reads the device."""
+        loss = None if self._last_loss is None else float(self._last_loss.numpy())
+        notice_nonfinite(self, loss, "loss")
+        return loss
 
     def optimizer_states(self) -> dict[str, dict[str, Any]]:
         """The optimizer states by parameter name and key, as JAX arrays (laid out by the plan);
@@ -680,6 +787,9 @@ class TorchaxEngine(EngineBase):
             for key, value in states.items():
                 spec = self.plan[name].optimizer_state if tuple(value.shape) == shape else replicated(value.ndim)
                 out[f"optim.{name}.{key}"] = (value, tuple(spec))
+        if self._loss_scale is not None:
+            for field, value in zip(self._loss_scale._fields, self._loss_scale):
+                out[f"loss_scale.{field}"] = (value, ())
         return out
 
     def params(self) -> dict[str, Any]:
@@ -694,11 +804,119 @@ class TorchaxEngine(EngineBase):
         raise NotImplementedError("engine.compile() does not apply to the torchax backend: its programs are "
                                   "compiled by jax.jit")
 
-    def save_checkpoint(self, *args, **kwargs):
-        raise NotImplementedError("checkpoints are not supported by the torchax backend (spmd.backend='torchax'); "
-                                  "engine.module holds the trained weights")
+    # ---- the state protocol: what checkpoints use (spmdzero.io) ------------------------------------
+    def optimized_names(self) -> dict[torch.Tensor, str]:
+        """{optimizer target: its name in checkpoints}: the module's host parameters, which the
+        optimizer's param groups hold (their values and states live on the devices)."""
+        params = dict(self._module.named_parameters())
+        return {params[name]: name for name in self._names}
 
-    load_checkpoint = save_checkpoint
+    def stacked_layers(self) -> dict[str, str]:
+        """Empty: this backend does not stack layers (``spmd.scan_layers`` is refused)."""
+        return {}
+
+    @property
+    def scales_loss(self) -> bool:
+        """Whether the loss is scaled (fp16): the loss scaler is then part of the state."""
+        return self._loss_scale is not None
+
+    @property
+    def lazy_optimizer_state(self) -> bool:
+        """False: spmdzero's optimizers make their states up front."""
+        return False
+
+    def placeholder_optimizer_state(self) -> list:
+        """Nothing to make up: every optimizer state exists from initialize on."""
+        return []
+
+    def drop_optimizer_state(self, targets) -> None:
+        """Nothing to drop (``placeholder_optimizer_state`` makes none)."""
+
+    def state_shards(self):
+        """The device side of checkpoints (``spmdzero.io.shards.StateShards``)."""
+        from spmdzero.backends.torchax.checkpoint import TorchaxStateShards
+
+        return TorchaxStateShards(self)
+
+    def _load_state(self, values: dict[str, Any]) -> None:
+        """Put loaded values (JAX arrays by checkpoint key, any dtype and layout) in place of the
+        live ones, in the live dtype and layout: the programs see the same inputs as before and
+        are not traced again."""
+        jax = self._jax
+
+        def like(live, value):
+            return jax.device_put(value.astype(live.dtype), live.sharding)
+
+        for key, value in values.items():
+            kind, _, rest = key.partition(".")
+            if kind == "model" and rest in self._params:
+                self._params = {**self._params, rest: like(self._params[rest], value)}
+                self._module_stale = True
+            elif kind in ("model", "buffer") and rest in self._constants:
+                self._constants = {**self._constants, rest: like(self._constants[rest], value)}
+                self._buffers_stale.add(rest)
+            elif kind == "loss_scale" and self._loss_scale is not None:
+                self._loss_scale = self._loss_scale._replace(**{rest: like(getattr(self._loss_scale, rest), value)})
+            elif kind == "master":
+                self._masters = {**self._masters, rest: like(self._masters[rest], value)}
+            elif kind == "optim":
+                name, _, state = rest.rpartition(".")
+                if state in self._shared_state:  # one counter for every parameter: each saved copy is the same
+                    self._shared_state = {**self._shared_state, state: like(self._shared_state[state], value)}
+                else:
+                    self._opt_state = {**self._opt_state,
+                                       name: {**self._opt_state[name], state: like(self._opt_state[name][state], value)}}
+            else:
+                raise KeyError(f"{key!r} is not a state tensor of this engine")  # _select picks live keys only
+        jax.block_until_ready((self._params, self._constants, self._masters, self._opt_state, self._shared_state,
+                               self._loss_scale))
+
+    def loaded(self, new_window: bool) -> None:
+        """A checkpoint load has written the state: drop the gradients accumulated before it (they
+        go with the weights they were computed at) and what a forward left pending. The host
+        module is brought up to date when it is next read."""
+        self._accum = self._pending = self._deferred = self._last_output_loss = None
+        self._last_skip = None
+
+    # ---- checkpoints (spmdzero.io) -----------------------------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's)
+                        exclude_frozen_parameters=False) -> bool:
+        """DeepSpeed's ``save_checkpoint``, in the torch_xla backend's format (docs/checkpoints.md)."""
+        from spmdzero.io.save import save_checkpoint
+
+        self._take_host_changes()  # what the script changed on the module since the last forward is saved
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, trust_client_state=None):
+        """DeepSpeed's ``load_checkpoint``: returns ``(load_path, client_state)``; loads either
+        backend's checkpoints and DeepSpeed ZeRO-1/2 ones, on any device count."""
+        from spmdzero.io.restore import load_checkpoint
+
+        self._take_host_changes()  # the load then writes over the host's changes, not the reverse
+        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only, trust_client_state)
+
+def _broadcast_from_first_process(module: torch.nn.Module, seed: int) -> int:
+    """Process 0's parameters and buffers copied into every process's ``module`` (DeepSpeed's
+    engine broadcasts them from rank 0 at initialize, so each rank may seed or load its own),
+    and process 0's ``seed``, returned. One program over every process's devices."""
+    from jax.experimental import multihost_utils
+    from torchax.ops import mappings
+
+    tensors = [t for _, t in [*module.named_parameters(), *module.named_buffers()]]
+    host = [np.asarray(mappings.t2j(t.detach().cpu())) for t in tensors]
+    # booleans are summed as bytes (the broadcast adds process 0's values to the others' zeros)
+    host = [h.view(np.uint8) if h.dtype == np.bool_ else h for h in host]
+    seed_words = np.array([seed >> 32, seed & 0xFFFFFFFF], dtype=np.uint32)
+    *values, seed_words = multihost_utils.broadcast_one_to_all([*host, seed_words])
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # it is copied
+        for t, value in zip(tensors, values):
+            value = np.asarray(value)
+            t.copy_(mappings.j2t(value.view(np.bool_) if t.dtype == torch.bool else value, use_dlpack=False))
+    return int(seed_words[0]) << 32 | int(seed_words[1])
+
 
 def _refuse_optimizer_state(optimizer) -> None:
     """This backend keeps the optimizer states on the devices, as JAX arrays: the torch
@@ -706,7 +924,7 @@ def _refuse_optimizer_state(optimizer) -> None:
     def refuse(*args, **kwargs):
         raise NotImplementedError("optimizer.state_dict()/load_state_dict() are not supported by the torchax backend "
                                   "(spmd.backend='torchax'): its optimizer states live on the devices "
-                                  "(engine.optimizer_states()); use spmd.backend='torch_xla' for checkpoints")
+                                  "(engine.optimizer_states()); engine.save_checkpoint/load_checkpoint save and load them")
 
     optimizer.state_dict = optimizer.load_state_dict = refuse
 

@@ -282,9 +282,10 @@ class JaxHostAccelerator(XlaAccelerator):
         return "cpu"
 
     def device_count(self) -> int:
+        """Chips this host drives (DeepSpeed: GPUs visible on this node)."""
         from spmdzero.runtime import jax_runtime
 
-        return jax_runtime.device_count()
+        return len(jax_runtime.local_devices())
 
     def synchronize(self, device_index=None) -> None:
         pass  # JAX has no "wait for everything issued"; engine.wait() waits for the engine's work
@@ -301,7 +302,7 @@ class JaxHostAccelerator(XlaAccelerator):
     def _memory(self) -> dict:
         from spmdzero.runtime import jax_runtime
 
-        stats = jax_runtime.devices()[0].memory_stats() or {}  # None on CPU
+        stats = jax_runtime.local_devices()[0].memory_stats() or {}  # None on CPU
         return {"bytes_used": stats.get("bytes_in_use", 0), "peak_bytes_used": stats.get("peak_bytes_in_use", 0),
                 "bytes_limit": stats.get("bytes_limit", 0)}
 
