@@ -162,9 +162,57 @@ def test_an_unknown_backend_is_refused():
         spmdzero.initialize(model=tiny_mlp(), config=config("jax"))
 
 
-def test_batch_norm_running_statistics_are_refused():
-    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.BatchNorm1d(8))
-    with pytest.raises(ValueError, match="'1' \\(BatchNorm1d\\)"):
+class BatchNormNet(torch.nn.Module):
+    """Every kind of batch norm the torchax backend updates: momentum, momentum=None (the
+    cumulative average) and SyncBatchNorm (the global batch's statistics, as every BatchNorm here)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.bn = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4, momentum=0.3)
+        self.fc, self.cumulative = torch.nn.Linear(64, 8), torch.nn.BatchNorm1d(8, momentum=None)
+        self.sync, self.head = torch.nn.SyncBatchNorm(8), torch.nn.Linear(8, 2)
+
+    def forward(self, x, y):
+        h = torch.relu(self.bn(self.conv(x))).flatten(1)
+        out = self.head(self.sync(torch.relu(self.cumulative(self.fc(h)))))
+        return torch.nn.functional.mse_loss(out, y), out
+
+
+def test_batch_norm_running_statistics_are_updated_as_torch_updates_them():
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(16, 3, 4, 4, generator=g) * 2 + 1, torch.randn(16, 2, generator=g)) for _ in range(3)]
+    ref = BatchNormNet()
+    sgd = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in data:
+        sgd.zero_grad()
+        ref(x, y)[0].backward()
+        sgd.step()
+    engine, *_ = spmdzero.initialize(model=BatchNormNet(), config={
+        "train_batch_size": 16, "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "spmd": {"backend": "torchax"}})
+    for x, y in data:
+        loss, _ = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+    assert engine.traces["train_forward"] == 1  # compiled once
+    got = engine.module.state_dict()
+    assert engine.module.cumulative.num_batches_tracked.item() == 3
+    for name, want in ref.state_dict().items():
+        torch.testing.assert_close(got[name], want, atol=1e-5, rtol=1e-5, msg=name)
+    assert not torch.equal(engine.module.bn.running_mean, torch.zeros(4))
+    x, y = data[0]
+    engine.eval(), ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.tensor(np.asarray(engine(x, y)[1]._elem)), ref(x, y)[1], atol=1e-5, rtol=1e-5)
+
+
+def test_a_batch_norm_subclass_with_its_own_forward_is_refused():
+    class Custom(torch.nn.BatchNorm1d):
+        def forward(self, input):
+            return super().forward(input) * 2
+
+    model = WithLoss(torch.nn.Sequential(torch.nn.Linear(16, 8), Custom(8)))
+    with pytest.raises(ValueError, match="'net.1' \\(Custom\\) has its own forward"):
         spmdzero.initialize(model=model, config=config("torchax"))
 
 

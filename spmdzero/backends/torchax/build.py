@@ -10,6 +10,7 @@ from spmdzero.config.schema import DeepSpeedConfig
 from spmdzero.sharding.mesh import check_user_mesh, mesh_shape, resolve_mesh_shape
 from spmdzero.optim.optimizers import SpmdOptimizer
 from spmdzero.optim.precision import DTYPES
+from spmdzero.backends.torchax import batchnorm
 from spmdzero.backends.torchax.engine import TorchaxEngine
 from spmdzero.train.build import refuse_sparse_gradients, setup_training
 from spmdzero import runtime
@@ -57,11 +58,7 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
     check_config(cfg, optimizer)
     _require_torchax()
     refuse_sparse_gradients(model)
-    for name, sub in model.named_modules():
-        if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm) and sub.track_running_stats:
-            # torchax 0.0.13's batch norm leaves the running statistics as they were
-            raise ValueError(f"spmd.backend='torchax' does not update batch-norm running statistics: module "
-                             f"{name!r} ({type(sub).__name__}) tracks them; use spmd.backend='torch_xla'")
+    batchnorm.check_replaceable(model)  # the others' running statistics are updated as torch does
     if mesh is not None and jax_runtime.selected():
         raise ConfigError(f"initialize(mesh=...) takes a torch_xla Mesh, and building one starts torch_xla's runtime, "
                           f"which {jax_runtime.VARIABLE}=torchax keeps off the devices: give the mesh shape as "

@@ -62,6 +62,7 @@ from spmdzero.sharding.plan import ShardingPlan, replicated
 from spmdzero.optim.precision import precision_policy
 from spmdzero.runtime import jax_runtime
 from spmdzero.train.build import move_in_place
+from spmdzero.backends.torchax import batchnorm
 
 NEEDS_LOSS = ("the torchax backend needs the module to return its loss (a scalar, an object with .loss, or a tuple "
               "whose first item is the scalar loss): the gradient is taken inside the traced forward, so "
@@ -514,6 +515,7 @@ class TorchaxEngine(EngineBase):
         env, module, names, policy = self._env, self._module, set(self._names), self.precision
         gas = self.gradient_accumulation_steps()
         out_spec: list = []  # (treespec, [(index, non-tensor leaf)]), filled while tracing
+        batch_norms = [bn for _, bn in batchnorm.tracked(module)]  # their running statistics are updated in training
         loss_leaf: list = []
 
         def flatten_output(output) -> list:
@@ -536,7 +538,8 @@ class TorchaxEngine(EngineBase):
             # registered twice (``self.alias = self.shared``): there the traced ones stayed. Put back here.
             held = [(m, dict(m._parameters), dict(m._buffers)) for m in module.modules()]
             try:
-                with env, env.override_property(prng=jax.random.fold_in(*rng)):
+                with env, env.override_property(prng=jax.random.fold_in(*rng)), \
+                        batchnorm.updating_running_statistics(batch_norms):
                     output = torch.func.functional_call(module, tensors, inputs, kwargs)
             finally:
                 for m, params, buffers in held:
