@@ -230,7 +230,7 @@ def test_a_tuple_output_gives_its_first_item_as_the_loss():
     engine.backward(loss)
     engine.step()
     assert engine.global_steps == 1
-    with pytest.raises(RuntimeError, match="needs the module to return its loss"):
+    with pytest.raises(RuntimeError, match="an earlier backward already committed"):
         engine.backward(loss)  # its gradients were committed already
 
 
@@ -295,7 +295,8 @@ class Dropped(torch.nn.Module):
 
 
 def test_dropout_draws_anew_at_every_step_without_retracing():
-    engine, *_ = spmdzero.initialize(model=Dropped(), config=config("torchax"))
+    # stage 0: zero_grad drops the micro-step's gradients, as DeepSpeed's (ZeRO-2 keeps them)
+    engine, *_ = spmdzero.initialize(model=Dropped(), config=config("torchax", zero_optimization={"stage": 0}))
     x = torch.ones(16, 16)
     losses = []
     for _ in range(3):
@@ -386,6 +387,11 @@ def test_bf16_skips_a_step_with_non_finite_gradients():
     assert engine.skipped_steps == 1 and not engine.was_step_applied() and engine.global_steps == 1
     for name, p in engine.module.named_parameters():
         assert torch.equal(p, before[name])
+    masters = dict(engine._masters)
+    assert all(p.data.dtype == torch.bfloat16 for p in engine.module.parameters())  # a read through .data
+    x[0, 0] = 0.0
+    engine(x, y)
+    assert all(engine._masters[n] is m for n, m in masters.items())  # not replaced by their bf16 casts
 
 
 def test_fp16_loss_scaling_matches_the_torch_xla_engine(tmp_path):
@@ -845,7 +851,10 @@ def test_a_submodule_under_two_names_keeps_its_host_parameters():
     for x, y in batches(2, 16):
         engine.backward(engine(x, y))
         engine.step()
-    assert all(type(p) is torch.nn.Parameter for p in engine.module.parameters())  # not the traced tensors
+    from torchax.tensor import Tensor as Traced
+
+    # the host's own, not the traced tensors
+    assert all(isinstance(p, torch.nn.Parameter) and not isinstance(p, Traced) for p in engine.module.parameters())
     assert set(engine.module.state_dict()) == {f"{m}.{k}" for m in ("shared", "alias") for k in ("weight", "bias")}
 
 
@@ -888,3 +897,132 @@ def test_the_step_log_monitors_and_a_nonfinite_fp32_loss_are_told(tmp_path):
     logged = (tmp_path / "j" / "Train_Samples_train_loss.csv").read_text().splitlines()
     assert logged[0] == "step,train_loss" and [row.split(",")[0] for row in logged[1:]] == ["32", "64", "96"]
     assert logged[2].endswith(",nan")
+
+
+# ---- issue #32: edits through .data, backward's loss, zero_grad, dict outputs ---------------------
+
+def plain_config(gas: int = 1, **extra) -> dict:
+    """SGD with momentum at a fixed lr, no clipping: a step is ``torch_optimizer``'s, so the
+    engine is checked against plain torch (SGD's step is linear in the gradient: rounding
+    differences stay rounding-sized, where Adam's first step magnifies them on tiny gradients)."""
+    cfg = config("torchax", gas, optimizer={"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+                 gradient_clipping=0.0, **extra)  # DeepSpeed's default clips at 1.0
+    del cfg["scheduler"]
+    return cfg
+
+
+def torch_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def torch_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *losses) -> None:
+    """Plain torch's step over ``losses``, each backpropagated in turn."""
+    for loss in losses:
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def assert_as_in_torch(engine, reference: torch.nn.Module) -> None:
+    """The engine's parameters equal plain torch's, on every device alike."""
+    for name, value in reference.named_parameters():
+        shards = [np.asarray(s.data) for s in engine.params()[name].addressable_shards]
+        assert all(np.array_equal(s, shards[0]) for s in shards), f"{name}: the devices disagree"
+        torch.testing.assert_close(engine.module.get_parameter(name).detach(), value.detach(), atol=1e-6, rtol=0,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_edits_of_parameters_after_initialize_train_as_in_torch():
+    """Through ``.data`` (whole, partial, set), in place under no_grad, ``copy_``: each reaches
+    every device and the next step starts from it (an edit through ``.data`` used to leave the
+    first device sharing the host's memory: after a step the bias was a mix of shards)."""
+    model, reference = WithLoss(tiny_mlp(seed=0)), WithLoss(tiny_mlp(seed=0))
+    engine, *_ = spmdzero.initialize(model=model, config=plain_config())
+    optimizer = torch_optimizer(reference)
+
+    def in_place(m):
+        with torch.no_grad():
+            m.net[0].weight.mul_(0.5)
+            m.net[2].bias.copy_(torch.arange(8.0))
+
+    edits = [lambda m: m.net[0].bias.data.fill_(0.5),
+             lambda m: m.net[2].weight.data[0].zero_(),  # partial, on a host not read since the last step
+             in_place,
+             lambda m: setattr(m.net[2].bias, "data", torch.full((8,), -1.0))]
+    for edit, (x, y) in zip(edits, batches(len(edits), 16)):
+        edit(model), edit(reference)
+        engine.backward(engine(x, y))
+        engine.step()
+        torch_step(reference, optimizer, reference(x, y))
+    assert_as_in_torch(engine, reference)
+
+
+def test_backward_of_an_earlier_forwards_loss_takes_its_gradient():
+    """Two forwards, then backward of each loss in either order: torch's sum of both gradients
+    (it used to say the module must return its loss); with retain_graph, a loss twice. A second
+    backward of one loss without it, or one after the optimizer step, says what happened."""
+    model, reference = WithLoss(tiny_mlp(seed=0)), WithLoss(tiny_mlp(seed=0))
+    engine, *_ = spmdzero.initialize(model=model, config=plain_config())
+    optimizer = torch_optimizer(reference)
+    (x1, y1), (x2, y2) = batches(2, 16)
+    first, second = engine(x1, y1), engine(x2, y2)
+    engine.backward(first)
+    engine.backward(second)
+    with pytest.raises(RuntimeError, match="an earlier backward already committed"):
+        engine.backward(first)
+    engine.step()
+    torch_step(reference, optimizer, reference(x1, y1), reference(x2, y2))
+    assert_as_in_torch(engine, reference)
+    twice = engine(x1, y1)
+    engine.backward(twice, retain_graph=True)
+    engine.backward(twice)  # its gradient counted twice, as torch counts it
+    engine.step()
+    loss = reference(x1, y1)
+    loss.backward(retain_graph=True)
+    torch_step(reference, optimizer, loss)
+    assert_as_in_torch(engine, reference)
+    late = engine(x1, y1)
+    engine.backward(engine(x2, y2))
+    engine.step()
+    with pytest.raises(RuntimeError, match="the parameters changed since that forward"):
+        engine.backward(late)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_grad_between_forward_and_backward_drops_only_what_deepspeed_drops(stage):
+    """The backward after a zero_grad still makes its gradients, and the step applies them (it
+    used to say there was no backward); ZeRO-2 keeps the window's earlier micro-batches,
+    ZeRO-1 drops them before the boundary's backward (engine_base.zero_grad_keeps_gradients)."""
+    model, reference = WithLoss(tiny_mlp(seed=0)), WithLoss(tiny_mlp(seed=0))
+    engine, *_ = spmdzero.initialize(model=model, config=plain_config(2, zero_optimization={"stage": stage}))
+    optimizer = torch_optimizer(reference)
+    (x1, y1), (x2, y2) = batches(2, 16)
+    for zero_grad in (engine.zero_grad, engine.optimizer.zero_grad):
+        loss = engine(x1 if zero_grad == engine.zero_grad else x2, y1 if zero_grad == engine.zero_grad else y2)
+        zero_grad()
+        engine.backward(loss)
+        engine.step()
+    assert engine.global_steps == 1
+    kept = [reference(x1, y1) / 2] if stage == 2 else []
+    torch_step(reference, optimizer, *kept, reference(x2, y2) / 2)
+    assert_as_in_torch(engine, reference)
+
+
+class DictLoss(WithLoss):
+    def forward(self, x, y):
+        logits = self.net(x)
+        return {"loss": torch.nn.functional.mse_loss(logits, y), "logits": logits}
+
+
+def test_a_dict_output_with_a_loss_key_trains_as_in_torch():
+    model, reference = DictLoss(tiny_mlp(seed=0)), DictLoss(tiny_mlp(seed=0))
+    engine, *_ = spmdzero.initialize(model=model, config=plain_config())
+    optimizer = torch_optimizer(reference)
+    for x, y in batches(2, 16):
+        out = engine(x, y)
+        assert sorted(out) == ["logits", "loss"] and tuple(out["logits"].shape) == (16, 8)
+        engine.backward(out["loss"])
+        engine.step()
+        torch_step(reference, optimizer, reference(x, y)["loss"])
+    assert out["loss"].item() == pytest.approx(engine.last_loss())
+    assert_as_in_torch(engine, reference)

@@ -7,17 +7,20 @@ under ``jax.jit`` through torchax (torch ops lowered to JAX), so a step is two c
 
 * ``engine(batch)`` in training runs ONE program: the outputs and ``jax.value_and_grad`` of
   the loss the module returns, the gradients constrained to the plan's gradient spec (the
-  ZeRO-2 shards) and added to the accumulated ones. ``engine.backward(loss)`` only commits
-  them: it must be given the loss that forward returned, since the gradient was taken there;
+  ZeRO-2 shards) and added to the accumulated ones, held with the loss it returns.
+  ``engine.backward(loss)`` commits that loss's gradient; only when the accumulation changed
+  since its forward (another loss's backward, a ``zero_grad``) is it taken again, by the same
+  program on the same inputs, as torch's backward of that loss would give it;
 * ``engine.step()`` at the boundary runs ONE program: DeepSpeed's global-norm clipping and the
   config optimizer's own math (``SpmdOptimizer._math``, the function the torch_xla engine's
   fused update runs under JAX too), parameters replicated, optimizer states laid out by the
   plan, the old buffers donated. The hyperparameters (lr from the schedule included) are a
   traced input, so a changing lr does not recompile.
 
-What the module returns must contain the loss: a scalar, an object with ``.loss`` (Hugging
-Face outputs), or a tuple whose first item is the scalar loss. The outputs come back as
-torchax tensors (JAX arrays seen as torch tensors; torch ops on them run eagerly in JAX).
+What the module returns must contain the loss: a scalar, a dict with a ``"loss"`` key, an
+object with ``.loss`` (Hugging Face outputs), or a tuple whose first item is the scalar loss.
+The outputs come back as torchax tensors (JAX arrays seen as torch tensors; torch ops on them
+run eagerly in JAX).
 
 Its devices: with ``SPMDZERO_BACKEND=torchax`` set before ``import spmdzero``, JAX's own (every
 TPU chip on a TPU VM, else ``CPU_NUM_DEVICES`` CPU devices) and torch_xla's runtime never starts
@@ -31,9 +34,14 @@ bf16 or fp16 with fp32 master weights and DeepSpeed's overflow skip (fp16: its l
 ``check_config`` (docs/config.md, ``spmd.backend``). Checkpoints are the torch_xla backend's
 (``spmdzero.io``), this engine's arrays moved through ``checkpoint.TorchaxStateShards``.
 
-Why one module: the two jitted programs and the host-side bookkeeping between them (pending
-gradients, the deferred eval-mode backward, outputs as torchax tensors, arrays released off
-the training thread) are one unit; the DeepSpeed API around them is ``train/engine_base.py``.
+The host module's parameters are a step behind the devices until read; their torch ops (an
+edit, a read, ``.data``) bring the trained values back first, and the next forward takes what
+the host changed (``TorchaxEngine._host_use``, ``_take_host_changes``).
+
+Why one module: the two jitted programs and the host-side bookkeeping between them (each
+forward's gradient until its backward, the host parameters' edits, outputs as torchax tensors,
+arrays released off the training thread) are one unit; the DeepSpeed API around them is
+``train/engine_base.py``.
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ import functools
 import queue
 import threading
 import warnings
+import weakref
+from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any, Optional
 
@@ -64,16 +74,24 @@ from spmdzero.runtime import jax_runtime
 from spmdzero.train.build import move_in_place
 from spmdzero.backends.torchax import batchnorm
 
-NEEDS_LOSS = ("the torchax backend needs the module to return its loss (a scalar, an object with .loss, or a tuple "
-              "whose first item is the scalar loss): the gradient is taken inside the traced forward, so "
-              "engine.backward(loss) must be given that loss, as forward returned it. Compute the loss in the "
-              "module's forward (wrap the model and the criterion in one module), or use the torch_xla backend")
+NEEDS_LOSS = ("the torchax backend needs the module to return its loss (a scalar, a dict with a 'loss' key, an "
+              "object with .loss, or a tuple whose first item is the scalar loss): the gradient is taken inside "
+              "the traced forward, so engine.backward(loss) must be given that loss, as forward returned it. "
+              "Compute the loss in the module's forward (wrap the model and the criterion in one module), or use "
+              "the torch_xla backend")
+BACKWARD_TWICE = ("engine.backward(loss) was given a loss whose gradients an earlier backward already committed: "
+                  "call it once per forward's loss, or pass retain_graph=True to the first call (as torch, which "
+                  "refuses to backward through a graph a second time)")
+PARAMETERS_CHANGED = ("engine.backward(loss) was given the loss of a forward whose gradients must be taken again "
+                      "(the gradients accumulated since that forward changed: another backward, or a zero_grad that "
+                      "dropped them), but the parameters changed since that forward (an optimizer step, a "
+                      "checkpoint load, an edit on the host): the torchax backend takes the gradient inside the "
+                      "traced forward and keeps no graph at the old values. Call backward on each loss before the "
+                      "optimizer step")
 
 
 def _as_dicts(obj):
     """Every non-dict mapping in ``obj`` (a ``BatchEncoding``) as a dict, for torch's pytree."""
-    from collections.abc import Mapping
-
     if isinstance(obj, Mapping):
         pairs = ((k, _as_dicts(v)) for k, v in obj.items())
         return like(obj, pairs) if isinstance(obj, dict) else dict(pairs)
@@ -148,7 +166,8 @@ def _find_loss(output) -> Optional[torch.Tensor]:
 
     if scalar(output):
         return output
-    loss = getattr(output, "loss", None)
+    # a dict with a "loss" key, as the torch_xla backend and DeepSpeed take it
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if scalar(loss):
         return loss
     if isinstance(output, (tuple, list)) and output and scalar(output[0]):
@@ -234,15 +253,18 @@ class TorchaxEngine(EngineBase):
         self._opt_state = {n: {k: v for k, v in st.items() if k not in self._shared_state} for n, st in states.items()}
         self._state_specs = {n: {k: v for k, v in st.items() if k not in self._shared_state}
                              for n, st in self._state_specs.items()}
+        # A training forward's gradient belongs to the loss it returned (``loss._spmdzero_forward``,
+        # its inputs and the accumulation with its gradient added), until backward commits it.
         self._accum: Optional[dict] = None  # gradients committed since the last boundary (plan's grad spec)
+        self._accum_token = 0  # changes with _accum (_set_accum)
+        self._generation = 0  # changes with the parameters (an update, a change taken from the host)
+        self._window_reduced = False  # the last backward was at a boundary (zero_grad_keeps_gradients)
         self._retired: Optional[dict] = None  # the sum the last backward replaced
         self._retired_inputs: tuple = ()  # the last update's inputs
-        self._pending: Optional[dict] = None  # the last training forward's accumulation, until backward commits it
-        self._last_output_loss = None  # the loss tensor the last training forward returned
         self._last_loss = None
         self._window_loss = self._step_loss = None  # the mean loss of the accumulation window, a JAX array
         self._step_logger = StepLogger(cfg, device_clock=None)  # steps_per_print and the monitors (no torch_xla)
-        self._pending_rows = self._rows_since_step = 0  # training rows fed: global_samples
+        self._rows_since_step = 0  # training rows fed: global_samples
         self._global_grad_norm = None
         self._skipped = self._put(torch.zeros(()), self._replicated)  # steps skipped for non-finite gradients
         # fp16's loss scaler (DeepSpeed's DynamicLossScaler, or a static scale): device scalars that
@@ -258,9 +280,11 @@ class TorchaxEngine(EngineBase):
         self._host_params = [p for _, p in module.named_parameters()]
         self._trainable = self._requires_grad()
         self._host_versions = self._versions()
-        self._deferred = None  # an eval-mode forward whose loss backward may still ask gradients of
+        self._touched: set[int] = set()  # host parameters (by id) whose .data was used since the last forward
+        _watch_parameters(module, self)
         self._warned_fewer_rows = False
         _refuse_optimizer_state(optimizer)
+        _zero_grad_through_engine(optimizer, self)
         _sync_before_state_dict(module, self)
         self._seed(seed)  # process 0's
         self._programs: dict = {}  # jitted functions by static structure
@@ -287,10 +311,13 @@ class TorchaxEngine(EngineBase):
 
     # ---- placement ---------------------------------------------------------------------
     def _put(self, t: torch.Tensor, sharding):
-        """``t``, the whole value (the same on every process), laid out by ``sharding``."""
+        """``t``, the whole value (the same on every process), laid out by ``sharding``; from a
+        copy: JAX imports a host tensor without copying it, and the first device's buffer would
+        then be memory the script can still change (``p.data``, a reused batch buffer) on that
+        device alone."""
         from torchax.ops import mappings
 
-        value = mappings.t2j(t.detach().cpu())
+        value = mappings.t2j(t.detach().cpu().clone())
         if self._processes == 1:
             return self._jax.device_put(value, sharding)
         # jax.device_put would compare the value across the processes first (a collective per array)
@@ -303,7 +330,7 @@ class TorchaxEngine(EngineBase):
             return self._put(t, sharding)
         from torchax.ops import mappings
 
-        local = np.asarray(mappings.t2j(t.detach().cpu()))
+        local = np.asarray(mappings.t2j(t.detach().cpu().clone()))  # a copy, as in _put
         shape = (*local.shape[:dim], local.shape[dim] * self._processes, *local.shape[dim + 1:])
         return self._jax.make_array_from_process_local_data(sharding, local, shape)
 
@@ -343,7 +370,7 @@ class TorchaxEngine(EngineBase):
         if self._module_stale or self._buffers_stale:
             from torchax.ops import mappings
 
-            with torch.no_grad(), warnings.catch_warnings():
+            with torch.no_grad(), warnings.catch_warnings(), _unwatched():
                 warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # it is copied
                 for name, t in self._host_tensors:  # a frozen parameter's value is a constant, as a buffer's
                     if self._module_stale and name in self._params:
@@ -357,10 +384,12 @@ class TorchaxEngine(EngineBase):
     def _versions(self) -> list[int]:
         """Each host parameter's and buffer's in-place version: a change made on the host (a
         ``load_state_dict``, an edit under ``no_grad``) shows as a new version."""
-        return [t._version for _, t in self._host_tensors]
+        with _unwatched():
+            return [t._version for _, t in self._host_tensors]
 
     def _requires_grad(self) -> list[bool]:
-        return [p.requires_grad for p in self._host_params]
+        with _unwatched():
+            return [p.requires_grad for p in self._host_params]
 
     def _take_host_changes(self) -> None:
         """Before a forward: parameters and buffers changed on the host since the engine last
@@ -372,22 +401,48 @@ class TorchaxEngine(EngineBase):
             raise RuntimeError(f"spmd.backend='torchax': requires_grad changed after spmdzero.initialize for "
                                f"{changed[:5]}; this backend trains the parameters that required grad at "
                                "initialize. Freeze parameters before initialize, or use spmd.backend='torch_xla'")
-        versions = self._versions()
-        if versions == self._host_versions:
+        versions, touched = self._versions(), self._touched
+        if versions == self._host_versions and not touched:
             return
+        self._touched = set()
         # what the host changed wins over a step's results not yet copied back (those are the
         # devices' own and stay there)
         for (name, t), version, before in zip(self._host_tensors, versions, self._host_versions):
-            if version != before:
+            if version == before and (id(t) not in touched or self._same_on_devices(name, t)):
+                continue
+            with _unwatched():
                 t = t.detach()
-                if name in self._params:
-                    self._params[name] = self._put(t, self._param_specs[name])
-                    if name in self._masters:
-                        self._masters[name] = self._put(t.float(), self._master_specs[name])
-                else:
-                    self._constants[name] = self._put(t, self._replicated)
-                    self._buffers_stale.discard(name)
+            if name in self._params:
+                self._params[name] = self._put(t, self._param_specs[name])
+                if name in self._masters:
+                    self._masters[name] = self._put(t.float(), self._master_specs[name])
+            else:
+                self._constants[name] = self._put(t, self._replicated)
+                self._buffers_stale.discard(name)
+            self._generation += 1
         self._host_versions = versions
+
+    def _same_on_devices(self, name: str, t: torch.Tensor) -> bool:
+        """Whether a host parameter whose ``.data`` was used holds what the devices hold (a
+        read, not an edit: the fp32 master weights keep their precision). Reads the device."""
+        from torchax.ops import mappings
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # only compared
+            device = mappings.j2t(self._params[name] if name in self._params else self._constants[name],
+                                  use_dlpack=False)
+        with _unwatched():
+            return t.shape == device.shape and t.dtype == device.dtype and torch.equal(t.detach(), device)
+
+    def _host_use(self, param: torch.Tensor, through_data: bool) -> None:
+        """A torch op on a host parameter (an edit, a read, ``.data``): the trained values are
+        brought to the host first (a device-to-host copy when a step changed them), so that it
+        sees them as torch would. An edit in place shows as a new version at the next forward;
+        one through ``.data`` does not, so the next forward compares the parameter with the
+        devices' copy."""
+        self.module  # noqa: B018 (the property copies device values to the host when stale)
+        if through_data:
+            self._touched.add(id(param))
 
     def train(self, mode: bool = True) -> "TorchaxEngine":
         self._module.train(mode)
@@ -446,12 +501,19 @@ class TorchaxEngine(EngineBase):
         rng = (self._rng, np.uint32(self.micro_steps))  # dropout draws anew at every micro-step
         rows = layout.rows if layout.on_device else None if layout.rows is None else layout.rows * self._batch.processes
         training = self._module.training
+        forward = SimpleNamespace(treespec=treespec, static=static, rng=rng, arrays=arrays, rows=rows,
+                                  training=training, constants=self._constants, generation=self._generation,
+                                  pending=None, accum_token=None)
         if training and torch.is_grad_enabled():
-            self._last_output_loss = self._deferred = None
-            outputs, program = self._train(treespec, static, rng, arrays, rows, training)
-            if outputs is not None:
+            if rows is not None:
+                self._check_training_rows(rows)
+            self._input_shapes = tuple(tuple(a.shape) for a in arrays)  # named by the recompile guard
+            ran = self._gradient(forward)
+            if ran is not None:
+                outputs, constants, program = ran
+                self._take_constants(constants)
                 result = self._outputs(outputs, program)
-                self._last_output_loss = self._last_loss = program.loss_of(result)
+                program.loss_of(result)._spmdzero_forward = forward
                 return result
             # the output holds no loss (found while tracing): a plain forward; backward will explain
         program = self._program("forward", treespec, static, training)
@@ -463,8 +525,7 @@ class TorchaxEngine(EngineBase):
         if loss is not None:
             # eval mode with grad enabled (fine-tuning with dropout off): the gradients are taken
             # only if backward asks for them, by the training program in eval mode
-            self._deferred = SimpleNamespace(loss=loss, treespec=treespec, static=static, arrays=arrays, rng=rng,
-                                             rows=rows)
+            loss._spmdzero_forward = forward
         return result
 
     def _take_constants(self, changed: dict) -> None:
@@ -473,22 +534,21 @@ class TorchaxEngine(EngineBase):
             self._constants = {**self._constants, **changed}
             self._buffers_stale.update(changed)
 
-    def _train(self, treespec, static: tuple, rng, arrays: list, rows: Optional[int], training: bool):
-        """Run the training program (forward and gradient, added to the accumulation as pending),
-        held to the batch rule. Returns (its outputs, the program); outputs None when the
-        module's output holds no loss."""
-        if rows is not None:
-            self._check_training_rows(rows)
-        self._input_shapes = tuple(tuple(a.shape) for a in arrays)
-        program = self._program("train" if self._accum is None else "accumulate", treespec, static, training)
-        ran = None if program.no_loss else program(self._params, self._constants, self._accum, rng, arrays)
+    def _gradient(self, forward: SimpleNamespace):
+        """Run the training program for ``forward`` (a training forward's inputs, as it saw
+        them): its outputs and its gradient added to the gradients accumulated so far, kept in
+        ``forward.pending`` until backward commits it. Returns (outputs, changed buffers, the
+        program), or None when the module's output holds no loss."""
+        program = self._program("train" if self._accum is None else "accumulate", forward.treespec, forward.static,
+                                forward.training)
+        ran = None if program.no_loss else program(self._params, forward.constants, self._accum, forward.rng,
+                                                    forward.arrays)
         if ran is None:
-            return None, program
+            return None
         self.runs["forward"] += 1
-        outputs, constants, self._pending = ran
-        self._pending_rows = rows or 0
-        self._take_constants(constants)
-        return outputs, program
+        outputs, constants, forward.pending = ran
+        forward.accum_token = self._accum_token
+        return outputs, constants, program
 
     def _outputs(self, arrays: list, program):
         spec, others = program.out_spec
@@ -603,29 +663,46 @@ class TorchaxEngine(EngineBase):
         return call
 
     def backward(self, loss, retain_graph: bool = False, scale_wrt_gas: bool = True):
-        """Commit the gradients the training forward took of ``loss``. Returns the loss scaled
-        by 1/gradient_accumulation_steps, as DeepSpeed does."""
-        deferred = self._deferred
-        if loss is not None and loss is not self._last_output_loss and deferred is not None and loss is deferred.loss:
-            # the eval-mode forward's gradients, taken now
-            outputs, _ = self._train(deferred.treespec, deferred.static, deferred.rng, deferred.arrays, deferred.rows,
-                                     False)
-            if outputs is not None:
-                self._last_output_loss = self._last_loss = loss
-            self._deferred = None
-        if loss is None or loss is not self._last_output_loss:
+        """Commit the gradients the training forward that returned ``loss`` took of it, as
+        torch's backward of that loss would: the gradient is taken again, by the same program on
+        the same inputs and dropout draw, when the accumulation it was added to has changed since
+        (a backward of another forward's loss, a ``zero_grad`` that dropped it) or when the
+        forward ran in eval mode. Returns the loss scaled by 1/gradient_accumulation_steps, as
+        DeepSpeed does."""
+        forward = getattr(loss, "_spmdzero_forward", None) if isinstance(loss, torch.Tensor) else None
+        if forward is _COMMITTED:
+            raise RuntimeError(BACKWARD_TWICE)
+        if forward is None:
             raise RuntimeError(f"engine.backward(loss): {NEEDS_LOSS}")
         if not scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             raise ValueError("engine.backward(scale_wrt_gas=False) is not supported by the torchax backend: the "
                              "traced forward scales the loss by 1/gradient_accumulation_steps")
+        if forward.pending is None or forward.accum_token != self._accum_token:
+            if forward.generation != self._generation:
+                raise RuntimeError(PARAMETERS_CHANGED)
+            if not forward.training and forward.rows is not None:
+                self._check_training_rows(forward.rows)  # an eval-mode forward trains only now
+            if self._gradient(forward) is None:  # its buffer changes were taken by the forward itself
+                raise RuntimeError(f"engine.backward(loss): {NEEDS_LOSS}")
         _release_in_background(self._retired)
         self._retired = self._accum  # released one micro-step later (see _take_model_step)
-        self._accum, self._pending, self._last_output_loss = self._pending, None, None
-        self._rows_since_step += self._pending_rows
+        self._set_accum(forward.pending)
+        forward.pending = None
+        if not retain_graph:
+            loss._spmdzero_forward = _COMMITTED
+        self._last_loss = loss
+        self._rows_since_step += forward.rows or 0
+        self._window_reduced = self.is_gradient_accumulation_boundary()
         gas = self.gradient_accumulation_steps()
         term = loss._elem.astype("float32") / gas  # a JAX op: no device read
         self._window_loss = term if self._window_loss is None else self._window_loss + term
         return loss / gas if gas > 1 else loss
+
+    def _set_accum(self, accum: Optional[dict]) -> None:
+        """The gradients accumulated since the last optimizer step; a new token tells the
+        forwards whose gradient was added to the old ones that it must be taken again."""
+        self._accum = accum
+        self._accum_token += 1
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """Apply the update at an accumulation boundary; count every call; hold the step's
@@ -650,7 +727,9 @@ class TorchaxEngine(EngineBase):
         _release_in_background(self._retired_inputs)
         self._retired_inputs = (self._params, self._masters, self._opt_state, self._shared_state, self._accum,
                                 self._skipped, self._loss_scale)
-        self._accum = None
+        self._set_accum(None)
+        self._window_reduced = False
+        self._generation += 1
         self.runs["update"] += 1
         with warnings.catch_warnings():  # the gradients are donated to be freed, not to hold results
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
@@ -713,8 +792,18 @@ class TorchaxEngine(EngineBase):
         return jax.jit(update, out_shardings=shardings, donate_argnums=(0, 1, 2, 3, 4, 5, 6))
 
     def zero_grad(self) -> None:
-        """Drop accumulated gradients (DeepSpeed sets them to None)."""
-        self._accum = self._pending = None
+        """DeepSpeed's ``engine.zero_grad()``: it sets the parameters' ``.grad`` to None, which
+        drops the gradients accumulated since the last optimizer step only where the ZeRO stage
+        still keeps them there (``zero_grad_keeps_gradients``): at stage 0, and at stage 1
+        before the boundary's backward. A forward whose backward is still to come keeps its
+        gradient: its backward takes it again without the dropped ones, as torch's would."""
+        self._zero_grad(by_optimizer=False)
+
+    def _zero_grad(self, by_optimizer: bool) -> None:
+        if self._accum is not None and not self.zero_grad_keeps_gradients(by_optimizer, self._window_reduced):
+            _release_in_background(self._accum)
+            self._set_accum(None)
+            self._window_reduced = False
 
     # ---- reporting -------------------------------------------------------------------------------
     def get_global_grad_norm(self) -> Optional[float]:
@@ -876,9 +965,12 @@ class TorchaxEngine(EngineBase):
 
     def loaded(self, new_window: bool) -> None:
         """A checkpoint load has written the state: drop the gradients accumulated before it (they
-        go with the weights they were computed at) and what a forward left pending. The host
-        module is brought up to date when it is next read."""
-        self._accum = self._pending = self._deferred = self._last_output_loss = None
+        go with the weights they were computed at); a forward before it has no backward (its
+        gradient would be another weights'). The host module is brought up to date when it is
+        next read."""
+        self._set_accum(None)
+        self._window_reduced = False
+        self._generation += 1
         self._last_skip = None
 
     # ---- checkpoints (spmdzero.io) -----------------------------------------------------------------
@@ -932,7 +1024,7 @@ def _refuse_optimizer_state(optimizer) -> None:
     optimizer.state_dict = optimizer.load_state_dict = refuse
 
 
-def _sync_before_state_dict(module: torch.nn.Module, engine: "TorchaxEngine") -> None:
+def _sync_before_state_dict(module: torch.nn.Module, engine: TorchaxEngine) -> None:
     """``model.state_dict()`` (``save_pretrained``, ``torch.save``) on the script's own reference
     to the model first brings the trained weights back from the devices, as ``engine.module``
     does. A weak reference: the hook does not keep the engine alive."""
@@ -950,6 +1042,87 @@ def _sync_before_state_dict(module: torch.nn.Module, engine: "TorchaxEngine") ->
     for handle in getattr(module, "_spmdzero_state_dict_hooks", ()):
         handle.remove()
     module._spmdzero_state_dict_hooks = [sub.register_state_dict_pre_hook(sync) for sub in module.modules()]
+
+
+def _zero_grad_through_engine(optimizer, engine: TorchaxEngine) -> None:
+    """``engine.optimizer.zero_grad()`` is DeepSpeed's ZeRO optimizer's: it drops the
+    accumulated gradients as that optimizer's does, stage by stage (``zero_grad_keeps_gradients``);
+    the torch optimizer's own would clear the host parameters' ``.grad``, which hold nothing here."""
+    ref = weakref.ref(engine)
+
+    def zero_grad(set_to_none: bool = True):
+        live = ref()
+        if live is not None:
+            live._zero_grad(by_optimizer=True)
+
+    optimizer.zero_grad = zero_grad
+
+
+# The engine sees the host's edits of the module's parameters at the next forward (as new
+# in-place versions), and the host's values are a step behind until read. So the parameters get
+# a subclass of their class (``_watched_class``) whose torch ops first bring the trained values
+# to the host (``TorchaxEngine._host_use``): an edit in place or a read then sees them, as in
+# torch. ``p.data`` is a tensor with a version counter of its own: its use is noted, and the
+# next forward compares that parameter with the devices' copy.
+_COMMITTED = object()  # ``loss._spmdzero_forward`` after backward committed that forward's gradient
+_unwatched = torch._C.DisableTorchFunctionSubclass  # the engine's own reads and writes of the host parameters
+_METADATA = frozenset({"__hash__", "size", "dim", "numel", "stride", "element_size", "is_floating_point",
+                       "is_contiguous", "data_ptr"})  # tensor methods that read no values
+
+
+@functools.cache
+def _watchers():
+    """host parameter -> a weak reference to the engine that trains it (by identity: tensors
+    compare by value)."""
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    return WeakIdKeyDictionary()
+
+
+def _host_use(func, args: tuple, kwargs: dict) -> None:
+    """Tell the engines of the watched parameters among an op's arguments, unless the op reads
+    only what a step leaves alone (a shape, ``requires_grad``, a hash: no device read for those)."""
+    owner = getattr(func, "__self__", None)
+    through_data = owner is torch._C.TensorBase.data  # its getter or setter
+    metadata = getattr(func, "__name__", None) in _METADATA or type(owner).__name__ == "getset_descriptor"
+    if metadata and not through_data:
+        return
+    for t in torch_pytree.tree_leaves((args, kwargs)):
+        if getattr(type(t), "_spmdzero_watched", False):
+            ref = _watchers().get(t)
+            engine = ref() if ref is not None else None
+            if engine is not None:
+                engine._host_use(t, through_data)
+
+
+@functools.cache
+def _watched_class(cls: type) -> type:
+    """``cls`` (``nn.Parameter`` or a subclass) whose torch ops, ``.data`` included, tell the
+    engine first. Pickled (``torch.save(model)``), such a parameter is a plain ``cls`` again."""
+
+    def __torch_function__(klass, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        _host_use(func, args, kwargs)
+        return cls.__torch_function__(func, types, args, kwargs)
+
+    def __repr__(self):  # as the parameter prints without the subclass
+        _host_use(None, (self,), {})
+        with _unwatched():
+            return repr(torch.Tensor._make_subclass(cls, self.detach(), self.requires_grad))
+
+    return type(cls.__name__, (cls,), {"__torch_function__": classmethod(__torch_function__), "__repr__": __repr__,
+                                       "_spmdzero_watched": True, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
+
+
+def _watch_parameters(module: torch.nn.Module, engine: TorchaxEngine) -> None:
+    """The module's parameters' torch ops tell ``engine`` first (a model initialized again is
+    the new engine's)."""
+    ref, watchers = weakref.ref(engine), _watchers()
+    for p in module.parameters():
+        if not getattr(type(p), "_spmdzero_watched", False):
+            p.__class__ = _watched_class(type(p))
+        watchers[p] = ref
 
 
 def _release_in_background(arrays) -> None:
