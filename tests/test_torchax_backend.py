@@ -1026,3 +1026,19 @@ def test_a_dict_output_with_a_loss_key_trains_as_in_torch():
         torch_step(reference, optimizer, reference(x, y)["loss"])
     assert out["loss"].item() == pytest.approx(engine.last_loss())
     assert_as_in_torch(engine, reference)
+
+
+def test_an_input_that_requires_grad_is_told_its_gradient_stays_none():
+    """The torchax backend differentiates the parameters only: a host input with requires_grad
+    is named once (it used to stay None without a word; the torch_xla backend gives x.grad)."""
+    import warnings
+
+    engine, *_ = spmdzero.initialize(model=WithLoss(tiny_mlp(seed=0)), config=config("torchax"))
+    (x, y), = batches(1, 16)
+    x.requires_grad_()
+    with pytest.warns(UserWarning, match=r"input 'x' requires grad, but the torchax backend .* stays None"):
+        engine.backward(engine(x, y))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        engine.backward(engine(x, y))
+    assert x.grad is None

@@ -67,6 +67,7 @@ from spmdzero.observe.monitor import RecompileGuard, StepLogger, notice_nonfinit
 from spmdzero.optim.ops import jax_ops
 from spmdzero.optim.optimizers import SpmdOptimizer
 from spmdzero.optim.update import LossScale, boundary_update, init_loss_scale, sum_of_squares, update_group
+from spmdzero.train.batch_inputs import forward_argument_names
 from spmdzero.train.engine_base import EngineBase, NO_GRADIENTS
 from spmdzero.sharding.plan import ShardingPlan, replicated
 from spmdzero.optim.precision import precision_policy
@@ -263,6 +264,7 @@ class TorchaxEngine(EngineBase):
         self._retired_inputs: tuple = ()  # the last update's inputs
         self._last_loss = None
         self._window_loss = self._step_loss = None  # the mean loss of the accumulation window, a JAX array
+        self._told_input_gradients = False
         self._step_logger = StepLogger(cfg, device_clock=None)  # steps_per_print and the monitors (no torch_xla)
         self._rows_since_step = 0  # training rows fed: global_samples
         self._global_grad_norm = None
@@ -495,6 +497,8 @@ class TorchaxEngine(EngineBase):
         inputs, kwargs = _as_dicts(inputs), _as_dicts(kwargs)
         leaves, treespec = torch_pytree.tree_flatten((inputs, kwargs))
         static = tuple((i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor))
+        if torch.is_grad_enabled() and not self._told_input_gradients:
+            self._tell_input_gradients(inputs, kwargs)
         self._take_host_changes()
         layout = self._batch_layout(self._module, inputs, kwargs, on_device=_is_torchax_tensor)
         arrays = self._place_inputs(leaves, layout)
@@ -527,6 +531,22 @@ class TorchaxEngine(EngineBase):
             # only if backward asks for them, by the training program in eval mode
             loss._spmdzero_forward = forward
         return result
+
+    def _tell_input_gradients(self, inputs: tuple, kwargs: dict) -> None:
+        """A host input that requires grad gets none here: the programs differentiate the
+        parameters only (the torch_xla backend gives ``x.grad``). Said once, naming it."""
+        def asks(value) -> bool:
+            leaves = torch_pytree.tree_leaves(value)
+            return any(isinstance(t, torch.Tensor) and not _is_torchax_tensor(t) and t.requires_grad for t in leaves)
+
+        names = forward_argument_names(self._module)
+        asking = [names[i] if i < len(names) else f"positional input {i}" for i, v in enumerate(inputs) if asks(v)]
+        asking += [k for k, v in kwargs.items() if asks(v)]
+        if asking:
+            self._told_input_gradients = True
+            warnings.warn(f"spmdzero: input {', '.join(map(repr, asking))} requires grad, but the torchax backend "
+                          "differentiates the parameters only: its .grad stays None. Use spmd.backend='torch_xla' "
+                          "for input gradients (noted once)", stacklevel=3)
 
     def _take_constants(self, changed: dict) -> None:
         """Buffers a forward changed: the devices' values, copied to the module when it is read."""
