@@ -31,10 +31,17 @@ def batches(n: int, batch: int, d_in: int = 16, d_out: int = 8, seed: int = 1):
     return [(torch.randn(batch, d_in, generator=g), torch.randn(batch, d_out, generator=g)) for _ in range(n)]
 
 
+LAUNCHER_VARIABLES = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE",
+                                "MASTER_ADDR", "MASTER_PORT"})
+
+
 def run_python(*code: str, env: dict | None = None, timeout: int = 600) -> str:
     """Run the code snippets, in order, in a fresh interpreter (its own device count);
     return stdout, fail on error."""
-    full_env = {**os.environ, **(env or {})}
+    # a fresh single process: the launcher's variables, if a test left them, would make it join
+    # others through jax.distributed (spmdzero.runtime.jax_runtime)
+    inherited = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    full_env = {**inherited, **(env or {})}
     source = "\n".join(textwrap.dedent(c) for c in code)
     proc = subprocess.run([sys.executable, "-c", source], cwd=REPO, env=full_env,
                           capture_output=True, text=True, timeout=timeout)

@@ -87,8 +87,10 @@ def test_chat_style_script_with_world_size_arithmetic_trains_saves_and_resumes(t
 def test_launcher_environment_is_deepspeeds_for_one_process_per_host(monkeypatch):
     from spmdzero.cli.launch import _master_addr, set_launcher_env
 
-    for key in ("MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(key, raising=False)
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK",
+                "CROSS_SIZE"):
+        monkeypatch.setenv(key, "")  # recorded, so that what set_launcher_env sets is undone after the test
+        monkeypatch.delenv(key)
     assert _master_addr(None, 1) == "127.0.0.1" and _master_addr("10.0.0.2", 4) == "10.0.0.2"
     set_launcher_env(process_index=3, process_count=4, master_addr="10.0.0.2", master_port=29600)
     assert {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE",
