@@ -539,10 +539,11 @@ class TorchaxEngine(EngineBase):
             leaves = torch_pytree.tree_leaves(value)
             return any(isinstance(t, torch.Tensor) and not _is_torchax_tensor(t) and t.requires_grad for t in leaves)
 
-        names = forward_argument_names(self._module)
-        asking = [names[i] if i < len(names) else f"positional input {i}" for i, v in enumerate(inputs) if asks(v)]
-        asking += [k for k, v in kwargs.items() if asks(v)]
-        if asking:
+        positions = [i for i, v in enumerate(inputs) if asks(v)]
+        asking = [k for k, v in kwargs.items() if asks(v)]
+        if positions or asking:
+            names = getattr(self, "_forward_names", None) or forward_argument_names(self._module)  # only when told
+            asking = [names[i] if i < len(names) else f"positional input {i}" for i in positions] + asking
             self._told_input_gradients = True
             warnings.warn(f"spmdzero: input {', '.join(map(repr, asking))} requires grad, but the torchax backend "
                           "differentiates the parameters only: its .grad stays None. Use spmd.backend='torch_xla' "
