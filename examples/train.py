@@ -41,11 +41,11 @@ def main(argv=None) -> None:
     engine, _, loader, _ = spmdzero.initialize(args=args, model=model, training_data=dataset)
     num_params = sum(p.numel() for p in model.parameters())
     mesh = " x ".join(f"{n}={s}" for n, s in zip(engine.mesh.axis_names, engine.mesh.mesh_shape))
-    print(f"spmdzero: ZeRO stage {engine.zero_optimization_stage()}, mesh {mesh}, {num_params:,} params, "
-          f"train_batch_size={engine.train_batch_size()} (micro {engine.train_micro_batch_size_per_gpu()} x "
-          f"{engine.dp_world_size} ranks x {engine.gradient_accumulation_steps()} accumulation)")
+    # the batch numbers were said by initialize (its "batch rule" lines)
+    print(f"spmdzero: ZeRO stage {engine.zero_optimization_stage()}, mesh {mesh}, {num_params:,} params", flush=True)
 
-    # The engine logs DeepSpeed-style lines every steps_per_print optimizer steps.
+    # The engine logs DeepSpeed-style lines every steps_per_print optimizer steps, above the bar.
+    bar = progress_bar(args.steps)
     losses = []  # device tensors, read once at the end: reading each step would stall it
     while engine.global_steps < args.steps:  # epochs
         for tokens, targets in loader:
@@ -53,17 +53,22 @@ def main(argv=None) -> None:
             engine.backward(loss)
             engine.step()
             losses.append(loss.detach())
-            if engine.micro_steps % engine.gradient_accumulation_steps() == 0:
-                progress(engine.global_steps, args.steps)
+            if bar is not None:
+                bar.update(engine.global_steps - bar.n)
             if engine.global_steps >= args.steps:
                 break
-    print()
+    if bar is not None:
+        bar.close()
     summary(engine, torch.stack(losses).float().cpu().tolist(), args)
 
 
-def progress(step: int, total: int, width: int = 30) -> None:
-    done = width * step // total
-    print(f"\r[{'#' * done}{'.' * (width - done)}] step {step}/{total}", end="", flush=True)
+def progress_bar(total: int):
+    """A tqdm bar of optimizer steps (none without tqdm)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="training", unit="step", dynamic_ncols=True)
 
 
 def sparkline(values: list[float], width: int = 60) -> str:
@@ -81,9 +86,9 @@ def summary(engine, losses: list[float], args) -> None:
     print(f"  {sparkline(losses)}")
     num_params = sum(p.numel() for p in engine.module.parameters())
     n = dict(zip(engine.mesh.axis_names, engine.mesh.mesh_shape))["fsdp"]
-    print(f"per-device bytes of model states by ZeRO stage (measured from live shardings, P={num_params:,}, "
-          f"fsdp={n}; * = this run):")
-    print(f"  {'stage':<8}{'params':>12}{'grads':>12}{'opt states':>12}{'fp32 master':>12}{'total':>12}  bytes/param")
+    table = [f"per-device bytes of model states by ZeRO stage (measured from live shardings, P={num_params:,}, "
+             f"fsdp={n}; * = this run):",
+             f"  {'stage':<8}{'params':>12}{'grads':>12}{'opt states':>12}{'fp32 master':>12}{'total':>12}  bytes/param"]
     config = dict(engine.config)
     for stage in (0, 1, 2):
         if stage == engine.zero_optimization_stage():
@@ -94,8 +99,9 @@ def summary(engine, losses: list[float], args) -> None:
                                                           n_layers=args.layers), config=config)
             mem = model_state_bytes(other)
         mark = "*" if stage == engine.zero_optimization_stage() else " "
-        print(f"  {mark}{stage:<7}{mem.params:>12,}{mem.grads:>12,}{mem.optimizer_states:>12,}"
-              f"{mem.master_weights:>12,}{mem.total:>12,}  {mem.total / num_params:5.2f}")
+        table.append(f"  {mark}{stage:<7}{mem.params:>12,}{mem.grads:>12,}{mem.optimizer_states:>12,}"
+                     f"{mem.master_weights:>12,}{mem.total:>12,}  {mem.total / num_params:5.2f}")
+    print("\n".join(table), flush=True)  # whole: built first, as the other engines are built
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 what the loader draws, batches that do not divide over the devices, non-tensor fields, and
 shape buckets (spmd.pad_to_multiple_of). One 8-device CPU process, tiny models."""
 
-import logging
 import warnings
 
 import pytest
@@ -46,29 +45,24 @@ def train_step(engine, rows):
     engine.step()
 
 
-def test_initialize_prints_the_resolved_numbers_once():
-    class Collect(logging.Handler):
-        def __init__(self):
-            super().__init__()
-            self.records = []
+def test_initialize_prints_the_resolved_numbers_once_per_process(monkeypatch):
+    """Said once, not once per engine: a script that builds more engines with the same batch
+    config (examples/train.py measures the other ZeRO stages) hears the numbers once; a changed
+    batch config is said."""
+    from spmdzero.observe import monitor
 
-        def emit(self, record):
-            self.records.append(record)
-
-    collect, logger = Collect(), logging.getLogger("spmdzero")
-    level = logger.level
-    logger.addHandler(collect)
-    logger.setLevel(logging.INFO)
-    try:
+    monkeypatch.setattr(monitor, "_SAID", set(), raising=False)  # as in a fresh process
+    with spmdzero_log() as records:
         engine_for("process", micro=8, gradient_accumulation_steps=2)
-    finally:
-        logger.removeHandler(collect)
-        logger.setLevel(level)
-    records = [r.getMessage() for r in collect.records if "batch rule" in r.getMessage()]
-    assert len(records) == 1
-    assert "spmd.rank='process'" in records[0] and "global batch 16 = 8 per rank" in records[0]
-    assert "x 2 accumulation x 1 ranks" in records[0] and "8 rows per process" in records[0]
-    assert "1 per device" in records[0]
+        engine_for("process", micro=8, gradient_accumulation_steps=2, zero_optimization={"stage": 1})
+        said = [r.getMessage() for r in records if "batch rule" in r.getMessage()]
+        engine_for("process", micro=4, gradient_accumulation_steps=2)
+    assert len(said) == 1
+    assert "spmd.rank='process'" in said[0] and "global batch 16 = 8 per rank" in said[0]
+    assert "x 2 accumulation x 1 ranks" in said[0] and "8 rows per process" in said[0]
+    assert "1 per device" in said[0]
+    changed = [r.getMessage() for r in records if "batch rule" in r.getMessage()][1:]
+    assert len(changed) == 1 and "global batch 8 = 4 per rank" in changed[0]
 
 
 def test_under_the_process_rule_deepspeeds_numbers_are_per_process():

@@ -8,8 +8,11 @@ pytestmark = pytest.mark.slow
 
 
 def test_example_trains_and_reports_model_state_bytes():
+    """What `make train` prints (stderr and stdout, as one terminal shows them): the batch numbers
+    once, the step logs each on a line of its own above the progress bar, the table whole."""
     out = run_python("""
         import sys
+        sys.stderr = sys.stdout  # one stream, in the order it was written
         sys.argv = ["train.py", "--deepspeed_config", "examples/configs/zero1.json", "--steps", "10",
                     "--d-model", "64", "--samples", "512"]
         sys.path.insert(0, "examples")
@@ -17,10 +20,15 @@ def test_example_trains_and_reports_model_state_bytes():
         train.main()
     """)
     assert "ZeRO stage 1, mesh fsdp=8" in out
-    assert "(10 optimizer steps, 0 skipped)" in out and "step 10/10" in out
+    assert "(10 optimizer steps, 0 skipped)" in out and "10/10" in out
     first, last = (float(v) for v in out.split("\nloss ")[1].split(" over")[0].split(" -> "))
     assert last < 0.9 * first  # it learns (10 steps of a small model)
-    assert "by ZeRO stage" in out and " *1 " in out
+    assert out.count("batch rule") == 1  # not again for each engine the table builds
+    logs = [line for line in out.split("\n") if "[spmdzero] step=" in line]
+    assert logs and all(line.split("\r")[-1].startswith("[spmdzero] step=") for line in logs), logs
+    lines = out.split("\n")
+    top = next(i for i, line in enumerate(lines) if "by ZeRO stage" in line)
+    assert [line.split()[0] for line in lines[top + 1:top + 5]] == ["stage", "0", "*1", "2"], lines[top:top + 5]
 
 
 def test_a_hugging_face_model_trains_unchanged():

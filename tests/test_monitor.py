@@ -1,6 +1,8 @@
-"""The recompilation guard and DeepSpeed-style step logs."""
+"""The recompilation guard, DeepSpeed-style step logs and monitors, and the console they print on."""
 
+import io
 import logging
+import sys
 import warnings
 
 import pytest
@@ -285,3 +287,166 @@ def test_train_loss_is_the_mean_over_the_accumulation_window(tmp_path, spmdzero_
     lines = [r.getMessage() for r in spmdzero_log.records if r.getMessage().startswith("step=")]
     assert "loss=4.5" in lines[-1]
     assert compiles[1] == compiles[2]  # the window's sum adds no graph after warm-up
+
+
+class MseLoss(torch.nn.Module):
+    """tiny_mlp with its loss: both backends take it (the torchax engine needs the loss returned)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = tiny_mlp()
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.mlp(x), y)
+
+
+def train_with_monitors(tmp_path, steps: int, backend: str = "torch_xla", **monitors):
+    """``steps`` optimizer steps of 16 samples, printing every step, with csv_monitor on beside
+    ``monitors``; returns the csv monitor's events as {(name, global samples): value}."""
+    engine, *_ = spmdzero.initialize(model=MseLoss(), config=config(
+        steps_per_print=1, spmd={"backend": backend},
+        csv_monitor={"enabled": True, "output_path": str(tmp_path), "job_name": "csv"}, **monitors))
+    for x, y in batches(steps, 16):
+        engine.backward(engine(x, y))
+        engine.step()
+    events = {}
+    for path in (tmp_path / "csv").iterdir():
+        header, *rows = path.read_text().splitlines()
+        name = "Train/Samples/" + header.split(",")[1]
+        events.update({(name, int(step)): float(value) for step, value in (r.split(",") for r in rows)})
+    return events
+
+
+def read_wandb_history(run_file) -> dict:
+    """The history rows of an offline run's .wandb file, as {(name, step): value}. The file is a
+    LevelDB-style log of wandb's protobuf Records (32 KiB blocks, 7-byte chunk headers) after a
+    7-byte ":W&B" header."""
+    import json
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, pending, history = run_file.read_bytes(), 7, b"", {}
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if left < 7 or (kind == 0 and length == 0):  # the block's padding
+            pos += left
+            continue
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk  # full, first | middle, last
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record.FromString(pending)
+            if record.WhichOneof("record_type") == "history":
+                history.update({(item.key, record.history.step.num): json.loads(item.value_json)
+                                for item in record.history.item if not item.key.startswith("_")})
+    return history
+
+
+@pytest.mark.parametrize("backend", ["torch_xla", "torchax"])
+def test_wandb_monitor_logs_deepspeeds_events_at_their_global_samples(tmp_path, monkeypatch, backend):
+    import wandb
+
+    for name, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true",
+                        "WANDB_CONSOLE": "off"}.items():
+        monkeypatch.setenv(name, value)
+    try:
+        csv_events = train_with_monitors(tmp_path, 3, backend, wandb={"enabled": True, "project": "p"})
+        run_dir = wandb.run.dir
+    finally:
+        wandb.finish()
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    assert str(run_file.parent) in run_dir  # the run the engine started
+    history = read_wandb_history(run_file)
+    assert {n for n, _ in csv_events} >= {"Train/Samples/train_loss", "Train/Samples/lr"}
+    assert {s for _, s in csv_events} == {16, 32, 48}
+    assert history.keys() == csv_events.keys()
+    assert history == pytest.approx(csv_events, rel=1e-9)
+
+
+def test_comet_monitor_logs_deepspeeds_events_every_samples_log_interval(tmp_path, monkeypatch):
+    """Offline (``online: false``): the experiment is a zip of messages in COMET_OFFLINE_DIRECTORY.
+    An event is logged the first time, then once ``samples_log_interval`` samples have passed."""
+    import json
+    import zipfile
+
+    import comet_ml
+
+    monkeypatch.setenv("COMET_OFFLINE_DIRECTORY", str(tmp_path / "comet"))
+    for what in ("ENV_DETAILS", "CODE", "GIT_METADATA", "GIT_PATCH", "ENV_CPU", "ENV_HOST", "ENV_GPU",
+                 "ENV_NETWORK", "ENV_DISK", "CLI_ARGUMENTS"):  # nothing of this machine: faster, and not needed
+        monkeypatch.setenv(f"COMET_AUTO_LOG_{what}", "0")
+    try:
+        csv_events = train_with_monitors(tmp_path, 5, comet={
+            "enabled": True, "online": False, "project": "p", "experiment_name": "run", "samples_log_interval": 32})
+    finally:
+        experiment = comet_ml.get_running_experiment()
+        experiment.end()
+    assert experiment.get_name() == "run"
+    (archive,) = (tmp_path / "comet").glob("*.zip")
+    messages = [json.loads(line) for line in zipfile.ZipFile(archive).read("messages.json").decode().splitlines()]
+    metrics = [m["payload"]["metric"] for m in messages if m["type"] == "metric_msg"]
+    logged = {(m["metricName"], m["step"]): m["metricValue"] for m in metrics
+              if m["metricName"].startswith("Train/")}
+    # steps at 16, 32, 48, 64, 80 samples: logged at 16 (first), 48 and 80 (32 samples later each)
+    assert logged == pytest.approx({k: v for k, v in csv_events.items() if k[1] in (16, 48, 80)}, rel=1e-9)
+    assert {n for n, _ in logged} >= {"Train/Samples/train_loss", "Train/Samples/lr"}
+
+
+def test_a_missing_monitor_package_is_named_once_and_training_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    monkeypatch.setitem(sys.modules, "comet_ml", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        csv_events = train_with_monitors(tmp_path, 2, wandb={"enabled": True}, comet={"enabled": True})
+    said = [str(w.message) for w in caught if "package" in str(w.message)]
+    assert len(said) == 2, said
+    assert "wandb.enabled needs the 'wandb' package" in said[0] and "comet.enabled needs the 'comet_ml'" in said[1]
+    assert ("Train/Samples/train_loss", 32) in csv_events  # the other monitors still write
+
+
+def test_only_the_first_process_writes_the_monitors(tmp_path):
+    """As DeepSpeed's MonitorMaster: the monitors of process 1 write nothing, but it still reads the
+    device at the same steps as process 0 (the interval depends on the config only)."""
+    from spmdzero.config.load import load_config
+    from spmdzero.observe.monitor import StepLogger
+
+    cfg = load_config(config=config(csv_monitor={"enabled": True, "output_path": str(tmp_path)}))
+    first, second = StepLogger(cfg, process_index=0), StepLogger(cfg, process_index=1)
+    assert len(first.monitors.writers) == 1 and second.monitors.writers == []
+    assert first.interval == second.interval == 10
+
+
+def test_step_logs_print_above_a_running_tqdm_bar_on_the_stderr_of_the_moment(monkeypatch):
+    """The handler writes to sys.stderr as it is at each line (pytest closes the streams it swaps
+    in: a handler bound to one printed "--- Logging error ---"), and through tqdm.write while a
+    bar runs, so the line stands whole above the bar."""
+    from tqdm import tqdm
+
+    from spmdzero.observe import monitor
+
+    log = logging.getLogger("spmdzero")
+    saved = log.handlers, log.level, log.propagate
+    log.handlers = []
+    log.setLevel(logging.NOTSET)
+    try:
+        monkeypatch.setattr(sys, "stderr", io.StringIO())
+        monitor.log_block(["first"])  # the handler is made while this stream is sys.stderr
+        sys.stderr.close()
+        now = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", now)
+        bar = tqdm(total=3, desc="training")  # on sys.stderr: now
+        bar.update(1)
+        monitor.log_block(["step=1, loss=2.0"])
+        bar.update(1)
+        bar.close()
+    finally:
+        log.handlers = saved[0]
+        log.setLevel(saved[1])
+        log.propagate = saved[2]
+    text = now.getvalue()
+    (line,) = [line for line in text.split("\n") if "step=1, loss=2.0" in line]
+    assert line.split("\r")[-1] == "[spmdzero] step=1, loss=2.0", repr(text)
+    assert "1/3" in text.split("step=1")[0] and "2/3" in text.split("step=1")[1]  # the bar, then below it
+    assert "Logging error" not in text

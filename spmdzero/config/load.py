@@ -227,10 +227,6 @@ def _warn_noop_keys(cfg: DeepSpeedConfig) -> None:
         lines = [f"{', '.join(keys)}: {reason}" for reason, keys in by_reason.items()]
         warnings.warn("spmdzero: these DeepSpeed config keys have no effect under GSPMD (docs/config.md, "
                       "\"No-ops under GSPMD\"):\n  " + "\n  ".join(lines), stacklevel=3)
-    for name in ("wandb", "comet"):
-        if getattr(cfg, name).enabled:
-            _warn_once(f"{name}.enabled", f"{name}.enabled is accepted but spmdzero does not write to it "
-                                          "(csv_monitor and tensorboard are supported)")
 
 
 def load_config(args: Any = None, config: Any = None, config_params: Any = None) -> DeepSpeedConfig:

@@ -11,16 +11,19 @@ It also counts the graphs a step runs, from the first ``forward`` to the end of
 on the host). A step is one graph; a second one means the step read a device value on the
 host, which cuts the trace and makes the device wait for the host. That warns once too.
 
-Step logs follow ``steps_per_print``, with the wall-clock breakdown and DeepSpeed's
-csv_monitor / tensorboard events. Only those steps read device values (loss, grad norm,
-loss scale); the others touch nothing on the device.
+Step logs follow ``steps_per_print``, with the wall-clock breakdown and DeepSpeed's monitor
+events (csv_monitor, tensorboard, wandb, comet; written by process 0, as DeepSpeed does). Only
+those steps read device values (loss, grad norm, loss scale); the others touch nothing on the
+device. The logs go to a console handler that writes above a running tqdm bar.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 import os
+import sys
 import time
 import warnings
 import weakref
@@ -30,21 +33,67 @@ logger = logging.getLogger("spmdzero")
 WARMUP_STEPS = 3  # optimizer steps whose compiles are expected (first boundary, schedules moving to the device)
 
 
+class ConsoleHandler(logging.StreamHandler):
+    """The "spmdzero" logger's console: ``sys.stderr`` as it is when a line is written, not as
+    it was when the handler was made (pytest and notebooks swap it, and a handler bound to a
+    stream since closed prints "--- Logging error ---"), and above a running tqdm progress bar
+    (``tqdm.write``) so that a step line never breaks into the bar."""
+
+    def __init__(self):
+        super().__init__()
+        self.setFormatter(logging.Formatter("[spmdzero] %(message)s"))
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ sets it: the property decides
+        pass
+
+    def emit(self, record: logging.LogRecord) -> None:
+        bars = _running_tqdm()
+        if bars is None:
+            return super().emit(record)
+        try:
+            bars.write(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
+def _running_tqdm():
+    """tqdm's class while one of its bars is open, else None. tqdm is not imported here: a
+    bar can only run if the application imported it."""
+    module = sys.modules.get("tqdm")
+    bars = getattr(module, "tqdm", None)
+    return bars if getattr(bars, "_instances", None) else None
+
+
 def _ensure_handler() -> None:
     """Like DeepSpeed, show INFO step logs on our own handler, unless the application
     configured the "spmdzero" logger itself."""
     if not logger.handlers and logger.level == logging.NOTSET:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[spmdzero] %(message)s"))
-        logger.addHandler(handler)
+        logger.addHandler(ConsoleHandler())
         logger.setLevel(logging.INFO)
         logger.propagate = False
 
 
 def log_block(lines: list[str]) -> None:
-    """A few INFO lines as one record (``initialize``'s resolved batch numbers)."""
+    """A few INFO lines as one record."""
     _ensure_handler()
     logger.info("\n  ".join(lines))
+
+
+_SAID: set[tuple[str, ...]] = set()  # the blocks say_once has said in this process
+
+
+def say_once(lines: list[str]) -> None:
+    """``log_block``, once per process for the same lines (``initialize``'s resolved batch
+    numbers: a script that builds several engines with one batch config hears them once; a
+    changed batch config is news and is said)."""
+    if tuple(lines) not in _SAID:
+        _SAID.add(tuple(lines))
+        log_block(lines)
 
 
 def compile_count() -> int:
@@ -208,38 +257,53 @@ def xla_execute_seconds() -> float:
 
 
 class Monitors:
-    """DeepSpeed's csv_monitor and tensorboard sections (event names and files as DeepSpeed
-    writes them). wandb and comet are accepted but not written (warned by the config)."""
+    """DeepSpeed's monitor sections: csv_monitor, tensorboard, wandb and comet, with DeepSpeed's
+    event names, steps (global samples) and files. As DeepSpeed's MonitorMaster, only process 0
+    makes and writes them (wandb.init / comet_ml.start happen here, when the engine is built).
+    A backend package that is missing is named in one warning, and training goes on."""
 
-    def __init__(self, config):
+    SECTIONS = ("csv_monitor", "tensorboard", "wandb", "comet")
+
+    def __init__(self, config, process_index: int = 0):
+        # configured on any process: every process then reads the same device values at the
+        # same steps (StepLogger.interval), whichever of them writes
+        self.enabled = any(getattr(config, name).enabled for name in self.SECTIONS)
         self.writers = []
-        if config.csv_monitor.enabled:
-            self.writers.append(_CsvWriter(os.path.join(config.csv_monitor.output_path or "",
-                                                        config.csv_monitor.job_name)))
-        if config.tensorboard.enabled:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                warnings.warn("spmdzero: tensorboard.enabled needs the 'tensorboard' package (pip install "
-                              "tensorboard); not writing TensorBoard events", stacklevel=3)
-            else:
-                path = os.path.join(config.tensorboard.output_path or "", config.tensorboard.job_name)
-                self.writers.append(SummaryWriter(log_dir=path))
+        if process_index != 0:
+            return
+        makers = {"csv_monitor": _CsvWriter, "tensorboard": _TensorBoardWriter, "wandb": _WandbWriter,
+                  "comet": _CometWriter}
+        for name in self.SECTIONS:
+            section = getattr(config, name)
+            if section.enabled:
+                writer = makers[name].make(section)
+                if writer is not None:
+                    self.writers.append(writer)
 
     def write(self, events: list[tuple[str, float, int]]) -> None:
+        """``events``: (name, value, global samples), DeepSpeed's event tuples."""
         for writer in self.writers:
-            if isinstance(writer, _CsvWriter):
-                writer.write(events)
-            else:
-                for name, value, step in events:
-                    writer.add_scalar(name, value, step)
-                writer.flush()
+            writer.write(events)
+
+
+def _import_backend(module: str, key: str, pip: str, what: str):
+    """``module``, or None after one warning that names it and the config key that asked."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        warnings.warn(f"spmdzero: {key}.enabled needs the {module!r} package (pip install {pip}); not writing "
+                      f"{what}. Training goes on", stacklevel=5)
+        return None
 
 
 class _CsvWriter:
     def __init__(self, log_dir: str):
         self.log_dir = log_dir
         os.makedirs(log_dir, exist_ok=True)
+
+    @classmethod
+    def make(cls, section) -> "_CsvWriter":
+        return cls(os.path.join(section.output_path or "", section.job_name))
 
     def write(self, events) -> None:
         import csv
@@ -252,6 +316,80 @@ class _CsvWriter:
                 if new:
                     writer.writerow(["step", name.split("/")[-1]])
                 writer.writerow([step, value])
+
+
+class _TensorBoardWriter:
+    def __init__(self, summary_writer):
+        self.summary_writer = summary_writer
+
+    @classmethod
+    def make(cls, section) -> "Optional[_TensorBoardWriter]":
+        # torch's SummaryWriter imports tensorboard: a missing package shows here
+        if _import_backend("tensorboard", "tensorboard", "tensorboard", "TensorBoard events") is None:
+            return None
+        from torch.utils.tensorboard import SummaryWriter
+
+        return cls(SummaryWriter(log_dir=os.path.join(section.output_path or "", section.job_name)))
+
+    def write(self, events) -> None:
+        for name, value, step in events:
+            self.summary_writer.add_scalar(name, value, step)
+        self.summary_writer.flush()
+
+
+class _WandbWriter:
+    """A Weights & Biases run: ``wandb.init(project, group, entity=team)`` as DeepSpeed calls it
+    (outside notebooks wandb returns a run already started instead of making another), then each
+    event at ``step=`` its global samples. The events of one print step go in one ``wandb.log``
+    call, which wandb records as DeepSpeed's one call per event at the same step."""
+
+    def __init__(self, wandb):
+        self.wandb = wandb
+
+    @classmethod
+    def make(cls, section) -> "Optional[_WandbWriter]":
+        wandb = _import_backend("wandb", "wandb", "wandb", "to Weights & Biases")
+        if wandb is None:
+            return None
+        wandb.init(project=section.project, group=section.group, entity=section.team)
+        return cls(wandb)
+
+    def write(self, events) -> None:
+        by_step: dict[int, dict[str, float]] = {}
+        for name, value, step in events:
+            by_step.setdefault(step, {})[name] = value
+        for step, values in by_step.items():
+            self.wandb.log(values, step=step)
+
+
+class _CometWriter:
+    """A Comet experiment from ``comet_ml.start`` with the section's keys (offline with
+    ``online: false``), named ``experiment_name``. As DeepSpeed, an event is logged the first
+    time its name is seen, then once at least ``samples_log_interval`` samples have passed
+    since it was last logged."""
+
+    def __init__(self, experiment, samples_log_interval: int):
+        self.experiment = experiment
+        self.samples_log_interval = samples_log_interval
+        self._logged_at: dict[str, int] = {}  # event name -> the global samples it was last logged at
+
+    @classmethod
+    def make(cls, section) -> "Optional[_CometWriter]":
+        comet_ml = _import_backend("comet_ml", "comet", "comet_ml", "to Comet")
+        if comet_ml is None:
+            return None
+        experiment = comet_ml.start(api_key=section.api_key, project=section.project, workspace=section.workspace,
+                                    experiment_key=section.experiment_key, mode=section.mode, online=section.online)
+        if section.experiment_name is not None:
+            experiment.set_name(section.experiment_name)
+        return cls(experiment, section.samples_log_interval)
+
+    def write(self, events) -> None:
+        for name, value, step in events:
+            last = self._logged_at.get(name)
+            if last is None or step - last >= self.samples_log_interval:
+                self._logged_at[name] = step
+                self.experiment.log_metric(name, value, step=step)
 
 
 # the engines told (weakly held: an engine that is gone is forgotten)
@@ -274,11 +412,12 @@ class StepLogger:
     wall-clock breakdown when asked, and the monitors' events (every 10 steps when
     steps_per_print is unset). These are the only steps that read the device."""
 
-    def __init__(self, config, device_clock: Optional[Callable[[], float]] = xla_execute_seconds):
+    def __init__(self, config, device_clock: Optional[Callable[[], float]] = xla_execute_seconds,
+                 process_index: int = 0):
         self.steps_per_print = config.steps_per_print
         self.wall_clock_breakdown = config.wall_clock_breakdown
-        self.monitors = Monitors(config)
-        self.interval = self.steps_per_print or (10 if self.monitors.writers else None)
+        self.monitors = Monitors(config, process_index)
+        self.interval = self.steps_per_print or (10 if self.monitors.enabled else None)
         self.timers = Timers(device_clock)
         self._since = time.perf_counter()
         self._samples = 0

@@ -14,7 +14,7 @@ import torch
 from spmdzero.config.errors import ConfigError
 from spmdzero.config.load import read_config_file
 from spmdzero.config.schema import DeepSpeedConfig
-from spmdzero.observe.monitor import log_block
+from spmdzero.observe.monitor import say_once
 from spmdzero.optim.optimizers import build_optimizer
 from spmdzero.optim.schedules import build_scheduler
 from spmdzero.sharding.batch import BatchSizes, resolve_batch
@@ -47,7 +47,7 @@ def setup_training(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh_shape: dic
     places (None: host batches). ``stacked``/``even``: as ``make_plan`` takes them."""
     batch = resolve_batch(cfg, data_parallel_size(mesh_shape), process_count)
     if process_index == 0:
-        log_block(batch.describe())
+        say_once(batch.describe())
     trainable = [(n, p.shape) for n, p in model.named_parameters() if p.requires_grad]
     plan = make_plan(trainable, mesh_shape, cfg.zero_stage, tied_embeddings=tied_embeddings(model),
                      stacked=stacked or (), even=even)

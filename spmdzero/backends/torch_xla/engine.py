@@ -141,7 +141,7 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         self._input_shapes: tuple = ()
         self._grad_orders: dict[tuple[str, str], Optional[tuple[int, ...]]] = {}  # see _memory_orders
         self.recompile_guard = RecompileGuard(config.spmd.max_recompiles)
-        self._step_logger = StepLogger(config)
+        self._step_logger = StepLogger(config, process_index=self.global_rank)
         self.tput_timer = ThroughputTimer(self)
         self._is_compiled = False
         self._post_step_hooks = collections.OrderedDict()  # register_post_step_hook (weak-referenced by handles)

@@ -265,7 +265,7 @@ class TorchaxEngine(EngineBase):
         self._last_loss = None
         self._window_loss = self._step_loss = None  # the mean loss of the accumulation window, a JAX array
         self._told_input_gradients = False
-        self._step_logger = StepLogger(cfg, device_clock=None)  # steps_per_print and the monitors (no torch_xla)
+        self._step_logger = StepLogger(cfg, device_clock=None, process_index=self.global_rank)  # no torch_xla clock
         self._rows_since_step = 0  # training rows fed: global_samples
         self._global_grad_norm = None
         self._skipped = self._put(torch.zeros(()), self._replicated)  # steps skipped for non-finite gradients
