@@ -27,8 +27,10 @@ import os
 import sys
 import warnings
 
-# the device each backend's engine returns its outputs on
-_OUTPUT_DEVICE = {"torch_xla": "xla:0", "torchax": "jax:0"}
+# the device each backend's engine returns its outputs on, as torch names it without the
+# backend imported (the torchax backend's outputs say "jax:0", a name torch knows only once
+# torchax is imported: accelerate's device is left to accelerate there)
+_OUTPUT_DEVICE = {"torch_xla": "xla:0", "torchax": None}
 
 
 def route_to_deepspeed(backend: str) -> None:
@@ -36,7 +38,8 @@ def route_to_deepspeed(backend: str) -> None:
     engine outputs on ``backend``'s device. Warns once if either library is already imported
     (too late: it has read its environment)."""
     os.environ.setdefault("USE_TORCH_XLA", "0")
-    os.environ.setdefault("ACCELERATE_TORCH_DEVICE", _OUTPUT_DEVICE[backend])
+    if _OUTPUT_DEVICE[backend] is not None:
+        os.environ.setdefault("ACCELERATE_TORCH_DEVICE", _OUTPUT_DEVICE[backend])
     if not any(isinstance(finder, _AnswerBf16) for finder in sys.meta_path):
         sys.meta_path.insert(0, _AnswerBf16())
     early = [name for name in ("accelerate", "transformers") if name in sys.modules]
