@@ -22,6 +22,8 @@ import importlib.metadata
 import importlib.util
 import sys
 
+from .deepspeed_version import VERSION
+
 ALIAS = "deepspeed"
 TARGET = "spmdzero.compat.deepspeed"
 
@@ -47,9 +49,8 @@ class _CompatDistribution(importlib.metadata.Distribution):
     def read_text(self, filename):
         if filename != "METADATA":
             return None
-        from .deepspeed import __version__
         return ("Metadata-Version: 2.1\nName: deepspeed\n"
-                f"Version: {__version__}\n"
+                f"Version: {VERSION}\n"
                 "Summary: spmdzero's DeepSpeed compatibility layer (not DeepSpeed): ZeRO-1/2 on XLA devices\n")
 
     def locate_file(self, path):
