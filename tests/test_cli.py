@@ -42,6 +42,21 @@ def test_config_check_counts_bf16_params_and_fp32_master_weights(tmp_path, capsy
     assert "under spmdzero launch (deepspeed.initialize) it is 'process'" in out  # the config sets no spmd.rank
 
 
+def test_config_check_takes_a_config_as_the_hugging_face_docs_write_it(tmp_path, capsys):
+    """The "auto" values are the Trainer's or accelerate's to fill in: said, not refused (they
+    used to be: "'lr' is 'auto', which only an integration such as the HF Trainer can fill in")."""
+    path = write(tmp_path, {
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto", "zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": 0.1}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto", "total_num_steps": "auto"}}})
+    assert main(["config", "check", path, "--devices", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "OK" in out and "AdamW(weight_decay=0.1)" in out
+    assert 'optimizer.params lr, betas, eps are "auto": the Hugging Face Trainer or accelerate fills them in' in out
+    assert 'scheduler.params hold "auto"' in out and 'the batch sizes are "auto"' in out
+
+
 @pytest.mark.parametrize("cfg,devices,message", [
     ({"train_batch_size": 64}, 6, "64 != 10 \\* 1 \\* 6|train_batch_size"),
     ({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": -1}}}, 8, "lr must be"),

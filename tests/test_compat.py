@@ -5,6 +5,7 @@ import argparse
 import importlib
 import inspect
 import logging
+import os
 import sys
 import types
 
@@ -21,16 +22,41 @@ from conftest import batches, tiny_mlp
 @pytest.fixture(scope="module")
 def deepspeed():
     """The alias for this module's tests, then removed, so other tests see no ``deepspeed``."""
+    from spmdzero.compat import hugging_face
+
     had_group = dist.is_initialized()
+    environment = {k: os.environ.get(k) for k in ("USE_TORCH_XLA", "ACCELERATE_TORCH_DEVICE")}
     spmdzero.alias_deepspeed()
     import deepspeed as ds
 
     yield ds
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, alias.DeepSpeedAlias)]
+    for key, value in environment.items():  # what the alias set for Hugging Face (compat.hugging_face)
+        os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+    sys.meta_path[:] = [f for f in sys.meta_path
+                        if not isinstance(f, (alias.DeepSpeedAlias, hugging_face._AnswerBf16))]
     for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
         del sys.modules[name]
     if dist.is_initialized() and not had_group:
         dist.destroy_process_group()
+
+
+def test_the_deepspeed_distribution_is_spmdzeros_layer_while_the_alias_is_installed(deepspeed):
+    """transformers and accelerate check DeepSpeed by its installed metadata
+    (``dep_version_check("deepspeed")``): it answers, says whose it is, and compares as the
+    DeepSpeed release it mirrors; only the name ``deepspeed`` is answered."""
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    version = importlib.metadata.version("deepspeed")
+    assert version == deepspeed.__version__ and version.endswith("+spmdzero." + spmdzero.__version__)
+    assert Version(version) >= Version("0.9.3")  # transformers' requirement
+    assert "spmdzero" in importlib.metadata.metadata("deepspeed")["Summary"]
+    finder = alias.DeepSpeedAlias()
+    context = importlib.metadata.DistributionFinder.Context
+    assert list(finder.find_distributions(context(name=None))) == []  # "all distributions": the real ones only
+    assert list(finder.find_distributions(context(name="torch"))) == []
+    assert os.environ["USE_TORCH_XLA"] == "0"  # HF's DeepSpeed path, not its torch_xla one
 
 
 NAMES = [
@@ -156,8 +182,14 @@ def test_init_distributed_creates_a_real_process_group(deepspeed):
     import deepspeed.comm as ds_dist
 
     deepspeed.init_distributed()
-    assert dist.is_initialized() and dist.get_backend() == "gloo"
+    # gloo for host tensors; for XLA tensors gloo on a host copy (the HF Trainer's dist.all_gather of its loss)
+    assert dist.is_initialized() and dist.get_backend() == "cpu:gloo,xla:spmdzero_host"
     assert (dist.get_rank(), dist.get_world_size()) == (0, 1)  # one process per host, one host
+    loss = torch.full((1,), 3.0, device="xla")
+    gathered = [torch.zeros(1, device="xla")]
+    dist.all_gather(gathered, loss)
+    dist.all_reduce(loss)
+    assert gathered[0].device.type == "xla" and gathered[0].cpu().tolist() == [3.0] and loss.cpu().tolist() == [3.0]
     dist.barrier()
     assert (ds_dist.get_rank(), ds_dist.get_world_size(), ds_dist.get_local_rank()) == (0, 1, 0)
     assert ds_dist.is_initialized()

@@ -12,6 +12,7 @@ from spmdzero.tpu.chips import GIB, ChipSpec, chip_spec, topology_chips  # noqa:
 from spmdzero.aot.steps import compile_step, describe_search, find_max_batch, search_summary
 from spmdzero.tpu.capture import check_traceable
 from spmdzero.tpu.report import stages_table
+from spmdzero.config.load import without_integration_autos
 
 
 def positive_int(text: str) -> int:
@@ -91,24 +92,16 @@ def for_compile(config: dict, path: str, micro_batch: int | None) -> dict:
     without a batch size needs ``--micro-batch``."""
     if not isinstance(config, dict):
         return config  # parse_config names it
-    config = dict(config)
     notes = []
-    optimizer = config.get("optimizer")
-    if optimizer is None:
-        config["optimizer"] = {"type": "AdamW"}
+    if config.get("optimizer") is None:
+        config = {**config, "optimizer": {"type": "AdamW"}}
         notes.append("it has no 'optimizer' section: compiled with AdamW (the optimizer the Hugging Face Trainer "
                      "gives DeepSpeed by default)")
-    elif isinstance(optimizer, dict) and isinstance(optimizer.get("params"), dict):
-        auto = [k for k, v in optimizer["params"].items() if v == "auto"]
-        if auto:
-            config["optimizer"] = {**optimizer, "params": {k: v for k, v in optimizer["params"].items()
-                                                           if k not in auto}}
-            notes.append(f"optimizer.params {', '.join(auto)} are \"auto\": compiled with the optimizer's defaults "
-                         "(the values do not change the compiled step)")
-    scheduler = config.get("scheduler")
-    if isinstance(scheduler, dict) and isinstance(scheduler.get("params"), dict) and "auto" in \
-            scheduler["params"].values():
-        del config["scheduler"]
+    config, auto, scheduler_dropped = without_integration_autos(config)
+    if auto:
+        notes.append(f"optimizer.params {', '.join(auto)} are \"auto\": compiled with the optimizer's defaults "
+                     "(the values do not change the compiled step)")
+    if scheduler_dropped:
         notes.append("scheduler.params hold \"auto\": compiled without the schedule (it sets the learning rate "
                      "between steps; the compiled step is the same)")
     batch = [config.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu")]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional
 from spmdzero.config.keys import NOOP_KEYS
 from spmdzero.config.schema import DeepSpeedConfig
-from spmdzero.config.load import load_config
+from spmdzero.config.load import load_config, read_config_file, without_integration_autos
 from spmdzero.sharding.batch import resolve_batch
 from spmdzero.sharding.mesh import data_parallel_size, fsdp_size, resolve_mesh_shape
 
@@ -55,7 +55,22 @@ def _validate_optimizer_and_scheduler(cfg: DeepSpeedConfig) -> None:
 
 
 def config_check(path: str, devices: int, params: Optional[int]) -> str:
-    cfg = load_config(config=path)
+    raw = read_config_file(path)
+    notes = []
+    if isinstance(raw, dict):
+        raw, auto, scheduler_dropped = without_integration_autos(raw)
+        if auto:
+            notes.append(f"optimizer.params {', '.join(auto)} are \"auto\": the Hugging Face Trainer or accelerate "
+                         "fills them in from its arguments (checked here with the optimizer's defaults)")
+        if scheduler_dropped:
+            notes.append("scheduler.params hold \"auto\": the Hugging Face Trainer or accelerate fills them in "
+                         "(the scheduler is not checked here)")
+        batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu")
+        if all(raw.get(k) in (None, "auto") for k in batch_keys) and "auto" in (raw.get(k) for k in batch_keys):
+            raw = {**raw, "train_micro_batch_size_per_gpu": 1}
+            notes.append("the batch sizes are \"auto\": the Hugging Face Trainer or accelerate fills them in "
+                         "(shown here for a micro batch of 1 per rank)")
+    cfg = load_config(config=raw)
     shape = resolve_mesh_shape(cfg.spmd.mesh, devices)
     batch = resolve_batch(cfg, data_parallel_size(shape))  # one process: the CLI checks a single host
     _validate_optimizer_and_scheduler(cfg)
@@ -75,6 +90,7 @@ def config_check(path: str, devices: int, params: Optional[int]) -> str:
         f"  optimizer                 {_describe(cfg.optimizer)}",
         f"  scheduler                 {_describe(cfg.scheduler)}",
     ]
+    lines += [f"  note: {note}" for note in notes]
     noop = cfg.noop_keys
     lines += ["", "no-op keys under GSPMD:" if noop else "no-op keys under GSPMD: none"]
     lines += [f"  {key}: {NOOP_KEYS[key]}" for key in noop]

@@ -64,6 +64,30 @@ def read_config_file(path: str | os.PathLike) -> dict:
             raise ConfigError(f"{path}: neither valid JSON nor HJSON ({err})") from None
 
 
+def without_integration_autos(config: dict) -> tuple[dict, list[str], bool]:
+    """A config as a Hugging Face integration writes it (the Trainer or accelerate fill its
+    ``"auto"`` optimizer and scheduler parameters from ``TrainingArguments`` before DeepSpeed
+    sees it), made checkable on its own: the ``"auto"`` optimizer parameters dropped (the
+    optimizer's defaults stand in) and a scheduler with ``"auto"`` parameters left out.
+    Returns the config, the optimizer parameter names that were ``"auto"``, and whether the
+    scheduler was left out. ``deepspeed.initialize`` itself still refuses ``"auto"`` there:
+    only an integration knows the values."""
+    config = dict(config)
+    auto: list[str] = []
+    optimizer = config.get("optimizer")
+    if isinstance(optimizer, dict) and isinstance(optimizer.get("params"), dict):
+        auto = [k for k, v in optimizer["params"].items() if v == "auto"]
+        if auto:
+            config["optimizer"] = {**optimizer, "params": {k: v for k, v in optimizer["params"].items()
+                                                           if k not in auto}}
+    scheduler = config.get("scheduler")
+    dropped = isinstance(scheduler, dict) and isinstance(scheduler.get("params"), dict) and \
+        "auto" in scheduler["params"].values()
+    if dropped:
+        del config["scheduler"]
+    return config, auto, dropped
+
+
 def _base64_config(value: str) -> Optional[str]:
     """DeepSpeed also takes the config as base64-encoded JSON (its launcher and autotuner pass
     it so): the decoded text, or None when ``value`` is not that."""

@@ -116,17 +116,28 @@ def build_engine_optimizer(client, model_parameters, module, cfg):
             warnings.warn("spmdzero: both a client optimizer and a config 'optimizer' section were given; "
                           "the client optimizer is used (as in DeepSpeed)", stacklevel=3)
         if isinstance(client, torch.optim.Optimizer):
-            return client
+            return unfused(client)
         if callable(client):
             built = client(params)
             if not isinstance(built, torch.optim.Optimizer):
                 raise TypeError(f"the optimizer callable returned {type(built).__name__}, not a torch.optim.Optimizer")
-            return built
+            return unfused(built)
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable taking params, "
                         f"got {type(client).__name__}")
     if cfg.optimizer is None:
         return None
     return build_optimizer(cfg.optimizer, params)
+
+
+def unfused(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``fused=True`` (the Hugging Face Trainer's default AdamW, ``adamw_torch_fused``) picks
+    torch's CUDA/CPU kernels, which refuse XLA tensors. It is a choice of implementation, not
+    of math: the step runs torch's per-tensor code instead, traced into the step's graph, where
+    XLA fuses it anyway."""
+    for group in optimizer.param_groups:
+        if group.get("fused"):
+            group["fused"] = False
+    return optimizer
 
 
 def drop_frozen(optimizer) -> None:

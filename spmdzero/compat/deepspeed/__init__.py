@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable, Optional
 
-from spmdzero import __version__ as _spmdzero_version
-
 from . import accelerator, checkpoint, comm, moe, ops, runtime, utils  # noqa: F401
 from ._unsupported import unsupported_attribute
 from .accelerator import get_accelerator
@@ -23,9 +21,7 @@ from .runtime import zero
 from .runtime.engine import DeepSpeedEngine
 from .utils import log_dist, logger
 
-DEEPSPEED_API_VERSION = "0.19.6"  # the DeepSpeed release whose API this mirrors
-# PEP 440: compares as 0.19.6 in version checks, and says what it is.
-__version__ = f"{DEEPSPEED_API_VERSION}+spmdzero.{_spmdzero_version}"
+from ..deepspeed_version import DEEPSPEED_API_VERSION, VERSION as __version__
 __version_major__, __version_minor__, __version_patch__ = (int(v) for v in DEEPSPEED_API_VERSION.split("."))
 __git_hash__ = __git_branch__ = None
 

@@ -3,6 +3,8 @@
 Scripts call ``torch.distributed`` right after ``deepspeed.init_distributed()`` (rank,
 world size, barriers, small all-reduces of metrics), so this creates the default process
 group with gloo: a DeepSpeed rank here is a process, as under the batch rule "process".
+For XLA tensors the group runs gloo on host copies (``host_group``), so ``torch.distributed``
+called directly on the engine's outputs works as it does on GPUs with nccl.
 Training collectives do not go through it: GSPMD compiles them into the step.
 
 Collectives here accept XLA tensors: they run on a host copy (a device sync each), which
@@ -20,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 from spmdzero import runtime
+
+from . import host_group
 
 ReduceOp = dist.ReduceOp
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
@@ -47,14 +51,15 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     if rank not in (-1, index) or world_size not in (-1, count):
         raise ValueError(f"init_distributed(rank={rank}, world_size={world_size}): spmdzero runs one process per "
                          f"host; this is process {index} of {count}")
+    backend = host_group.register()  # gloo, and gloo through a host copy for XLA tensors
     if count == 1 and init_method is None:
-        dist.init_process_group(BACKEND, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
     os.environ.setdefault("MASTER_PORT", str(distributed_port))
     if "MASTER_ADDR" not in os.environ and init_method is None:
         raise RuntimeError("init_distributed: several processes need MASTER_ADDR (the first host's address); "
                            "`spmdzero launch --master_addr=...` sets it")
-    dist.init_process_group(BACKEND, init_method=init_method or "env://", rank=index, world_size=count,
+    dist.init_process_group(backend, init_method=init_method or "env://", rank=index, world_size=count,
                             timeout=timeout)
 
 

@@ -1,0 +1,81 @@
+"""Route Hugging Face transformers and accelerate to their DeepSpeed path under ``spmdzero launch``.
+
+Both libraries look for torch_xla before DeepSpeed: on a TPU VM, accelerate's ``PartialState``
+takes its XLA branch and never its DeepSpeed one, and the Trainer then saves with ``xm.save``
+and steps a plain optimizer, so ``TrainingArguments(deepspeed=...)`` would silently train
+without spmdzero. ``USE_TORCH_XLA=0`` (both libraries' own switch) makes them take the
+DeepSpeed branch; the engine then drives the XLA devices itself. ``ACCELERATE_TORCH_DEVICE``
+names the device the engine's outputs live on (as DeepSpeed's engine and accelerate agree on
+``cuda:N``), so the Trainer's loss bookkeeping stays on the device, without a host copy per
+step. The metadata that makes ``importlib.metadata.version("deepspeed")`` answer comes with
+the ``deepspeed`` alias (``alias.py``).
+
+Both are set only when the user has not set them, and must be set before transformers or
+accelerate is imported (they read them at import).
+
+With ``USE_TORCH_XLA=0``, ``TrainingArguments(bf16=True)`` would refuse ("Your setup doesn't
+support bf16/gpu"): it asks ``is_torch_bf16_gpu_available()``, which knows CUDA-like devices
+and torch_xla, not the engine's. The engine's XLA devices compute in bf16 (TPUs natively,
+XLA:CPU too), so once transformers' ``import_utils`` is loaded, that question answers yes.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+import warnings
+
+# the device each backend's engine returns its outputs on, as torch names it without the
+# backend imported (the torchax backend's outputs say "jax:0", a name torch knows only once
+# torchax is imported: accelerate's device is left to accelerate there)
+_OUTPUT_DEVICE = {"torch_xla": "xla:0", "torchax": None}
+
+
+def route_to_deepspeed(backend: str) -> None:
+    """Set the environment that sends transformers and accelerate down their DeepSpeed path,
+    engine outputs on ``backend``'s device. Warns once if either library is already imported
+    (too late: it has read its environment)."""
+    os.environ.setdefault("USE_TORCH_XLA", "0")
+    if _OUTPUT_DEVICE[backend] is not None:
+        os.environ.setdefault("ACCELERATE_TORCH_DEVICE", _OUTPUT_DEVICE[backend])
+    if not any(isinstance(finder, _AnswerBf16) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AnswerBf16())
+    early = [name for name in ("accelerate", "transformers") if name in sys.modules]
+    if early:
+        warnings.warn(f"spmdzero: {' and '.join(early)} was imported before spmdzero set USE_TORCH_XLA=0; its "
+                      "Trainer/Accelerator may take its XLA path instead of DeepSpeed's. Import spmdzero (or call "
+                      "spmdzero.alias_deepspeed()) before them.", stacklevel=3)
+
+
+_IMPORT_UTILS = "transformers.utils.import_utils"
+
+
+def _bf16_available() -> bool:
+    return True
+
+
+class _AnswerBf16(importlib.abc.MetaPathFinder):
+    """Loads transformers' ``import_utils`` as usual, then answers its bf16 question for the
+    engine's devices (before ``training_args`` imports the function by name)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != _IMPORT_UTILS:
+            return None
+        sys.meta_path.remove(self)  # find the real module with the other finders
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return None
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            if hasattr(module, "is_torch_bf16_gpu_available"):
+                module.is_torch_bf16_gpu_available = _bf16_available
+
+        spec.loader.exec_module = exec_module
+        return spec

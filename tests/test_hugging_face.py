@@ -1,0 +1,154 @@
+"""Hugging Face's ``Trainer(args=TrainingArguments(deepspeed=...))`` and an accelerate loop
+with ``Accelerator(deepspeed_plugin=...)``, unchanged, under ``spmdzero launch``
+(tests/hugging_face_scripts). Each is compared with the same script run as plain PyTorch on
+the CPU (no DeepSpeed, no spmdzero), where the math is the same: the Trainer's own optimizer,
+and the config's optimizer with DeepSpeed's WarmupLR (whose first two updates use lr 0: the
+reference schedules its torch AdamW the same way). A run resumed from ``checkpoint-3``
+reproduces the uninterrupted run's losses."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import LAUNCHER_VARIABLES, REPO
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+pytestmark = pytest.mark.slow
+
+SCRIPTS = os.path.join(REPO, "tests", "hugging_face_scripts")
+TRAINER = os.path.join(SCRIPTS, "trainer_gpt2.py")
+LOOP = os.path.join(SCRIPTS, "accelerate_loop.py")
+
+# HF's "auto" values everywhere TrainingArguments fills them
+AUTO = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto", "bf16": {"enabled": "auto"}}
+CONFIG_OPTIMIZER = {**AUTO, "zero_optimization": {"stage": 2},
+                    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                              "weight_decay": "auto"}},
+                    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": "auto",
+                                                                 "warmup_num_steps": "auto", "warmup_type": "linear"}}}
+TRAINER_OPTIMIZER = {**AUTO, "zero_optimization": {"stage": 1}}
+
+
+def _env(plain: bool) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_VARIABLES and k not in ("USE_TORCH_XLA", "ACCELERATE_TORCH_DEVICE")}
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("SPMDZERO_NO_RUNTIME", None)
+    if plain:
+        env["USE_TORCH_XLA"] = "0"  # plain PyTorch on the CPU: the reference
+    return env
+
+
+def _run(script: str, *args: str, launch: bool, cwd) -> str:
+    head = ([sys.executable, "-c", "import sys, spmdzero_cli; sys.exit(spmdzero_cli.main())", "launch"] if launch
+            else [sys.executable])
+    proc = subprocess.run([*head, script, *args], cwd=cwd, env=_env(not launch), capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode != 0:
+        pytest.fail(f"{'spmdzero launch ' if launch else ''}{os.path.basename(script)} {' '.join(args)} failed "
+                    f"({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc.stdout + proc.stderr
+
+
+def _trainer(tmp, name: str, config, *args: str) -> dict:
+    out, results = os.path.join(tmp, name), os.path.join(tmp, name + ".json")
+    deepspeed = ["--deepspeed", "none"]
+    if config is not None:
+        path = os.path.join(tmp, name + "_ds.json")
+        with open(path, "w") as f:
+            json.dump(config, f)
+        deepspeed = ["--deepspeed", path]
+    _run(TRAINER, *deepspeed, "--out", out, "--results", results, *args, launch=config is not None, cwd=tmp)
+    with open(results) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("hf"))
+    runs = {
+        "config": _trainer(tmp, "config", CONFIG_OPTIMIZER),
+        "config_reference": _trainer(tmp, "config_reference", None, "--scheduler", "deepspeed_warmup"),
+        "trainer": _trainer(tmp, "trainer", TRAINER_OPTIMIZER, "--scheduler", "linear"),
+        "trainer_reference": _trainer(tmp, "trainer_reference", None, "--scheduler", "linear"),
+        "bf16": _trainer(tmp, "bf16", TRAINER_OPTIMIZER, "--scheduler", "linear", "--bf16"),
+    }
+    # resumed: a copy of the config run's directory without checkpoint-6, resumed from checkpoint-3
+    resumed = os.path.join(tmp, "resumed")
+    subprocess.run(["cp", "-r", os.path.join(tmp, "config"), resumed], check=True)
+    subprocess.run(["rm", "-r", os.path.join(resumed, "checkpoint-6")], check=True)
+    runs["resumed"] = _trainer(tmp, "resumed", CONFIG_OPTIMIZER, "--resume", os.path.join(resumed, "checkpoint-3"))
+    runs["dir"] = tmp
+    return runs
+
+
+def _close(a, b, tol):
+    return len(a) == len(b) and all(abs(x - y) <= tol * max(1.0, abs(y)) for x, y in zip(a, b))
+
+
+def test_the_trainer_reaches_the_engine_with_hfs_auto_values_filled(trainer_runs):
+    engine = trainer_runs["config"]["engine"]
+    assert engine["class"].startswith("spmdzero.backends.")
+    # TrainingArguments: per_device_train_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=0.5
+    assert (engine["micro"], engine["gas"], engine["clipping"], engine["bf16"]) == (4, 2, 0.5, False)
+    assert engine["deepspeed_version"].split("+")[1].startswith("spmdzero")  # says it is spmdzero's layer
+    assert trainer_runs["bf16"]["engine"]["bf16"] is True
+
+
+def test_the_configs_optimizer_and_scheduler_train_as_plain_torch_would(trainer_runs):
+    run, reference = trainer_runs["config"], trainer_runs["config_reference"]
+    assert run["steps"] == [1, 2, 3, 4, 5, 6]
+    assert _close(run["loss"], reference["loss"], 1e-5), (run["loss"], reference["loss"])
+    assert _close(run["grad_norm"], reference["grad_norm"], 1e-4), (run["grad_norm"], reference["grad_norm"])
+    assert abs(run["eval_loss"] - reference["eval_loss"]) < 1e-4
+
+
+def test_the_trainers_own_optimizer_and_schedule_train_as_plain_torch_would(trainer_runs):
+    run, reference = trainer_runs["trainer"], trainer_runs["trainer_reference"]
+    assert _close(run["loss"], reference["loss"], 1e-5), (run["loss"], reference["loss"])
+    assert _close(run["lr"], reference["lr"], 1e-9)
+    assert _close(run["grad_norm"], reference["grad_norm"], 1e-4)  # clipped at 0.5: the norms are above it
+
+
+def test_bf16_trains_close_to_fp32(trainer_runs):
+    run, reference = trainer_runs["bf16"], trainer_runs["trainer_reference"]
+    assert run["loss"] != reference["loss"]  # bf16 compute
+    assert _close(run["loss"], reference["loss"], 2e-3), (run["loss"], reference["loss"])
+
+
+def test_checkpoint_n_resumes_as_the_uninterrupted_run(trainer_runs):
+    uninterrupted, resumed = trainer_runs["config"], trainer_runs["resumed"]
+    checkpoint = os.path.join(trainer_runs["dir"], "config", "checkpoint-3")
+    assert os.path.isfile(os.path.join(checkpoint, "latest"))  # DeepSpeed's layout: engine.save_checkpoint
+    assert os.path.isdir(os.path.join(checkpoint, "global_step3"))
+    assert not os.path.exists(os.path.join(checkpoint, "optimizer.pt"))  # not the Trainer's own (or XLA's) save
+    assert resumed["steps"] == [1, 2, 3, 4, 5, 6]
+    assert resumed["loss"][3:] == uninterrupted["loss"][3:]
+    assert resumed["grad_norm"][3:] == uninterrupted["grad_norm"][3:]
+
+
+def test_save_model_writes_what_from_pretrained_loads(trainer_runs):
+    for name in ("config", "bf16"):
+        assert trainer_runs[name]["reloaded_equal"], trainer_runs[name]["reloaded_max_diff"]
+
+
+@pytest.mark.parametrize("plugin", ["hf_ds_config", "arguments"])
+def test_an_accelerate_loop_with_a_deepspeed_plugin_trains_as_plain_torch(plugin, tmp_path):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1,
+                                  "gradient_clipping": 0.5, "zero_optimization": {"stage": 2}}))
+    _run(LOOP, "--plugin", "none", "--results", str(tmp_path / "ref.json"), launch=False, cwd=tmp_path)
+    out = _run(LOOP, "--plugin", plugin, "--config", str(config), "--results", str(tmp_path / "run.json"),
+               launch=True, cwd=tmp_path)
+    assert "distributed_type DistributedType.DEEPSPEED engine spmdzero.backends." in out
+    run, reference = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("run", "ref"))
+    assert len(run["loss"]) == 8
+    assert _close(run["loss"], reference["loss"], 1e-5), (run["loss"], reference["loss"])
+    flat = [x for w in run["weights"] for x in (w if isinstance(w[0], float) else sum(w, []))]
+    flat_ref = [x for w in reference["weights"] for x in (w if isinstance(w[0], float) else sum(w, []))]
+    assert _close(flat, flat_ref, 1e-5)
