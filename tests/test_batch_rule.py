@@ -49,9 +49,9 @@ def test_initialize_prints_the_resolved_numbers_once_per_process(monkeypatch):
     """Said once, not once per engine: a script that builds more engines with the same batch
     config (examples/train.py measures the other ZeRO stages) hears the numbers once; a changed
     batch config is said."""
-    from spmdzero.observe import monitor
+    from spmdzero.observe import console
 
-    monkeypatch.setattr(monitor, "_SAID", set(), raising=False)  # as in a fresh process
+    monkeypatch.setattr(console, "_SAID", set(), raising=False)  # as in a fresh process
     with spmdzero_log() as records:
         engine_for("process", micro=8, gradient_accumulation_steps=2)
         engine_for("process", micro=8, gradient_accumulation_steps=2, zero_optimization={"stage": 1})

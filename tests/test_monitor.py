@@ -430,7 +430,7 @@ def test_step_logs_print_above_a_running_tqdm_bar_on_the_stderr_of_the_moment(mo
     bar runs, so the line stands whole above the bar."""
     from tqdm import tqdm
 
-    from spmdzero.observe import monitor
+    from spmdzero.observe import console
 
     log = logging.getLogger("spmdzero")
     saved = log.handlers, log.level, log.propagate
@@ -438,13 +438,13 @@ def test_step_logs_print_above_a_running_tqdm_bar_on_the_stderr_of_the_moment(mo
     log.setLevel(logging.NOTSET)
     try:
         monkeypatch.setattr(sys, "stderr", io.StringIO())
-        monitor.log_block(["first"])  # the handler is made while this stream is sys.stderr
+        console.log_block(["first"])  # the handler is made while this stream is sys.stderr
         sys.stderr.close()
         now = io.StringIO()
         monkeypatch.setattr(sys, "stderr", now)
         bar = tqdm(total=3, desc="training", mininterval=0)  # on sys.stderr: now; drawn at each update
         bar.update(1)
-        monitor.log_block(["step=1, loss=2.0"])
+        console.log_block(["step=1, loss=2.0"])
         bar.update(1)
         bar.close()
     finally:

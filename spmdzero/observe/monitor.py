@@ -14,86 +14,22 @@ host, which cuts the trace and makes the device wait for the host. That warns on
 Step logs follow ``steps_per_print``, with the wall-clock breakdown and DeepSpeed's monitor
 events (csv_monitor, tensorboard, wandb, comet; written by process 0, as DeepSpeed does). Only
 those steps read device values (loss, grad norm, loss scale); the others touch nothing on the
-device. The logs go to a console handler that writes above a running tqdm bar.
+device. The logs go to the console of ``observe.console``.
 """
 
 from __future__ import annotations
 
 import importlib
-import logging
 import math
 import os
-import sys
 import time
 import warnings
 import weakref
 from typing import Callable, Optional
 
-logger = logging.getLogger("spmdzero")
+from spmdzero.observe.console import ensure_handler, logger
+
 WARMUP_STEPS = 3  # optimizer steps whose compiles are expected (first boundary, schedules moving to the device)
-
-
-class ConsoleHandler(logging.StreamHandler):
-    """The "spmdzero" logger's console: ``sys.stderr`` as it is when a line is written, not as
-    it was when the handler was made (pytest and notebooks swap it, and a handler bound to a
-    stream since closed prints "--- Logging error ---"), and above a running tqdm progress bar
-    (``tqdm.write``) so that a step line never breaks into the bar."""
-
-    def __init__(self):
-        super().__init__()
-        self.setFormatter(logging.Formatter("[spmdzero] %(message)s"))
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value) -> None:  # StreamHandler.__init__ sets it: the property decides
-        pass
-
-    def emit(self, record: logging.LogRecord) -> None:
-        bars = _running_tqdm()
-        if bars is None:
-            return super().emit(record)
-        try:
-            bars.write(self.format(record), file=sys.stderr)
-        except Exception:
-            self.handleError(record)
-
-
-def _running_tqdm():
-    """tqdm's class while one of its bars is open, else None. tqdm is not imported here: a
-    bar can only run if the application imported it."""
-    module = sys.modules.get("tqdm")
-    bars = getattr(module, "tqdm", None)
-    return bars if getattr(bars, "_instances", None) else None
-
-
-def _ensure_handler() -> None:
-    """Like DeepSpeed, show INFO step logs on our own handler, unless the application
-    configured the "spmdzero" logger itself."""
-    if not logger.handlers and logger.level == logging.NOTSET:
-        logger.addHandler(ConsoleHandler())
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
-
-
-def log_block(lines: list[str]) -> None:
-    """A few INFO lines as one record."""
-    _ensure_handler()
-    logger.info("\n  ".join(lines))
-
-
-_SAID: set[tuple[str, ...]] = set()  # the blocks say_once has said in this process
-
-
-def say_once(lines: list[str]) -> None:
-    """``log_block``, once per process for the same lines (``initialize``'s resolved batch
-    numbers: a script that builds several engines with one batch config hears them once; a
-    changed batch config is news and is said)."""
-    if tuple(lines) not in _SAID:
-        _SAID.add(tuple(lines))
-        log_block(lines)
 
 
 def compile_count() -> int:
@@ -451,7 +387,7 @@ class StepLogger:
 
     @staticmethod
     def _log_line(engine, loss: Optional[float], throughput: float) -> None:
-        _ensure_handler()
+        ensure_handler()
         lr = ", ".join(f"{v:.4e}" for v in engine.get_lr())
         parts = [f"step={engine.global_steps}", f"skipped={engine.skipped_steps}", f"lr=[{lr}]"]
         if loss is not None:

@@ -14,7 +14,7 @@ import torch
 from spmdzero.config.errors import ConfigError
 from spmdzero.config.load import read_config_file
 from spmdzero.config.schema import DeepSpeedConfig
-from spmdzero.observe.monitor import say_once
+from spmdzero.observe.console import say_once
 from spmdzero.optim.optimizers import build_optimizer
 from spmdzero.optim.schedules import build_scheduler
 from spmdzero.sharding.batch import BatchSizes, resolve_batch
