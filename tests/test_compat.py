@@ -436,3 +436,20 @@ def test_engine_compile_uses_openxla_with_the_same_losses_and_no_recompiles():
         runs.append(losses)
         assert met.metric_data("CompileTime")[0] == warm  # no recompiles after two steps
     assert runs[0] == pytest.approx(runs[1], rel=1e-5)
+
+
+def test_the_deepspeed_logger_writes_to_the_stdout_of_the_moment(deepspeed, monkeypatch):
+    """Its handler used to keep the ``sys.stdout`` of import time: once pytest (or a notebook)
+    had swapped and closed it, each line printed "--- Logging error --- ... closed file"."""
+    import io
+
+    from deepspeed.utils import logger
+
+    first = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", first)
+    logger.info("one")
+    first.close()
+    second = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", second)
+    logger.info("two")
+    assert second.getvalue().rstrip().endswith("two")
