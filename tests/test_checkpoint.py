@@ -84,6 +84,21 @@ def test_resume_in_a_fresh_process_is_bit_exact(saved):
     assert (resumed["steps"], resumed["micro"]) == (6, 12) and resumed["lr"] == reference["lr"]
 
 
+def test_a_resumed_run_draws_the_dropout_masks_of_the_uninterrupted_one(tmp_path):
+    """The device's seed is set after the load's last sync: that sync advanced it one step, so
+    every dropout mask after a resume differed from the uninterrupted run's (found running the
+    Hugging Face run_clm.py example, whose GPT-2 has dropout 0.1)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Dropout(0.5), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 8))
+    engine, *_ = spmdzero.initialize(model=model, config=CONFIG)
+    train(engine, 0, 2)
+    engine.save_checkpoint(str(tmp_path))
+    uninterrupted = train(engine, 2, 4)
+    engine.load_checkpoint(str(tmp_path))
+    assert train(engine, 2, 4) == uninterrupted
+
+
 @pytest.mark.slow
 def test_resume_on_four_devices_matches_to_tolerance(saved):
     ckpt, reference = saved

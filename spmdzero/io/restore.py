@@ -92,9 +92,11 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
         except BaseException:
             engine.drop_optimizer_state(created)
             raise
-        restore()
+        device_seed = restore()
         engine.drop_optimizer_state(unsaved)  # as torch's load_state_dict: no saved state, none live
         engine.loaded(new_window=not load_module_only)  # module_only restores no counters; drops pending gradients
+        if device_seed is not None:  # after loaded(): its sync would advance the device's seed one step
+            engine.state_shards().set_rng_state(device_seed)
         return path, client_state
 
 
@@ -286,7 +288,8 @@ def _host_state_restorer(engine, meta: dict, where: str, full_state: bool, sched
     """Check everything a load sets on the host (counters, param groups, host-side optimizer
     state, the LR schedule, RNG states) against this engine, and return what sets it, to be
     called once the tensors are in: a damaged value fails here, naming ``where`` and the key,
-    before anything is changed.
+    before anything is changed. It returns the device's seed for the caller to set last, after
+    the engine's final sync (a sync advances it).
 
     As DeepSpeed: ``load_module_only`` restores neither counters nor schedule (nor, here, the
     RNG). ``micro_steps`` is put at the start of an accumulation window (``global_steps`` x
@@ -330,7 +333,7 @@ def _host_state_restorer(engine, meta: dict, where: str, full_state: bool, sched
     if rng is not None:
         _check_rng(rng, bad)
 
-    def restore() -> None:
+    def restore():
         for key, value in counters.items():
             setattr(engine, key, value)
         for group, saved in zip(optimizer.param_groups if groups else (), groups):
@@ -339,11 +342,12 @@ def _host_state_restorer(engine, meta: dict, where: str, full_state: bool, sched
             optimizer.state[target].update(state)
         if schedule is not None:
             engine.lr_scheduler.load_state_dict(schedule)
-        if rng is not None:
-            torch.set_rng_state(rng["torch"])
-            engine.state_shards().set_rng_state(rng["xla"])
-            random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
+        if rng is None:
+            return None
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        return rng["xla"]  # the device's seed: set by the caller once the engine's last sync is done
 
     return restore
 
