@@ -11,23 +11,31 @@ import sys
 logger = logging.getLogger("spmdzero")
 
 
-class ConsoleHandler(logging.StreamHandler):
-    """The "spmdzero" logger's console: ``sys.stderr`` as it is when a line is written, not as
-    it was when the handler was made (pytest and notebooks swap it, and a handler bound to a
-    stream since closed prints "--- Logging error ---"), and above a running tqdm progress bar
-    (``tqdm.write``) so that a step line never breaks into the bar."""
+class CurrentStreamHandler(logging.StreamHandler):
+    """Writes to ``sys.stderr`` (or ``sys.stdout``) as it is when a line is written, not as it
+    was when the handler was made: pytest and notebooks swap it, and a handler bound to a
+    stream since closed prints "--- Logging error ---"."""
 
-    def __init__(self):
+    def __init__(self, name: str = "stderr"):
+        self._stream_name = name  # (logging.Handler has its own _name)
         super().__init__()
-        self.setFormatter(logging.Formatter("[spmdzero] %(message)s"))
 
     @property
     def stream(self):
-        return sys.stderr
+        return getattr(sys, self._stream_name)
 
     @stream.setter
     def stream(self, value) -> None:  # StreamHandler.__init__ sets it: the property decides
         pass
+
+
+class ConsoleHandler(CurrentStreamHandler):
+    """The "spmdzero" logger's console: the ``sys.stderr`` of the moment, and above a running
+    tqdm progress bar (``tqdm.write``) so that a step line never breaks into the bar."""
+
+    def __init__(self):
+        super().__init__("stderr")
+        self.setFormatter(logging.Formatter("[spmdzero] %(message)s"))
 
     def emit(self, record: logging.LogRecord) -> None:
         bars = _running_tqdm()

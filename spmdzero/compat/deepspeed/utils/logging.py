@@ -1,26 +1,12 @@
 """``deepspeed.utils.logging``: a logger named "DeepSpeed" printing INFO to stdout, as DeepSpeed's."""
 
 import logging
-import sys
 
-
-
-class _CurrentStdout(logging.StreamHandler):
-    """``sys.stdout`` as it is when a line is written (pytest and notebooks swap it; a handler
-    bound to a stream since closed prints "--- Logging error ---")."""
-
-    @property
-    def stream(self):
-        return sys.stdout
-
-    @stream.setter
-    def stream(self, value) -> None:  # StreamHandler.__init__ sets it: the property decides
-        pass
-
+from spmdzero.observe.console import CurrentStreamHandler
 
 logger = logging.getLogger("DeepSpeed")
 if not logger.handlers:
-    _handler = _CurrentStdout()
+    _handler = CurrentStreamHandler("stdout")  # the sys.stdout of the moment
     _handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] "
                                             "%(message)s"))
     logger.addHandler(_handler)
