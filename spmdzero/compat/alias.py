@@ -20,8 +20,12 @@ import importlib
 import importlib.abc
 import importlib.metadata
 import importlib.util
+import pathlib
 import sys
 
+from spmdzero.runtime import jax_runtime
+
+from . import hugging_face
 from .deepspeed_version import VERSION
 
 ALIAS = "deepspeed"
@@ -54,7 +58,6 @@ class _CompatDistribution(importlib.metadata.Distribution):
                 "Summary: spmdzero's DeepSpeed compatibility layer (not DeepSpeed): ZeRO-1/2 on XLA devices\n")
 
     def locate_file(self, path):
-        import pathlib
         return pathlib.Path(__file__).parent / "deepspeed" / path
 
 
@@ -102,10 +105,6 @@ def install() -> None:
                            "(call spmdzero.alias_deepspeed() first, or run the script with `spmdzero launch`).")
     if not any(isinstance(finder, DeepSpeedAlias) for finder in sys.meta_path):
         sys.meta_path.insert(0, DeepSpeedAlias())
-        from spmdzero.runtime import jax_runtime
-
-        from . import hugging_face
-
         hugging_face.route_to_deepspeed("torchax" if jax_runtime.selected() else "torch_xla")
 
 
