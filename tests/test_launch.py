@@ -20,9 +20,10 @@ SCRIPTS = os.path.join(REPO, "tests", "deepspeed_scripts")
 STEP = re.compile(r"^STEP (\d+) rows=(\d+) global_samples=(\d+)", re.M)
 
 
-def launch(*args: str, cwd) -> str:
-    """``spmdzero launch ARGS`` through the console entry point, in a fresh process."""
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+def launch(*args: str, cwd, **variables: str) -> str:
+    """``spmdzero launch ARGS`` through the console entry point, in a fresh process (with
+    ``variables`` added to its environment)."""
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **variables}
     env.pop("SPMDZERO_NO_RUNTIME", None)
     command = [sys.executable, "-c", "import sys, spmdzero_cli; sys.exit(spmdzero_cli.main())", "launch", *args]
     proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
@@ -43,11 +44,34 @@ def test_launcher_options_are_parsed_and_the_meaningless_ones_named():
     assert _ignored_options(args) == ["--hostfile=/job/hosts", "--num_gpus=8", "--no_ssh"]
 
 
-@pytest.mark.slow
-def test_cifar_style_script_trains_saves_and_reloads(tmp_path):
+LOSS = re.compile(r"^STEP \d+ .* loss=([-\d.]+)$", re.M)
+
+
+@pytest.fixture(scope="module")
+def cifar_run(tmp_path_factory):
+    """cifar_style.py under launch on the default backend: 2 steps, save, reload, 1 step, eval."""
+    tmp_path = tmp_path_factory.mktemp("cifar")
     script = os.path.join(SCRIPTS, "cifar_style.py")
-    out = launch("--num_gpus", "8", script, "--steps", "2", "--save_dir", str(tmp_path / "ck"), "--reload",
-                 cwd=tmp_path)
+    return launch("--num_gpus", "8", script, "--steps", "2", "--save_dir", str(tmp_path / "ck"), "--reload",
+                  cwd=tmp_path)
+
+
+@pytest.mark.slow
+def test_cifar_style_script_on_the_torchax_backend_prints_the_same_losses(cifar_run, tmp_path):
+    """The script computes its loss outside the model (``criterion(model_engine(inputs), labels)``)
+    and runs unchanged on the torchax backend: the same losses as on the default backend, through
+    the save and the reload."""
+    script = os.path.join(SCRIPTS, "cifar_style.py")
+    out = launch("--spmd", '{"backend": "torchax"}', script, "--steps", "2", "--save_dir", str(tmp_path / "ck"),
+                 "--reload", cwd=tmp_path, SPMDZERO_BACKEND="torchax")
+    assert steps(out) == steps(cifar_run) == [(1, 16, 16), (2, 16, 32), (3, 16, 48)]
+    assert LOSS.findall(out) == LOSS.findall(cifar_run) and len(LOSS.findall(out)) == 3
+    assert "EVAL total=8" in out
+
+
+@pytest.mark.slow
+def test_cifar_style_script_trains_saves_and_reloads(cifar_run):
+    out = cifar_run
     assert "ignoring --num_gpus=8" in out
     # train_batch_size 16, one process: 16 rows per forward, 16 samples per step
     assert "RELOADED global_steps=2 global_samples=32" in out  # loaded back into the same engine

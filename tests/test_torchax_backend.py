@@ -126,16 +126,88 @@ def test_eval_forward_leaves_the_gradients_alone(trained):
             engine.set_gradient_accumulation_boundary(None)
 
 
-def test_a_loss_computed_outside_the_module_is_refused_clearly():
-    engine, *_ = spmdzero.initialize(model=tiny_mlp(seed=0), config=config("torchax"))
-    x, y = batches(1, 16)[0]
-    out = engine(x)
-    assert tuple(out.shape) == (16, 8)
-    loss = torch.nn.functional.mse_loss(out, y)  # runs, eagerly in JAX
-    with pytest.raises(RuntimeError, match="needs the module to return its loss"):
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_loss_computed_outside_the_module_trains_as_the_torch_xla_engine(precision):
+    """``loss = criterion(engine(x), y)``, as most DeepSpeed scripts write it (it used to be
+    refused): the same losses, gradient norms and parameters as the torch_xla engine, with
+    accumulation, clipping and fp16's loss scaler; the forward, its VJP and the backward are each
+    traced once (the training programs, first and later micro-steps, are traced once each too, to
+    find that the output holds no loss)."""
+    extra = {"fp16": {"enabled": True, "initial_scale_power": 8}} if precision == "fp16" else {}
+    runs = {}
+    for backend in ("torch_xla", "torchax"):
+        engine, *_ = spmdzero.initialize(model=tiny_mlp(seed=0), config=config(backend, 2, **extra))
+        losses, norms = [], []
+        for x, y in batches(2 * STEPS, 16):
+            out = engine(x.half() if precision == "fp16" else x)
+            loss = torch.nn.functional.mse_loss(out.float(), y.to(engine.device))
+            engine.backward(loss)
+            steps = engine.global_steps
+            engine.step()
+            losses.append(loss.item())
+            if engine.global_steps > steps:
+                norms.append(engine.get_global_grad_norm())
+        runs[backend] = engine, losses, norms
+    (ref, ref_losses, ref_norms), (engine, losses, norms) = runs["torch_xla"], runs["torchax"]
+    tolerance = 1e-5 if precision == "fp32" else 2e-3
+    assert losses == pytest.approx(ref_losses, abs=tolerance)
+    assert norms == pytest.approx(ref_norms, rel=tolerance)
+    for (name, p), (_, q) in zip(engine.module.named_parameters(), ref.module.named_parameters()):
+        torch.testing.assert_close(p.detach().float(), q.detach().cpu().float(), atol=tolerance, rtol=tolerance)
+    assert dict(engine.traces) == {"train_forward": 2, "vjp_forward": 1, "backward": 2, "update": 1}
+
+
+def test_a_loss_outside_the_module_is_as_torchs_whatever_it_is_made_of():
+    """The module's own loss plus a term of its outputs; two forwards in one loss; a loss given
+    to backward twice (with retain_graph first): torch's gradients each time. A loss made of
+    no training output, or backward twice without retain_graph, says what happened."""
+    model, reference = MaybeLoss(tiny_mlp(seed=0)), MaybeLoss(tiny_mlp(seed=0))
+    engine, *_ = spmdzero.initialize(model=model, config=plain_config())
+    optimizer = torch_optimizer(reference)
+    (x1, y1), (x2, y2) = batches(2, 16)
+
+    def mixed(module, x, y):
+        out = module(x, y)
+        return out["loss"] + 0.5 * out["logits"].pow(2).mean()
+
+    def pair(module):
+        return (torch.nn.functional.mse_loss(module(x1)["logits"], y1)
+                + torch.nn.functional.l1_loss(module(x2)["logits"], y2))
+
+    engine.backward(mixed(engine, x1, y1))
+    engine.step()
+    torch_step(reference, optimizer, mixed(reference, x1, y1))
+    assert_as_in_torch(engine, reference)
+    engine.backward(pair(engine))
+    engine.step()
+    torch_step(reference, optimizer, pair(reference))
+    assert_as_in_torch(engine, reference)
+    loss = torch.nn.functional.mse_loss(engine(x1, y1)["logits"], y1)
+    engine.backward(loss, retain_graph=True)
+    engine.backward(loss)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):  # torch's own words
         engine.backward(loss)
-    engine(x)
-    assert engine.traces == {"train_forward": 1, "forward": 1}  # the lossless output is not traced again
+    engine.step()
+    twice = torch.nn.functional.mse_loss(reference(x1, y1)["logits"], y1)
+    twice.backward(retain_graph=True)
+    torch_step(reference, optimizer, twice)
+    assert_as_in_torch(engine, reference)
+    with torch.no_grad():
+        logits = engine(x1, y1)["logits"]
+    with pytest.raises(RuntimeError, match="depends on no output of this engine's forward with grad enabled"):
+        engine.backward(torch.nn.functional.mse_loss(logits, y1))
+
+
+class MaybeLoss(torch.nn.Module):
+    """Logits, and their loss when given targets (as Hugging Face models with and without labels)."""
+
+    def __init__(self, net: torch.nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, y=None):
+        logits = self.net(x)
+        return {"logits": logits} if y is None else {"loss": torch.nn.functional.mse_loss(logits, y), "logits": logits}
 
 
 @pytest.mark.parametrize("extra, key", [
@@ -1028,17 +1100,21 @@ def test_a_dict_output_with_a_loss_key_trains_as_in_torch():
     assert_as_in_torch(engine, reference)
 
 
-def test_an_input_that_requires_grad_is_told_its_gradient_stays_none():
-    """The torchax backend differentiates the parameters only: a host input with requires_grad
-    is named once (it used to stay None without a word; the torch_xla backend gives x.grad)."""
-    import warnings
-
-    engine, *_ = spmdzero.initialize(model=WithLoss(tiny_mlp(seed=0)), config=config("torchax"))
+@pytest.mark.parametrize("where", ["inside", "outside"])
+def test_an_input_that_requires_grad_gets_torchs_gradient(where):
+    """``x.grad`` as torch gives it, accumulated over two backwards (it used to stay None, with a
+    warning), for the module's own loss and for one computed outside it."""
+    make = (lambda: WithLoss(tiny_mlp(seed=0))) if where == "inside" else (lambda: tiny_mlp(seed=0))
+    model, reference = make(), make()
+    engine, *_ = spmdzero.initialize(model=model, config=plain_config())
     (x, y), = batches(1, 16)
-    x.requires_grad_()
-    with pytest.warns(UserWarning, match=r"input 'x' requires grad, but the torchax backend .* stays None"):
-        engine.backward(engine(x, y))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once
-        engine.backward(engine(x, y))
-    assert x.grad is None
+    ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    loss = (lambda m, x: m(x, y)) if where == "inside" else (lambda m, x: torch.nn.functional.mse_loss(m(x), y))
+    for _ in range(2):
+        engine.backward(loss(engine, ours))
+        loss(reference, theirs).backward()
+    assert ours.grad is not None and ours.grad.device.type == "cpu"
+    torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-6, rtol=1e-5)
+    engine.step()
+    torch_optimizer(reference).step()
+    assert_as_in_torch(engine, reference)

@@ -17,10 +17,12 @@ under ``jax.jit`` through torchax (torch ops lowered to JAX), so a step is two c
   plan, the old buffers donated. The hyperparameters (lr from the schedule included) are a
   traced input, so a changing lr does not recompile.
 
-What the module returns must contain the loss: a scalar, a dict with a ``"loss"`` key, an
-object with ``.loss`` (Hugging Face outputs), or a tuple whose first item is the scalar loss.
-The outputs come back as torchax tensors (JAX arrays seen as torch tensors; torch ops on them
-run eagerly in JAX).
+The fused training program needs the module to return its loss: a scalar, a dict with a
+``"loss"`` key, an object with ``.loss`` (Hugging Face outputs), or a tuple whose first item is
+the scalar loss. Otherwise (or when inputs require grad) the training forward runs a VJP program
+instead, and a loss the script computes from the outputs reaches a compiled backward program
+through torch autograd (``outside_loss``). The outputs come back as torchax tensors (JAX arrays
+seen as torch tensors; torch ops on them run eagerly in JAX), tied into torch autograd.
 
 Its devices: with ``SPMDZERO_BACKEND=torchax`` set before ``import spmdzero``, JAX's own (every
 TPU chip on a TPU VM, else ``CPU_NUM_DEVICES`` CPU devices) and torch_xla's runtime never starts
@@ -67,19 +69,17 @@ from spmdzero.observe.monitor import RecompileGuard, StepLogger, notice_nonfinit
 from spmdzero.optim.ops import jax_ops
 from spmdzero.optim.optimizers import SpmdOptimizer
 from spmdzero.optim.update import LossScale, boundary_update, init_loss_scale, sum_of_squares, update_group
-from spmdzero.train.batch_inputs import forward_argument_names
 from spmdzero.train.engine_base import EngineBase, NO_GRADIENTS
 from spmdzero.sharding.plan import ShardingPlan, replicated
 from spmdzero.optim.precision import precision_policy
 from spmdzero.runtime import jax_runtime
 from spmdzero.train.build import move_in_place
 from spmdzero.backends.torchax import batchnorm
+from spmdzero.backends.torchax.outside_loss import tie
 
-NEEDS_LOSS = ("the torchax backend needs the module to return its loss (a scalar, a dict with a 'loss' key, an "
-              "object with .loss, or a tuple whose first item is the scalar loss): the gradient is taken inside "
-              "the traced forward, so engine.backward(loss) must be given that loss, as forward returned it. "
-              "Compute the loss in the module's forward (wrap the model and the criterion in one module), or use "
-              "the torch_xla backend")
+NOT_FROM_ENGINE = ("engine.backward(loss) was given a loss that depends on no output of this engine's forward "
+                   "with grad enabled: compute it from what engine(...) returned in training (not under "
+                   "torch.no_grad(), not from a .detach()ed or .cpu() copy)")
 BACKWARD_TWICE = ("engine.backward(loss) was given a loss whose gradients an earlier backward already committed: "
                   "call it once per forward's loss, or pass retain_graph=True to the first call (as torch, which "
                   "refuses to backward through a graph a second time)")
@@ -99,6 +99,11 @@ def _as_dicts(obj):
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
         return type(obj)(_as_dicts(v) for v in obj)
     return obj
+
+
+def _as_jax(t: torch.Tensor, env):
+    """A tensor's value as a JAX array: a torchax tensor's own, a host tensor's copy."""
+    return t._elem if _is_torchax_tensor(t) else env.t2j_copy(t.detach())
 
 
 def _is_torchax_tensor(t: torch.Tensor) -> bool:
@@ -263,8 +268,10 @@ class TorchaxEngine(EngineBase):
         self._retired: Optional[dict] = None  # the sum the last backward replaced
         self._retired_inputs: tuple = ()  # the last update's inputs
         self._last_loss = None
+        self._anchor = torch.zeros((), requires_grad=True)  # ties every training forward's outputs into autograd
+        self._backward_state: Optional[SimpleNamespace] = None  # during _backward_outside
+        self._backward_program = None  # built at the first loss computed outside the module
         self._window_loss = self._step_loss = None  # the mean loss of the accumulation window, a JAX array
-        self._told_input_gradients = False
         self._step_logger = StepLogger(cfg, device_clock=None, process_index=self.global_rank)  # no torch_xla clock
         self._rows_since_step = 0  # training rows fed: global_samples
         self._global_grad_norm = None
@@ -497,57 +504,53 @@ class TorchaxEngine(EngineBase):
         inputs, kwargs = _as_dicts(inputs), _as_dicts(kwargs)
         leaves, treespec = torch_pytree.tree_flatten((inputs, kwargs))
         static = tuple((i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor))
-        if torch.is_grad_enabled() and not self._told_input_gradients:
-            self._tell_input_gradients(inputs, kwargs)
         self._take_host_changes()
         layout = self._batch_layout(self._module, inputs, kwargs, on_device=_is_torchax_tensor)
         arrays = self._place_inputs(leaves, layout)
         rng = (self._rng, np.uint32(self.micro_steps))  # dropout draws anew at every micro-step
         rows = layout.rows if layout.on_device else None if layout.rows is None else layout.rows * self._batch.processes
         training = self._module.training
+        grad_enabled = torch.is_grad_enabled()
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        # the inputs whose gradients torch would give (x.grad): differentiated by the VJP program
+        which = tuple(i for i, t in enumerate(tensors) if t.requires_grad and t.is_floating_point()) \
+            if grad_enabled else ()
         forward = SimpleNamespace(treespec=treespec, static=static, rng=rng, arrays=arrays, rows=rows,
                                   training=training, constants=self._constants, generation=self._generation,
-                                  pending=None, accum_token=None)
-        if training and torch.is_grad_enabled():
+                                  pending=None, accum_token=None, engine=self, which=which,
+                                  inputs=[tensors[i] for i in which], dims=[layout.dim_of(tensors[i]) for i in which],
+                                  vjp=None, released=False)
+        if training and grad_enabled:
             if rows is not None:
                 self._check_training_rows(rows)
             self._input_shapes = tuple(tuple(a.shape) for a in arrays)  # named by the recompile guard
-            ran = self._gradient(forward)
+            ran = None if which else self._gradient(forward)
             if ran is not None:
                 outputs, constants, program = ran
                 self._take_constants(constants)
-                result = self._outputs(outputs, program)
+                result = self._outputs(outputs, program, forward)
                 program.loss_of(result)._spmdzero_forward = forward
                 return result
-            # the output holds no loss (found while tracing): a plain forward; backward will explain
+            # the output holds no loss (found while tracing), or inputs want their gradients: the
+            # VJP program, whose backward engine.backward runs from the loss the script computes
+            program = self._program("vjp", treespec, static, training, which)
+            self.runs["forward"] += 1
+            outputs, constants, forward.vjp = program(self._params, self._constants, rng, arrays)
+            self._take_constants(constants)
+            return self._outputs(outputs, program, forward)
         program = self._program("forward", treespec, static, training)
         self.runs["forward"] += 1
         outputs, constants = program(self._params, self._constants, rng, arrays)
         self._take_constants(constants)
-        result = self._outputs(outputs, program)
-        loss = _find_loss(result) if torch.is_grad_enabled() and not training else None
-        if loss is not None:
-            # eval mode with grad enabled (fine-tuning with dropout off): the gradients are taken
-            # only if backward asks for them, by the training program in eval mode
+        if not grad_enabled:
+            return self._outputs(outputs, program)
+        # eval mode with grad enabled (fine-tuning with dropout off): the gradients are taken only
+        # if backward asks for them, by the training or VJP program in eval mode
+        result = self._outputs(outputs, program, forward)
+        loss = _find_loss(result)
+        if loss is not None and not which:
             loss._spmdzero_forward = forward
         return result
-
-    def _tell_input_gradients(self, inputs: tuple, kwargs: dict) -> None:
-        """A host input that requires grad gets none here: the programs differentiate the
-        parameters only (the torch_xla backend gives ``x.grad``). Said once, naming it."""
-        def asks(value) -> bool:
-            leaves = torch_pytree.tree_leaves(value)
-            return any(isinstance(t, torch.Tensor) and not _is_torchax_tensor(t) and t.requires_grad for t in leaves)
-
-        positions = [i for i, v in enumerate(inputs) if asks(v)]
-        asking = [k for k, v in kwargs.items() if asks(v)]
-        if positions or asking:
-            names = getattr(self, "_forward_names", None) or forward_argument_names(self._module)  # only when told
-            asking = [names[i] if i < len(names) else f"positional input {i}" for i in positions] + asking
-            self._told_input_gradients = True
-            warnings.warn(f"spmdzero: input {', '.join(map(repr, asking))} requires grad, but the torchax backend "
-                          "differentiates the parameters only: its .grad stays None. Use spmd.backend='torch_xla' "
-                          "for input gradients (noted once)", stacklevel=3)
 
     def _take_constants(self, changed: dict) -> None:
         """Buffers a forward changed: the devices' values, copied to the module when it is read."""
@@ -571,26 +574,38 @@ class TorchaxEngine(EngineBase):
         forward.accum_token = self._accum_token
         return outputs, constants, program
 
-    def _outputs(self, arrays: list, program):
+    def _outputs(self, arrays: list, program, record: Optional[SimpleNamespace] = None):
+        """The program's outputs as the module returned them; with ``record`` (a forward torch
+        could differentiate), tied into torch autograd (``outside_loss``), so that a loss the
+        script computes from them reaches the compiled backward."""
         spec, others = program.out_spec
         leaves = [self._Output(a, self._env) for a in arrays]
+        if record is not None:
+            record.floats = [i for i, a in enumerate(arrays) if np.issubdtype(a.dtype, np.inexact)]
+            record.avals = tuple((tuple(arrays[i].shape), str(arrays[i].dtype)) for i in record.floats)
+            record.tensors = leaves
+            leaves = tie(record, self._anchor, record.inputs)
+            record.tensors = None  # the outputs hold the record (their grad_fn), not the reverse
         for i, value in others:
             leaves.insert(i, value)
         return torch_pytree.tree_unflatten(leaves, spec)
 
-    def _program(self, kind: str, treespec, static: tuple, training: bool):
+    def _program(self, kind: str, treespec, static: tuple, training: bool, which: tuple = ()):
         """The jitted program for ``kind``, these inputs' structure and the module's mode (traced
-        in it: dropout on or off)."""
-        key = (kind, training, treespec, _hashable(static))
+        in it: dropout on or off); ``which``: the inputs the VJP program differentiates."""
+        key = (kind, training, treespec, _hashable(static), which)
         if key not in self._programs:
-            self._programs[key] = self._build_forward(kind, treespec, static)
+            self._programs[key] = self._build_forward(kind, treespec, static, which)
         return self._programs[key]
 
-    def _build_forward(self, kind: str, treespec, static: tuple):
+    def _build_forward(self, kind: str, treespec, static: tuple, which: tuple = ()):
         """A jitted run of the module for one input structure: ``kind`` "forward":
         ``(params, constants, rng, inputs) -> (outputs, changed buffers)``; "train" (the first
         micro-step) and "accumulate" (later ones): ``(params, constants, accum, rng, inputs) ->
-        (outputs, changed buffers, accumulated gradients)``, or None when the output holds no loss."""
+        (outputs, changed buffers, accumulated gradients)``, or None when the output holds no loss;
+        "vjp": ``(params, constants, rng, inputs) -> (outputs, changed buffers, VJP)``, the VJP of
+        the float outputs with respect to the parameters and the inputs at positions ``which``
+        (what ``_backward_through`` gives the cotangents)."""
         import jax
 
         env, module, names, policy = self._env, self._module, set(self._names), self.precision
@@ -662,7 +677,28 @@ class TorchaxEngine(EngineBase):
                          for n, g in grads.items()}
             return outputs, changed, grads
 
-        if kind != "forward":
+        def program_vjp(params, constants, rng, arrays):
+            self.traces["vjp_forward"] += 1
+            floats: list = []  # positions of the float outputs, found while tracing
+
+            def differentiable(params, chosen):
+                placed = list(arrays)
+                for i, array in zip(which, chosen):
+                    placed[i] = array
+                output, changed = run(params, constants, rng, placed)
+                outputs = flatten_output(output)
+                floats[:] = [i for i, o in enumerate(outputs) if jax.numpy.issubdtype(o.dtype, jax.numpy.inexact)]
+                return [outputs[i] for i in floats], (outputs, changed)
+
+            _, vjp, (outputs, changed) = jax.vjp(differentiable, params, [arrays[i] for i in which], has_aux=True)
+            return outputs, changed, vjp
+
+        if kind == "vjp":
+            jitted = jax.jit(program_vjp)
+
+            def call(params, constants, rng, arrays):
+                return jitted(params, constants, rng, arrays)
+        elif kind != "forward":
             jitted = jax.jit(program_train)
 
             def call(params, constants, accum, rng, arrays):
@@ -684,40 +720,150 @@ class TorchaxEngine(EngineBase):
         return call
 
     def backward(self, loss, retain_graph: bool = False, scale_wrt_gas: bool = True):
-        """Commit the gradients the training forward that returned ``loss`` took of it, as
-        torch's backward of that loss would: the gradient is taken again, by the same program on
-        the same inputs and dropout draw, when the accumulation it was added to has changed since
-        (a backward of another forward's loss, a ``zero_grad`` that dropped it) or when the
-        forward ran in eval mode. Returns the loss scaled by 1/gradient_accumulation_steps, as
-        DeepSpeed does."""
+        """Commit the gradients of ``loss``, as torch's backward of it would, scaled by
+        1/gradient_accumulation_steps (and fp16's loss scale) as DeepSpeed does. The loss the
+        module returned: the gradient its training forward already took is committed; it is taken
+        again, by the same program on the same inputs and dropout draw, when the accumulation it
+        was added to has changed since (a backward of another forward's loss, a ``zero_grad`` that
+        dropped it) or when the forward ran in eval mode. Any other loss (computed outside the
+        module from the outputs): torch autograd takes it back to the outputs, and the compiled
+        backward takes it on (``outside_loss``). Returns the loss scaled by
+        1/gradient_accumulation_steps, as DeepSpeed does."""
         forward = getattr(loss, "_spmdzero_forward", None) if isinstance(loss, torch.Tensor) else None
         if forward is _COMMITTED:
             raise RuntimeError(BACKWARD_TWICE)
+        gas = self.gradient_accumulation_steps()
         if forward is None:
-            raise RuntimeError(f"engine.backward(loss): {NEEDS_LOSS}")
-        if not scale_wrt_gas and self.gradient_accumulation_steps() > 1:
-            raise ValueError("engine.backward(scale_wrt_gas=False) is not supported by the torchax backend: the "
-                             "traced forward scales the loss by 1/gradient_accumulation_steps")
+            if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+                raise RuntimeError(NOT_FROM_ENGINE)
+            rows = self._backward_outside(loss, retain_graph, gas if scale_wrt_gas else 1)
+        else:
+            if not scale_wrt_gas and gas > 1:
+                raise ValueError("engine.backward(scale_wrt_gas=False) is not supported for the loss the module "
+                                 "returns on the torchax backend: its traced forward scales that loss by "
+                                 "1/gradient_accumulation_steps (a loss computed from the outputs takes it)")
+            self._commit_traced(forward)
+            if not retain_graph:
+                loss._spmdzero_forward = _COMMITTED
+            rows = forward.rows or 0
+        self._last_loss = loss
+        self._rows_since_step += rows
+        self._window_reduced = self.is_gradient_accumulation_boundary()
+        term = _as_jax(loss, self._env).astype("float32") / gas  # a JAX op: no device read
+        self._window_loss = term if self._window_loss is None else self._window_loss + term
+        return loss / gas if gas > 1 else loss
+
+    def _commit_traced(self, forward: SimpleNamespace) -> None:
+        """Commit the gradient a training forward took of the module's loss (taking it again when
+        the accumulation changed since, see ``backward``)."""
         if forward.pending is None or forward.accum_token != self._accum_token:
             if forward.generation != self._generation:
                 raise RuntimeError(PARAMETERS_CHANGED)
             if not forward.training and forward.rows is not None:
                 self._check_training_rows(forward.rows)  # an eval-mode forward trains only now
             if self._gradient(forward) is None:  # its buffer changes were taken by the forward itself
-                raise RuntimeError(f"engine.backward(loss): {NEEDS_LOSS}")
+                raise RuntimeError("engine.backward(loss): the module returned this loss in eval mode, but no loss "
+                                   "when traced to take its gradient")
+        self._take_accum(forward.pending)
+        forward.pending = None
+
+    def _take_accum(self, accum: dict) -> None:
         _release_in_background(self._retired)
         self._retired = self._accum  # released one micro-step later (see _take_model_step)
-        self._set_accum(forward.pending)
-        forward.pending = None
-        if not retain_graph:
-            loss._spmdzero_forward = _COMMITTED
-        self._last_loss = loss
-        self._rows_since_step += forward.rows or 0
-        self._window_reduced = self.is_gradient_accumulation_boundary()
-        gas = self.gradient_accumulation_steps()
-        term = loss._elem.astype("float32") / gas  # a JAX op: no device read
-        self._window_loss = term if self._window_loss is None else self._window_loss + term
-        return loss / gas if gas > 1 else loss
+        self._set_accum(accum)
+
+    def _backward_outside(self, loss: torch.Tensor, retain_graph: bool, divide: int) -> int:
+        """torch autograd from ``loss`` (scaled as DeepSpeed scales it: fp32, times fp16's loss
+        scale, over ``divide``) back to the engine's outputs, whose nodes run the compiled backward
+        (``_backward_through``). Returns the training rows of the forwards it reached."""
+        scaled = loss.float()
+        if self._loss_scale is not None:
+            scaled = scaled * self._Output(self._loss_scale.scale, self._env)
+        if divide > 1:
+            scaled = scaled / divide
+        state = self._backward_state = SimpleNamespace(retain=retain_graph, rows=0, forwards=0)
+        try:
+            torch.autograd.backward(scaled, retain_graph=retain_graph)
+        finally:
+            self._backward_state = None
+        if not state.forwards:
+            raise RuntimeError(NOT_FROM_ENGINE)
+        return state.rows
+
+    def _backward_through(self, record: SimpleNamespace, cotangents: tuple) -> list:
+        """The compiled backward of one forward (``outside_loss.TiedOutputs.backward``): its
+        gradients, from the cotangents of its outputs, added to the accumulated ones; returns the
+        gradients of its inputs that require grad (host tensors for host inputs)."""
+        if record.released:
+            raise RuntimeError(BACKWARD_TWICE)
+        vjp = record.vjp
+        if vjp is None:  # the forward took the module's loss's gradient only: its VJP, on the same inputs
+            if record.generation != self._generation:
+                raise RuntimeError(PARAMETERS_CHANGED)
+            if not record.training and record.rows is not None:
+                self._check_training_rows(record.rows)  # an eval-mode forward trains only now
+            program = self._program("vjp", record.treespec, record.static, record.training, record.which)
+            _, _, vjp = program(self._params, record.constants, record.rng, record.arrays)
+        state = self._backward_state
+        cts = tuple(None if cotangents[i] is None else _as_jax(cotangents[i], self._env) for i in record.floats)
+        if self._backward_program is None:
+            self._backward_program = self._build_backward()
+        self.runs["backward"] += 1
+        grads, input_grads = self._backward_program(vjp, cts, self._accum, record.avals)
+        self._take_accum(grads)
+        if state is not None:
+            state.rows += record.rows or 0
+            state.forwards += 1
+        if state is None or not state.retain:
+            record.vjp, record.released = None, True
+        return [self._input_gradient(record, k, g) for k, g in enumerate(input_grads)]
+
+    def _input_gradient(self, record: SimpleNamespace, k: int, grad):
+        """The gradient of the ``k``-th input that required grad, as torch gives it: a torchax
+        tensor for a torchax input, a host tensor (this process's rows) for a host input."""
+        from torchax.ops import mappings
+
+        t = record.inputs[k]
+        if _is_torchax_tensor(t):
+            return self._Output(grad, self._env)
+        array = record.arrays[record.which[k]]
+        if self._processes > 1 and record.dims[k] is not None:  # this process's rows of the global gradient
+            grad = self._jax.device_put(grad, array.sharding)
+            dim, seen, parts = record.dims[k], set(), []
+            for shard in sorted(grad.addressable_shards, key=lambda s: s.index[dim].start or 0):
+                start = shard.index[dim].start or 0
+                if start not in seen:
+                    seen.add(start)
+                    parts.append(np.asarray(shard.data))
+            grad = np.concatenate(parts, axis=dim)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # it is copied
+            return mappings.j2t(np.asarray(grad), use_dlpack=False).to(t.dtype)
+
+    def _build_backward(self):
+        """``(VJP, cotangents, accum, avals) -> (accumulated gradients, input gradients)``, jitted:
+        the compiled backward of a loss computed outside the module. A cotangent that is None (an
+        output the loss does not use) is zeros of that output's shape; the gradients are reduced
+        and accumulated as the training program does (the plan's gradient spec)."""
+        import jax
+        import jax.numpy as jnp
+
+        policy = self.precision
+        comm, accumulated = _jax_dtype(policy.communication_dtype), _jax_dtype(policy.grad_accum_dtype)
+
+        def backward(vjp, cotangents, accum, avals):
+            self.traces["backward"] += 1
+            cts = [jnp.zeros(shape, dtype) if c is None else c.astype(dtype)
+                   for c, (shape, dtype) in zip(cotangents, avals)]
+            grads, input_grads = vjp(cts)
+            grads = {n: jax.lax.with_sharding_constraint(g.astype(comm), self._grad_specs[n]).astype(accumulated)
+                     for n, g in grads.items()}
+            if accum is not None:
+                grads = {n: jax.lax.with_sharding_constraint(accum[n] + g, self._grad_specs[n])
+                         for n, g in grads.items()}
+            return grads, input_grads
+
+        return jax.jit(backward, static_argnums=(3,))
 
     def _set_accum(self, accum: Optional[dict]) -> None:
         """The gradients accumulated since the last optimizer step; a new token tells the
@@ -871,7 +1017,7 @@ class TorchaxEngine(EngineBase):
 
     def last_loss(self) -> Optional[float]:
         """The loss last passed to ``backward``; reads the device."""
-        loss = None if self._last_loss is None else float(self._last_loss.numpy())
+        loss = None if self._last_loss is None else float(_as_jax(self._last_loss, self._env))
         notice_nonfinite(self, loss, "loss")
         return loss
 
