@@ -1118,3 +1118,27 @@ def test_an_input_that_requires_grad_gets_torchs_gradient(where):
     engine.step()
     torch_optimizer(reference).step()
     assert_as_in_torch(engine, reference)
+
+
+def test_backward_without_scaling_by_accumulation_trains_as_torch_on_the_summed_losses():
+    """``backward(loss, scale_wrt_gas=False)``, as the Hugging Face Trainer calls it at every step
+    (it divides the loss itself): the module's loss and one computed outside are both taken
+    unscaled (it used to be refused), without a new program after the first step."""
+    model, reference = MaybeLoss(tiny_mlp(seed=0)), MaybeLoss(tiny_mlp(seed=0))
+    engine, *_ = spmdzero.initialize(model=model, config=plain_config(2))
+    optimizer = torch_optimizer(reference)
+    for step, ((x1, y1), (x2, y2)) in enumerate(zip(*[iter(batches(6, 16))] * 2)):
+        for x, y in ((x1, y1), (x2, y2)):
+            engine.backward(engine(x, y)["loss"], scale_wrt_gas=False)
+            engine.step()
+        torch_step(reference, optimizer, reference(x1, y1)["loss"], reference(x2, y2)["loss"])
+        assert_as_in_torch(engine, reference)
+        traces = dict(engine.traces) if step == 0 else traces
+    assert dict(engine.traces) == traces
+    x, y = batches(1, 16)[0]
+    for _ in range(2):
+        engine.backward(torch.nn.functional.mse_loss(engine(x)["logits"], y), scale_wrt_gas=False)
+        engine.step()
+    loss = torch.nn.functional.mse_loss(reference(x)["logits"], y)
+    torch_step(reference, optimizer, loss, torch.nn.functional.mse_loss(reference(x)["logits"], y))
+    assert_as_in_torch(engine, reference)

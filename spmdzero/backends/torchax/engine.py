@@ -268,6 +268,7 @@ class TorchaxEngine(EngineBase):
         self._retired: Optional[dict] = None  # the sum the last backward replaced
         self._retired_inputs: tuple = ()  # the last update's inputs
         self._last_loss = None
+        self._loss_divisor = float(self.gradient_accumulation_steps())  # what the training program divides the loss by
         self._anchor = torch.zeros((), requires_grad=True)  # ties every training forward's outputs into autograd
         self._backward_state: Optional[SimpleNamespace] = None  # during _backward_outside
         self._backward_program = None  # built at the first loss computed outside the module
@@ -517,7 +518,7 @@ class TorchaxEngine(EngineBase):
             if grad_enabled else ()
         forward = SimpleNamespace(treespec=treespec, static=static, rng=rng, arrays=arrays, rows=rows,
                                   training=training, constants=self._constants, generation=self._generation,
-                                  pending=None, accum_token=None, engine=self, which=which,
+                                  pending=None, accum_token=None, divisor=None, engine=self, which=which,
                                   inputs=[tensors[i] for i in which], dims=[layout.dim_of(tensors[i]) for i in which],
                                   vjp=None, released=False)
         if training and grad_enabled:
@@ -571,7 +572,7 @@ class TorchaxEngine(EngineBase):
             return None
         self.runs["forward"] += 1
         outputs, constants, forward.pending = ran
-        forward.accum_token = self._accum_token
+        forward.accum_token, forward.divisor = self._accum_token, self._loss_divisor
         return outputs, constants, program
 
     def _outputs(self, arrays: list, program, record: Optional[SimpleNamespace] = None):
@@ -609,7 +610,6 @@ class TorchaxEngine(EngineBase):
         import jax
 
         env, module, names, policy = self._env, self._module, set(self._names), self.precision
-        gas = self.gradient_accumulation_steps()
         out_spec: list = []  # (treespec, [(index, non-tensor leaf)]), filled while tracing
         batch_norms = [bn for _, bn in batchnorm.tracked(module)]  # their running statistics are updated in training
         loss_leaf: list = []
@@ -650,7 +650,7 @@ class TorchaxEngine(EngineBase):
             output, changed = run(params, constants, rng, arrays)
             return flatten_output(output), changed
 
-        def program_train(params, constants, accum, rng, arrays, loss_scale):
+        def program_train(params, constants, accum, rng, arrays, loss_scale, divisor):
             self.traces["train_forward"] += 1
 
             def objective(params):
@@ -662,9 +662,10 @@ class TorchaxEngine(EngineBase):
                 tensors = [t for t in torch_pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
                 loss_leaf[:] = [next(i for i, t in enumerate(tensors) if t is loss)]
                 value = env.t2j_iso(loss).reshape(())
-                # DeepSpeed's backward scales the loss by 1/gradient_accumulation_steps, then by
-                # fp16's loss scale (an input: a new scale is not a new program)
-                value = value / gas if gas > 1 else value
+                # DeepSpeed's backward scales the loss by 1/gradient_accumulation_steps (unless
+                # backward(scale_wrt_gas=False): 1), then by fp16's loss scale (inputs: a new
+                # value is not a new program)
+                value = value / divisor
                 return (value if loss_scale is None else value * loss_scale), (outputs, changed)
 
             grads, (outputs, changed) = jax.grad(objective, has_aux=True)(params)
@@ -704,7 +705,7 @@ class TorchaxEngine(EngineBase):
             def call(params, constants, accum, rng, arrays):
                 scale = None if self._loss_scale is None else self._loss_scale.scale
                 try:
-                    return jitted(params, constants, accum, rng, arrays, scale)
+                    return jitted(params, constants, accum, rng, arrays, scale, np.float32(self._loss_divisor))
                 except _NoLoss:
                     call.no_loss = True
                     return None
@@ -738,10 +739,9 @@ class TorchaxEngine(EngineBase):
                 raise RuntimeError(NOT_FROM_ENGINE)
             rows = self._backward_outside(loss, retain_graph, gas if scale_wrt_gas else 1)
         else:
-            if not scale_wrt_gas and gas > 1:
-                raise ValueError("engine.backward(scale_wrt_gas=False) is not supported for the loss the module "
-                                 "returns on the torchax backend: its traced forward scales that loss by "
-                                 "1/gradient_accumulation_steps (a loss computed from the outputs takes it)")
+            # the next forwards scale the loss as this backward asks (the HF Trainer passes
+            # scale_wrt_gas=False at every step); this one is taken again if it scaled otherwise
+            self._loss_divisor = float(gas if scale_wrt_gas else 1)
             self._commit_traced(forward)
             if not retain_graph:
                 loss._spmdzero_forward = _COMMITTED
@@ -756,7 +756,8 @@ class TorchaxEngine(EngineBase):
     def _commit_traced(self, forward: SimpleNamespace) -> None:
         """Commit the gradient a training forward took of the module's loss (taking it again when
         the accumulation changed since, see ``backward``)."""
-        if forward.pending is None or forward.accum_token != self._accum_token:
+        if (forward.pending is None or forward.accum_token != self._accum_token
+                or forward.divisor != self._loss_divisor):
             if forward.generation != self._generation:
                 raise RuntimeError(PARAMETERS_CHANGED)
             if not forward.training and forward.rows is not None:
