@@ -555,6 +555,45 @@ def test_missing_torchax_is_a_clear_error(monkeypatch):
         torchax_build._require_torchax()
 
 
+def test_the_torchax_version_named_in_errors_is_pyprojects_pin():
+    import tomllib
+
+    from conftest import REPO
+    from spmdzero.backends.torchax.build import TORCHAX_VERSION
+
+    with open(f"{REPO}/pyproject.toml", "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    assert extras["torchax"] == [f"torchax=={TORCHAX_VERSION}"]
+
+
+def test_torchax_files_overwritten_by_torch_xlas_copy_get_the_repair_command(monkeypatch, tmp_path):
+    """pip installs torch_xla's wheel, with its older torchax copy, over torchax 0.0.13's files
+    (checked: ``pip install --no-deps torch_xla==2.9.0 torchax==0.0.13`` leaves torchax 0.0.6's
+    ``__init__.py`` under pip's 0.0.13): the error says so and gives the command that repairs it."""
+    import builtins
+    import importlib.metadata
+    import importlib.util
+    from types import SimpleNamespace
+
+    from spmdzero.backends.torchax import build as torchax_build
+
+    (tmp_path / "__init__.py").write_text('import flax\n__version__ = "0.0.6"\n')
+    real_import, real_find, real_version = builtins.__import__, importlib.util.find_spec, importlib.metadata.version
+
+    def old_copy(name, *args, **kwargs):
+        if name == "torchax":
+            raise ImportError("No module named 'flax'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: SimpleNamespace(
+        origin=str(tmp_path / "__init__.py")) if name == "torchax" else real_find(name, *a))
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.13" if name == "torchax" else real_version(name))
+    monkeypatch.setattr(builtins, "__import__", old_copy)
+    with pytest.raises(ConfigError, match=r"pip lists torchax 0\.0\.13, but the files installed are torchax 0\.0\.6.*"
+                                          r"pip install --force-reinstall --no-deps torchax==0\.0\.13"):
+        torchax_build._require_torchax()
+
+
 # ---- SPMDZERO_BACKEND=torchax: JAX owns the devices, torch_xla's runtime never starts ----------------
 
 JAX_OWNED = """

@@ -43,12 +43,44 @@ def check_config(cfg: DeepSpeedConfig, client_optimizer: Any = None) -> None:
 
 
 def _require_torchax() -> None:
-    """torch_xla's wheel brings an older torchax that fails to import (it needs flax)."""
+    """torch_xla 2.9's wheel carries an older torchax copy (it imports flax) in the same
+    ``torchax/`` folder: installed after torchax 0.0.13, it overwrites its files, while pip still
+    lists 0.0.13. That case gets the command that repairs it, not a bare ImportError."""
     try:
         import torchax  # noqa: F401
     except ImportError as err:
+        files, listed = _torchax_versions()
+        if files is not None and listed is not None and files != listed:
+            raise ConfigError(f"spmd.backend='torchax' needs torchax {TORCHAX_VERSION}: pip lists torchax {listed}, but "
+                              f"the files installed are torchax {files}, the copy torch_xla's wheel carries ({err}), "
+                              "which overwrote them. Repair with: pip install --force-reinstall --no-deps "
+                              f"torchax=={TORCHAX_VERSION}") from err
         raise ConfigError(f"spmd.backend='torchax' needs the torchax package ({err}): "
-                          "pip install 'spmdzero[torchax]' (torchax==0.0.13)") from err
+                          f"pip install 'spmdzero[torchax]' (torchax=={TORCHAX_VERSION})") from err
+
+
+TORCHAX_VERSION = "0.0.13"  # pyproject.toml's pin
+
+
+def _torchax_versions() -> tuple[Optional[str], Optional[str]]:
+    """(the version torchax's installed ``__init__.py`` says, the version pip's metadata lists),
+    each None when unknown; nothing is imported."""
+    import importlib.metadata
+    import importlib.util
+    import re
+
+    try:
+        spec = importlib.util.find_spec("torchax")
+        with open(spec.origin, encoding="utf-8") as f:
+            found = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", f.read(), re.M)
+        files = found.group(1) if found else None
+    except (ImportError, AttributeError, TypeError, OSError, ValueError):
+        files = None
+    try:
+        listed = importlib.metadata.version("torchax")
+    except importlib.metadata.PackageNotFoundError:
+        listed = None
+    return files, listed
 
 
 def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=None, model_parameters=None,
