@@ -1,5 +1,6 @@
 """spmdzero on 4 CPU devices against DeepSpeed's own ZeRO-2 runs (gloo, 4 ranks) of the same
 model, data and config JSON, in fp32 and bf16: accumulation, clipping and a warmup schedule on.
+Each on both backends (the loss is computed outside the module, as DeepSpeed scripts do).
 
 The DeepSpeed side is recorded in tests/fixtures/ by tests/oracle/deepspeed_training.py
 (see its docstring); DeepSpeed is not needed to run this test.
@@ -20,16 +21,25 @@ FIXTURES = pathlib.Path(REPO, "tests", "fixtures")
 TOLERANCE = {"fp32": dict(rtol=1e-5, atol=1e-5), "bf16": dict(rtol=2e-2, atol=1e-2)}
 
 
+BACKENDS = pytest.mark.parametrize("backend", ["torch_xla", "torchax"])
+
+
+def _config(precision: str, backend: str) -> str:
+    """The case's config, for ``backend``, as Python source for the subprocess."""
+    base = "CONFIG_BF16" if precision == "bf16" else "CONFIG"
+    return f"{{**{base}, 'spmd': {{'backend': {backend!r}}}}}"
+
+
+@BACKENDS
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_zero2_matches_deepspeed(precision):
+def test_zero2_matches_deepspeed(precision, backend):
     ds = json.loads((FIXTURES / f"deepspeed_zero2_{precision}.json").read_text())
     out = run_python(f"""
         import json, sys
         sys.path.insert(0, "tests/oracle")
         import torch, spmdzero
         from training_case import CONFIG, CONFIG_BF16, make_model, train_spmdzero
-        config = CONFIG_BF16 if {precision!r} == "bf16" else CONFIG
-        engine, *_ = spmdzero.initialize(model=make_model(), config=config)
+        engine, *_ = spmdzero.initialize(model=make_model(), config={_config(precision, backend)})
         print(json.dumps(train_spmdzero(engine)))
     """, env={"CPU_NUM_DEVICES": "4", "PJRT_DEVICE": "CPU"})
     ours = json.loads(out.strip().splitlines()[-1])
@@ -45,9 +55,10 @@ def assert_matches_deepspeed(ours: dict, ds: dict, start: int, precision: str) -
         np.testing.assert_allclose(ours["params"][name], values, err_msg=name, **TOLERANCE[precision])
 
 
+@BACKENDS
 @pytest.mark.parametrize("precision,route", [("fp32", "load_checkpoint"), ("fp32", "import-deepspeed"),
                                              ("bf16", "load_checkpoint")])
-def test_deepspeed_checkpoint_import_continues_as_deepspeed_did(precision, route, tmp_path):
+def test_deepspeed_checkpoint_import_continues_as_deepspeed_did(precision, route, backend, tmp_path):
     """DeepSpeed saved a ZeRO-2 checkpoint (4 ranks) after 12 micro-steps of the fp32 run and
     went on; spmdzero loads that directory (directly, or converted by the CLI without
     devices) and continues on the same data."""
@@ -69,7 +80,7 @@ def test_deepspeed_checkpoint_import_continues_as_deepspeed_did(precision, route
         from training_case import CONFIG, CONFIG_BF16, train_spmdzero
         torch.manual_seed(123)  # a different init: everything must come from the checkpoint
         model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-        engine, *_ = spmdzero.initialize(model=model, config=CONFIG_BF16 if {precision!r} == "bf16" else CONFIG)
+        engine, *_ = spmdzero.initialize(model=model, config={_config(precision, backend)})
         path, client = engine.load_checkpoint({source!r})
         counters = [engine.global_steps, engine.global_samples, engine.micro_steps, engine.skipped_steps]
         print(json.dumps({{**train_spmdzero(engine, {start}), "client": client, "counters": counters}}))

@@ -582,7 +582,8 @@ class TorchaxEngine(EngineBase):
         spec, others = program.out_spec
         leaves = [self._Output(a, self._env) for a in arrays]
         if record is not None:
-            record.floats = [i for i, a in enumerate(arrays) if np.issubdtype(a.dtype, np.inexact)]
+            inexact = self._jax.numpy.inexact  # bf16 is not a numpy float to numpy
+            record.floats = [i for i, a in enumerate(arrays) if self._jax.numpy.issubdtype(a.dtype, inexact)]
             record.avals = tuple((tuple(arrays[i].shape), str(arrays[i].dtype)) for i in record.floats)
             record.tensors = leaves
             leaves = tie(record, self._anchor, record.inputs)
