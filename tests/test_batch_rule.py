@@ -196,12 +196,27 @@ def test_shape_buckets_stop_recompiles_from_variable_lengths(pad):
 
 def test_padding_names_only_sequence_inputs():
     batch = {**lm_batch(5, rows=2), "token_type_ids": torch.zeros(2, 5, dtype=torch.long),
-             "scores": torch.randn(2, 5), "class_labels": torch.tensor([0, 1])}
+             "scores": torch.randn(2, 3), "class_labels": torch.tensor([0, 1])}
     padded = pad_sequences((batch,), 8, pad_id=7)[0]
     assert padded["input_ids"].shape == (2, 8) and (padded["input_ids"][:, 5:] == 7).all()
     assert (padded["attention_mask"][:, 5:] == 0).all() and (padded["labels"][:, 5:] == -100).all()
     assert (padded["token_type_ids"][:, 5:] == 0).all()
-    assert padded["scores"].shape == (2, 5) and padded["class_labels"].shape == (2,)
+    assert padded["scores"].shape == (2, 3) and padded["class_labels"].shape == (2,)
+
+
+def test_a_dict_with_a_sequence_of_unknown_padding_is_left_whole_and_said_once():
+    """A script's own ``src_tokens`` beside the ``attention_mask`` (HelloDeepSpeed's collator):
+    padding the mask alone gave the model sequences of two lengths (a broadcasting error in its
+    attention), so the dict is left as it is, and a warning names the keys once."""
+    import warnings
+
+    batch = {"src_tokens": torch.ones(2, 5, dtype=torch.long), "attention_mask": torch.ones(2, 5, dtype=torch.long),
+             "tgt_tokens": torch.ones(2, 5, dtype=torch.long)}
+    with pytest.warns(UserWarning, match=r"keys \['src_tokens', 'tgt_tokens'\] unpadded"):
+        assert pad_sequences(batch, 8) is batch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert pad_sequences(batch, 8) is batch
     no_mask = {"input_ids": torch.ones(2, 5, dtype=torch.long)}
     assert pad_sequences(no_mask, 8)["input_ids"].shape == (2, 5)  # no mask: padding would change the result
 

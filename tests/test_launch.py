@@ -94,6 +94,22 @@ def test_bert_style_script_with_its_own_loader_trains_saves_and_resumes(tmp_path
 
 
 @pytest.mark.slow
+def test_bert_style_script_on_the_torchax_backend_trains_saves_and_resumes(tmp_path):
+    """Its own loader, a transformers model computing its loss, `pad_to_multiple_of` (its
+    collator's `src_tokens` beside the mask: left whole, said once), save and resume."""
+    script = os.path.join(SCRIPTS, "bert_style.py")
+    ckpt, spmd = str(tmp_path / "exp"), '{"pad_to_multiple_of": 32, "backend": "torchax"}'
+    out = launch("--spmd", spmd, script, "--checkpoint_dir", ckpt, "--num_iterations", "2", "--batch_size", "8",
+                 cwd=tmp_path, SPMDZERO_BACKEND="torchax")
+    assert steps(out) == [(1, 8, 8), (2, 8, 16)]
+    assert out.count("spmd.pad_to_multiple_of leaves a batch with keys ['src_tokens', 'tgt_tokens'] unpadded") == 1
+    out = launch("--spmd", spmd, script, "--load_checkpoint_dir", ckpt, "--num_iterations", "3", cwd=tmp_path,
+                 SPMDZERO_BACKEND="torchax")
+    assert "RESUMED checkpoint_step=2 global_steps=2" in out
+    assert steps(out) == [(3, 8, 24)]
+
+
+@pytest.mark.slow
 def test_chat_style_script_with_world_size_arithmetic_trains_saves_and_resumes(tmp_path):
     script = os.path.join(SCRIPTS, "chat_style.py")
     out_dir = str(tmp_path / "out")

@@ -72,6 +72,10 @@ def pad_sequences(obj: Any, multiple: int, pad_id: int = 0) -> Any:
     Host tensors only: padding a tensor already on the device would not change the
     step's input shapes."""
     if _has_host_mask(obj):
+        unknown = _unknown_sequences(obj)
+        if unknown:  # padding the mask and not these would give the model sequences of two lengths
+            _say_unpadded(unknown)
+            return obj
         return like(obj, ((k, _pad_dim1(v, v.shape[1] + -v.shape[1] % multiple, _pad_value(k, pad_id)))
                           if k in _sequence_keys(obj) else (k, v) for k, v in obj.items()))
     if isinstance(obj, Mapping):
@@ -106,6 +110,29 @@ def _sequence_keys(batch: dict) -> set:
                and isinstance(t, torch.Tensor) and t.dim() >= 2}
     return {k for k, t in batch.items() if k in PAD_VALUES and isinstance(t, torch.Tensor) and t.dim() >= 2
             and t.device.type != "xla" and t.shape[1] in lengths}
+
+
+def _unknown_sequences(batch: dict) -> list[str]:
+    """Keys of host tensors whose dim 1 has the mask's length but that ``PAD_VALUES`` does not
+    name (a script's own ``src_tokens``): their padding value is unknown."""
+    mask = batch["attention_mask"].shape[1]
+    return sorted(k for k, t in batch.items() if k not in PAD_VALUES and isinstance(t, torch.Tensor)
+                  and t.dim() >= 2 and t.device.type != "xla" and t.shape[1] == mask)
+
+
+_TOLD_UNPADDED: set = set()
+
+
+def _say_unpadded(keys: list[str]) -> None:
+    """Said once per set of keys: a dict left unpadded by ``spmd.pad_to_multiple_of``."""
+    if tuple(keys) not in _TOLD_UNPADDED:
+        _TOLD_UNPADDED.add(tuple(keys))
+        import warnings
+
+        warnings.warn(f"spmdzero: spmd.pad_to_multiple_of leaves a batch with keys {keys} unpadded: their dim 1 "
+                      "is the attention_mask's sequence length, and spmdzero does not know their padding value "
+                      "(it pads input_ids, labels, attention_mask, ...: docs/config.md, Shape buckets). Pad them in "
+                      "your collator (to a multiple of N) for fixed shapes (noted once)", stacklevel=5)
 
 
 def _pad_value(key: str, pad_id: int) -> int:
