@@ -1181,3 +1181,20 @@ def test_backward_without_scaling_by_accumulation_trains_as_torch_on_the_summed_
     loss = torch.nn.functional.mse_loss(reference(x)["logits"], y)
     torch_step(reference, optimizer, loss, torch.nn.functional.mse_loss(reference(x)["logits"], y))
     assert_as_in_torch(engine, reference)
+
+
+def test_int64_labels_mixed_with_outputs_print_no_jax_dtype_warning():
+    """cifar's accuracy count (``(predicted == labels).sum()``, labels int64) printed JAX's "int64
+    ... is not available" at every eval batch."""
+    import warnings
+
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(seed=0), config=plain_config())
+    x, _ = batches(1, 16)[0]
+    with torch.no_grad():
+        logits = engine(x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        labels = torch.arange(16) % 8
+        correct = (logits.argmax(-1) == labels).sum().item() + logits.long().sum().item() * 0
+    assert 0 <= correct <= 16
+    assert not [w for w in caught if "int64" in str(w.message)], [str(w.message) for w in caught]

@@ -134,6 +134,9 @@ def _jax_dtype(dtype: torch.dtype):
     return jnp.dtype(str(dtype).removeprefix("torch."))
 
 
+INT64_TRUNCATED = r"Explicitly requested dtype int64 requested in .* is not available"
+
+
 @functools.lru_cache(maxsize=None)
 def _output_tensor_class():
     """torchax tensors whose torch ops run in the torchax environment, whoever calls them, so
@@ -152,7 +155,10 @@ def _output_tensor_class():
             args, kwargs = torch_pytree.tree_map_only(
                 torch.Tensor, lambda t: t if isinstance(t, ttensor.Tensor) else ttensor.Tensor(env.t2j_copy(t), env),
                 (args, kwargs or {}))
-            with env:
+            with env, warnings.catch_warnings():
+                # torch's int64 (labels, argmax) is int32 under JAX without x64, as torchax intends:
+                # JAX's warning at each such op is noise in a loop (cifar's accuracy count printed it)
+                warnings.filterwarnings("ignore", INT64_TRUNCATED, UserWarning)
                 result = func(*args, **kwargs)
             return torch_pytree.tree_map_only(ttensor.Tensor, lambda t: Output(t._elem, env), result)
 
