@@ -1,5 +1,6 @@
 """``spmdzero.initialize``: DeepSpeed's entry point, same arguments and return value. It reads
-the config and hands the rest to the backend the config names (``spmd.backend``)."""
+the config and hands the rest to the backend the config names (``spmd.backend``), or, when it
+names none, the one the process's runtime serves (``SPMDZERO_BACKEND``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from spmdzero.backends.torch_xla import build as torch_xla_build
 from spmdzero.backends.torchax import build as torchax_build
 from spmdzero.config.load import load_config
+from spmdzero.runtime import jax_runtime
 from spmdzero.train.build import config_dict
 
 BACKENDS = {"torch_xla": torch_xla_build, "torchax": torchax_build}
@@ -31,6 +33,9 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"spmdzero.initialize: model must be a torch.nn.Module, got {type(model).__name__}")
     cfg = load_config(args, config, config_params)
+    if "backend" not in cfg.spmd.model_fields_set and jax_runtime.selected():
+        # SPMDZERO_BACKEND=torchax gave the devices to JAX: a config that names no backend runs there
+        cfg = cfg.model_copy(update={"spmd": cfg.spmd.model_copy(update={"backend": "torchax"})})
     return BACKENDS[cfg.spmd.backend].build(model, cfg, mesh=mesh, optimizer=optimizer,
                                             model_parameters=model_parameters, training_data=training_data,
                                             lr_scheduler=lr_scheduler, collate_fn=collate_fn,

@@ -626,6 +626,9 @@ JAX_OWNED = """
         spmdzero.initialize(model=WithLoss(tiny_mlp()), config=config("torch_xla"))
     except ConfigError as err:
         out["torch_xla_backend"] = str(err)
+    unnamed = config("torchax")
+    del unnamed["spmd"]  # a config that names no backend: the variable's
+    out["unnamed_backend"] = type(spmdzero.initialize(model=WithLoss(tiny_mlp()), config=unnamed)[0]).__name__
     try:
         spmdzero.initialize(model=WithLoss(tiny_mlp()), config=config("torchax"), mesh=object())
     except ConfigError as err:
@@ -671,6 +674,7 @@ def test_with_spmdzero_backend_torchax_torch_xla_never_starts(jax_owned):
     assert "'spmd.mesh'" in jax_owned["mesh"]  # a torch_xla Mesh would start torch_xla's runtime
     assert "spmd.backend='torch_xla'" in jax_owned["torch_xla_backend"]
     assert "SPMDZERO_BACKEND=torchax" in jax_owned["torch_xla_backend"]
+    assert jax_owned["unnamed_backend"] == "TorchaxEngine"  # it used to refuse, as torch_xla named
     # several hosts: tests/test_multihost.py
 
 
