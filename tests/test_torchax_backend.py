@@ -1202,3 +1202,17 @@ def test_int64_labels_mixed_with_outputs_print_no_jax_dtype_warning():
         correct = (logits.argmax(-1) == labels).sum().item() + logits.long().sum().item() * 0
     assert 0 <= correct <= 16
     assert not [w for w in caught if "int64" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_the_sharding_report_reads_as_the_torch_xla_engines(trained):
+    """``engine.sharding_report()`` and ``model_state_bytes`` on the torchax backend (they were
+    torch_xla only): the same layouts and per-device bytes, read from the JAX arrays."""
+    from spmdzero.observe.reports import model_state_bytes
+
+    _, (ref, *_), (engine, *_) = trained
+    ours, theirs = engine.sharding_report(), ref.sharding_report()
+    assert ours.totals() == theirs.totals()
+    assert sorted((e.parameter, e.role, e.layout, e.device_bytes) for e in ours.entries) == sorted(
+        (e.parameter, e.role, e.layout, e.device_bytes) for e in theirs.entries)
+    assert model_state_bytes(engine) == model_state_bytes(ref)
+    assert "ZeRO stage 2 on 8 devices" in str(ours)

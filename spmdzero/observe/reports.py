@@ -194,7 +194,11 @@ def _planned_entry(parameter: str, role: str, shape: tuple, dtype: torch.dtype, 
 
 
 def sharding_report(engine) -> ShardingReport:
-    names = {s.name: s for s in engine.trained_parameters()}
+    """Every parameter's tensors, what each device holds of them, read from the live layouts."""
+    slots = getattr(engine, "trained_parameters", None)
+    if slots is None:  # the torchax backend: the state lives in JAX arrays
+        return _jax_sharding_report(engine)
+    names = {s.name: s for s in slots()}
     entries = []
 
     def add(parameter: str, role: str, t: torch.Tensor) -> None:
@@ -219,3 +223,39 @@ def sharding_report(engine) -> ShardingReport:
                 if isinstance(value, torch.Tensor) and value.device.type == "xla":
                     add(name, key, value)
     return ShardingReport(engine.plan.stage, int(engine.mesh.size()), fsdp_size(shape), tuple(entries))
+
+
+def _jax_sharding_report(engine) -> ShardingReport:
+    """``sharding_report`` of an engine whose state is JAX arrays (``engine.state_tensors()``):
+    layouts from each array's sharding, bytes per device from its first shard. Between steps
+    there is no gradient: each step's is reported as the plan lays it out, as above."""
+    shape = dict(zip(engine.mesh.axis_names, engine.mesh.devices.shape))
+    state = engine.state_tensors()
+    entries = []
+
+    def add(parameter: str, role: str, array) -> None:
+        spec = tuple(array.sharding.spec)
+        spec += (None,) * (array.ndim - len(spec))
+        planned = _planned_entry(parameter, role, tuple(array.shape), getattr(torch, str(array.dtype)), spec, shape)
+        entries.append(TensorEntry(planned.parameter, role, planned.shape, planned.dtype, planned.layout,
+                                   array.addressable_shards[0].data.nbytes, planned.global_bytes))
+
+    trained, accumulated = set(engine.optimized_names().values()), engine.accumulated_gradients()
+    for name, _ in engine.module.named_parameters():
+        if f"model.{name}" not in state:
+            continue
+        add(name, "param", state[f"model.{name}"][0])
+        if name not in trained:
+            continue  # frozen: a constant
+        if name in accumulated:
+            add(name, "grad", accumulated[name])
+        else:
+            entries.append(_planned_entry(name, "grad", tuple(state[f"model.{name}"][0].shape),
+                                          engine.precision.grad_accum_dtype, engine.plan[name].grad, shape))
+        if f"master.{name}" in state:
+            add(name, "master", state[f"master.{name}"][0])
+        prefix = f"optim.{name}."
+        for key, (value, _) in state.items():
+            if key.startswith(prefix):
+                add(name, key[len(prefix):], value)
+    return ShardingReport(engine.plan.stage, int(engine.mesh.devices.size), fsdp_size(shape), tuple(entries))

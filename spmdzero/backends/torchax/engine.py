@@ -66,6 +66,7 @@ from spmdzero.sharding.batch import BatchSizes
 from spmdzero.config.schema import DeepSpeedConfig
 from spmdzero.train.data import like, model_pad_id
 from spmdzero.observe.monitor import RecompileGuard, StepLogger, notice_nonfinite
+from spmdzero.observe.reports import sharding_report
 from spmdzero.optim.ops import jax_ops
 from spmdzero.optim.optimizers import SpmdOptimizer
 from spmdzero.optim.update import LossScale, boundary_update, init_loss_scale, sum_of_squares, update_group
@@ -192,7 +193,7 @@ def _find_loss(output) -> Optional[torch.Tensor]:
 TORCH_XLA_ONLY = frozenset({
     "capture_steps", "collectives_report", "grad_buffers", "is_compiled", "lay_out_state",
     "master_weights", "optimizer_step", "optimizer_zero_grad", "refresh_fp32_params",
-    "register_post_step_hook", "restore_snapshot", "sharding_report", "snapshot", "trained_parameters",
+    "register_post_step_hook", "restore_snapshot", "snapshot", "trained_parameters",
 })
 
 
@@ -1058,6 +1059,17 @@ class TorchaxEngine(EngineBase):
             for field, value in zip(self._loss_scale._fields, self._loss_scale):
                 out[f"loss_scale.{field}"] = (value, ())
         return out
+
+    def accumulated_gradients(self) -> dict[str, Any]:
+        """The gradients committed since the last optimizer step, by parameter name, as JAX
+        arrays laid out by the plan's gradient spec; empty between steps."""
+        return dict(self._accum or {})
+
+    def sharding_report(self):
+        """Per parameter: the layout and per-device bytes of the param, its gradient, master
+        weight and optimizer states, read from the JAX arrays' shardings; totals against stage 0
+        and ZeRO's accounting (as the torch_xla backend's)."""
+        return sharding_report(self)
 
     def params(self) -> dict[str, Any]:
         """The trainable parameters by name, as JAX arrays (replicated)."""
