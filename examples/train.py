@@ -40,7 +40,7 @@ def main(argv=None) -> None:
     dataset = SyntheticTokens(args.samples, args.seq_len, args.vocab_size)
     engine, _, loader, _ = spmdzero.initialize(args=args, model=model, training_data=dataset)
     num_params = sum(p.numel() for p in model.parameters())
-    mesh = " x ".join(f"{n}={s}" for n, s in zip(engine.mesh.axis_names, engine.mesh.mesh_shape))
+    mesh = " x ".join(f"{n}={s}" for n, s in engine.plan.mesh_shape)  # the plan: pure data, either backend
     # the batch numbers were said by initialize (its "batch rule" lines)
     print(f"spmdzero: ZeRO stage {engine.zero_optimization_stage()}, mesh {mesh}, {num_params:,} params", flush=True)
 
@@ -85,7 +85,7 @@ def summary(engine, losses: list[float], args) -> None:
           f"({engine.global_steps} optimizer steps, {engine.skipped_steps} skipped)")
     print(f"  {sparkline(losses)}")
     num_params = sum(p.numel() for p in engine.module.parameters())
-    n = dict(zip(engine.mesh.axis_names, engine.mesh.mesh_shape))["fsdp"]
+    n = dict(engine.plan.mesh_shape)["fsdp"]
     table = [f"per-device bytes of model states by ZeRO stage (measured from live shardings, P={num_params:,}, "
              f"fsdp={n}; * = this run):",
              f"  {'stage':<8}{'params':>12}{'grads':>12}{'opt states':>12}{'fp32 master':>12}{'total':>12}  bytes/param"]

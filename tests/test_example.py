@@ -7,9 +7,11 @@ from conftest import run_python
 pytestmark = pytest.mark.slow
 
 
-def test_example_trains_and_reports_model_state_bytes():
+@pytest.mark.parametrize("backend", ["torch_xla", "torchax"])
+def test_example_trains_and_reports_model_state_bytes(backend):
     """What `make train` prints (stderr and stdout, as one terminal shows them): the batch numbers
-    once, the step logs each on a line of its own above the progress bar, the table whole."""
+    once, the step logs each on a line of its own above the progress bar, the table whole. On
+    either backend (``SPMDZERO_BACKEND``; the example's config names none)."""
     out = run_python("""
         import sys
         sys.stderr = sys.stdout  # one stream, in the order it was written
@@ -18,7 +20,7 @@ def test_example_trains_and_reports_model_state_bytes():
         sys.path.insert(0, "examples")
         import train
         train.main()
-    """)
+    """, env={"SPMDZERO_BACKEND": backend})
     assert "ZeRO stage 1, mesh fsdp=8" in out
     assert "(10 optimizer steps, 0 skipped)" in out and "10/10" in out
     first, last = (float(v) for v in out.split("\nloss ")[1].split(" over")[0].split(" -> "))
