@@ -124,6 +124,23 @@ def test_chat_style_script_with_world_size_arithmetic_trains_saves_and_resumes(t
     assert steps(out) == [(3, 4, 24)]
 
 
+@pytest.mark.slow
+def test_chat_style_script_on_the_torchax_backend_trains_saves_and_resumes(tmp_path):
+    """DeepSpeed-Chat's shape on the torchax backend: FusedAdam (a torch optimizer there, its
+    own step traced), a transformers schedule, gradient checkpointing, its all-reduced eval
+    loss (gloo on a host copy of a torchax tensor), save and resume."""
+    script = os.path.join(SCRIPTS, "chat_style.py")
+    out_dir, spmd = str(tmp_path / "out"), '{"backend": "torchax"}'
+    common = ["--spmd", spmd, script, "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]
+    out = launch(*common, "--max_steps", "2", "--gradient_checkpointing", "--output_dir", out_dir, cwd=tmp_path,
+                 SPMDZERO_BACKEND="torchax")
+    assert steps(out) == [(1, 4, 8), (2, 4, 16)]
+    assert "EVAL ppl=" in out and os.path.isfile(os.path.join(out_dir, "pytorch_model.bin"))
+    out = launch(*common, "--max_steps", "3", "--resume_dir", out_dir, cwd=tmp_path, SPMDZERO_BACKEND="torchax")
+    assert "RESUMED global_steps=2 global_samples=16 epoch=0" in out
+    assert steps(out) == [(3, 4, 24)]
+
+
 def test_launcher_environment_is_deepspeeds_for_one_process_per_host(monkeypatch):
     from spmdzero.cli.launch import _master_addr, set_launcher_env
 

@@ -8,7 +8,6 @@ import torch
 from spmdzero.config.errors import ConfigError
 from spmdzero.config.schema import DeepSpeedConfig
 from spmdzero.sharding.mesh import check_user_mesh, mesh_shape, resolve_mesh_shape
-from spmdzero.optim.optimizers import SpmdOptimizer
 from spmdzero.optim.precision import DTYPES
 from spmdzero.backends.torchax import batchnorm
 from spmdzero.backends.torchax.engine import TorchaxEngine
@@ -35,11 +34,9 @@ def check_config(cfg: DeepSpeedConfig, client_optimizer: Any = None) -> None:
             raise ConfigError(f"{key} is not supported by the torchax backend (spmd.backend='torchax'; it trains "
                               "with the config's optimizer in fp32, bf16 or fp16); remove it or use "
                               "spmd.backend='torch_xla'")
-    if client_optimizer is not None:
-        raise ConfigError("spmd.backend='torchax' takes its optimizer from the config's 'optimizer' section; a "
-                          "client optimizer (initialize(optimizer=...)) is not supported")
-    if cfg.optimizer is None:
-        raise ConfigError("spmd.backend='torchax' needs an 'optimizer' section in the config")
+    if client_optimizer is None and cfg.optimizer is None:
+        raise ConfigError("spmd.backend='torchax' needs an optimizer: an 'optimizer' section in the config, or "
+                          "initialize(optimizer=...)")
 
 
 def _require_torchax() -> None:
@@ -108,11 +105,8 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
     members = {id(p) for p in model.parameters()}
 
     def prepare_optimizer(optimizer) -> None:
-        """This backend runs spmdzero's optimizers as JAX functions over the module's parameters."""
-        if not isinstance(optimizer, SpmdOptimizer):
-            raise ConfigError(f"optimizer.type {cfg.optimizer.type!r} is a torch.optim optimizer; "
-                              "spmd.backend='torchax' runs spmdzero's own (Adam/AdamW, Lamb, Lion, Adagrad, SGD) "
-                              "as JAX functions")
+        """This backend runs the optimizer over the module's parameters: spmdzero's as JAX
+        functions, a torch.optim one's own step traced (``torch_optim``)."""
         for i, group in enumerate(optimizer.param_groups):
             strays = [tuple(p.shape) for p in group["params"] if id(p) not in members]
             if strays:
@@ -123,7 +117,7 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
 
     # even: JAX shards only dims that divide by the axis size (a 10-class head on 8 devices)
     setup = setup_training(model, cfg, shape, process_index=process_index, process_count=process_count,
-                           model_parameters=model_parameters, lr_scheduler=lr_scheduler,
+                           optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
                            training_data=training_data, collate_fn=collate_fn, even=True,
                            prepare_optimizer=prepare_optimizer)
     engine = TorchaxEngine(model, setup.optimizer, setup.scheduler, cfg, setup.batch, setup.plan, shape,

@@ -65,7 +65,7 @@ from torch.utils import _pytree as torch_pytree
 from spmdzero.sharding.batch import BatchSizes
 from spmdzero.config.schema import DeepSpeedConfig
 from spmdzero.train.data import like, model_pad_id
-from spmdzero.observe.monitor import RecompileGuard, StepLogger, notice_nonfinite
+from spmdzero.observe.monitor import RecompileGuard, StepLogger, ThroughputTimer, notice_nonfinite
 from spmdzero.observe.reports import sharding_report
 from spmdzero.optim.ops import jax_ops
 from spmdzero.optim.optimizers import SpmdOptimizer
@@ -77,6 +77,7 @@ from spmdzero.runtime import jax_runtime
 from spmdzero.train.build import move_in_place
 from spmdzero.backends.torchax import batchnorm
 from spmdzero.backends.torchax.outside_loss import tie
+from spmdzero.backends.torchax import torch_optim
 
 NOT_FROM_ENGINE = ("engine.backward(loss) was given a loss that depends on no output of this engine's forward "
                    "with grad enabled: compute it from what engine(...) returned in training (not under "
@@ -253,9 +254,14 @@ class TorchaxEngine(EngineBase):
         self._constants = {n: self._put(t.detach(), self._replicated)
                            for n, t in [*module.named_parameters(), *module.named_buffers()] if n not in trained}
         states, self._state_specs = {}, {}
+        # a torch.optim optimizer's own step runs in the update (torch_optim): its first step
+        # creates its states, as torch's does
+        self._torch_optimizer = not isinstance(optimizer, SpmdOptimizer)
+        self._static_hyper = torch_optim.static_hyperparameters(optimizer) if self._torch_optimizer else None
+        self._lr_mode = "traced"  # how the torch optimizer's step gets its lr (torch_optim.LR_MODES)
         for group, group_names in zip(optimizer.param_groups, self._groups):
             for p, name in zip(group["params"], group_names):
-                initial = optimizer._initial_state(p.detach().float(), group)
+                initial = {} if self._torch_optimizer else optimizer._initial_state(p.detach().float(), group)
                 self._state_specs[name] = {k: spec(plan[name].optimizer_state if tuple(v.shape) == tuple(p.shape)
                                                    else replicated(v.dim())) for k, v in initial.items()}
                 states[name] = {k: self._put(v, self._state_specs[name][k]) for k, v in initial.items()}
@@ -281,6 +287,7 @@ class TorchaxEngine(EngineBase):
         self._backward_program = None  # built at the first loss computed outside the module
         self._window_loss = self._step_loss = None  # the mean loss of the accumulation window, a JAX array
         self._step_logger = StepLogger(cfg, device_clock=None, process_index=self.global_rank)  # no torch_xla clock
+        self.tput_timer = ThroughputTimer(self)  # DeepSpeed's; here the time between dispatched steps
         self._rows_since_step = 0  # training rows fed: global_samples
         self._global_grad_norm = None
         self._skipped = self._put(torch.zeros(()), self._replicated)  # steps skipped for non-finite gradients
@@ -896,8 +903,15 @@ class TorchaxEngine(EngineBase):
         self._traces_at_step = traces
 
     def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
-        hyper = [np.array(list(self.optimizer._hyper_values(g).values()), dtype=np.float32)
-                 for g in self.optimizer.param_groups]
+        if self._torch_optimizer:
+            constant = self._lr_mode == "constant"
+            hyper = [] if constant else torch_optim.learning_rates(self.optimizer)
+            static = torch_optim.static_hyperparameters(self.optimizer, with_lr=constant)
+            if static != self._static_hyper:  # constants of the update program: built for the new ones
+                self._static_hyper, self._update = static, self._build_update()
+        else:
+            hyper = [np.array(list(self.optimizer._hyper_values(g).values()), dtype=np.float32)
+                     for g in self.optimizer.param_groups]
         # The inputs, donated, are released at the next boundary: dropping the last reference to an
         # array that a dispatched program still uses blocks the host until that program has run.
         _release_in_background(self._retired_inputs)
@@ -909,8 +923,25 @@ class TorchaxEngine(EngineBase):
         self.runs["update"] += 1
         with warnings.catch_warnings():  # the gradients are donated to be freed, not to hold results
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            try:
+                updated = self._update(*self._retired_inputs, hyper)
+            except self._jax.errors.ConcretizationTypeError:
+                if not self._torch_optimizer or self._lr_mode != "traced":
+                    raise
+                # its step reads the lr as a Python number (SGD's alpha=-lr); the trace failed
+                # before anything ran, so the donated inputs are intact (torch_optim.LR_MODES)
+                self._lr_mode = torch_optim.fallback_lr_mode(self.optimizer)
+                if self._lr_mode == "constant":
+                    warnings.warn(f"spmdzero: {type(self.optimizer).__name__}'s step needs the lr as a Python number "
+                                  "on the torchax backend: each new lr compiles the update again (a schedule changing "
+                                  "it every step recompiles every step)", stacklevel=4)
+                    hyper = []
+                self._static_hyper = torch_optim.static_hyperparameters(self.optimizer,
+                                                                        with_lr=self._lr_mode == "constant")
+                self._update = self._build_update()
+                updated = self._update(*self._retired_inputs, hyper)
             (self._params, self._masters, self._opt_state, self._shared_state, self._global_grad_norm, self._skipped,
-             self._last_skip, self._loss_scale) = self._update(*self._retired_inputs, hyper)
+             self._last_skip, self._loss_scale) = updated
         self._module_stale = True
         if self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
@@ -918,6 +949,7 @@ class TorchaxEngine(EngineBase):
         self.global_samples += self._consume_samples()
         self._step_loss, self._window_loss = self._window_loss, None
         self._step_logger.after_boundary(self)  # reads the device at print steps only
+        self.tput_timer.after_boundary()
 
     def _build_update(self):
         """``(params, masters, states, shared states, grads, skipped, loss scale, hyperparameters) ->
@@ -929,8 +961,9 @@ class TorchaxEngine(EngineBase):
         import jax.numpy as jnp
 
         optimizer, ops, clipping = self.optimizer, jax_ops(), self._config.gradient_clipping
-        groups = [(names, list(optimizer._hyper_values(g)), {k: v for k, v in g.items() if isinstance(v, bool)})
-                  for names, g in zip(self._groups, optimizer.param_groups)]
+        groups = [] if self._torch_optimizer else [
+            (names, list(optimizer._hyper_values(g)), {k: v for k, v in g.items() if isinstance(v, bool)})
+            for names, g in zip(self._groups, optimizer.param_groups)]
         order, policy = self._names, self.precision
         param_dtype = _jax_dtype(policy.param_dtype)
 
@@ -939,6 +972,14 @@ class TorchaxEngine(EngineBase):
             targets = masters if masters else params
 
             def apply(scale):
+                if self._torch_optimizer:
+                    lrs = [[g["lr"]] for g in optimizer.param_groups] if self._lr_mode == "constant" else hyper
+                    new_targets, new_states = torch_optim.traced_step(
+                        optimizer, self._groups, targets, grads, states, lrs, scale.multiplier, scale.skip, self._env,
+                        self._lr_mode)
+                    new_states = {n: {k: jax.lax.with_sharding_constraint(v, self._state_spec(n, v))
+                                      for k, v in st.items()} for n, st in new_states.items()}
+                    return {**targets, **new_targets}, {**states, **new_states}, dict(shared)
                 new_targets, new_states, new_shared = dict(targets), dict(states), dict(shared)
                 for (names, keys, static), values in zip(groups, hyper):
                     hp = {k: values[i] for i, k in enumerate(keys)}
@@ -963,9 +1004,17 @@ class TorchaxEngine(EngineBase):
 
         rep = self._replicated
         scaler = None if self._loss_scale is None else LossScale(*(rep,) * len(LossScale._fields))
-        shardings = (self._param_specs, self._master_specs, self._state_specs, {k: rep for k in self._shared_state},
+        # a torch optimizer's states appear at its first step: laid out inside the program (_state_spec)
+        states = None if self._torch_optimizer else self._state_specs
+        shardings = (self._param_specs, self._master_specs, states, {k: rep for k in self._shared_state},
                      rep, rep, rep, scaler)
         return jax.jit(update, out_shardings=shardings, donate_argnums=(0, 1, 2, 3, 4, 5, 6))
+
+    def _state_spec(self, name: str, value):
+        """An optimizer state's layout: the plan's for a parameter-shaped one, else replicated."""
+        planned = self.plan[name]
+        return self._sharding(planned.optimizer_state if tuple(value.shape) == tuple(planned.shape)
+                              else replicated(value.ndim))
 
     def zero_grad(self) -> None:
         """DeepSpeed's ``engine.zero_grad()``: it sets the parameters' ``.grad`` to None, which
@@ -1053,6 +1102,8 @@ class TorchaxEngine(EngineBase):
         for name, states in self.optimizer_states().items():
             shape = tuple(self._params[name].shape)
             for key, value in states.items():
+                if self._torch_optimizer and key in torch_optim.HOST_KEYS:
+                    continue  # in the host state (save_checkpoint), as torch_xla's torch optimizer keeps it
                 spec = self.plan[name].optimizer_state if tuple(value.shape) == shape else replicated(value.ndim)
                 out[f"optim.{name}.{key}"] = (value, tuple(spec))
         if self._loss_scale is not None:
@@ -1101,15 +1152,58 @@ class TorchaxEngine(EngineBase):
 
     @property
     def lazy_optimizer_state(self) -> bool:
-        """False: spmdzero's optimizers make their states up front."""
-        return False
+        """Whether the optimizer creates its states at its first step (a torch.optim optimizer;
+        spmdzero's make theirs up front)."""
+        return self._torch_optimizer
 
     def placeholder_optimizer_state(self) -> list:
-        """Nothing to make up: every optimizer state exists from initialize on."""
-        return []
+        """Give each trained parameter without optimizer states (a torch optimizer before its
+        first step) the states that step creates, laid out by the plan, values meaning nothing,
+        for a checkpoint load to write into; the host-kept ones (``torch_optim.HOST_KEYS``) go
+        in ``optimizer.state``, as the torch_xla backend keeps them. Returns those parameters."""
+        pending = [n for n in self._names if not self._opt_state[n]]
+        if not self._torch_optimizer or not pending:
+            return []
+        shapes = torch_optim.state_shapes(self.optimizer, self._groups, self._masters or self._params, self._env)
+        hosts = {name: p for p, name in self.optimized_names().items()}
+        jax = self._jax
+        for name in pending:
+            device, host = {}, {}
+            for key, shape in shapes[name].items():
+                if key in torch_optim.HOST_KEYS:
+                    host[key] = torch.zeros(shape.shape, dtype=getattr(torch, str(shape.dtype)))
+                else:
+                    device[key] = jax.jit(functools.partial(jax.numpy.zeros, shape.shape, shape.dtype),
+                                          out_shardings=self._state_spec(name, shape))()
+            self._opt_state = {**self._opt_state, name: device}
+            if host:
+                self.optimizer.state[hosts[name]] = host
+        return [hosts[name] for name in pending]
 
     def drop_optimizer_state(self, targets) -> None:
-        """Nothing to drop (``placeholder_optimizer_state`` makes none)."""
+        """Take the optimizer states of ``targets`` back to none (the next step creates them)."""
+        names = self.optimized_names()
+        for target in targets:
+            self._opt_state = {**self._opt_state, names[target]: {}}
+            self.optimizer.state.pop(target, None)
+
+    def _host_optimizer_state(self) -> None:
+        """A torch optimizer's host-kept states (``torch_optim.HOST_KEYS``) copied into
+        ``optimizer.state``, where a checkpoint saves them (a device read)."""
+        for target, name in self.optimized_names().items():
+            kept = {k: torch.tensor(np.asarray(v)) for k, v in self._opt_state[name].items()
+                    if k in torch_optim.HOST_KEYS}
+            if kept:
+                self.optimizer.state[target] = kept
+
+    def _take_host_optimizer_state(self) -> None:
+        """After a load: the host-kept states it wrote into ``optimizer.state`` go to the devices."""
+        for target, name in self.optimized_names().items():
+            kept = self.optimizer.state.pop(target, {})
+            values = {k: self._put(torch.as_tensor(v, dtype=torch.float32), self._replicated) for k, v in kept.items()
+                      if k in torch_optim.HOST_KEYS}
+            if values:
+                self._opt_state = {**self._opt_state, name: {**self._opt_state[name], **values}}
 
     def state_shards(self):
         """The device side of checkpoints (``spmdzero.io.shards.StateShards``)."""
@@ -1159,6 +1253,8 @@ class TorchaxEngine(EngineBase):
         self._window_reduced = False
         self._generation += 1
         self._last_skip = None
+        if self._torch_optimizer:
+            self._take_host_optimizer_state()
 
     # ---- checkpoints (spmdzero.io) -----------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's)
@@ -1167,7 +1263,13 @@ class TorchaxEngine(EngineBase):
         from spmdzero.io.save import save_checkpoint
 
         self._take_host_changes()  # what the script changed on the module since the last forward is saved
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        if not self._torch_optimizer:
+            return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        self._host_optimizer_state()
+        try:
+            return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        finally:
+            self.optimizer.state.clear()
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, trust_client_state=None):

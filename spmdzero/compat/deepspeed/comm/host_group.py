@@ -1,4 +1,5 @@
-"""The default process group's backend for XLA tensors: gloo, through a host copy.
+"""The default process group's backend for device tensors (XLA's, torchax's): gloo, through a
+host copy.
 
 Under DeepSpeed on GPUs, code outside the engine calls ``torch.distributed`` on device
 tensors (nccl takes them): the Hugging Face Trainer gathers its running loss with
@@ -61,7 +62,9 @@ class HostCopyGroup(ProcessGroup):
         getattr(self._gloo, name)(*host_args).wait()
         with torch.no_grad():
             for device, host in pairs:
-                device.copy_(host.to(device.device))
+                # an XLA tensor takes a copy on its device; a torchax one (the torchax backend's
+                # outputs, whose device torch cannot allocate on) copies from the host itself
+                device.copy_(host.to(device.device) if device.device.type == "xla" else host)
         return _done()
 
     def allreduce(self, tensors, opts):

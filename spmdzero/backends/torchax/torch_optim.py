@@ -1,0 +1,133 @@
+"""A torch.optim optimizer on the torchax backend (a client's ``initialize(optimizer=...)``,
+or ``optimizer.type`` naming a torch.optim class): its own ``step()`` traced into the update
+program.
+
+Why trace torch's own step rather than map each class to a formula: any optimizer a script
+brings (RMSprop, NAdam, a third-party one written in torch ops) then runs with its exact math,
+as on the torch_xla backend, where its ops are traced lazily. Under ``jax.jit`` the parameters,
+gradients and states are torchax tensors for the length of the call; ``capturable`` is set
+where the optimizer has it, so that its step counter stays a tensor (a traced value) instead of
+a Python number read from the device.
+
+The learning rate is a traced input (a schedule changing it every step is not a new program),
+in one of three ways (``LR_MODES``): given to the step as a tensor where the optimizer takes one
+(Adam, AdamW); else, for the optimizers whose update is linear in the lr and whose states do
+not depend on it (SGD, RMSprop, ... : ``LINEAR_IN_LR``), the step runs at lr 1 and its change
+of the parameters is scaled by the lr; else the lr is a constant of the program, built again
+for each new lr. The group's other hyperparameters are constants of the program, and a change of
+one (a schedule cycling momentum) builds it again (``static_hyperparameters``).
+
+States are created by the optimizer's first step, as torch creates them: the update program is
+traced once without them and once with them."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import numpy as np
+import torch
+
+
+# "traced": the lr a tensor in the step; "unit": the step at lr 1, its change times the lr;
+# "constant": the lr a Python number, a constant of the program
+LR_MODES = ("traced", "unit", "constant")
+# torch.optim classes whose parameter change is the lr times a term that does not depend on it,
+# and whose states do not depend on it (not Rprop, ASGD, Adafactor, LBFGS, SparseAdam)
+LINEAR_IN_LR = frozenset({"SGD", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "Adam", "AdamW"})
+
+
+def fallback_lr_mode(optimizer: torch.optim.Optimizer) -> str:
+    """How to give the lr to an optimizer whose step needs it as a Python number."""
+    cls = type(optimizer)
+    return "unit" if cls.__module__.startswith("torch.optim") and cls.__name__ in LINEAR_IN_LR else "constant"
+
+
+# States torch keeps on the host unless ``capturable`` (the step count): checkpoints hold them in
+# their host state, as the torch_xla backend's do, so that either backend loads the other's.
+HOST_KEYS = frozenset({"step"})
+
+
+def state_shapes(optimizer: torch.optim.Optimizer, groups: list[list[str]], targets: dict, env) -> dict:
+    """The states the optimizer's first step creates, by parameter name and key, as
+    ``jax.ShapeDtypeStruct`` (nothing runs)."""
+    import jax
+
+    def first_step(targets):
+        grads = {n: t for n, t in targets.items()}
+        lrs = [jax.numpy.asarray(lr) for lr in learning_rates(optimizer)]
+        return traced_step(optimizer, groups, targets, grads, {n: {} for n in targets}, lrs, None, None, env)[1]
+
+    return jax.eval_shape(first_step, dict(targets))
+
+
+def learning_rates(optimizer: torch.optim.Optimizer) -> list[np.ndarray]:
+    """Each group's lr, the update program's traced hyperparameter."""
+    return [np.array([float(group["lr"])], dtype=np.float32) for group in optimizer.param_groups]
+
+
+def static_hyperparameters(optimizer: torch.optim.Optimizer, with_lr: bool = False) -> tuple:
+    """Every group's hyperparameters but the lr (``with_lr``: and the lr), as a hashable value:
+    the update program is built for these."""
+    def plain(value):
+        return float(value) if isinstance(value, torch.Tensor) else value
+
+    left_out = ("params",) if with_lr else ("params", "lr")
+    return tuple(tuple(sorted((k, repr(plain(v))) for k, v in group.items() if k not in left_out))
+                 for group in optimizer.param_groups)
+
+
+def traced_step(optimizer: torch.optim.Optimizer, groups: list[list[str]], targets: dict, grads: dict, states: dict,
+                lrs: list, multiplier: Any, skip: Any, env, lr_mode: str = "traced") -> tuple[dict, dict]:
+    """``optimizer.step()`` on JAX values inside a trace: ``targets`` (the parameters, or the fp32
+    masters), ``grads`` (cast to each target's dtype, times ``multiplier`` when given), the
+    states by parameter name (empty before the first step) and each group's ``lr``. Returns the
+    new targets and states, the old ones kept where ``skip``. The optimizer's own parameters,
+    state and hyperparameters are put back afterwards. ``lr_mode``: how the lr reaches the step
+    (``LR_MODES``; under "constant", ``lrs`` holds the groups' numbers)."""
+    import jax.numpy as jnp
+    from torchax import tensor as ttensor
+
+    saved_groups = [dict(group) for group in optimizer.param_groups]
+    saved_state = optimizer.state
+    wrapped: dict[str, Any] = {}
+    try:
+        optimizer.state = collections.defaultdict(dict)
+        for group, names, lr in zip(optimizer.param_groups, groups, lrs):
+            params = []
+            for name in names:
+                target = targets[name]
+                grad = grads[name].astype(target.dtype)
+                p = ttensor.Tensor(target, env)
+                p.grad = ttensor.Tensor(grad if multiplier is None else grad * multiplier, env)
+                if states[name]:
+                    optimizer.state[p] = {k: ttensor.Tensor(v, env) for k, v in states[name].items()}
+                params.append(p)
+                wrapped[name] = p
+            group["params"] = params
+            group["lr"] = {"traced": lambda: ttensor.Tensor(lr[0], env), "unit": lambda: 1.0,
+                           "constant": lambda: float(lr[0])}[lr_mode]()
+            if "capturable" in group:
+                group["capturable"] = True  # its step counter stays a traced tensor
+            for flag in ("foreach", "fused"):  # torch's per-tensor code: the same math, traced
+                if flag in group:
+                    group[flag] = False
+        with env, torch.no_grad():
+            optimizer.step()
+        new_targets = {name: p._elem for name, p in wrapped.items()}
+        if lr_mode == "unit":  # the change at lr 1, times each group's lr
+            scaled = {name: lr[0] for names, lr in zip(groups, lrs) for name in names}
+            new_targets = {n: targets[n] + (scaled[n] * (t - targets[n])).astype(t.dtype) for n, t in new_targets.items()}
+        new_states = {name: {k: v._elem for k, v in optimizer.state[p].items() if isinstance(v, ttensor.Tensor)}
+                      for name, p in wrapped.items()}
+    finally:
+        optimizer.state = saved_state
+        for group, saved in zip(optimizer.param_groups, saved_groups):
+            group.clear()
+            group.update(saved)
+    if skip is not None:
+        new_targets = {n: jnp.where(skip, targets[n], t) for n, t in new_targets.items()}
+        # a skipped first step leaves fresh state (zeros), as a step that never ran
+        new_states = {n: {k: jnp.where(skip, states[n][k] if k in states[n] else jnp.zeros_like(v), v)
+                          for k, v in st.items()} for n, st in new_states.items()}
+    return new_targets, new_states

@@ -1,0 +1,93 @@
+"""torch.optim optimizers on the torchax backend (a client's ``initialize(optimizer=...)`` or
+``optimizer.type`` naming a torch.optim class, with client LR schedulers): their own step traced
+into the update program, with the torch_xla backend's results and checkpoints."""
+
+import pytest
+import torch
+
+import spmdzero
+
+from conftest import batches, tiny_mlp
+from test_torchax_backend import WithLoss
+
+STEPS = 6  # optimizer steps, 2 micro-steps each
+
+
+def config(backend: str, **extra) -> dict:
+    return {"train_batch_size": 32, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
+            "zero_optimization": {"stage": 2}, "spmd": {"backend": backend}, **extra}
+
+
+def adamw_with_step_lr(model):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.7)}
+
+
+def sgd_callable_with_lambda_lr(model):
+    return {"optimizer": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True),
+            "lr_scheduler": lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s))}
+
+
+def rmsprop_by_type(model):
+    return {"config": {"optimizer": {"type": "RMSprop", "params": {"lr": 1e-3, "momentum": 0.9}}}}
+
+
+CASES = {"adamw-instance-steplr": adamw_with_step_lr, "sgd-callable-lambdalr": sgd_callable_with_lambda_lr,
+         "rmsprop-type": rmsprop_by_type}
+
+
+def build(backend: str, case: str, seed: int = 0):
+    model = WithLoss(tiny_mlp(seed=seed))
+    given = CASES[case](model)
+    engine, *_ = spmdzero.initialize(model=model, config=config(backend, **given.pop("config", {})), **given)
+    return engine
+
+
+def train(engine, data) -> list[float]:
+    losses = []
+    for x, y in data:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_torch_optimizer_trains_as_on_the_torch_xla_backend(case):
+    """The same losses, lrs and parameters as the torch_xla backend (they were refused); the
+    update is traced at its first two steps (without, then with the states torch creates; an
+    optimizer whose step needs a Python lr, SGD and RMSprop, once more, found so), then never
+    again, while the schedule changes the lr every step (a traced value: the step's own, or its
+    change at lr 1 scaled by it)."""
+    data = batches(2 * STEPS, 16)
+    ref = build("torch_xla", case)
+    ref_losses = train(ref, data)
+    engine = build("torchax", case)
+    losses = train(engine, data[:6])
+    warm = dict(engine.traces)
+    losses += train(engine, data[6:])
+    assert dict(engine.traces) == warm  # after 3 optimizer steps: nothing traced again
+    assert warm["update"] == (2 if case.startswith("adamw") else 3)
+    assert losses == pytest.approx(ref_losses, abs=1e-5)
+    assert engine.get_lr() == pytest.approx(ref.get_lr())
+    if case != "rmsprop-type":  # the schedule moved the lr
+        assert engine.get_lr()[0] < 0.5 * (1e-2 if case.startswith("adamw") else 0.1)
+    for (name, p), (_, q) in zip(engine.module.named_parameters(), ref.module.named_parameters()):
+        torch.testing.assert_close(p.detach(), q.detach().cpu(), atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("saved,loaded", [("torchax", "torchax"), ("torchax", "torch_xla"), ("torch_xla", "torchax")])
+def test_a_torch_optimizers_checkpoint_loads_on_either_backend(saved, loaded, tmp_path):
+    """AdamW's states and its host-kept step count, the StepLR schedule and the counters: the
+    run resumed by the other backend (from other initial weights) continues as the saving run
+    does, in the torch_xla backend's format."""
+    data = batches(10, 16)
+    engine = build(saved, "adamw-instance-steplr")
+    train(engine, data[:6])
+    engine.save_checkpoint(str(tmp_path))
+    continued = train(engine, data[6:])
+    resumed = build(loaded, "adamw-instance-steplr", seed=1)
+    resumed.load_checkpoint(str(tmp_path))
+    assert resumed.global_steps == 3 and resumed.get_lr() == pytest.approx(engine.get_lr()[:1] and [1e-2 * 0.7 ** 3])
+    assert train(resumed, data[6:]) == pytest.approx(continued, abs=1e-6)
