@@ -3,6 +3,7 @@ as one ``jax.jit`` step (torchax), on 8 CPU devices, measured side by side in on
 
     python benchmarks/trace_overhead.py            # re-runs itself with 8 CPU devices for both
     python benchmarks/trace_overhead.py --first-step --sizes 2x64,12x64 --configs scan_layers,scan_stacked
+    python benchmarks/trace_overhead.py --sizes 12x64,124m --configs default,torchax --steps 3 --repeats 2
 
 For a transformers GPT-2 built from its config (batch 8, ``attention_mask`` passed, dropout
 off, eager attention: transformers' sdpa path reads an all-ones mask back to the host) at 2
@@ -28,11 +29,16 @@ configuration (``default``; ``scan_layers``: ``"spmd": {"scan_layers": true}``; 
   the forward, the backward and the update, and ``torchax`` one for the forward and backward
   and one for the update; its recompiles are traces of its jitted programs);
 * time to the first step (compilation included) of every configuration but ``compile``, each
-  in a fresh process so that no compile cache is shared. ``--first-step`` measures only that,
+  in a fresh process so that no compile cache is shared, and that process's peak host memory
+  (max RSS: the model, the runtime and the compile, one configuration alone). ``--first-step`` measures only that,
   with XLA's compile time and the step program's fused computations (from XLA's HLO dump,
   independent of the host's load; the dump adds a little to the time), and prints per
   configuration the deepest size's over the shallowest's (issue #14: how the first step grows
   with depth).
+
+After each size, its configurations' step ratios side by side. ``--sizes 124m`` is GPT-2 small
+(12 layers, n_embd 768, 12 heads, vocabulary 50257: 124M parameters) at the same batch and
+sequence length; a step takes seconds on a 2-core host.
 
 The JAX side is ``torchax.extract_jax`` of the same module with optax's AdamW, parameters
 replicated and optimizer states sharded like spmdzero's ZeRO-2, under one ``jax.jit``.
@@ -53,14 +59,23 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 SIZES = [(2, 64), (12, 64), (12, 256)]
 BATCH, SEQ, VOCAB, DEVICES = 8, 64, 1024, 8
+GPT2_124M = (12, 768)  # `--sizes 124m`: GPT-2 small, 12 heads and its 50257-token vocabulary (124M parameters)
+
+
+def parse_size(size: str) -> tuple[int, int]:
+    """``LxW`` (layers x n_embd) or ``124m``."""
+    return GPT2_124M if size.lower() == "124m" else tuple(int(v) for v in size.split("x"))
 
 
 def gpt2(layers: int, width: int):
+    """A transformers GPT-2 from its config: 4 heads and a 1024-token vocabulary (host-bound
+    sizes), or GPT-2 small's 12 heads and 50257 tokens at 12 x 768."""
     import torch
     import transformers
 
+    heads, vocab = (12, 50257) if (layers, width) == GPT2_124M else (4, VOCAB)
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=4, n_positions=SEQ, vocab_size=VOCAB,
+    cfg = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=SEQ, vocab_size=vocab,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
     return transformers.GPT2LMHeadModel(cfg)
 
@@ -249,7 +264,7 @@ def compare(variant: str, theirs: JaxRunner, layers: int, width: int, steps: int
 
 
 FIRST_STEP = """
-import json, sys, time
+import json, resource, sys, time
 start = time.perf_counter()
 sys.path.insert(0, {here!r})
 import spmdzero
@@ -264,13 +279,15 @@ wait(engine)
 import torch_xla.debug.metrics as met
 compile_time = met.metric_data("CompileTime")  # (count, total ns, samples); None if nothing compiled
 print(json.dumps({{"first_step_s": time.perf_counter() - ready,
-                  "compile_s": compile_time[1] / 1e9 if compile_time else None}}))
+                  "compile_s": compile_time[1] / 1e9 if compile_time else None,
+                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
 """
 
 
 def first_step(layers: int, width: int, variant: str, count_fusions: bool = False) -> dict | None:
-    """{"first_step_s", "compile_s" (XLA compile time within it; None under torchax), "fusions"
-    (with ``count_fusions``)}, or None if it failed."""
+    """{"first_step_s", "compile_s" (XLA compile time within it; None under torchax),
+    "peak_rss_mib" (the process's peak host memory: this configuration's alone, model and
+    runtime included), "fusions" (with ``count_fusions``)}, or None if it failed."""
     code = FIRST_STEP.format(here=HERE, layers=layers, width=width, variant=variant)
     with tempfile.TemporaryDirectory() as dump:
         env = dict(os.environ)
@@ -331,13 +348,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--sizes", default=",".join(f"{l}x{w}" for l, w in SIZES), help="layers x n_embd, ...")
+    parser.add_argument("--sizes", default=",".join(f"{l}x{w}" for l, w in SIZES),
+                        help="layers x n_embd, ..., or 124m (GPT-2 small)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"spmdzero configurations, of {CONFIGS}")
     parser.add_argument("--first-step", action="store_true",
                         help="only the time to first step, each in a fresh process, --repeats rounds")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    sizes = [tuple(int(v) for v in size.split("x")) for size in args.sizes.split(",")]
+    sizes = [parse_size(size) for size in args.sizes.split(",")]
     if not args.child:
         env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(DEVICES), "JAX_PLATFORMS": "cpu",
                "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"}
@@ -354,13 +372,13 @@ def main() -> None:
         first_steps(sizes, configs, args.repeats)
         return
     import spmdzero  # noqa: F401  (starts the 8-device runtime before anything else)
-    print(f"{DEVICES} CPU devices; GPT-2, batch {BATCH}, seq {SEQ}, vocab {VOCAB}; fastest of {args.repeats} "
+    print(f"{DEVICES} CPU devices; GPT-2, batch {BATCH}, seq {SEQ}, vocab {VOCAB} (50257 at 124m); fastest of {args.repeats} "
           f"interleaved repeats of {args.steps} steps\n")
     print("| layers | n_embd | config | spmdzero step (ms) | JAX step (ms) | spmdzero / JAX | tracing share | "
-          "host CPU share | engine.step tracing (ms) | graphs/step | recompiles | first step (s) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "host CPU share | engine.step tracing (ms) | graphs/step | recompiles | first step (s) | peak host MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     show = lambda s: "failed" if s is None else f"{s:.1f}"  # noqa: E731
-    cpu_lines = []
+    cpu_lines, ratios = [], []
     for layers, width in sizes:
         theirs = JaxRunner(layers, width)
         for _ in range(3):
@@ -370,11 +388,15 @@ def main() -> None:
             r = compare(variant, theirs, layers, width, args.steps, args.repeats)
             first = first_step(layers, width, variant) if variant != "compile" else None
             cold = show(first and first["first_step_s"]) if variant != "compile" else "-"
+            peak = f"{first['peak_rss_mib']:.0f}" if first else "-"
             print(f"| {layers} | {width} | {variant} | {r['ours_ms']:.1f} | {r['jax_ms']:.1f} | {r['ratio']:.2f} | "
                   f"{100 * r['tracing_share']:.0f}% | {100 * r['cpu_share']:.0f}% | {r['update_ms']:.1f} | {r['graphs_per_step']:.2f} | "
-                  f"{r['recompiles']} | {cold} |", flush=True)
+                  f"{r['recompiles']} | {cold} | {peak} |", flush=True)
+            ratios.append(f"{variant} {r['ratio']:.2f}x")
             cpu = ", ".join(f"{k} {v:.1f} ms" for k, v in r["cpu_ms"].items())
             cpu_lines.append(f"{layers} x {width} {variant}: {cpu}")
+        print(f"  {layers} x {width}, step / one jax.jit step, side by side: {', '.join(ratios)}", flush=True)
+        ratios = []
     # Wall time in a call counts waiting too: a jitted program's dispatch (torchax) waits while its
     # inputs are still in use by the running one. The host's own CPU time in each call, per step:
     print("\nhost CPU time per step (thread time, fastest repeat):\n  " + "\n  ".join(cpu_lines))
