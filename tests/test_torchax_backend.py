@@ -1215,3 +1215,67 @@ def test_the_sharding_report_reads_as_the_torch_xla_engines(trained):
         (e.parameter, e.role, e.layout, e.device_bytes) for e in theirs.entries)
     assert model_state_bytes(engine) == model_state_bytes(ref)
     assert "ZeRO stage 2 on 8 devices" in str(ours)
+
+
+COMPILE_CACHE = """
+    import collections, json, os, sys
+    sys.path.insert(0, "tests")
+    import jax
+    events = collections.Counter()
+    jax.monitoring.register_event_listener(lambda name, **kwargs: events.update([name]))
+    import spmdzero
+    from test_torchax_backend import WithLoss, config
+    from conftest import batches, tiny_mlp
+    cfg = config("torchax", 2)
+    cfg["spmd"]["compile_cache_dir"] = {path!r}
+    engine, *_ = spmdzero.initialize(model=WithLoss(tiny_mlp(seed=0)), config=cfg)
+    losses = []
+    for x, y in batches(4, 16):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    print(json.dumps({{"hits": events["/jax/compilation_cache/cache_hits"], "losses": losses,
+                      "files": len(os.listdir({path!r}))}}))
+"""
+
+
+@pytest.mark.slow
+def test_the_compile_cache_dir_serves_a_second_process_the_steps_programs(tmp_path):
+    """``spmd.compile_cache_dir`` on the torchax backend (it was refused): JAX's persistent
+    cache, every program in it however small; a second process loads the training and update
+    programs from it instead of compiling them, and trains the same."""
+    import json
+
+    from conftest import run_python
+
+    first, second = (json.loads(run_python(COMPILE_CACHE.format(path=str(tmp_path / "cache"))).strip().splitlines()[-1])
+                     for _ in range(2))
+    assert first["hits"] == 0 and first["files"] >= 3  # the two training programs and the update, at least
+    assert second["hits"] >= 3 and second["files"] == first["files"]
+    assert second["losses"] == first["losses"]
+
+
+def test_a_dcn_mesh_puts_data_across_slices_and_trains_as_the_torch_xla_engine():
+    """``spmd.dcn_mesh`` on the torchax backend (it was refused): ``data`` across slices, the
+    rest within one, each slice a contiguous block of devices (``backends/torchax/mesh.py``);
+    the same losses and parameters as the torch_xla engine on that mesh shape (its HybridMesh
+    refuses one slice: "Invalid dcn_mesh_shape for single slice mesh")."""
+    runs = {}
+    for backend in ("torch_xla", "torchax"):
+        cfg = config(backend, 2)
+        cfg["spmd"].update({"dcn_mesh": {"data": 2}} if backend == "torchax" else {"mesh": {"data": 2, "fsdp": -1}})
+        engine, *_ = spmdzero.initialize(model=WithLoss(tiny_mlp(seed=0)), config=cfg)
+        losses = []
+        for x, y in batches(2 * STEPS, 16):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        runs[backend] = engine, losses
+    (ref, ref_losses), (engine, losses) = runs["torch_xla"], runs["torchax"]
+    assert dict(engine.plan.mesh_shape) == dict(ref.plan.mesh_shape) == {"data": 2, "fsdp": 4}
+    assert [[d.id for d in row] for row in engine.mesh.devices] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert losses == pytest.approx(ref_losses, abs=1e-5)
+    for (name, p), (_, q) in zip(engine.module.named_parameters(), ref.module.named_parameters()):
+        torch.testing.assert_close(p.detach(), q.detach().cpu(), atol=1e-5, rtol=1e-5, msg=name)

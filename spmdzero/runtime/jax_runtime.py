@@ -285,3 +285,22 @@ def cpu_devices(count: int) -> list:
                            f"and holds arrays; set XLA_FLAGS=--xla_force_host_platform_device_count={count} "
                            "before JAX starts")
     return found[:count]
+
+
+def enable_compile_cache(path: str) -> None:
+    """JAX's persistent compilation cache at ``path`` (``spmd.compile_cache_dir`` on the torchax
+    backend), for every program however small or quick to compile (JAX's defaults skip those,
+    which on CPU is all of them). JAX reads its cache settings at its first compile and keeps
+    them: they are reset here, so that a directory set after something compiled (a second
+    ``initialize`` in a notebook) takes effect too."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    path = os.path.abspath(path)
+    os.makedirs(path, exist_ok=True)
+    if jax.config.jax_compilation_cache_dir == path:
+        return
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # every entry (0 means JAX's default)
+    compilation_cache.reset_cache()

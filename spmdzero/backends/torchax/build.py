@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 from spmdzero.config.errors import ConfigError
 from spmdzero.config.schema import DeepSpeedConfig
-from spmdzero.sharding.mesh import check_user_mesh, mesh_shape, resolve_mesh_shape
+from spmdzero.sharding.mesh import check_user_mesh, global_shape, mesh_shape, resolve_hybrid_shape, resolve_mesh_shape
 from spmdzero.optim.precision import DTYPES
 from spmdzero.backends.torchax import batchnorm
 from spmdzero.backends.torchax.engine import TorchaxEngine
@@ -21,8 +21,6 @@ def check_config(cfg: DeepSpeedConfig, client_optimizer: Any = None) -> None:
     unscaled = not cfg.fp16.enabled
     refused = {
         "spmd.scan_layers": cfg.spmd.scan_layers,
-        "spmd.dcn_mesh": cfg.spmd.dcn_mesh is not None,
-        "spmd.compile_cache_dir": cfg.spmd.compile_cache_dir is not None,
         # fp16 gradients of an unscaled loss underflow: fp16 gradients only with fp16's loss scaling
         "communication_data_type fp16 without fp16.enabled": unscaled and DTYPES.get(
             cfg.communication_data_type) == torch.float16,
@@ -86,6 +84,8 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
 
     check_config(cfg, optimizer)
     _require_torchax()
+    if cfg.spmd.compile_cache_dir:  # before this engine's first program compiles
+        jax_runtime.enable_compile_cache(cfg.spmd.compile_cache_dir)
     refuse_sparse_gradients(model)
     batchnorm.check_replaceable(model)  # the others' running statistics are updated as torch does
     if mesh is not None and jax_runtime.selected():
@@ -95,6 +95,9 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
     if mesh is not None:
         check_user_mesh(mesh)
         shape = mesh_shape(mesh)
+    elif cfg.spmd.dcn_mesh is not None:  # data across slices, the rest within one (backends/torchax/mesh.py)
+        ici, dcn = resolve_hybrid_shape(cfg.spmd.mesh, cfg.spmd.dcn_mesh, runtime.device_count())
+        shape = global_shape(ici, dcn)
     else:
         shape = resolve_mesh_shape(cfg.spmd.mesh, runtime.device_count())
     process_index, process_count = runtime.hosts()

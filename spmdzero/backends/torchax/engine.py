@@ -76,6 +76,8 @@ from spmdzero.optim.precision import precision_policy
 from spmdzero.runtime import jax_runtime
 from spmdzero.train.build import move_in_place
 from spmdzero.backends.torchax import batchnorm
+from spmdzero.backends.torchax.mesh import mesh_devices
+from spmdzero.sharding.mesh import resolve_hybrid_shape
 from spmdzero.backends.torchax.outside_loss import tie
 from spmdzero.backends.torchax import torch_optim
 
@@ -209,7 +211,9 @@ class TorchaxEngine(EngineBase):
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
         self._jax = jax
-        devices = np.array(jax_devices(device_count)).reshape(tuple(mesh_shape.values()))  # before any JAX array
+        dcn = None if cfg.spmd.dcn_mesh is None else resolve_hybrid_shape(cfg.spmd.mesh, cfg.spmd.dcn_mesh,
+                                                                           device_count)[1]
+        devices = mesh_devices(jax_devices(device_count), mesh_shape, dcn)  # before any JAX array
         self._processes = jax.process_count()  # hosts joined by jax.distributed; 1 without
         seed = torch.initial_seed()
         if self._processes > 1:
