@@ -1225,16 +1225,12 @@ COMPILE_CACHE = """
     jax.monitoring.register_event_listener(lambda name, **kwargs: events.update([name]))
     import spmdzero
     from test_torchax_backend import WithLoss, config
+    from test_torchax_optimizers import train
     from conftest import batches, tiny_mlp
     cfg = config("torchax", 2)
     cfg["spmd"]["compile_cache_dir"] = {path!r}
     engine, *_ = spmdzero.initialize(model=WithLoss(tiny_mlp(seed=0)), config=cfg)
-    losses = []
-    for x, y in batches(4, 16):
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = train(engine, batches(4, 16))
     print(json.dumps({{"hits": events["/jax/compilation_cache/cache_hits"], "losses": losses,
                       "files": len(os.listdir({path!r}))}}))
 """
