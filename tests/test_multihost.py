@@ -128,11 +128,17 @@ if __name__ == "__main__":
     parser.add_argument("--local_rank", type=int)
     parser.add_argument("--out")
     parser.add_argument("--die_rank", type=int, default=-1)
+    parser.add_argument("--load")
+    parser.add_argument("--save")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     torch.manual_seed(100 + rank)  # each host its own weights: deepspeed.initialize takes process 0's
     engine, _, loader, _ = deepspeed.initialize(model=Net(), config=CONFIG, training_data=dataset())
+    if args.load:
+        engine.load_checkpoint(args.load)
     losses, norms = train(engine, loader, die_at=2 if rank == args.die_rank else None)
+    if args.save:
+        engine.save_checkpoint(args.save)
     torch.save({"losses": losses, "norms": norms, "hosts": runtime.hosts(), "devices": runtime.device_count(),
                 "local_devices": get_accelerator().device_count(),
                 "world": (engine.dp_world_size, dist.get_rank(), dist.get_world_size()),
@@ -217,6 +223,56 @@ def test_two_processes_of_four_devices_train_as_one_process_of_eight(tmp_path):
         assert out["norms"] == pytest.approx(norms, abs=1e-6, rel=1e-6)
         for name, value in params.items():  # process 0's initial weights (seeded 100), trained on all rows
             torch.testing.assert_close(out["params"][name], value, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_moves_from_one_process_to_two_and_back(tmp_path):
+    """One process of 8 devices saves; two processes of 4 load it, train a pass and save, each
+    host writing its own shards; one process loads that. Each resumed pass is the uninterrupted
+    run's."""
+    import runpy
+
+    import spmdzero
+
+    (tmp_path / "ref.py").write_text(SCRIPT)
+    script = runpy.run_path(str(tmp_path / "ref.py"))
+
+    def engine_seeded(seed):  # the weights a load must replace
+        torch.manual_seed(seed)
+        return spmdzero.initialize(model=script["Net"](), config=script["CONFIG"], training_data=script["dataset"]())
+
+    def params(engine):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+    engine, _, loader, _ = engine_seeded(100)
+    script["train"](engine, loader)
+    engine.save_checkpoint(str(tmp_path / "by_one"))
+    second, after_second = script["train"](engine, loader), params(engine)
+    third, after_third = script["train"](engine, loader), params(engine)
+
+    procs = _launch_hosts(tmp_path, "--load", str(tmp_path / "by_one"), "--save", str(tmp_path / "by_two"))
+    for i, proc in enumerate(procs):
+        assert proc.wait(timeout=240) == 0, (tmp_path / f"log{i}.txt").read_text()[-4000:]
+    for i in range(2):
+        out = torch.load(tmp_path / f"out{i}.pt")
+        assert out["hosts"] == (i, 2) and out["samples"] == 2 * 128
+        assert (out["losses"], out["norms"]) == (pytest.approx(second[0], abs=1e-6, rel=1e-6),
+                                                 pytest.approx(second[1], abs=1e-6, rel=1e-6))
+        for name, value in after_second.items():
+            torch.testing.assert_close(out["params"][name], value, atol=1e-6, rtol=1e-6)
+    state = tmp_path / "by_two" / "global_step8" / "state"
+    assert sorted(p.name for p in state.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # a file per host
+
+    engine, _, loader, _ = engine_seeded(7)
+    engine.load_checkpoint(str(tmp_path / "by_two"))
+    assert engine.global_steps == 8 and engine.global_samples == 2 * 128
+    for name, value in params(engine).items():
+        torch.testing.assert_close(value, after_second[name], atol=1e-6, rtol=1e-6)
+    losses, norms = script["train"](engine, loader)
+    assert losses == pytest.approx(third[0], abs=1e-6, rel=1e-6) and norms == pytest.approx(third[1], abs=1e-6,
+                                                                                             rel=1e-6)
+    for name, value in params(engine).items():
+        torch.testing.assert_close(value, after_third[name], atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.slow
