@@ -33,7 +33,7 @@ def deepspeed():
     for key, value in environment.items():  # what the alias set for Hugging Face (compat.hugging_face)
         os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
     sys.meta_path[:] = [f for f in sys.meta_path
-                        if not isinstance(f, (alias.DeepSpeedAlias, hugging_face._AnswerBf16))]
+                        if not isinstance(f, (alias.DeepSpeedAlias, hugging_face._PatchOnLoad))]
     for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
         del sys.modules[name]
     if dist.is_initialized() and not had_group:

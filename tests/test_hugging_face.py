@@ -34,28 +34,30 @@ CONFIG_OPTIMIZER = {**AUTO, "zero_optimization": {"stage": 2},
 TRAINER_OPTIMIZER = {**AUTO, "zero_optimization": {"stage": 1}}
 
 
-def _env(plain: bool) -> dict:
+def _env(plain: bool, backend: str) -> dict:
     env = {k: v for k, v in os.environ.items()
-           if k not in LAUNCHER_VARIABLES and k not in ("USE_TORCH_XLA", "ACCELERATE_TORCH_DEVICE")}
+           if k not in LAUNCHER_VARIABLES and k not in ("USE_TORCH_XLA", "ACCELERATE_TORCH_DEVICE", "SPMDZERO_BACKEND")}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("SPMDZERO_NO_RUNTIME", None)
     if plain:
         env["USE_TORCH_XLA"] = "0"  # plain PyTorch on the CPU: the reference
+    elif backend == "torchax":
+        env["SPMDZERO_BACKEND"] = "torchax"  # the HF config names no backend
     return env
 
 
-def _run(script: str, *args: str, launch: bool, cwd) -> str:
+def _run(script: str, *args: str, launch: bool, cwd, backend: str = "torch_xla") -> str:
     head = ([sys.executable, "-c", "import sys, spmdzero_cli; sys.exit(spmdzero_cli.main())", "launch"] if launch
             else [sys.executable])
-    proc = subprocess.run([*head, script, *args], cwd=cwd, env=_env(not launch), capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([*head, script, *args], cwd=cwd, env=_env(not launch, backend), capture_output=True,
+                          text=True, timeout=600)
     if proc.returncode != 0:
         pytest.fail(f"{'spmdzero launch ' if launch else ''}{os.path.basename(script)} {' '.join(args)} failed "
                     f"({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc.stdout + proc.stderr
 
 
-def _trainer(tmp, name: str, config, *args: str) -> dict:
+def _trainer(tmp, name: str, config, *args: str, backend: str = "torch_xla") -> dict:
     out, results = os.path.join(tmp, name), os.path.join(tmp, name + ".json")
     deepspeed = ["--deepspeed", "none"]
     if config is not None:
@@ -63,26 +65,37 @@ def _trainer(tmp, name: str, config, *args: str) -> dict:
         with open(path, "w") as f:
             json.dump(config, f)
         deepspeed = ["--deepspeed", path]
-    _run(TRAINER, *deepspeed, "--out", out, "--results", results, *args, launch=config is not None, cwd=tmp)
+    _run(TRAINER, *deepspeed, "--out", out, "--results", results, *args, launch=config is not None, cwd=tmp,
+         backend=backend)
     with open(results) as f:
         return json.load(f)
 
 
 @pytest.fixture(scope="module")
-def trainer_runs(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("hf"))
+def references(tmp_path_factory):
+    """The plain-PyTorch runs, which no backend changes."""
+    tmp = str(tmp_path_factory.mktemp("hf_reference"))
+    return {"config_reference": _trainer(tmp, "config_reference", None, "--scheduler", "deepspeed_warmup"),
+            "trainer_reference": _trainer(tmp, "trainer_reference", None, "--scheduler", "linear")}
+
+
+@pytest.fixture(scope="module", params=["torch_xla", "torchax"])
+def trainer_runs(request, references, tmp_path_factory):
+    backend = request.param
+    tmp = str(tmp_path_factory.mktemp(f"hf_{backend}"))
     runs = {
-        "config": _trainer(tmp, "config", CONFIG_OPTIMIZER),
-        "config_reference": _trainer(tmp, "config_reference", None, "--scheduler", "deepspeed_warmup"),
-        "trainer": _trainer(tmp, "trainer", TRAINER_OPTIMIZER, "--scheduler", "linear"),
-        "trainer_reference": _trainer(tmp, "trainer_reference", None, "--scheduler", "linear"),
-        "bf16": _trainer(tmp, "bf16", TRAINER_OPTIMIZER, "--scheduler", "linear", "--bf16"),
+        "backend": backend,
+        "config": _trainer(tmp, "config", CONFIG_OPTIMIZER, backend=backend),
+        "trainer": _trainer(tmp, "trainer", TRAINER_OPTIMIZER, "--scheduler", "linear", backend=backend),
+        "bf16": _trainer(tmp, "bf16", TRAINER_OPTIMIZER, "--scheduler", "linear", "--bf16", backend=backend),
+        **references,
     }
     # resumed: a copy of the config run's directory without checkpoint-6, resumed from checkpoint-3
     resumed = os.path.join(tmp, "resumed")
     subprocess.run(["cp", "-r", os.path.join(tmp, "config"), resumed], check=True)
     subprocess.run(["rm", "-r", os.path.join(resumed, "checkpoint-6")], check=True)
-    runs["resumed"] = _trainer(tmp, "resumed", CONFIG_OPTIMIZER, "--resume", os.path.join(resumed, "checkpoint-3"))
+    runs["resumed"] = _trainer(tmp, "resumed", CONFIG_OPTIMIZER, "--resume", os.path.join(resumed, "checkpoint-3"),
+                               backend=backend)
     runs["dir"] = tmp
     return runs
 
@@ -93,7 +106,7 @@ def _close(a, b, tol):
 
 def test_the_trainer_reaches_the_engine_with_hfs_auto_values_filled(trainer_runs):
     engine = trainer_runs["config"]["engine"]
-    assert engine["class"].startswith("spmdzero.backends.")
+    assert engine["class"] == f"spmdzero.backends.{trainer_runs['backend']}.engine"
     # TrainingArguments: per_device_train_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=0.5
     assert (engine["micro"], engine["gas"], engine["clipping"], engine["bf16"]) == (4, 2, 0.5, False)
     assert engine["deepspeed_version"].split("+")[1].startswith("spmdzero")  # says it is spmdzero's layer
@@ -137,15 +150,16 @@ def test_save_model_writes_what_from_pretrained_loads(trainer_runs):
         assert trainer_runs[name]["reloaded_equal"], trainer_runs[name]["reloaded_max_diff"]
 
 
-@pytest.mark.parametrize("plugin", ["hf_ds_config", "arguments"])
-def test_an_accelerate_loop_with_a_deepspeed_plugin_trains_as_plain_torch(plugin, tmp_path):
+@pytest.mark.parametrize("backend,plugin", [("torch_xla", "hf_ds_config"), ("torch_xla", "arguments"),
+                                            ("torchax", "hf_ds_config")])
+def test_an_accelerate_loop_with_a_deepspeed_plugin_trains_as_plain_torch(backend, plugin, tmp_path):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1,
                                   "gradient_clipping": 0.5, "zero_optimization": {"stage": 2}}))
     _run(LOOP, "--plugin", "none", "--results", str(tmp_path / "ref.json"), launch=False, cwd=tmp_path)
     out = _run(LOOP, "--plugin", plugin, "--config", str(config), "--results", str(tmp_path / "run.json"),
-               launch=True, cwd=tmp_path)
-    assert "distributed_type DistributedType.DEEPSPEED engine spmdzero.backends." in out
+               launch=True, cwd=tmp_path, backend=backend)
+    assert f"distributed_type DistributedType.DEEPSPEED engine spmdzero.backends.{backend}.engine" in out
     run, reference = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("run", "ref"))
     assert len(run["loss"]) == 8
     assert _close(run["loss"], reference["loss"], 1e-5), (run["loss"], reference["loss"])

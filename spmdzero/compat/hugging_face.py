@@ -17,15 +17,26 @@ With ``USE_TORCH_XLA=0``, ``TrainingArguments(bf16=True)`` would refuse ("Your s
 support bf16/gpu"): it asks ``is_torch_bf16_gpu_available()``, which knows CUDA-like devices
 and torch_xla, not the engine's. The engine's XLA devices compute in bf16 (TPUs natively,
 XLA:CPU too), so once transformers' ``import_utils`` is loaded, that question answers yes.
+
+On the torchax backend accelerate's device stays the host (torch cannot create tensors on
+torchax's ``jax`` device outside torchax's own mode), while the engine's loss lives on the JAX
+devices. The Trainer keeps its running loss on its own device and refuses a step loss on
+another ("Calculated loss must be on the original device"). ``Trainer.training_step`` is
+therefore wrapped to hand the loss over on the Trainer's device: a host copy of one number per
+micro-step, where the Trainer's default ``logging_nan_inf_filter`` already reads that number
+every micro-step.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import os
 import sys
 import warnings
+
+import torch
 
 # the device each backend's engine returns its outputs on, as torch names it without the
 # backend imported (the torchax backend's outputs say "jax:0", a name torch knows only once
@@ -40,8 +51,8 @@ def route_to_deepspeed(backend: str) -> None:
     os.environ.setdefault("USE_TORCH_XLA", "0")
     if _OUTPUT_DEVICE[backend] is not None:
         os.environ.setdefault("ACCELERATE_TORCH_DEVICE", _OUTPUT_DEVICE[backend])
-    if not any(isinstance(finder, _AnswerBf16) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _AnswerBf16())
+    if not any(isinstance(finder, _PatchOnLoad) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnLoad())
     early = [name for name in ("accelerate", "transformers") if name in sys.modules]
     if early:
         warnings.warn(f"spmdzero: {' and '.join(early)} was imported before spmdzero set USE_TORCH_XLA=0; its "
@@ -49,19 +60,45 @@ def route_to_deepspeed(backend: str) -> None:
                       "spmdzero.alias_deepspeed()) before them.", stacklevel=3)
 
 
-_IMPORT_UTILS = "transformers.utils.import_utils"
-
-
 def _bf16_available() -> bool:
     return True
 
 
-class _AnswerBf16(importlib.abc.MetaPathFinder):
-    """Loads transformers' ``import_utils`` as usual, then answers its bf16 question for the
-    engine's devices (before ``training_args`` imports the function by name)."""
+def _answer_bf16(module) -> None:
+    """transformers' bf16 question, answered for the engine's devices (before ``training_args``
+    imports the function by name)."""
+    if hasattr(module, "is_torch_bf16_gpu_available"):
+        module.is_torch_bf16_gpu_available = _bf16_available
+
+
+def _loss_on_trainer_device(module) -> None:
+    """``Trainer.training_step`` returns the step's loss on the Trainer's device (``args.device``)."""
+    trainer = getattr(module, "Trainer", None)
+    step = getattr(trainer, "training_step", None)
+    if step is None or getattr(step, "_spmdzero_wrapped", False):
+        return
+
+    @functools.wraps(step)
+    def training_step(self, *args, **kwargs):
+        loss = step(self, *args, **kwargs)
+        device = self.args.device
+        if isinstance(loss, torch.Tensor) and loss.device != device and device.type == "cpu":
+            loss = loss.cpu().clone()  # a copy of its own, not a view of the device's buffer
+        return loss
+
+    training_step._spmdzero_wrapped = True
+    trainer.training_step = training_step
+
+
+# what is changed in each module as it loads: {module: function of the loaded module}
+_PATCHES = {"transformers.utils.import_utils": _answer_bf16, "transformers.trainer": _loss_on_trainer_device}
+
+
+class _PatchOnLoad(importlib.abc.MetaPathFinder):
+    """Loads the modules of ``_PATCHES`` as usual, then applies their patch."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != _IMPORT_UTILS:
+        if fullname not in _PATCHES:
             return None
         sys.meta_path.remove(self)  # find the real module with the other finders
         try:
@@ -74,8 +111,7 @@ class _AnswerBf16(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            if hasattr(module, "is_torch_bf16_gpu_available"):
-                module.is_torch_bf16_gpu_available = _bf16_available
+            _PATCHES[fullname](module)
 
         spec.loader.exec_module = exec_module
         return spec

@@ -262,7 +262,8 @@ class TorchaxEngine(EngineBase):
         # creates its states, as torch's does
         self._torch_optimizer = not isinstance(optimizer, SpmdOptimizer)
         self._static_hyper = torch_optim.static_hyperparameters(optimizer) if self._torch_optimizer else None
-        self._lr_mode = "traced"  # how the torch optimizer's step gets its lr (torch_optim.LR_MODES)
+        # how the torch optimizer's step gets its lr (torch_optim.LR_MODES)
+        self._lr_mode = torch_optim.initial_lr_mode(optimizer) if self._torch_optimizer else "traced"
         for group, group_names in zip(optimizer.param_groups, self._groups):
             for p, name in zip(group["params"], group_names):
                 initial = {} if self._torch_optimizer else optimizer._initial_state(p.detach().float(), group)
@@ -494,6 +495,12 @@ class TorchaxEngine(EngineBase):
     def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
         """The module's state dict, keys under ``module.`` as DeepSpeed's engine (an nn.Module) has them."""
         return self.module.state_dict(destination=destination, prefix=f"{prefix}module.", keep_vars=keep_vars)
+
+    @property
+    def _modules(self) -> dict:
+        """DeepSpeed's engine is an ``nn.Module`` whose child is ``module``: code that walks
+        modules (accelerate's unwrapping) finds it there."""
+        return {"module": self._module}
 
     def __getattr__(self, name: str):
         """Attributes the engine lacks come from the module, as in DeepSpeed."""

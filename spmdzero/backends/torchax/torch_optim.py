@@ -10,11 +10,13 @@ where the optimizer has it, so that its step counter stays a tensor (a traced va
 a Python number read from the device.
 
 The learning rate is a traced input (a schedule changing it every step is not a new program),
-in one of three ways (``LR_MODES``): given to the step as a tensor where the optimizer takes one
-(Adam, AdamW); else, for the optimizers whose update is linear in the lr and whose states do
-not depend on it (SGD, RMSprop, ... : ``LINEAR_IN_LR``), the step runs at lr 1 and its change
-of the parameters is scaled by the lr; else the lr is a constant of the program, built again
-for each new lr. The group's other hyperparameters are constants of the program, and a change of
+in one of three ways (``LR_MODES``): for torch's optimizers whose update is linear in the lr
+and whose states do not depend on it (SGD, Adam, AdamW, RMSprop, ... : ``LINEAR_IN_LR``), the
+step runs at lr 1 and its change of the parameters is scaled by the lr; else it is given to
+the step as a tensor, where the step takes one; else the lr is a constant of the program, built
+again for each new lr. Adam and AdamW take a tensor lr too, but their capturable step divides
+by it: at a warmup's lr 0 that is 0/0 wherever a state is zero (an embedding row no batch has
+touched), and the parameter becomes NaN. The group's other hyperparameters are constants of the program, and a change of
 one (a schedule cycling momentum) builds it again (``static_hyperparameters``).
 
 States are created by the optimizer's first step, as torch creates them: the update program is
@@ -35,6 +37,12 @@ LR_MODES = ("traced", "unit", "constant")
 # torch.optim classes whose parameter change is the lr times a term that does not depend on it,
 # and whose states do not depend on it (not Rprop, ASGD, Adafactor, LBFGS, SparseAdam)
 LINEAR_IN_LR = frozenset({"SGD", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "Adam", "AdamW"})
+
+
+def initial_lr_mode(optimizer: torch.optim.Optimizer) -> str:
+    """How the first update gives the lr to the step ("traced" falls back by ``fallback_lr_mode``
+    if the step needs a Python number)."""
+    return "unit" if fallback_lr_mode(optimizer) == "unit" else "traced"
 
 
 def fallback_lr_mode(optimizer: torch.optim.Optimizer) -> str:

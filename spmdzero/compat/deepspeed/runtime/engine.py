@@ -1,3 +1,5 @@
-"""``deepspeed.runtime.engine``: ``DeepSpeedEngine`` is spmdzero's engine (for isinstance checks)."""
+"""``deepspeed.runtime.engine``: ``DeepSpeedEngine`` is the class both backends' engines share,
+so that ``isinstance(model, DeepSpeedEngine)`` (accelerate's unwrapping, scripts' checks) holds
+for either."""
 
-from spmdzero.backends.torch_xla.engine import SpmdZeroEngine as DeepSpeedEngine  # noqa: F401
+from spmdzero.train.engine_base import EngineBase as DeepSpeedEngine  # noqa: F401
