@@ -1,4 +1,5 @@
-"""The engine on 8 CPU devices against a plain single-device PyTorch loop."""
+"""The engine on 8 CPU devices against a plain single-device PyTorch loop, on both backends
+where a test does not read one backend's tensors (torch_xla's sharding specs and metrics)."""
 
 import contextlib
 import copy
@@ -18,13 +19,24 @@ from conftest import batches, tiny_mlp
 
 GAS, MICRO_PER_DEVICE, N = 2, 2, 8
 CLIP = 0.3
+BACKENDS = ["torch_xla", "torchax"]
 
 
-def config(stage, **extra):
+def config(stage, backend="torch_xla", **extra):
+    spmd = {**extra.pop("spmd", {}), "backend": backend}
     return {"train_micro_batch_size_per_gpu": MICRO_PER_DEVICE, "gradient_accumulation_steps": GAS,
             "gradient_clipping": CLIP, "zero_optimization": {"stage": stage},
             "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}},
-            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}, **extra}
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}, "spmd": spmd, **extra}
+
+
+def on(backend: str, cfg: dict) -> dict:
+    return {**cfg, "spmd": {**cfg.get("spmd", {}), "backend": backend}}
+
+
+def torch_xla_only(backend: str) -> None:
+    if backend != "torch_xla":
+        pytest.skip("reads torch_xla's tensors")
 
 
 def reference_run(model, data):
@@ -55,16 +67,18 @@ def engine_run(engine, data):
     return [l.item() for l in losses], {n: p.detach().cpu() for n, p in engine.module.named_parameters()}
 
 
-@pytest.fixture(scope="module", params=[0, 1, 2])
+@pytest.fixture(scope="module", params=[(stage, backend) for backend in BACKENDS for stage in (0, 1, 2)],
+                ids=lambda p: f"{p[1]}-stage{p[0]}")
 def trained(request):
-    """One short run per stage, shared by the tests below (compile once, reuse)."""
-    stage = request.param
+    """One short run per stage and backend, shared by the tests below (compile once, reuse)."""
+    stage, backend = request.param
     model = tiny_mlp()
     data = batches(12, MICRO_PER_DEVICE * N)
     ref = reference_run(model, data)
-    engine, _, _, _ = spmdzero.initialize(model=copy.deepcopy(model), config=config(stage))
+    engine, _, _, _ = spmdzero.initialize(model=copy.deepcopy(model), config=config(stage, backend))
     inputs = []
-    engine.module.register_forward_pre_hook(lambda m, args: inputs.append(sharding_spec(args[0])))
+    if backend == "torch_xla":
+        engine.module.register_forward_pre_hook(lambda m, args: inputs.append(sharding_spec(args[0])))
     out = engine_run(engine, data)
     return stage, engine, ref, out, inputs
 
@@ -85,6 +99,7 @@ def test_clipping_was_active(trained):
 
 def test_partition_specs_follow_the_stage(trained):
     stage, engine, _, _, inputs = trained
+    torch_xla_only(engine.validated_config.spmd.backend)
     sharded = "{devices=[8,1]0,1,2,3,4,5,6,7}"
     w = engine.module[0].weight  # 64x16: the largest dim is 0
     assert all(sharding_spec(p) == "{replicated}" for p in engine.module.parameters())
@@ -98,6 +113,7 @@ def test_gradients_live_only_between_boundaries_laid_out_by_the_plan(trained):
     """After a boundary no gradient is held; a micro-step's accumulated gradient is a
     device tensor with the plan's layout (the ZeRO-2 shard)."""
     stage, engine, *_ = trained
+    torch_xla_only(engine.validated_config.spmd.backend)
     assert engine.grad_buffers() == {}
     x, y = batches(1, MICRO_PER_DEVICE * N, seed=7)[0]
     engine.backward(torch.nn.functional.mse_loss(engine(x), y.to(engine.device)))
@@ -191,38 +207,44 @@ def test_no_recompiles_or_device_reads_after_warmup():
     assert (met.counter_value("XlaSetBufferDonation") or 0) - donated == 12 * 8
 
 
-def test_two_d_mesh_shards_states_on_fsdp_and_batch_on_both():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_d_mesh_shards_states_on_fsdp_and_batch_on_both(backend):
     model = tiny_mlp()
     data = batches(4, MICRO_PER_DEVICE * N)
-    engine, *_ = spmdzero.initialize(model=copy.deepcopy(model), config=config(2, spmd={"mesh": {"data": 2, "fsdp": -1}}))
-    assert dict(zip(engine.mesh.axis_names, engine.mesh.mesh_shape)) == {"data": 2, "fsdp": 4}
+    engine, *_ = spmdzero.initialize(model=copy.deepcopy(model),
+                                     config=config(2, backend, spmd={"mesh": {"data": 2, "fsdp": -1}}))
+    assert dict(engine.plan.mesh_shape) == {"data": 2, "fsdp": 4}
     assert engine.dp_world_size == 8 and engine.train_batch_size() == 32
     inputs = []
-    engine.module.register_forward_pre_hook(lambda m, args: inputs.append(sharding_spec(args[0])))
+    if backend == "torch_xla":
+        engine.module.register_forward_pre_hook(lambda m, args: inputs.append(sharding_spec(args[0])))
     losses, params = engine_run(engine, data)
-    assert inputs[0].startswith("{devices=[8,1]")
-    state = engine.optimizer.state[engine.module[0].weight]["exp_avg"]
-    assert sharding_spec(state).startswith("{devices=[4,1,2]") and "last_tile_dim_replicate" in sharding_spec(state)
+    if backend == "torch_xla":
+        assert inputs[0].startswith("{devices=[8,1]")
+        state = engine.optimizer.state[engine.module[0].weight]["exp_avg"]
+        assert sharding_spec(state).startswith("{devices=[4,1,2]") and "last_tile_dim_replicate" in sharding_spec(state)
     ref_losses, ref_params = reference_run(model, data)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(params["0.weight"], ref_params["0.weight"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("stage", [1, 2])
-def test_two_fsdp_axes_train_exactly_like_one(stage):
+def test_two_fsdp_axes_train_exactly_like_one(stage, backend):
     """The 16-chip layout (``fsdp x fsdp_inner``, two gradient stages) forced onto 8 devices:
     the same losses and parameters as the one-axis mesh, states tiled over both axes."""
     model, data = tiny_mlp(), batches(4, MICRO_PER_DEVICE * N)
     runs = {}
     for inner in (1, 2):
         engine, *_ = spmdzero.initialize(model=copy.deepcopy(model),
-                                         config=config(stage, spmd={"mesh": {"fsdp_inner": inner}}))
+                                         config=config(stage, backend, spmd={"mesh": {"fsdp_inner": inner}}))
         runs[inner] = engine_run(engine, data)
-    assert dict(zip(engine.mesh.axis_names, engine.mesh.mesh_shape)) == {"data": 1, "fsdp": 4, "fsdp_inner": 2}
+    assert dict(engine.plan.mesh_shape) == {"data": 1, "fsdp": 4, "fsdp_inner": 2}
     assert engine.dp_world_size == 8 and engine.plan["0.weight"].optimizer_state == ("fsdp", "fsdp_inner")
-    state = engine.optimizer.state[engine.module[0].weight]["exp_avg"]
-    assert sharding_spec(state).startswith("{devices=[4,2]")
-    assert sharding_spec(engine.optimizer.state[engine.module[0].bias]["exp_avg"]).startswith("{devices=[8]")
+    if backend == "torch_xla":
+        state = engine.optimizer.state[engine.module[0].weight]["exp_avg"]
+        assert sharding_spec(state).startswith("{devices=[4,2]")
+        assert sharding_spec(engine.optimizer.state[engine.module[0].bias]["exp_avg"]).startswith("{devices=[8]")
     np.testing.assert_allclose(runs[2][0], runs[1][0], rtol=1e-6, atol=1e-6)
     for name, p in runs[1][1].items():
         torch.testing.assert_close(runs[2][1][name], p, rtol=1e-6, atol=1e-6)
@@ -243,11 +265,12 @@ def test_user_mesh_and_client_optimizer():
     assert sharding_spec(opt.state[w]["exp_avg"]).startswith("{devices=[2,1,4]")  # laid out by the plan
 
 
-def test_client_optimizer_callable_and_scheduler_callable():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_client_optimizer_callable_and_scheduler_callable(backend):
     engine, opt, _, sched = spmdzero.initialize(
         model=tiny_mlp(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
         lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
-        config={"train_batch_size": 16})
+        config=on(backend, {"train_batch_size": 16}))
     assert isinstance(opt.optimizer, torch.optim.SGD) and isinstance(sched, torch.optim.lr_scheduler.StepLR)
     assert engine.get_mom() == [0.9]
     x, y = batches(1, 16)[0]
@@ -256,8 +279,9 @@ def test_client_optimizer_callable_and_scheduler_callable():
     assert engine.get_lr() == [0.05]
 
 
-def test_engine_counters_and_boundary_follow_deepspeed():
-    engine, *_ = spmdzero.initialize(model=tiny_mlp(), config=config(2))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_engine_counters_and_boundary_follow_deepspeed(backend):
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(), config=config(2, backend))
     assert engine.get_global_grad_norm() is None and not engine.was_step_applied()
     assert engine.get_lr() == [0.0]  # WarmupLR writes its t = -1 lr: the first step uses it
     assert engine.get_mom() == [(0.9, 0.999)]
@@ -284,15 +308,18 @@ def test_engine_counters_and_boundary_follow_deepspeed():
             pass
 
 
-def test_training_data_gives_sharded_batches_in_deepspeed_rank_order():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_training_data_gives_sharded_batches_in_deepspeed_rank_order(backend):
     from torch.utils.data import DistributedSampler, TensorDataset
 
     xs_, ys_ = torch.arange(64.0).reshape(32, 2).repeat(1, 8), torch.zeros(32, 8)
     dataset = TensorDataset(xs_, ys_)
-    engine, _, loader, _ = spmdzero.initialize(model=tiny_mlp(), training_data=dataset, config=config(2))
+    engine, _, loader, _ = spmdzero.initialize(model=tiny_mlp(), training_data=dataset, config=config(2, backend))
     assert len(loader) == 2  # 32 samples / (2 per device x 8 devices)
     first_x, _ = next(iter(loader))
-    assert sharding_spec(first_x) == "{devices=[8,1]0,1,2,3,4,5,6,7}" and first_x.shape == (16, 16)
+    assert first_x.shape == (16, 16)
+    if backend == "torch_xla":  # the torchax engine places host batches at its forward
+        assert sharding_spec(first_x) == "{devices=[8,1]0,1,2,3,4,5,6,7}"
     expected = torch.cat([xs_[list(DistributedSampler(dataset, num_replicas=8, rank=r))[:2]] for r in range(8)])
     torch.testing.assert_close(first_x.cpu(), expected)
 
@@ -323,45 +350,50 @@ def test_only_tensors_with_the_batch_dim_are_split():
     assert sharding_spec(mask) in ("", "{replicated}")
 
 
-def test_param_groups_left_empty_by_frozen_parameters_are_dropped():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_param_groups_left_empty_by_frozen_parameters_are_dropped(backend):
     """DeepSpeed drops them: ``get_lr()`` has one entry per group that trains."""
     model = tiny_mlp()
     model[0].requires_grad_(False)
     groups = [{"params": model[0].parameters(), "lr": 0.1}, {"params": model[2].parameters(), "lr": 0.2}]
     opt = torch.optim.AdamW(groups)
-    engine, *_ = spmdzero.initialize(model=model, optimizer=opt, config={"train_batch_size": 16,
-                                                                         "zero_optimization": {"stage": 2}})
+    engine, *_ = spmdzero.initialize(model=model, optimizer=opt, config=on(backend, {
+        "train_batch_size": 16, "zero_optimization": {"stage": 2}}))
     assert engine.get_lr() == [0.2] and len(engine.optimizer.param_groups) == 1
 
 
-def test_refresh_fp32_params_gives_the_masters_the_modules_weights():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_refresh_fp32_params_gives_the_masters_the_modules_weights(backend):
     """After the module's weights are changed by hand, DeepSpeed's ``refresh_fp32_params`` makes
     the next step update them, not the old masters."""
-    engine, optimizer, *_ = spmdzero.initialize(model=tiny_mlp(), config={
+    engine, optimizer, *_ = spmdzero.initialize(model=tiny_mlp(), config=on(backend, {
         "train_batch_size": 16, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}))
     with torch.no_grad():
         for p in engine.module.parameters():
             p.fill_(0.5)
     optimizer.refresh_fp32_params()
-    assert all(torch.all(m.cpu() == 0.5) for m in engine.master_weights().values())
+    if backend == "torch_xla":
+        assert all(torch.all(m.cpu() == 0.5) for m in engine.master_weights().values())
     x, y = batches(1, 16)[0]
     engine.backward(torch.nn.functional.mse_loss(engine(x).float(), y.to(engine.device)))
     engine.step()
     assert all((p.detach().float().cpu() - 0.5).abs().max() < 0.01 for p in engine.module.parameters())
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fp16,expected", [({"enabled": True}, 0), ({"enabled": True, "loss_scale": 128}, 128)])
-def test_loss_scale_is_deepspeeds_config_value_and_cur_scale_the_live_one(fp16, expected):
-    engine, optimizer, *_ = spmdzero.initialize(model=tiny_mlp(), config={
+def test_loss_scale_is_deepspeeds_config_value_and_cur_scale_the_live_one(fp16, expected, backend):
+    engine, optimizer, *_ = spmdzero.initialize(model=tiny_mlp(), config=on(backend, {
         "train_batch_size": 16, "fp16": fp16, "zero_optimization": {"stage": 2},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}))
     assert engine.loss_scale() == expected and engine.dynamic_loss_scale() is (expected == 0)
     assert optimizer.cur_scale == (2.0 ** 16 if expected == 0 else expected)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("rows", [16, 4])  # split over the 8 devices, and replicated (does not divide)
-def test_an_input_that_requires_grad_gets_its_gradient_as_in_pytorch(rows):
+def test_an_input_that_requires_grad_gets_its_gradient_as_in_pytorch(rows, backend):
     """``x.requires_grad_()`` on a host input (input gradients: saliency, adversarial
     examples): after ``engine.backward`` the host tensor's ``.grad`` is torch's, as
     ``x.to(device)`` would give. The engine's sharded move to the devices used to be outside
@@ -371,8 +403,8 @@ def test_an_input_that_requires_grad_gets_its_gradient_as_in_pytorch(rows):
     x_ref = x.clone().requires_grad_()
     torch.nn.functional.mse_loss(copy.deepcopy(model)(x_ref), y).backward()
 
-    engine, *_ = spmdzero.initialize(model=model, config={
-        "train_batch_size": 16, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine, *_ = spmdzero.initialize(model=model, config=on(backend, {
+        "train_batch_size": 16, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}))
     x.requires_grad_()
     with pytest.warns(UserWarning) if rows == 4 else contextlib.nullcontext():
         engine.backward(torch.nn.functional.mse_loss(engine(x), y.to(engine.device)))

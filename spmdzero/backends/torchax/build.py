@@ -125,6 +125,6 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
                            prepare_optimizer=prepare_optimizer)
     engine = TorchaxEngine(model, setup.optimizer, setup.scheduler, cfg, setup.batch, setup.plan, shape,
                            runtime.device_count(), setup.loader, config_dict)
-    return engine, setup.optimizer, setup.loader, setup.scheduler
+    return engine, engine.optimizer, setup.loader, setup.scheduler
 
 

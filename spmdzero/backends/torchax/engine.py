@@ -68,7 +68,7 @@ from spmdzero.train.data import like, model_pad_id
 from spmdzero.observe.monitor import RecompileGuard, StepLogger, ThroughputTimer, notice_nonfinite
 from spmdzero.observe.reports import sharding_report
 from spmdzero.optim.ops import jax_ops
-from spmdzero.optim.optimizers import SpmdOptimizer
+from spmdzero.optim.optimizers import SpmdOptimizer, ZeroOptimizer
 from spmdzero.optim.update import LossScale, boundary_update, init_loss_scale, sum_of_squares, update_group
 from spmdzero.train.engine_base import EngineBase, NO_GRADIENTS
 from spmdzero.sharding.plan import ShardingPlan, replicated
@@ -195,7 +195,7 @@ def _find_loss(output) -> Optional[torch.Tensor]:
 # the list against both classes): asking for one says which backend has it.
 TORCH_XLA_ONLY = frozenset({
     "capture_steps", "collectives_report", "grad_buffers", "is_compiled", "lay_out_state",
-    "master_weights", "optimizer_step", "optimizer_zero_grad", "refresh_fp32_params",
+    "master_weights",
     "register_post_step_hook", "restore_snapshot", "snapshot", "trained_parameters",
 })
 
@@ -221,7 +221,8 @@ class TorchaxEngine(EngineBase):
         self._env = torchax.default_env()
         self._Output = _output_tensor_class()
         self._module = module
-        self.optimizer = self.basic_optimizer = optimizer
+        self.basic_optimizer = optimizer
+        self.optimizer = ZeroOptimizer(optimizer, self)  # DeepSpeed's ZeRO optimizer face, as the torch_xla engine's
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
         self.plan = plan
@@ -916,13 +917,13 @@ class TorchaxEngine(EngineBase):
     def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
         if self._torch_optimizer:
             constant = self._lr_mode == "constant"
-            hyper = [] if constant else torch_optim.learning_rates(self.optimizer)
-            static = torch_optim.static_hyperparameters(self.optimizer, with_lr=constant)
+            hyper = [] if constant else torch_optim.learning_rates(self.basic_optimizer)
+            static = torch_optim.static_hyperparameters(self.basic_optimizer, with_lr=constant)
             if static != self._static_hyper:  # constants of the update program: built for the new ones
                 self._static_hyper, self._update = static, self._build_update()
         else:
-            hyper = [np.array(list(self.optimizer._hyper_values(g).values()), dtype=np.float32)
-                     for g in self.optimizer.param_groups]
+            hyper = [np.array(list(self.basic_optimizer._hyper_values(g).values()), dtype=np.float32)
+                     for g in self.basic_optimizer.param_groups]
         # The inputs, donated, are released at the next boundary: dropping the last reference to an
         # array that a dispatched program still uses blocks the host until that program has run.
         _release_in_background(self._retired_inputs)
@@ -941,13 +942,13 @@ class TorchaxEngine(EngineBase):
                     raise
                 # its step reads the lr as a Python number (SGD's alpha=-lr); the trace failed
                 # before anything ran, so the donated inputs are intact (torch_optim.LR_MODES)
-                self._lr_mode = torch_optim.fallback_lr_mode(self.optimizer)
+                self._lr_mode = torch_optim.fallback_lr_mode(self.basic_optimizer)
                 if self._lr_mode == "constant":
-                    warnings.warn(f"spmdzero: {type(self.optimizer).__name__}'s step needs the lr as a Python number "
+                    warnings.warn(f"spmdzero: {type(self.basic_optimizer).__name__}'s step needs the lr as a Python number "
                                   "on the torchax backend: each new lr compiles the update again (a schedule changing "
                                   "it every step recompiles every step)", stacklevel=4)
                     hyper = []
-                self._static_hyper = torch_optim.static_hyperparameters(self.optimizer,
+                self._static_hyper = torch_optim.static_hyperparameters(self.basic_optimizer,
                                                                         with_lr=self._lr_mode == "constant")
                 self._update = self._build_update()
                 updated = self._update(*self._retired_inputs, hyper)
@@ -971,7 +972,7 @@ class TorchaxEngine(EngineBase):
         import jax
         import jax.numpy as jnp
 
-        optimizer, ops, clipping = self.optimizer, jax_ops(), self._config.gradient_clipping
+        optimizer, ops, clipping = self.basic_optimizer, jax_ops(), self._config.gradient_clipping
         groups = [] if self._torch_optimizer else [
             (names, list(optimizer._hyper_values(g)), {k: v for k, v in g.items() if isinstance(v, bool)})
             for names, g in zip(self._groups, optimizer.param_groups)]
@@ -1080,6 +1081,24 @@ class TorchaxEngine(EngineBase):
             return self._config.fp16.loss_scale
         return 1.0 if self.bfloat16_enabled() else 0
 
+    def optimizer_step(self) -> None:
+        """``engine.optimizer.step()``, DeepSpeed's ZeRO optimizer stepped by the caller: not built
+        on this backend, whose update program also steps the schedule and the counters."""
+        raise NotImplementedError("engine.optimizer.step() (DeepSpeed's ZeRO optimizer stepped by the caller) is not "
+                                  "supported by the torchax backend (spmd.backend='torchax'): call engine.step() after "
+                                  "every micro-step, which steps the optimizer at the accumulation boundary, or use "
+                                  "spmd.backend='torch_xla'")
+
+    def optimizer_zero_grad(self) -> None:
+        """DeepSpeed's ZeRO ``optimizer.zero_grad()`` (``engine.optimizer.zero_grad()``)."""
+        self._zero_grad(by_optimizer=True)
+
+    def refresh_fp32_params(self) -> None:
+        """DeepSpeed's ``optimizer.refresh_fp32_params()``: the fp32 master weights take the
+        module's weights changed by hand. This backend takes such changes at every forward
+        anyway; this takes them now."""
+        self._take_host_changes()
+
     def current_loss_scale(self) -> float:
         """The loss scale in use (reads the device under fp16 scaling); 1.0 without one."""
         return 1.0 if self._loss_scale is None else float(self._loss_scale.scale)
@@ -1175,7 +1194,7 @@ class TorchaxEngine(EngineBase):
         pending = [n for n in self._names if not self._opt_state[n]]
         if not self._torch_optimizer or not pending:
             return []
-        shapes = torch_optim.state_shapes(self.optimizer, self._groups, self._masters or self._params, self._env)
+        shapes = torch_optim.state_shapes(self.basic_optimizer, self._groups, self._masters or self._params, self._env)
         hosts = {name: p for p, name in self.optimized_names().items()}
         jax = self._jax
         for name in pending:
@@ -1188,7 +1207,7 @@ class TorchaxEngine(EngineBase):
                                           out_shardings=self._state_spec(name, shape))()
             self._opt_state = {**self._opt_state, name: device}
             if host:
-                self.optimizer.state[hosts[name]] = host
+                self.basic_optimizer.state[hosts[name]] = host
         return [hosts[name] for name in pending]
 
     def drop_optimizer_state(self, targets) -> None:
@@ -1196,7 +1215,7 @@ class TorchaxEngine(EngineBase):
         names = self.optimized_names()
         for target in targets:
             self._opt_state = {**self._opt_state, names[target]: {}}
-            self.optimizer.state.pop(target, None)
+            self.basic_optimizer.state.pop(target, None)
 
     def _host_optimizer_state(self) -> None:
         """A torch optimizer's host-kept states (``torch_optim.HOST_KEYS``) copied into
@@ -1205,12 +1224,12 @@ class TorchaxEngine(EngineBase):
             kept = {k: torch.tensor(np.asarray(v)) for k, v in self._opt_state[name].items()
                     if k in torch_optim.HOST_KEYS}
             if kept:
-                self.optimizer.state[target] = kept
+                self.basic_optimizer.state[target] = kept
 
     def _take_host_optimizer_state(self) -> None:
         """After a load: the host-kept states it wrote into ``optimizer.state`` go to the devices."""
         for target, name in self.optimized_names().items():
-            kept = self.optimizer.state.pop(target, {})
+            kept = self.basic_optimizer.state.pop(target, {})
             values = {k: self._put(torch.as_tensor(v, dtype=torch.float32), self._replicated) for k, v in kept.items()
                       if k in torch_optim.HOST_KEYS}
             if values:
@@ -1280,7 +1299,7 @@ class TorchaxEngine(EngineBase):
         try:
             return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         finally:
-            self.optimizer.state.clear()
+            self.basic_optimizer.state.clear()
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, trust_client_state=None):
