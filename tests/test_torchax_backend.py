@@ -468,11 +468,11 @@ def test_bf16_skips_a_step_with_non_finite_gradients():
 def test_fp16_loss_scaling_matches_the_torch_xla_engine(tmp_path):
     """DeepSpeed's dynamic loss scaler on both backends: two overflowed steps (an inf input)
     skipped, the scale halved once hysteresis is used up and doubled after a stable window, the
-    same parameters; the scale is an input of the programs (no retrace) and checkpoints carry it."""
+    same parameters; the scale is an input of the programs (no retrace) and checkpoints carry it.
+    DeepSpeed's WarmupLR does not step on the skipped steps, on either backend (it counts on the
+    devices: no host read)."""
     def fp16_config(backend):
-        cfg = config(backend, fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2})
-        del cfg["scheduler"]  # this backend's schedule steps on the host, skipped steps too
-        return cfg
+        return config(backend, fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2})
 
     results = {}
     for backend in ("torch_xla", "torchax"):
@@ -491,6 +491,7 @@ def test_fp16_loss_scaling_matches_the_torch_xla_engine(tmp_path):
     assert skipped == ref_skipped == [0, 0, 1, 2, 2, 2, 2]
     assert engine.loss_scale() == ref.loss_scale() == 0 and not engine.overflow()
     assert engine.traces == {"train_forward": 1, "update": 1}
+    assert engine.get_lr() == pytest.approx(ref.get_lr()) and engine.lr_scheduler.last_batch_iteration == 4
     for name, value in ref_params.items():
         assert params[name].dtype == torch.float16
         torch.testing.assert_close(params[name], value, atol=1e-2, rtol=1e-2)
@@ -502,9 +503,12 @@ def test_fp16_loss_scaling_matches_the_torch_xla_engine(tmp_path):
     for key, (value, _) in engine.state_tensors().items():
         if key.startswith("loss_scale."):
             assert float(again.state_tensors()[key][0]) == float(value), key
+    assert again.lr_scheduler.last_batch_iteration == 4 and again.get_lr() == pytest.approx(engine.get_lr())
+    model = WithLoss(tiny_mlp(seed=0))  # a torch scheduler steps on the host, skipped steps too: said once
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with pytest.warns(UserWarning, match="including steps skipped for overflow"):
-        spmdzero.initialize(model=WithLoss(tiny_mlp(seed=0)), config={**fp16_config("torchax"),
-                                                                      "scheduler": config("torchax")["scheduler"]})
+        spmdzero.initialize(model=model, optimizer=optimizer, lr_scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1),
+                            config={k: v for k, v in fp16_config("torchax").items() if k not in ("optimizer", "scheduler")})
 
 
 def test_a_retrace_after_warm_up_is_held_to_max_recompiles():

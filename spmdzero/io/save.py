@@ -121,8 +121,9 @@ def _host_state(engine, shards, tensors: dict, tag: str, has_client_state: bool)
 
 
 def _to_host(value: Any) -> Any:
-    """Group hyperparameters may be device scalars (an lr from an in-graph schedule)."""
-    if isinstance(value, torch.Tensor):
+    """Group hyperparameters may be device scalars (an lr from an in-graph schedule: a torch
+    tensor on torch_xla, a JAX array on torchax)."""
+    if isinstance(value, torch.Tensor) or type(value).__module__.startswith("jax"):
         return value.item()
     if isinstance(value, (tuple, list)):
         return type(value)(_to_host(v) for v in value)

@@ -58,6 +58,7 @@ class LRSchedule:
         self.optimizer = optimizer
         self.last_batch_iteration = last_batch_iteration
         self._last_lr = None
+        self._device_ops = None  # the math for a step count kept as a JAX array (keep_on_device's ops)
         if last_batch_iteration == -1:
             self._write(self.get_lr())
 
@@ -65,7 +66,10 @@ class LRSchedule:
         raise NotImplementedError
 
     def _math(self):
-        return TORCH_OPS if isinstance(self.last_batch_iteration, torch.Tensor) else HOST_OPS
+        t = self.last_batch_iteration
+        if isinstance(t, torch.Tensor):
+            return TORCH_OPS
+        return HOST_OPS if isinstance(t, (int, float)) else self._device_ops  # a JAX count (the torchax engine)
 
     def get_lr(self) -> list:
         return self.lr_at(self.last_batch_iteration, self._math())
@@ -84,20 +88,27 @@ class LRSchedule:
     def step_if(self, applied: torch.Tensor) -> None:
         """Advance only where ``applied`` (a device bool) holds, inside the graph: DeepSpeed
         does not step the schedule on a skipped (overflow) step."""
-        self.keep_on_device(applied.device)
-        self.last_batch_iteration = self.last_batch_iteration + applied.to(torch.float32)
+        if isinstance(applied, torch.Tensor):
+            self.keep_on_device(applied.device)
+        self.last_batch_iteration = self.last_batch_iteration + self._math().float32(applied)
         self._write(self.get_lr())
 
-    def keep_on_device(self, device) -> None:
+    def keep_on_device(self, device, put=None, ops=None) -> None:
         """Hold the step count as a device scalar, as ``step_if`` leaves it, and the lrs as
         computed from it: the graph that steps the schedule with ``step_if`` then reads the
-        same inputs at its first step as at every later one (one compile, not two)."""
+        same inputs at its first step as at every later one (one compile, not two). The
+        torchax engine keeps it as a JAX array instead: ``put`` makes that from the count, and
+        ``ops`` (``optim.ops.jax_ops()``) is the math on it."""
         t = self.last_batch_iteration
-        if isinstance(t, torch.Tensor):
+        if not isinstance(t, (int, float)):
             return
-        # sent as a 1-element array: torch_xla turns a 0-dim transfer of 0 or 1 (the count
-        # right after a resume) into a graph constant, which would change the graph
-        self.last_batch_iteration = torch.tensor([float(t)], dtype=torch.float32).to(device).reshape(())
+        if put is not None:
+            self._device_ops = ops
+            self.last_batch_iteration = put(float(t))
+        else:
+            # sent as a 1-element array: torch_xla turns a 0-dim transfer of 0 or 1 (the count
+            # right after a resume) into a graph constant, which would change the graph
+            self.last_batch_iteration = torch.tensor([float(t)], dtype=torch.float32).to(device).reshape(())
         self._write(self.get_lr())
 
     def _write(self, lrs: Sequence) -> None:
@@ -242,6 +253,7 @@ class OneCycle(LRSchedule):
         self.optimizer = optimizer
         self.last_batch_iteration = last_batch_iteration
         self._last_lr = None
+        self._device_ops = None  # the math for a step count kept as a JAX array (keep_on_device's ops)
         if last_batch_iteration == -1:  # DeepSpeed writes the minima without recording a last lr
             for group, lr in zip(optimizer.param_groups, self.min_lrs):
                 group["lr"] = lr

@@ -69,6 +69,7 @@ from spmdzero.observe.monitor import RecompileGuard, StepLogger, ThroughputTimer
 from spmdzero.observe.reports import sharding_report
 from spmdzero.optim.ops import jax_ops
 from spmdzero.optim.optimizers import SpmdOptimizer, ZeroOptimizer
+from spmdzero.optim.schedules import LRSchedule
 from spmdzero.optim.update import LossScale, boundary_update, init_loss_scale, sum_of_squares, update_group
 from spmdzero.train.engine_base import EngineBase, NO_GRADIENTS
 from spmdzero.sharding.plan import ShardingPlan, replicated
@@ -325,11 +326,13 @@ class TorchaxEngine(EngineBase):
         self._traces_at_step = 0
         self._input_shapes: tuple = ()  # the last training forward's, to name a shape change
         self._update = self._build_update()
-        if self.precision.check_overflow and lr_scheduler is not None:
-            # the hyperparameters are read on the host; whether a step overflowed is known on the device
+        # DeepSpeed does not step the schedule on a step skipped for overflow, which only the
+        # devices know: DeepSpeed's schedules then count and compute their lr there (step_if)
+        self._schedule_on_devices = self.precision.check_overflow and isinstance(lr_scheduler, LRSchedule)
+        if self.precision.check_overflow and lr_scheduler is not None and not self._schedule_on_devices:
             warnings.warn(f"spmdzero: spmd.backend='torchax' steps the {type(lr_scheduler).__name__} schedule on "
-                          "every boundary, including steps skipped for overflow (DeepSpeed does not step it then); "
-                          "spmd.backend='torch_xla' has the exact behaviour", stacklevel=4)
+                          "every boundary, including steps skipped for overflow (DeepSpeed does not step it then; "
+                          "DeepSpeed's own schedules, from the config, do not either)", stacklevel=4)
 
     def _seed(self, seed: int) -> None:
         """The key dropout draws from (folded with the micro-step); its seed is what a
@@ -914,15 +917,30 @@ class TorchaxEngine(EngineBase):
         self.recompile_guard.check(traces - self._traces_at_step, self.global_steps, boundary, self._input_shapes)
         self._traces_at_step = traces
 
+    def _hyper_array(self, values: list):
+        """One group's hyperparameters, the update's input: a host array, or a device one where
+        a DeepSpeed schedule keeps its lr on the devices (JAX values: no host read)."""
+        if all(isinstance(v, (int, float)) for v in values):
+            return np.array(values, dtype=np.float32)
+        jnp = self._jax.numpy
+        stacked = jnp.stack([jnp.asarray(v, dtype=jnp.float32).reshape(()) for v in values])
+        return self._jax.device_put(stacked, self._replicated)  # one layout every step: one trace
+
+    def _device_count(self, value: float):
+        """The schedule's step count as a replicated JAX scalar."""
+        return self._jax.device_put(self._jax.numpy.float32(value), self._replicated)
+
     def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
+        if self._schedule_on_devices and not lr_kwargs:  # as the previous step left it (a load: from the host)
+            self.lr_scheduler.keep_on_device(None, put=self._device_count, ops=jax_ops())
         if self._torch_optimizer:
             constant = self._lr_mode == "constant"
-            hyper = [] if constant else torch_optim.learning_rates(self.basic_optimizer)
+            hyper = [] if constant else [self._hyper_array([g["lr"]]) for g in self.basic_optimizer.param_groups]
             static = torch_optim.static_hyperparameters(self.basic_optimizer, with_lr=constant)
             if static != self._static_hyper:  # constants of the update program: built for the new ones
                 self._static_hyper, self._update = static, self._build_update()
         else:
-            hyper = [np.array(list(self.basic_optimizer._hyper_values(g).values()), dtype=np.float32)
+            hyper = [self._hyper_array(list(self.basic_optimizer._hyper_values(g).values()))
                      for g in self.basic_optimizer.param_groups]
         # The inputs, donated, are released at the next boundary: dropping the last reference to an
         # array that a dispatched program still uses blocks the host until that program has run.
@@ -956,7 +974,10 @@ class TorchaxEngine(EngineBase):
              self._last_skip, self._loss_scale) = updated
         self._module_stale = True
         if self.lr_scheduler is not None:
-            self.lr_scheduler.step(**(lr_kwargs or {}))
+            if self._schedule_on_devices and not lr_kwargs:
+                self.lr_scheduler.step_if(self._jax.numpy.logical_not(self._last_skip))
+            else:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
         self.global_steps += 1
         self.global_samples += self._consume_samples()
         self._step_loss, self._window_loss = self._window_loss, None
