@@ -1,8 +1,8 @@
-"""Issue #32, "nothing silently wrong", for the optimizer's side of the torch_xla engine: a
-client torch.optim optimizer's first step, ``engine.optimizer.step()`` called directly,
-``engine.zero_grad()`` inside an accumulation window, and a checkpoint load between a
-backward and its step. Each against plain PyTorch on one CPU device, or against what
-DeepSpeed 0.19.8 does (its source is cited in each test)."""
+"""Nothing silently wrong on the optimizer's side of the engine: a client torch.optim
+optimizer's first step, ``engine.optimizer.step()`` called directly, ``engine.zero_grad()``
+inside an accumulation window, and a checkpoint load between a backward and its step. Each
+against plain PyTorch on one CPU device, or against what DeepSpeed 0.19.8 does (its source is
+cited in each test); on both backends where the torchax backend has the call."""
 
 import json
 import os
@@ -17,15 +17,17 @@ from spmdzero.observe.reports import sharding_spec
 from conftest import REPO, batches, run_python, tiny_mlp
 
 ROWS = 16  # one micro-batch over the 8 devices
+BACKENDS = ["torch_xla", "torchax"]
 
 
 def mse(out, y):
     return torch.nn.functional.mse_loss(out, y)
 
 
-def engine_for(stage, optimizer=None, **extra):
+def engine_for(stage, optimizer=None, backend="torch_xla", **extra):
     cfg = {"train_micro_batch_size_per_gpu": ROWS // 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-           "zero_optimization": {"stage": stage}, **extra}  # unclipped, as the plain torch loops here
+           "zero_optimization": {"stage": stage}, "spmd": {"backend": backend},
+           **extra}  # unclipped, as the plain torch loops here
     if optimizer is None:
         cfg.setdefault("optimizer", {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}})
     cfg["train_batch_size"] = cfg["train_micro_batch_size_per_gpu"] * 8 * cfg["gradient_accumulation_steps"]
@@ -69,6 +71,11 @@ CLIENT_OPTIMIZERS = {
 }
 
 
+# torch.optim classes whose step reads a tensor's value on the host (Adagrad's step count,
+# Adafactor's step and norm): the torchax backend compiles the step and refuses them, saying so
+HOST_READING_STEPS = ("Adagrad", "Adafactor")
+
+
 def plain_torch(factory, data, steps):
     model = tiny_mlp()
     opt = factory(model.parameters())
@@ -79,14 +86,21 @@ def plain_torch(factory, data, steps):
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(CLIENT_OPTIMIZERS))
-def test_a_client_torch_optimizer_trains_like_torch(name):
+def test_a_client_torch_optimizer_trains_like_torch(name, backend):
     """Three full-batch steps at ZeRO-2 land within 1e-6 of plain torch. The state used to be
     made up front by a step on zero gradients, keeping torch's first assignment to each key:
     SGD's momentum buffer then started as ``weight_decay * w`` instead of the first gradient."""
     factory = CLIENT_OPTIMIZERS[name]
     data = batches(3, ROWS)
-    engine = engine_for(2, optimizer=factory)
+    engine = engine_for(2, optimizer=factory, backend=backend)
+    if backend == "torchax" and name in HOST_READING_STEPS:  # its step reads .item(): no compiled program
+        micro(engine, *data[0])
+        with pytest.raises(RuntimeError, match=rf"runs {name}.step\(\) inside the compiled update, and it cannot "
+                                               r"be traced there: .*Give the optimizer in the config instead"):
+            engine.step()
+        return
     for x, y in data:
         micro(engine, x, y)
         engine.step()
@@ -133,7 +147,9 @@ def test_optimizer_step_called_directly_applies_the_update_as_deepspeeds_zero_op
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
-    assert_params_close(engine_params(engine), {n: p.detach() for n, p in model.named_parameters()})
+    # atol 2e-5: Adam divides by sqrt(v), which magnifies fp32 rounding of the clipped gradient on
+    # elements whose gradient is near zero (9e-6 on 2 of 1024 weights on some CPUs' XLA kernels)
+    assert_params_close(engine_params(engine), {n: p.detach() for n, p in model.named_parameters()}, atol=2e-5)
     assert engine.get_global_grad_norm() > clip  # so the clipping, or its absence, shows
     assert (engine.global_steps, engine.micro_steps, engine.global_samples) == (0, 0, 0)
     assert engine.grad_buffers() == {}
@@ -166,15 +182,16 @@ def torch_window(data, used):
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("stage,kept", [(0, [1]), (1, [1]), (2, [0, 1])])
-def test_zero_grad_between_micro_steps_follows_deepspeed_stage_by_stage(stage, kept):
+def test_zero_grad_between_micro_steps_follows_deepspeed_stage_by_stage(stage, kept, backend):
     """backward, step, zero_grad per micro-step, two micro-steps a window. DeepSpeed keeps a
     ZeRO-2 window's gradients in the optimizer's partitions (stage_1_and_2.py:
     independent_gradient_partition_epilogue accumulates all_grad_tensors), which
     engine.zero_grad() (engine.py: param.grad = None) does not touch; at stages 0 and 1 they
     are param.grad until the boundary's reduction, and zero_grad drops them."""
     data = batches(2, ROWS)
-    engine = engine_for(stage, gradient_accumulation_steps=2)
+    engine = engine_for(stage, backend=backend, gradient_accumulation_steps=2)
     for x, y in data:
         micro(engine, x, y)
         engine.step()
@@ -183,12 +200,13 @@ def test_zero_grad_between_micro_steps_follows_deepspeed_stage_by_stage(stage, k
     assert_params_close(engine_params(engine), torch_window(data, kept), what=f"stage {stage}")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("stage,zero_grad", [(1, "engine"), (1, "optimizer"), (2, "engine")])
-def test_zero_grad_after_the_boundarys_backward_keeps_the_reduced_gradients(stage, zero_grad):
+def test_zero_grad_after_the_boundarys_backward_keeps_the_reduced_gradients(stage, zero_grad, backend):
     """At ZeRO-1/2 the boundary's backward reduces the window into the optimizer's partitions
     (averaged_gradients), which neither zero_grad touches: the step applies the whole window."""
     data = batches(2, ROWS)
-    engine = engine_for(stage, gradient_accumulation_steps=2)
+    engine = engine_for(stage, backend=backend, gradient_accumulation_steps=2)
     micro(engine, *data[0])
     engine.step()
     micro(engine, *data[1])
@@ -197,10 +215,11 @@ def test_zero_grad_after_the_boundarys_backward_keeps_the_reduced_gradients(stag
     assert_params_close(engine_params(engine), torch_window(data, [0, 1]))
 
 
-def test_zero_grad_that_drops_everything_leaves_nothing_to_step():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_grad_that_drops_everything_leaves_nothing_to_step(backend):
     """Stage 0 keeps gradients in param.grad until the step; after zero_grad there is nothing
     to apply, and the step says so instead of decaying the weights on zero gradients."""
-    engine = engine_for(0)
+    engine = engine_for(0, backend=backend)
     micro(engine, *batches(1, ROWS)[0])
     engine.zero_grad()
     with pytest.raises(RuntimeError, match="no engine.backward"):
@@ -209,22 +228,23 @@ def test_zero_grad_that_drops_everything_leaves_nothing_to_step():
 
 # ---- 4. a checkpoint load between backward and step ------------------------------------------
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("stage", [1, 2])
-def test_a_load_between_backward_and_step_trains_like_a_clean_load(stage, tmp_path):
+def test_a_load_between_backward_and_step_trains_like_a_clean_load(stage, backend, tmp_path):
     """forward, backward, load_checkpoint, forward, backward, step: the step applies only the
     gradient computed after the load, as after a clean load (the load starts a new window)."""
     data = batches(4, ROWS)
-    saver = engine_for(stage)
+    saver = engine_for(stage, backend=backend)
     micro(saver, *data[0])
     saver.step()
     saver.save_checkpoint(str(tmp_path))
 
-    clean = engine_for(stage)
+    clean = engine_for(stage, backend=backend)
     clean.load_checkpoint(str(tmp_path))
     micro(clean, *data[2])
     clean.step()
 
-    engine = engine_for(stage)
+    engine = engine_for(stage, backend=backend)
     micro(engine, *data[1])  # a gradient of the weights the load replaces
     engine.load_checkpoint(str(tmp_path))
     micro(engine, *data[2])
@@ -272,14 +292,15 @@ def test_a_client_optimizer_resumes_from_a_checkpoint_as_it_continues(tmp_path):
         assert_params_close(engine_params(resumed), plain_torch(CLIENT_OPTIMIZERS[name], data, 4), what=name)
 
 
-def test_a_checkpoint_saved_before_the_first_step_loads_no_optimizer_state(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_checkpoint_saved_before_the_first_step_loads_no_optimizer_state(backend, tmp_path):
     """As torch's load_state_dict: no saved state, none after the load, and the next step is
     torch's first again (a fresh engine; one that had stepped drops its state)."""
     data = batches(2, ROWS)
-    engine_for(2, optimizer=SGD_MOMENTUM).save_checkpoint(str(tmp_path))
-    fresh = engine_for(2, optimizer=SGD_MOMENTUM)
+    engine_for(2, optimizer=SGD_MOMENTUM, backend=backend).save_checkpoint(str(tmp_path))
+    fresh = engine_for(2, optimizer=SGD_MOMENTUM, backend=backend)
     fresh.load_checkpoint(str(tmp_path))
-    stepped = engine_for(2, optimizer=SGD_MOMENTUM)
+    stepped = engine_for(2, optimizer=SGD_MOMENTUM, backend=backend)
     micro(stepped, *data[0])
     stepped.step()
     stepped.load_checkpoint(str(tmp_path))

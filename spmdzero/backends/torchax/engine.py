@@ -1215,7 +1215,8 @@ class TorchaxEngine(EngineBase):
         pending = [n for n in self._names if not self._opt_state[n]]
         if not self._torch_optimizer or not pending:
             return []
-        shapes = torch_optim.state_shapes(self.basic_optimizer, self._groups, self._masters or self._params, self._env)
+        shapes = torch_optim.state_shapes(self.basic_optimizer, self._groups, self._masters or self._params, self._env,
+                                          self._lr_mode)
         hosts = {name: p for p, name in self.optimized_names().items()}
         jax = self._jax
         for name in pending:

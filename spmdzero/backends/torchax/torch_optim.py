@@ -31,6 +31,35 @@ import numpy as np
 import torch
 
 
+class UntraceableStep(RuntimeError):
+    """A torch optimizer whose ``step()`` cannot be traced into the update program."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, err: Exception):
+        import jax
+
+        name = type(optimizer).__name__
+        why = (f"its step reads a tensor's value on the host (.item()), which a compiled program cannot stop for"
+               if isinstance(err, jax.errors.ConcretizationTypeError) else
+               f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+        super().__init__(f"spmd.backend='torchax' runs {name}.step() inside the compiled update, and it cannot be "
+                         f"traced there: {why}. Give the optimizer in the config instead (\"optimizer\": {{\"type\": "
+                         f"...}}: spmdzero's Adam, AdamW, SGD, Adagrad, Lamb or Lion run on this backend), or use "
+                         "spmd.backend='torch_xla', which runs any torch.optim optimizer")
+
+
+class _OutArgumentsCopied(torch.overrides.TorchFunctionMode):
+    """``torch.maximum(a, b, out=c)`` (Adamax's step) as ``c.copy_(torch.maximum(a, b))``:
+    torchax's ops take no ``out``."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        out = kwargs.pop("out", None)
+        if not isinstance(out, torch.Tensor):
+            return func(*args, **({**kwargs, "out": out} if out is not None else kwargs))
+        out.copy_(func(*args, **kwargs))
+        return out
+
+
 # "traced": the lr a tensor in the step; "unit": the step at lr 1, its change times the lr;
 # "constant": the lr a Python number, a constant of the program
 LR_MODES = ("traced", "unit", "constant")
@@ -56,15 +85,18 @@ def fallback_lr_mode(optimizer: torch.optim.Optimizer) -> str:
 HOST_KEYS = frozenset({"step"})
 
 
-def state_shapes(optimizer: torch.optim.Optimizer, groups: list[list[str]], targets: dict, env) -> dict:
+def state_shapes(optimizer: torch.optim.Optimizer, groups: list[list[str]], targets: dict, env,
+                 lr_mode: str = "traced") -> dict:
     """The states the optimizer's first step creates, by parameter name and key, as
     ``jax.ShapeDtypeStruct`` (nothing runs)."""
     import jax
 
     def first_step(targets):
         grads = {n: t for n, t in targets.items()}
-        lrs = [jax.numpy.asarray(lr) for lr in learning_rates(optimizer)]
-        return traced_step(optimizer, groups, targets, grads, {n: {} for n in targets}, lrs, None, None, env)[1]
+        lrs = [[float(g["lr"])] for g in optimizer.param_groups] if lr_mode == "constant" else [
+            jax.numpy.asarray(lr) for lr in learning_rates(optimizer)]
+        return traced_step(optimizer, groups, targets, grads, {n: {} for n in targets}, lrs, None, None, env,
+                           lr_mode)[1]
 
     return jax.eval_shape(first_step, dict(targets))
 
@@ -120,8 +152,15 @@ def traced_step(optimizer: torch.optim.Optimizer, groups: list[list[str]], targe
             for flag in ("foreach", "fused"):  # torch's per-tensor code: the same math, traced
                 if flag in group:
                     group[flag] = False
-        with env, torch.no_grad():
-            optimizer.step()
+        with env, _OutArgumentsCopied(), torch.no_grad():
+            try:
+                optimizer.step()
+            except Exception as err:
+                import jax
+
+                if lr_mode == "traced" and isinstance(err, jax.errors.ConcretizationTypeError):
+                    raise  # the engine tries the lr another way (LR_MODES)
+                raise UntraceableStep(optimizer, err) from None
         new_targets = {name: p._elem for name, p in wrapped.items()}
         if lr_mode == "unit":  # the change at lr 1, times each group's lr
             scaled = {name: lr[0] for names, lr in zip(groups, lrs) for name in names}
