@@ -32,11 +32,17 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         raise ValueError("spmdzero.initialize: model is required (got model=None)")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"spmdzero.initialize: model must be a torch.nn.Module, got {type(model).__name__}")
-    cfg = load_config(args, config, config_params)
-    if "backend" not in cfg.spmd.model_fields_set and jax_runtime.selected():
-        # SPMDZERO_BACKEND=torchax gave the devices to JAX: a config that names no backend runs there
-        cfg = cfg.model_copy(update={"spmd": cfg.spmd.model_copy(update={"backend": "torchax"})})
+    cfg = with_backend(load_config(args, config, config_params))
     return BACKENDS[cfg.spmd.backend].build(model, cfg, mesh=mesh, optimizer=optimizer,
                                             model_parameters=model_parameters, training_data=training_data,
                                             lr_scheduler=lr_scheduler, collate_fn=collate_fn,
                                             config_dict=config_dict(cfg, args, config, config_params))
+
+
+def with_backend(cfg):
+    """``cfg`` with the backend that builds its engine: the one ``spmd.backend`` names, else the
+    one this process's runtime serves (``SPMDZERO_BACKEND=torchax`` gave the devices to JAX),
+    else the config's default."""
+    if "backend" not in cfg.spmd.model_fields_set and jax_runtime.selected():
+        cfg = cfg.model_copy(update={"spmd": cfg.spmd.model_copy(update={"backend": "torchax"})})
+    return cfg

@@ -9,7 +9,7 @@ import os
 import sys
 import time
 from spmdzero.tpu.chips import GIB, ChipSpec, chip_spec, topology_chips  # noqa: F401  (topology_chips: public here)
-from spmdzero.aot.steps import compile_step, describe_search, find_max_batch, search_summary
+from spmdzero.aot.steps import compile_step, describe_search, find_max_batch, search_summary, step_backend
 from spmdzero.tpu.capture import check_traceable
 from spmdzero.tpu.report import stages_table
 from spmdzero.config.load import without_integration_autos
@@ -125,10 +125,16 @@ def main(argv=None) -> int:
     stages = args.stages
     shape_only = not args.materialize
     try:
-        check_traceable(args.topology)
         config = for_compile(read_config_file(args.deepspeed_config), args.deepspeed_config, args.micro_batch)
         parse_config(config, args.deepspeed_config)  # as given: a stage-3 config is refused, not compiled as 0-2
+        backend = step_backend(config)
+        if backend == "torch_xla":  # torchax lowers for any chip count (an abstract mesh)
+            check_traceable(args.topology)
         if args.scan_layers:
+            if backend == "torchax":
+                raise ValueError("--scan-layers compiles spmd.scan_layers, which the torchax backend does not run "
+                                 "(spmd.backend='torchax'); leave it out, or compile the torch_xla step with "
+                                 "\"spmd\": {\"backend\": \"torch_xla\"} in the config")
             config["spmd"] = {**(config.get("spmd") if isinstance(config.get("spmd"), dict) else {}),
                               "scan_layers": args.scan_layers}
         source = load_model_source(args.model or default_model(), args.seq_len)
@@ -145,7 +151,7 @@ def main(argv=None) -> int:
         print(f"spmdzero aot: {err}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({"model": source.name, "topology": args.topology, "shape_only": shape_only,
+        print(json.dumps({"model": source.name, "topology": args.topology, "backend": backend, "shape_only": shape_only,
                           "reports": [r.to_dict() for r in reports], "max_micro_batch": searches}, indent=1))
         return 0
     for report in reports:

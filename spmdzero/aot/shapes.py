@@ -1,5 +1,10 @@
 """Shape-only engines: the real engine, built and traced with no parameter in memory.
 
+The torchax backend's (``shape_only_torchax_engine``) is JAX's own: the engine is built on an
+abstract mesh of the topology's size and every array of its state is a
+``jax.ShapeDtypeStruct`` carrying the plan's ``NamedSharding``; its step is traced by
+``jax.jit(...).trace`` and never run. The rest of this docstring is the torch_xla backend's.
+
 The model comes with its parameters on ``meta``. Each gets an XLA placeholder (a tensor
 with a shape, a dtype and no buffer), the engine is built around them with
 ``shape_only=True``, so it never syncs (its grad buffers, masters and optimizer states stay
@@ -54,8 +59,8 @@ def shape_only_engine(model: torch.nn.Module, config: dict):
             module._parameters[name] = swapped[id(p)]
     cfg = load_config(None, config, None)
     if cfg.spmd.backend != "torch_xla":
-        raise ConfigError(f"spmd.backend={cfg.spmd.backend!r}: the TPU compile (spmdzero aot) traces the torch_xla "
-                          "backend's step; set spmd.backend to 'torch_xla' in the config given to it")
+        raise ConfigError(f"spmd.backend={cfg.spmd.backend!r}: this builds a torch_xla engine; a torchax engine's "
+                          "shape-only build is shape_only_torchax_engine (spmdzero.aot.capture_step picks by backend)")
     engine, *_ = torch_xla_build.build(model, cfg, config_dict=config_dict(cfg, None, config, None), shape_only=True)
     inputs = {}
     tensors = {k: (t, spec) for k, (t, spec) in engine.state_tensors().items()}
@@ -67,3 +72,17 @@ def shape_only_engine(model: torch.nn.Module, config: dict):
         torch_xla._XLAC._replace_xla_tensor(t, inputs[key].clone())  # `t.data =` would break later views of t
         torch_xla._XLAC._xla_annotate_custom_sharding(t, engine.mesh.get_op_sharding(tuple(spec)))
     return engine, inputs
+
+
+def shape_only_torchax_engine(model: torch.nn.Module, config: dict, devices: int):
+    """The torchax backend's engine for ``config`` on ``devices`` chips (a topology this machine
+    need not have), shape-only: nothing is placed on a device and the model's parameters may
+    be on ``meta``. Its step is traced by ``TorchaxEngine.trace_step``. A torch optimizer gets
+    the states its first step creates, as a later step has them."""
+    from spmdzero.backends.torchax import build as torchax_build
+
+    cfg = load_config(None, config, None)
+    engine, *_ = torchax_build.build(model, cfg, config_dict=config_dict(cfg, None, config, None),
+                                     shape_only_devices=devices)
+    engine.placeholder_optimizer_state()
+    return engine

@@ -16,17 +16,25 @@ subprocess). After the block the engine is as it was: the traced update is dropp
 ``python -m spmdzero.aot --topology v5e:2x2 --deepspeed_config cfg.json --model M`` (or
 ``spmdzero aot``) does this for stages 0, 1 and 2 and prints them side by side. By default
 the engine is built shape-only (``spmdzero.aot.shapes``): no parameter is materialized, so
-the host needs memory for the graph, not for N copies of the model."""
+the host needs memory for the graph, not for N copies of the model.
+
+The step compiled is the engine's of the backend the config selects (``spmd.backend``, else
+the one ``SPMDZERO_BACKEND`` serves, else the default: ``initialize.with_backend``, as
+``spmdzero.initialize`` picks it). A torchax engine's step is not intercepted but traced by
+JAX, its training and update programs composed into one function
+(``TorchaxEngine.trace_step``) over ``jax.ShapeDtypeStruct``s on an abstract mesh of the
+topology's size: no device of this machine is involved, whatever the chip count."""
 
 from __future__ import annotations
 import copy
 from typing import Optional
 from spmdzero.tpu.chips import GIB, ChipSpec, chip_spec, topology_chips  # noqa: F401  (topology_chips: public here)
-from spmdzero.tpu.capture import StepCapture, capture
+from spmdzero.tpu.capture import JaxStepCapture, StepCapture, capture, trace_step
 from spmdzero.tpu.report import AotReport, _gib
-from spmdzero.initialize import initialize
+from spmdzero.initialize import initialize, with_backend
 from spmdzero.aot.models import ModelSource, build_on_meta, checked_module
-from spmdzero.aot.shapes import shape_only_engine
+from spmdzero.aot.shapes import shape_only_engine, shape_only_torchax_engine
+from spmdzero.config.load import load_config
 from spmdzero import runtime
 
 
@@ -41,9 +49,18 @@ def _stage_config(config: dict, stage: int, micro_batch: Optional[int]) -> dict:
     return cfg
 
 
+def step_backend(config: dict) -> str:
+    """The backend whose step ``spmdzero aot`` compiles for ``config``: the one
+    ``spmdzero.initialize`` would build its engine with."""
+    return with_backend(load_config(None, config, None)).spmd.backend
+
+
 def capture_step(source, config: dict, stage: int, micro_batch: Optional[int] = None,
-                 shape_only: bool = True, topology: Optional[str] = None) -> StepCapture:
-    """Build the engine for ``stage`` (shape-only unless told) and trace one step of it."""
+                 shape_only: bool = True, topology: Optional[str] = None) -> StepCapture | JaxStepCapture:
+    """Build the engine for ``stage`` (shape-only unless told) and trace one step of it, on
+    the backend the config selects (``step_backend``)."""
+    if step_backend(config) == "torchax":
+        return _trace_torchax_step(source, config, stage, micro_batch, shape_only, topology)
     ratio = topology_chips(topology) // runtime.device_count() if topology else 1
     if ratio > 1:  # traced on fewer devices than chips: the same global batch (spmdzero.tpu.retarget)
         micro_batch = micro_batch or config.get("train_micro_batch_size_per_gpu")
@@ -68,6 +85,18 @@ def capture_step(source, config: dict, stage: int, micro_batch: Optional[int] = 
         step.loss = loss
         engine.step()
     return step
+
+
+def _trace_torchax_step(source, config: dict, stage: int, micro_batch: Optional[int], shape_only: bool,
+                        topology: Optional[str]) -> JaxStepCapture:
+    """The torchax engine's step for ``topology`` (else this process's device count), always
+    on a shape-only engine: ``shape_only=False`` only builds the model with real parameters
+    (for a model that does not build on ``meta``); the engine never places them."""
+    cfg = _stage_config(config, stage, micro_batch)
+    model = build_on_meta(source) if shape_only else checked_module(source, source.build())
+    engine = shape_only_torchax_engine(model, cfg, topology_chips(topology) if topology else runtime.device_count())
+    args, kwargs = source.inputs(model, engine.train_micro_batch_size_per_gpu() * engine.dp_world_size)
+    return trace_step(engine, *args, **kwargs)
 
 
 def compile_step(source, config: dict, topology: str, stage: int, micro_batch: Optional[int] = None,

@@ -97,23 +97,42 @@ def _one_line(err: Exception) -> str:
 
 
 def _run_aot(args) -> int:
-    """Trace in a child process with one CPU device per chip (a quarter of them from 128 chips:
-    spmdzero.tpu.retarget), then compile for the TPU."""
+    """Trace in a child process, then compile for the TPU. The torch_xla backend's step is
+    traced with one CPU device per chip (a quarter of them from 128 chips:
+    spmdzero.tpu.retarget); the torchax backend's on an abstract mesh, in a process whose
+    devices are JAX's CPU ones (torch_xla's runtime never starts). Which backend: the one the
+    config selects, as ``spmdzero.initialize`` would (``spmdzero.aot.steps.step_backend``)."""
     import os
     import subprocess
 
     from spmdzero.tpu.capture import check_traceable
 
-    try:
-        devices = check_traceable(args.topology)
-    except ValueError as err:
-        print(err, file=sys.stderr)
-        return 1
-    env = {**os.environ, "CPU_NUM_DEVICES": str(devices), "PJRT_DEVICE": "CPU"}
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}  # never a TPU this machine may have: the compile is libtpu's own
     env.pop("SPMDZERO_NO_RUNTIME", None)
-    env.pop("SPMDZERO_BACKEND", None)  # the trace is torch_xla's (the default engine's step), whatever this shell runs
+    if _aot_backend(args.deepspeed_config) == "torchax":
+        env["SPMDZERO_BACKEND"] = "torchax"
+    else:
+        try:
+            devices = check_traceable(args.topology)
+        except ValueError as err:
+            print(err, file=sys.stderr)
+            return 1
+        env["CPU_NUM_DEVICES"] = str(devices)
+        env.pop("SPMDZERO_BACKEND", None)  # torch_xla's runtime traces it
     command = [sys.executable, "-m", "spmdzero.aot", *sys_argv_after(args)]
     return subprocess.run(command, env=env).returncode
+
+
+def _aot_backend(path: str) -> str:
+    """The backend ``spmdzero aot``'s child traces for the config at ``path``; for a config it
+    cannot read, torch_xla's child, which reports the error."""
+    from spmdzero.aot.steps import step_backend
+    from spmdzero.config.load import read_config_file
+
+    try:
+        return step_backend(read_config_file(path))
+    except ValueError:  # ConfigError: the child says it, with the file's name
+        return "torch_xla"
 
 
 def sys_argv_after(args) -> list[str]:

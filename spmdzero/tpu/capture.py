@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 from typing import Optional
+import numpy as np
 import torch
 from spmdzero.tpu.retarget import check_same_plan, retarget, target_mesh_shape, trace_devices
 from spmdzero.tpu.chips import GIB, ChipSpec, chip_spec, topology_chips  # noqa: F401  (topology_chips: public here)
@@ -74,7 +75,8 @@ class StepCapture:
             micro_batch //= chips // devices
         result = compile_mlir(mlir, topology, self.donate, timeout)
         return AotReport(stage=self.engine.plan.stage, gradient_bytes=self.gradient_bytes(),
-                         micro_batch=micro_batch, gradient_names=self.gradient_names(), **result)
+                         micro_batch=micro_batch, gradient_names=self.gradient_names(), backend="torch_xla",
+                         **result)
 
     def gradient_bytes(self) -> int:
         trainable = [s.param for s in self.engine.trained_parameters()]
@@ -99,6 +101,66 @@ class StepCapture:
         return CollectivesReport(devices, result["collectives"], self.gradient_bytes())
 
 
+class JaxStepCapture:
+    """One step of a torchax engine (``spmd.backend: "torchax"``) as StableHLO: the engine's
+    training and update programs composed into one ``jax.jit`` function and traced
+    (``TorchaxEngine.trace_step``), lowered here for TPU. Nothing runs: on a shape-only engine
+    its arguments are ``jax.ShapeDtypeStruct``s on an abstract mesh, so the module is the
+    topology's own program whatever devices this machine has (no retargeting, any chip count).
+
+    JAX writes into the module what ``StepCapture`` has to add: each argument's sharding and
+    each donated state's output (Shardy's ``sdy.sharding``, ``tf.aliasing_output``), and the
+    outputs' shardings where the step gives them (the update's: parameters replicated, states
+    laid out by the plan), which the compile keeps."""
+
+    backend = "torchax"
+
+    def __init__(self, engine, traced_step):
+        self.engine = engine
+        self.step = traced_step  # TorchaxEngine.trace_step's TracedStep
+        # the TPU lowering (its own rules for a few ops, e.g. the RNG), not this machine's
+        self.mlir: str = traced_step.traced.lower(lowering_platforms=("tpu",)).as_text()
+        self.donate: list[tuple[int, int]] = []  # in the module already
+
+    @property
+    def devices(self) -> int:
+        return int(self.engine.mesh.size)
+
+    def compile(self, topology: str, timeout: int = 3600) -> AotReport:
+        chips = topology_chips(topology)
+        if chips != self.devices:
+            raise ValueError(f"topology {topology!r} has {chips} chips but the step was traced for a mesh of "
+                             f"{self.devices} devices; trace it for {chips} (spmdzero.aot.capture_step(..., "
+                             f"topology={topology!r}) builds a shape-only engine of that size)")
+        result = compile_mlir(self.mlir, topology, (), timeout, fixed_outputs=True)
+        return AotReport(stage=self.engine.plan.stage, gradient_bytes=self.gradient_bytes(),
+                         micro_batch=self.step.micro_batch, gradient_names=self.gradient_names(),
+                         backend=self.backend, **result)
+
+    def gradient_bytes(self) -> int:
+        count = sum(int(np.prod(shape, dtype=np.int64)) for shape in self.step.trained.values())
+        return count * self.step.communication_dtype.itemsize
+
+    def gradient_names(self) -> dict[str, list[str]]:
+        """Each gradient's HLO shape (``f32[50257,768]``) -> the parameters with that shape."""
+        dtype = HLO_DTYPES[self.step.communication_dtype]
+        names: dict[str, list[str]] = {}
+        for name, shape in self.step.trained.items():
+            names.setdefault(f"{dtype}[{','.join(str(d) for d in shape)}]", []).append(name)
+        return names
+
+
+def trace_step(engine, *inputs, **kwargs) -> JaxStepCapture:
+    """One training step of a torchax engine for a batch of ``inputs``, traced, not run: the
+    engine is as it was. ``.compile(topology)`` compiles it for a TPU topology with as many
+    chips as the engine's mesh has devices."""
+    if not hasattr(engine, "trace_step"):
+        raise TypeError(f"spmdzero.aot.trace_step takes a torchax engine (spmd.backend='torchax'), got a "
+                        f"{type(engine).__name__}: capture a torch_xla engine's step with "
+                        "`with spmdzero.aot.capture(engine) as step:`")
+    return JaxStepCapture(engine, engine.trace_step(*inputs, **kwargs))
+
+
 def check_traceable(topology: str) -> int:
     """How many devices to trace ``topology`` on (``CPU_NUM_DEVICES``): its chips, or for 128
     and more (PyTorch's autograd engine counts devices in 8 bits) a quarter or sixteenth of
@@ -106,8 +168,9 @@ def check_traceable(topology: str) -> int:
     return trace_devices(topology)
 
 
-def compile_mlir(mlir: str, topology: str, donate=(), timeout: int = 3600) -> dict:
-    """Run ``spmdzero.tpu.compile`` in a subprocess; raise its error here."""
+def compile_mlir(mlir: str, topology: str, donate=(), timeout: int = 3600, fixed_outputs: bool = False) -> dict:
+    """Run ``spmdzero.tpu.compile`` in a subprocess; raise its error here. ``fixed_outputs``:
+    the outputs' shardings in the module are kept (``compile.prepare_module``)."""
     if not topology.startswith("cpu:") and importlib.util.find_spec("libtpu") is None:
         raise RuntimeError(f"libtpu is not installed; {LIBTPU_HINT}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -115,7 +178,7 @@ def compile_mlir(mlir: str, topology: str, donate=(), timeout: int = 3600) -> di
         with open(src, "w") as f:
             f.write(mlir)
         with open(meta, "w") as f:
-            json.dump({"donate": [list(pair) for pair in donate]}, f)
+            json.dump({"donate": [list(pair) for pair in donate], "fixed_outputs": fixed_outputs}, f)
         env = {**os.environ, "SPMDZERO_NO_RUNTIME": "1"}
         proc = subprocess.run([sys.executable, "-m", "spmdzero.tpu.compile", src, topology, out, meta], env=env,
                               capture_output=True, text=True, timeout=timeout)
@@ -138,6 +201,10 @@ def capture(engine, inputs: Optional[dict] = None):
     """Trace one training step without executing it; restore the engine afterwards.
     ``inputs`` (from ``spmdzero.aot.shapes.shape_only_engine``) names the placeholders holding
     the state before the step; by default the engine's live state is (kept by its snapshot)."""
+    if hasattr(engine, "trace_step"):  # its forward runs when called: nothing to intercept
+        raise TypeError("spmdzero.aot.capture(engine) traces a torch_xla engine's step; a torchax engine's "
+                        "(spmd.backend='torchax') is traced by spmdzero.aot.trace_step(engine, *batch), without "
+                        "running it")
     snapshot = engine.snapshot(with_tensors=inputs is None)  # a shape-only engine has nothing to execute
     step = StepCapture(engine, inputs if inputs is not None else snapshot.values)
     engine.capture_steps(step)

@@ -4,7 +4,8 @@ collectives and the compiler's cost analysis.
 
 Runs in its own process (``python -m spmdzero.tpu.compile STEP.mlir TOPOLOGY OUT.json
 [STEP.json]``) so libtpu never loads into the training process. Needs jax and libtpu, not
-a TPU. ``STEP.json`` says which arguments the step donates to which outputs (its state).
+a TPU. ``STEP.json`` says which arguments the step donates to which outputs (its state),
+and whether the outputs' shardings in the module are fixed (a module JAX lowered).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _tpu_devices(topology: str) -> list:
 LOCKFILE_MARK = "libtpu_lockfile"
 
 
-def prepare_module(module, donate: list[tuple[int, int]]) -> list[bool]:
+def prepare_module(module, donate: list[tuple[int, int]], fixed_outputs: bool = False) -> list[bool]:
     """Give the exported ``main`` what ``jax.jit`` would: shardings on its arguments and
     donated state. Returns, per output, whether the compiler may choose its sharding.
 
@@ -66,6 +67,9 @@ def prepare_module(module, donate: list[tuple[int, int]]) -> list[bool]:
     * ``donate`` pairs (argument, output) of the same state tensor before and after the
       step: aliasing them lets the program update the state in place, as a training step
       does, instead of holding both copies.
+    * ``fixed_outputs`` (a module JAX lowered: its shardings and donations are already on
+      ``main``): an output with a sharding keeps it, as ``jax.jit`` compiles an output whose
+      sharding was given; the others are the compiler's choice.
     """
     from jax._src.interpreters import mlir
 
@@ -85,7 +89,7 @@ def prepare_module(module, donate: list[tuple[int, int]]) -> list[bool]:
         if ir.BlockArgument.isinstance(operand):
             attrs = arg_attrs[ir.BlockArgument(operand).arg_number]
             attrs.setdefault("mhlo.sharding", op.attributes["mhlo.sharding"])
-    propagate = [True] * outputs
+    propagate = [not (fixed_outputs and ("mhlo.sharding" in attrs or "sdy.sharding" in attrs)) for attrs in res_attrs]
     i32 = ir.IntegerType.get_signless(32)
     for arg, out in donate:
         attrs = arg_attrs[arg]
@@ -105,9 +109,11 @@ def _attr_dict(attr) -> dict:
     return {d[i].name: d[i].attr for i in range(len(d))}
 
 
-def compile_for_tpu(mlir_text: str, topology: str, donate: list[tuple[int, int]] = ()) -> dict:
+def compile_for_tpu(mlir_text: str, topology: str, donate: list[tuple[int, int]] = (),
+                    fixed_outputs: bool = False) -> dict:
     """Compile for ``topology``: a TPU topology name, or ``cpu:N`` for XLA:CPU with N devices.
-    A program that does not fit comes back as a report with ``out_of_memory`` set."""
+    A program that does not fit comes back as a report with ``out_of_memory`` set.
+    ``fixed_outputs``: as ``prepare_module`` takes it."""
     import numpy as np
     from jax._src import compiler
     from jax._src.interpreters import mlir
@@ -120,7 +126,7 @@ def compile_for_tpu(mlir_text: str, topology: str, donate: list[tuple[int, int]]
         result["libtpu_args"] = os.environ.get("LIBTPU_INIT_ARGS", "")
     with mlir.make_ir_context():
         module = mlir.ir.Module.parse(mlir_text)
-        propagate = prepare_module(module, list(donate))
+        propagate = prepare_module(module, list(donate), fixed_outputs)
         options = compiler.get_compile_options(num_replicas=1, num_partitions=len(devices),
                                                device_assignment=np.array([[d.id for d in devices]]),
                                                use_spmd_partitioning=True, backend=devices[0].client)
@@ -300,13 +306,15 @@ def _bytes(number: str, unit: str) -> int:
 
 def main(argv: list[str]) -> int:
     mlir_path, topology, out_path, *meta = argv
-    donate = []
+    donate, fixed_outputs = [], False
     if meta:
         with open(meta[0]) as f:
-            donate = [tuple(pair) for pair in json.load(f).get("donate", [])]
+            settings = json.load(f)
+        donate = [tuple(pair) for pair in settings.get("donate", [])]
+        fixed_outputs = bool(settings.get("fixed_outputs", False))
     try:
         with open(mlir_path) as f:
-            result = compile_for_tpu(f.read(), topology, donate)
+            result = compile_for_tpu(f.read(), topology, donate, fixed_outputs)
     except ValueError as err:
         result = {"error": str(err), "kind": "topology" if str(err).startswith("unknown TPU topology") else "input"}
     except RuntimeError as err:

@@ -35,6 +35,7 @@ class AotReport:
     libtpu_args: Optional[str] = None  # the LIBTPU_INIT_ARGS compiled with (spmdzero.runtime.libtpu_flags); None on CPU
     cost_per_step: Optional[dict] = None  # ``cost`` with loop bodies counted per trip (tpu.compile.per_step_cost)
     cost_per_step_error: Optional[str] = None  # why there is none for a looped program
+    backend: Optional[str] = None  # whose step was compiled: "torch_xla" or "torchax" (spmd.backend)
 
     @property
     def chip(self) -> ChipSpec:
@@ -106,7 +107,8 @@ class AotReport:
     def to_dict(self) -> dict:
         traffic = self.traffic
         out = {"topology": self.topology, "chips": self.chips, "device_kind": self.device_kind,
-               "stage": self.stage, "micro_batch": self.micro_batch, "compile_seconds": self.compile_seconds,
+               "backend": self.backend, "stage": self.stage, "micro_batch": self.micro_batch,
+               "compile_seconds": self.compile_seconds,
                "hbm_per_chip": self.chip.hbm_bytes, "memory": self.memory, "total_bytes": self.total_bytes,
                "fits": self.fits, "over_by": self.over_by, "out_of_memory": self.out_of_memory,
                "collectives": self.collectives, "cost": self.cost, "cost_per_step": self.cost_per_step,
@@ -127,7 +129,8 @@ class AotReport:
                 if r["shape"] in self.gradient_names]
 
     def summary(self) -> str:
-        head = f"{self.topology} ({self.chips} x {self.device_kind}), ZeRO stage {self.stage}"
+        head = f"{self.topology} ({self.chips} x {self.device_kind}), " + (
+            f"the {self.backend} backend's step, " if self.backend else "") + f"ZeRO stage {self.stage}"
         if self.micro_batch is not None:
             head += f", micro-batch {self.micro_batch}/chip"
         lines = [f"{head}: compiled in {self.compile_seconds:.1f} s"]

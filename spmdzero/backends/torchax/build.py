@@ -79,15 +79,24 @@ def _torchax_versions() -> tuple[Optional[str], Optional[str]]:
 
 
 def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=None, model_parameters=None,
-          training_data=None, lr_scheduler=None, collate_fn=None, config_dict: Optional[dict] = None):
-    """``spmdzero.initialize`` for this backend: the same batch arithmetic, plan and return value."""
+          training_data=None, lr_scheduler=None, collate_fn=None, config_dict: Optional[dict] = None,
+          shape_only_devices: Optional[int] = None):
+    """``spmdzero.initialize`` for this backend: the same batch arithmetic, plan and return value.
+
+    ``shape_only_devices`` (``spmdzero.aot``): a shape-only engine for that many devices, on an
+    abstract mesh, one process; its state is ``jax.ShapeDtypeStruct``s, nothing is placed, and
+    its step is traced (``TorchaxEngine.trace_step``), never run. The model's parameters may be
+    on the ``meta`` device."""
 
     check_config(cfg, optimizer)
     _require_torchax()
-    if cfg.spmd.compile_cache_dir:  # before this engine's first program compiles
-        jax_runtime.enable_compile_cache(cfg.spmd.compile_cache_dir)
     refuse_sparse_gradients(model)
     batchnorm.check_replaceable(model)  # the others' running statistics are updated as torch does
+    if shape_only_devices is not None:
+        return _build_shape_only(model, cfg, shape_only_devices, optimizer, model_parameters, lr_scheduler,
+                                 config_dict)
+    if cfg.spmd.compile_cache_dir:  # before this engine's first program compiles
+        jax_runtime.enable_compile_cache(cfg.spmd.compile_cache_dir)
     if mesh is not None and jax_runtime.selected():
         raise ConfigError(f"initialize(mesh=...) takes a torch_xla Mesh, and building one starts torch_xla's runtime, "
                           f"which {jax_runtime.VARIABLE}=torchax keeps off the devices: give the mesh shape as "
@@ -128,3 +137,16 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
     return engine, engine.optimizer, setup.loader, setup.scheduler
 
 
+def _build_shape_only(model: torch.nn.Module, cfg: DeepSpeedConfig, devices: int, optimizer, model_parameters,
+                      lr_scheduler, config_dict: Optional[dict]):
+    """``build`` for a topology of ``devices`` chips that this machine need not have: the mesh
+    shape the config gives on that many devices, the same plan and batch arithmetic."""
+    if cfg.spmd.dcn_mesh is not None:
+        raise ConfigError("spmd.dcn_mesh: the TPU compile (spmdzero aot) of the torchax backend compiles for one "
+                          "slice; remove spmd.dcn_mesh from the config given to it")
+    shape = resolve_mesh_shape(cfg.spmd.mesh, devices)
+    setup = setup_training(model, cfg, shape, optimizer=optimizer, model_parameters=model_parameters,
+                           lr_scheduler=lr_scheduler, even=True)
+    engine = TorchaxEngine(model, setup.optimizer, setup.scheduler, cfg, setup.batch, setup.plan, shape, devices,
+                           None, config_dict, shape_only=True)
+    return engine, engine.optimizer, None, setup.scheduler

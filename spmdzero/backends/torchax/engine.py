@@ -56,7 +56,7 @@ import warnings
 import weakref
 from collections.abc import Mapping
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -139,6 +139,15 @@ def _jax_dtype(dtype: torch.dtype):
     return jnp.dtype(str(dtype).removeprefix("torch."))
 
 
+def _placed_dtype(dtype: torch.dtype):
+    """The dtype of the JAX array ``_put`` makes of a tensor of ``dtype`` (int64 is int32 unless
+    JAX runs with x64), for a shape-only engine, which makes none."""
+    import jax
+    from torchax.ops import mappings
+
+    return jax.dtypes.canonicalize_dtype(mappings.t2j_dtype(dtype))
+
+
 INT64_TRUNCATED = r"Explicitly requested dtype int64 requested in .* is not available"
 
 
@@ -171,6 +180,19 @@ def _output_tensor_class():
             return Output(jax.lax.stop_gradient(self._elem), env)
 
     return Output
+
+
+class TracedStep(NamedTuple):
+    """``TorchaxEngine.trace_step``'s answer: the traced step (``jax.stages.Traced``: ``.lower()``
+    gives its StableHLO) and what a report needs that the program does not say."""
+
+    traced: Any
+    loss_index: int  # the loss among the forward's output tensors (the step's last outputs)
+    trained: dict  # trained parameter name -> shape
+    communication_dtype: torch.dtype  # the gradients' dtype on the wire
+    micro_batch: int  # rows per data-parallel device per micro-step (the config's)
+    accumulation_steps: int
+    rows: Optional[int]  # global rows of the traced batch, when known
 
 
 class _NoLoss(Exception):
@@ -206,16 +228,24 @@ class TorchaxEngine(EngineBase):
 
     def __init__(self, module: torch.nn.Module, optimizer: SpmdOptimizer, lr_scheduler: Any, cfg: DeepSpeedConfig,
                  batch: BatchSizes, plan: ShardingPlan, mesh_shape: dict[str, int], device_count: int,
-                 training_dataloader: Any = None, config_dict: Optional[dict] = None):
+                 training_dataloader: Any = None, config_dict: Optional[dict] = None, shape_only: bool = False):
         import jax
         import torchax
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+        from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
         self._jax = jax
-        dcn = None if cfg.spmd.dcn_mesh is None else resolve_hybrid_shape(cfg.spmd.mesh, cfg.spmd.dcn_mesh,
-                                                                           device_count)[1]
-        devices = mesh_devices(jax_devices(device_count), mesh_shape, dcn)  # before any JAX array
-        self._processes = jax.process_count()  # hosts joined by jax.distributed; 1 without
+        # shape-only (spmdzero aot): the mesh names no device and every array of the state is a
+        # jax.ShapeDtypeStruct with its layout, so any topology's step lowers on any machine and
+        # no parameter is ever materialized (``trace_step``)
+        self._shape_only = shape_only
+        if shape_only:
+            devices = None
+            self._processes = 1
+        else:
+            dcn = None if cfg.spmd.dcn_mesh is None else resolve_hybrid_shape(cfg.spmd.mesh, cfg.spmd.dcn_mesh,
+                                                                               device_count)[1]
+            devices = mesh_devices(jax_devices(device_count), mesh_shape, dcn)  # before any JAX array
+            self._processes = jax.process_count()  # hosts joined by jax.distributed; 1 without
         seed = torch.initial_seed()
         if self._processes > 1:
             seed = _broadcast_from_first_process(module, seed)
@@ -235,7 +265,8 @@ class TorchaxEngine(EngineBase):
         self.device = torch.device("cpu")  # batches stay on the host (``batch.to(engine.device)``); forward places them
         self.precision = precision_policy(cfg)
         self._boundary_override: Optional[bool] = None
-        self.mesh = Mesh(devices, tuple(mesh_shape))
+        self.mesh = AbstractMesh(tuple(mesh_shape.values()), tuple(mesh_shape)) if shape_only else Mesh(
+            devices, tuple(mesh_shape))
         spec = lambda s: NamedSharding(self.mesh, PartitionSpec(*s))  # noqa: E731
         self._sharding = spec
         self._replicated = spec(())
@@ -339,6 +370,10 @@ class TorchaxEngine(EngineBase):
         checkpoint saves as ``rng.xla``."""
         self._rng_seed = int(seed)  # torch_xla's seeds are 64-bit unsigned, JAX's signed
         key = functools.partial(self._jax.random.key, self._rng_seed % (1 << 63))
+        if self._shape_only:
+            shape = self._jax.eval_shape(key)
+            self._rng = self._jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=self._replicated)
+            return
         # one key for every process: a global array when the mesh spans processes
         self._rng = key() if self._processes == 1 else self._jax.jit(key, out_shardings=self._replicated)()
 
@@ -350,6 +385,8 @@ class TorchaxEngine(EngineBase):
         device alone."""
         from torchax.ops import mappings
 
+        if self._shape_only:
+            return self._jax.ShapeDtypeStruct(tuple(t.shape), _placed_dtype(t.dtype), sharding=sharding)
         value = mappings.t2j(t.detach().cpu().clone())
         if self._processes == 1:
             return self._jax.device_put(value, sharding)
@@ -527,18 +564,7 @@ class TorchaxEngine(EngineBase):
     def forward(self, *inputs, **kwargs):
         """Run the module in one jitted program; in training (train mode, grad enabled) it also
         takes the gradient of the loss the module returns (see the module docstring)."""
-        inputs, kwargs = self._padded(inputs, kwargs, model_pad_id(self._module))
-        # host tensors only: a torchax tensor (an earlier output) is the model's already
-        inputs, kwargs = self._in_model_dtype(inputs, kwargs, keep=_is_torchax_tensor)
-        # a mapping that is not a dict (transformers' BatchEncoding) is one leaf to torch's pytree
-        inputs, kwargs = _as_dicts(inputs), _as_dicts(kwargs)
-        leaves, treespec = torch_pytree.tree_flatten((inputs, kwargs))
-        static = tuple((i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor))
-        self._take_host_changes()
-        layout = self._batch_layout(self._module, inputs, kwargs, on_device=_is_torchax_tensor)
-        arrays = self._place_inputs(leaves, layout)
-        rng = (self._rng, np.uint32(self.micro_steps))  # dropout draws anew at every micro-step
-        rows = layout.rows if layout.on_device else None if layout.rows is None else layout.rows * self._batch.processes
+        leaves, treespec, static, layout, arrays, rng, rows = self._placed(inputs, kwargs)
         training = self._module.training
         grad_enabled = torch.is_grad_enabled()
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
@@ -581,6 +607,25 @@ class TorchaxEngine(EngineBase):
         if loss is not None and not which:
             loss._spmdzero_forward = forward
         return result
+
+    def _placed(self, inputs: tuple, kwargs: dict) -> tuple:
+        """A forward's inputs as its program takes them: (leaves, their treespec, the non-tensor
+        leaves by position, the batch layout, the tensors placed as JAX arrays, the dropout key
+        and micro-step, the global rows when known). Changes made on the host go to the devices
+        first."""
+        inputs, kwargs = self._padded(inputs, kwargs, model_pad_id(self._module))
+        # host tensors only: a torchax tensor (an earlier output) is the model's already
+        inputs, kwargs = self._in_model_dtype(inputs, kwargs, keep=_is_torchax_tensor)
+        # a mapping that is not a dict (transformers' BatchEncoding) is one leaf to torch's pytree
+        inputs, kwargs = _as_dicts(inputs), _as_dicts(kwargs)
+        leaves, treespec = torch_pytree.tree_flatten((inputs, kwargs))
+        static = tuple((i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor))
+        self._take_host_changes()
+        layout = self._batch_layout(self._module, inputs, kwargs, on_device=_is_torchax_tensor)
+        arrays = self._place_inputs(leaves, layout)
+        rng = (self._rng, np.uint32(self.micro_steps))  # dropout draws anew at every micro-step
+        rows = layout.rows if layout.on_device else None if layout.rows is None else layout.rows * self._batch.processes
+        return leaves, treespec, static, layout, arrays, rng, rows
 
     def _take_constants(self, changed: dict) -> None:
         """Buffers a forward changed: the devices' values, copied to the module when it is read."""
@@ -745,6 +790,8 @@ class TorchaxEngine(EngineBase):
             def call(params, constants, rng, arrays):
                 return jitted(params, constants, rng, arrays)
         call.no_loss = False
+        call.jitted = jitted  # for trace_step, which composes it with the update
+        call.loss_index = lambda: loss_leaf[0]  # the loss among the output tensors, once traced
         call.out_spec = out_spec
         call.loss_of = lambda result: [t for t in torch_pytree.tree_leaves(result)
                                        if isinstance(t, torch.Tensor)][loss_leaf[0]]
@@ -1041,7 +1088,89 @@ class TorchaxEngine(EngineBase):
         states = None if self._torch_optimizer else self._state_specs
         shardings = (self._param_specs, self._master_specs, states, {k: rep for k in self._shared_state},
                      rep, rep, rep, scaler)
+        self._update_shardings = shardings  # trace_step's outputs are laid out as the update's
         return jax.jit(update, out_shardings=shardings, donate_argnums=(0, 1, 2, 3, 4, 5, 6))
+
+    def trace_step(self, *inputs, **kwargs) -> "TracedStep":
+        """One training step at an accumulation boundary for a batch of ``inputs``, traced by JAX
+        as ONE program and not run: the training program (forward, the gradient of the loss the
+        module returns, laid out by the plan's gradient spec and added to the accumulated ones
+        when the config accumulates) and the update program (clipping, the optimizer, the
+        parameters replicated and the states laid out by the plan), the state donated to the
+        outputs as the update donates it. What ``spmdzero aot`` lowers for a TPU topology and
+        compiles: the two programs this engine runs, composed, so that the compiler sees one
+        step as the torch_xla backend's capture gives it. The forward's outputs are outputs of
+        the step (the training program returns them: they are in memory while the update runs).
+
+        On a shape-only engine (``build(..., shape_only=True)``) every argument is a
+        ``jax.ShapeDtypeStruct`` on an abstract mesh: nothing is materialized, and any topology
+        traces on any machine. On a live engine the arguments are its arrays (traced, not read).
+        The engine is left as it was (its trace counters included: the recompile guard does not
+        count this trace)."""
+        import jax
+
+        traces = collections.Counter(self.traces)
+        try:
+            _, treespec, static, _, arrays, rng, rows = self._placed(inputs, kwargs)
+            accumulate = self.gradient_accumulation_steps() > 1  # the boundary's gradient joins the window's
+            program = self._program("accumulate" if accumulate else "train", treespec, static, self._module.training)
+            rep = self._replicated
+            accum = None
+            if accumulate:
+                dtype = _jax_dtype(self.precision.grad_accum_dtype)
+                accum = {n: jax.ShapeDtypeStruct(tuple(self.plan[n].shape), dtype, sharding=self._grad_specs[n])
+                         for n in self._names}
+            scalar = jax.ShapeDtypeStruct((), np.float32, sharding=rep)
+
+            def step(params, masters, states, shared, accum, skipped, loss_scale, constants, rng, arrays, divisor,
+                     hyper):
+                scale = None if loss_scale is None else loss_scale.scale
+                outputs, changed, grads = program.jitted(params, constants, accum, rng, arrays, scale, divisor)
+                return self._update(params, masters, states, shared, grads, skipped, loss_scale, hyper), changed, \
+                    outputs
+
+            def traced():
+                jitted = jax.jit(step, out_shardings=(self._update_shardings, None, None),
+                                 donate_argnums=(0, 1, 2, 3, 4, 5, 6))
+                return jitted.trace(self._params, self._masters, self._opt_state, self._shared_state, accum,
+                                    self._skipped, self._loss_scale, self._constants, rng, arrays, scalar,
+                                    self._abstract_hyper())
+
+            try:
+                try:
+                    result = traced()
+                except jax.errors.ConcretizationTypeError:
+                    if not self._torch_optimizer or self._lr_mode != "traced":
+                        raise
+                    # as the first real step does: its step reads the lr as a Python number (torch_optim.LR_MODES)
+                    self._lr_mode = torch_optim.fallback_lr_mode(self.basic_optimizer)
+                    self._static_hyper = torch_optim.static_hyperparameters(
+                        self.basic_optimizer, with_lr=self._lr_mode == "constant")
+                    self._update = self._build_update()
+                    result = traced()
+            except _NoLoss:
+                raise ValueError(f"the module's output holds no scalar loss ({type(self._module).__name__}): the "
+                                 "torchax backend's step compiles the training program, which takes the gradient of "
+                                 "the loss the module returns (a scalar, a dict with a 'loss' key, an object with "
+                                 ".loss, or a tuple whose first item is the loss)") from None
+        finally:
+            self.traces = traces
+        return TracedStep(result, program.loss_index(), {n: tuple(self.plan[n].shape) for n in self._names},
+                          self.precision.communication_dtype, self.train_micro_batch_size_per_gpu(),
+                          self.gradient_accumulation_steps(), rows)
+
+    def _abstract_hyper(self) -> list:
+        """The update's hyperparameter input as ``jax.ShapeDtypeStruct``s: one float32 vector per
+        param group, as ``_take_model_step`` gives it (none when a torch optimizer's lr is a
+        constant of the program)."""
+        import jax
+
+        rep = self._replicated
+        if self._torch_optimizer:
+            return [] if self._lr_mode == "constant" else [
+                jax.ShapeDtypeStruct((1,), np.float32, sharding=rep) for _ in self.basic_optimizer.param_groups]
+        return [jax.ShapeDtypeStruct((len(self.basic_optimizer._hyper_values(g)),), np.float32, sharding=rep)
+                for g in self.basic_optimizer.param_groups]
 
     def _state_spec(self, name: str, value):
         """An optimizer state's layout: the plan's for a parameter-shaped one, else replicated."""
@@ -1211,7 +1340,9 @@ class TorchaxEngine(EngineBase):
         """Give each trained parameter without optimizer states (a torch optimizer before its
         first step) the states that step creates, laid out by the plan, values meaning nothing,
         for a checkpoint load to write into; the host-kept ones (``torch_optim.HOST_KEYS``) go
-        in ``optimizer.state``, as the torch_xla backend keeps them. Returns those parameters."""
+        in ``optimizer.state``, as the torch_xla backend keeps them. On a shape-only engine each
+        is a ``jax.ShapeDtypeStruct`` among the device states, where a later step has them all
+        (what ``trace_step`` traces). Returns those parameters."""
         pending = [n for n in self._names if not self._opt_state[n]]
         if not self._torch_optimizer or not pending:
             return []
@@ -1222,7 +1353,9 @@ class TorchaxEngine(EngineBase):
         for name in pending:
             device, host = {}, {}
             for key, shape in shapes[name].items():
-                if key in torch_optim.HOST_KEYS:
+                if self._shape_only:  # the states of a later step, all on the devices: what trace_step takes
+                    device[key] = jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=self._state_spec(name, shape))
+                elif key in torch_optim.HOST_KEYS:
                     host[key] = torch.zeros(shape.shape, dtype=getattr(torch, str(shape.dtype)))
                 else:
                     device[key] = jax.jit(functools.partial(jax.numpy.zeros, shape.shape, shape.dtype),
