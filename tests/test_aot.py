@@ -874,3 +874,210 @@ def test_a_captured_step_without_an_optimizer_says_so():
         with capture(engine):
             engine.backward(engine(torch.randn(8, 8)).sum())
             engine.step()
+
+
+# ---- the torchax backend's step (spmd.backend: "torchax") ------------------------------------------
+
+TORCHAX = {"train_batch_size": 16, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "spmd": {"backend": "torchax"}}
+
+TORCHAX_STAGES = f"""
+    import json, sys, jax
+    sys.path.insert(0, "examples")
+    from model import TinyGPT
+    from spmdzero.aot.models import ModelSource
+    from spmdzero.aot.steps import capture_step
+    source = ModelSource("TinyGPT", TinyGPT, lambda m, b: (tuple(m.example_inputs(b)), {{}}), lambda out: out)
+    reports, untouched = [], []
+    for stage in (0, 1, 2):
+        step = capture_step(source, {TORCHAX!r}, stage, topology="v5e:2x2")
+        reports.append(step.compile("v5e:2x2").to_dict())
+        engine = step.engine
+        state = [engine.params(), engine.optimizer_states(), [t for t, _ in engine.state_tensors().values()]]
+        untouched.append({{"global_steps": engine.global_steps, "runs": sum(engine.runs.values()),
+                          "only_shapes": all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state)),
+                          "meta": all(p.device.type == "meta" for p in engine._module.parameters())}})
+    P = sum(p.numel() for p in TinyGPT().parameters())
+    print(json.dumps({{"P": P, "reports": reports, "untouched": untouched}}))
+"""
+
+
+@pytest.fixture(scope="module")
+def torchax_compiled():
+    """TinyGPT's torchax step at ZeRO-0/1/2 for v5e:2x2, in a process where JAX owns the
+    devices (as ``spmdzero aot`` traces it): shape-only, lowered on an abstract mesh."""
+    out = run_python(TORCHAX_STAGES, env={"SPMDZERO_BACKEND": "torchax", "PJRT_DEVICE": "CPU"})
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_torchax_stage2_reduce_scatters_as_the_torch_xla_step_does(torchax_compiled, compiled):
+    P, stage2 = torchax_compiled["P"], torchax_compiled["reports"][2]
+    assert stage2["backend"] == "torchax" and compiled["reports"][2]["backend"] == "torch_xla"
+    assert stage2["chips"] == 4 and stage2["fits"]
+    collectives = stage2["collectives"]
+    assert collectives["reduce-scatter"]["tensors"] >= 8
+    assert collectives["reduce-scatter"]["bytes"] * 4 == pytest.approx(4 * P, rel=0.05)
+    assert collectives["all-gather"]["bytes"] == pytest.approx(4 * P, rel=0.02)  # the parameters only
+    stage0 = torchax_compiled["reports"][0]["collectives"]
+    assert "reduce-scatter" not in stage0 and "all-gather" not in stage0 and stage0["all-reduce"]["bytes"] >= 4 * P
+    for ours, theirs in zip(torchax_compiled["reports"], compiled["reports"]):
+        assert ours["gradient_bytes"] == theirs["gradient_bytes"] == 4 * P
+        assert ours["collectives"].keys() == theirs["collectives"].keys(), ours["stage"]
+
+
+@pytest.mark.slow
+def test_torchax_per_chip_bytes_follow_zero_accounting(torchax_compiled):
+    P, N = torchax_compiled["P"], 4
+    reports = torchax_compiled["reports"]
+    batch_bytes = 2 * 4 * 32 * 4  # tokens and targets of 4 rows per chip, int32 (JAX without x64)
+    expected = {0: 12 * P, 1: 4 * P + 8 * P / N, 2: 4 * P + 8 * P / N}
+    for report in reports:
+        memory = report["memory"]
+        assert memory["argument"] - batch_bytes == pytest.approx(expected[report["stage"]], rel=0.03)
+        # every state array the step updates is donated to its output: all arguments but the batch
+        assert memory["alias"] == pytest.approx(memory["argument"] - batch_bytes, rel=0.01), report["stage"]
+    totals = [r["total_bytes"] for r in reports]
+    assert totals[0] > totals[1] >= totals[2], totals
+
+
+@pytest.mark.slow
+def test_torchax_aot_materializes_and_executes_nothing(torchax_compiled):
+    for state in torchax_compiled["untouched"]:
+        assert state == {"global_steps": 0, "runs": 0, "only_shapes": True, "meta": True}
+
+
+def _main_results(mlir: str) -> dict:
+    """``main``'s outputs by JAX's name for them (``result[0][0]['head.weight']``): their sharding."""
+    signature = mlir[mlir.index("func.func public @main("):]
+    signature = signature[:signature.index("{\n")]
+    return dict(re.findall(r'jax.result_info = "([^"]*)", sdy.sharding = #sdy.sharding<@mesh, (\[[^\]]*\])>',
+                           signature))
+
+
+def _main_arguments(mlir: str) -> list[tuple[str, int]]:
+    """``main``'s donated arguments: (sharding, the output it is aliased to)."""
+    signature = mlir[mlir.index("func.func public @main("):]
+    signature = signature[:signature.index("->")]
+    return [(spec, int(out)) for spec, out in re.findall(
+        r"sdy.sharding = #sdy.sharding<@mesh, (\[[^\]]*\])>, tf.aliasing_output = (\d+)", signature)]
+
+
+def _constraints(mlir: str, function: str) -> list[str]:
+    """The sharding constraints in one of the module's functions."""
+    body = mlir[mlir.index(f"func.func private @{function}("):]
+    body = body[:body.index("func.func", 10)]
+    return re.findall(r"sdy.sharding_constraint %\S+ <@mesh, (\[[^\]]*\])>", body)
+
+
+def test_torchax_step_module_carries_the_plans_shardings_and_donations():
+    """The StableHLO JAX lowers for the torchax step, before any compile: parameters replicated,
+    optimizer states split along fsdp from stage 1, each donated to its updated output; the
+    gradients constrained to fsdp shards in the training program at stage 2 only."""
+    import sys
+
+    sys.path.insert(0, "examples")
+    from model import TinyGPT
+
+    from spmdzero.aot.models import ModelSource
+    from spmdzero.aot.steps import capture_step
+
+    source = ModelSource("TinyGPT", TinyGPT, lambda m, b: (tuple(m.example_inputs(b)), {}), lambda out: out)
+    trained = len(list(TinyGPT().parameters()))
+    for stage in (0, 1, 2):
+        step = capture_step(source, TORCHAX, stage, topology="v5e:2x2")
+        assert step.engine.mesh.shape == {"fsdp": 4} and "mhlo.num_partitions = 4" in step.mlir
+        results = _main_results(step.mlir)
+        names = list(re.findall(r'jax.result_info = "([^"]*)"', step.mlir))
+        params = {k: v for k, v in results.items() if k.startswith("result[0][0]")}
+        states = {k: v for k, v in results.items() if k.startswith("result[0][2]")}
+        assert len(params) == trained and len(states) == 2 * trained  # Adam's two moments (the step is shared)
+        assert all("fsdp" not in spec for spec in params.values())
+        assert all(("fsdp" in spec) == (stage >= 1) for spec in states.values()), stage
+        donated = _main_arguments(step.mlir)
+        assert len(donated) >= 3 * trained
+        assert all(results[names[out]] == spec for spec, out in donated)  # updated in place, same layout
+        grads = _constraints(step.mlir, "program_train")
+        assert len(grads) == trained and all(("fsdp" in spec) == (stage == 2) for spec in grads), (stage, grads)
+
+
+def test_torchax_step_without_a_loss_is_a_clear_error():
+    import torch
+
+    from spmdzero.aot.models import ModelSource
+    from spmdzero.aot.steps import capture_step
+
+    source = ModelSource("Linear", lambda: torch.nn.Linear(8, 8), lambda m, b: ((torch.randn(b, 8),), {}),
+                         lambda out: out)
+    with pytest.raises(ValueError, match=r"output holds no scalar loss \(Linear\)"):
+        capture_step(source, TORCHAX, 2, topology="v5e:2x2")
+
+
+def test_the_command_refuses_scan_layers_for_the_torchax_step(tmp_path, capsys):
+    from spmdzero.aot import command
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(TORCHAX))
+    assert command.main(["--topology", "v5e:2x2", "--deepspeed_config", str(path), "--scan-layers"]) == 1
+    err = capsys.readouterr().err
+    assert "--scan-layers compiles spmd.scan_layers, which the torchax backend does not run" in err
+    assert len(err.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_a_live_torchax_engine_traces_its_step_and_trains_on_unchanged():
+    """``spmdzero.aot.trace_step`` on a training torchax engine (8 CPU devices here): nothing
+    runs, its parameters and counters are as they were, the next step traces each program once
+    (the recompile guard sees no extra trace), and the step compiles for 8 chips."""
+    import sys
+
+    import torch
+
+    import spmdzero
+    from spmdzero import aot
+
+    sys.path.insert(0, "examples")
+    from model import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    engine, *_ = spmdzero.initialize(model=model, config={**TORCHAX, "zero_optimization": {"stage": 2}})
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = model.example_inputs(16)
+    step = aot.trace_step(engine, *batch)
+    assert not engine.runs and not engine.traces and engine.global_steps == 0
+    report = step.compile("v5e:2x4")
+    assert report.backend == "torchax" and report.chips == 8 and "reduce-scatter" in report.collectives
+    assert all(torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
+    with pytest.raises(ValueError, match="has 4 chips but the step was traced for a mesh of 8 devices"):
+        step.compile("v5e:2x2")
+    with pytest.raises(TypeError, match=r"spmdzero.aot.trace_step\(engine, \*batch\)"):
+        with aot.capture(engine):
+            pass
+    engine.backward(engine(*batch))
+    engine.step()
+    assert engine.global_steps == 1 and engine.traces == {"train_forward": 1, "update": 1}
+
+
+@pytest.mark.slow
+def test_the_command_compiles_the_torchax_step_for_16_chips_without_retargeting(tmp_path):
+    """``SPMDZERO_BACKEND=torchax`` and a config naming no backend: the torchax step, as
+    ``initialize`` would build it, lowered on an abstract 16-device mesh (no 16 CPU devices,
+    no retargeting) and compiled for v5e:4x4."""
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    out = run_python(f"""
+        import spmdzero_cli
+        spmdzero_cli.main(["aot", "--topology", "v5e:4x4", "--deepspeed_config", {str(tmp_path / 'ds.json')!r},
+                           "--stages", "0,2", "--json"])
+    """, env={"SPMDZERO_BACKEND": "torchax"})
+    result = json.loads(out[out.index("{"):])
+    stage0, stage2 = result["reports"]
+    assert result["backend"] == stage0["backend"] == stage2["backend"] == "torchax"
+    assert stage2["chips"] == 16 and stage2["micro_batch"] == 2 and stage2["fits"]
+    P = stage2["gradient_bytes"] // 4
+    batch_bytes = 2 * 2 * 32 * 4
+    # ZeRO-0: parameters and Adam's moments replicated (12P); ZeRO-2: the moments split over the
+    # 16 chips (8 x 2 mesh), TinyGPT's small shards padded to whole TPU tiles
+    assert stage0["memory"]["argument"] - batch_bytes == pytest.approx(12 * P, rel=0.01)
+    assert 4 * P + 8 * P / 16 <= stage2["memory"]["argument"] - batch_bytes < 4 * P + 8 * P / 4

@@ -128,8 +128,10 @@ def main(argv=None) -> int:
         config = for_compile(read_config_file(args.deepspeed_config), args.deepspeed_config, args.micro_batch)
         parse_config(config, args.deepspeed_config)  # as given: a stage-3 config is refused, not compiled as 0-2
         backend = step_backend(config)
-        if backend == "torch_xla":  # torchax lowers for any chip count (an abstract mesh)
+        if backend == "torch_xla":  # traced on one CPU device per chip (or a quarter of them)
             check_traceable(args.topology)
+        else:  # traced on an abstract mesh of any size: only the name is checked
+            topology_chips(args.topology)
         if args.scan_layers:
             if backend == "torchax":
                 raise ValueError("--scan-layers compiles spmd.scan_layers, which the torchax backend does not run "
