@@ -1081,3 +1081,6 @@ def test_the_command_compiles_the_torchax_step_for_16_chips_without_retargeting(
     # 16 chips (8 x 2 mesh), TinyGPT's small shards padded to whole TPU tiles
     assert stage0["memory"]["argument"] - batch_bytes == pytest.approx(12 * P, rel=0.01)
     assert 4 * P + 8 * P / 16 <= stage2["memory"]["argument"] - batch_bytes < 4 * P + 8 * P / 4
+    # the gradients go through the plan's two stages (rows over fsdp, then columns over
+    # fsdp_inner): libtpu reduce-scatters them, where straight to their spec it all-reduced all
+    assert stage2["collectives"]["reduce-scatter"]["tensors"] >= 8
