@@ -39,10 +39,12 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
                                             config_dict=config_dict(cfg, args, config, config_params))
 
 
-def with_backend(cfg):
+def with_backend(cfg, jax_devices: Optional[bool] = None):
     """``cfg`` with the backend that builds its engine: the one ``spmd.backend`` names, else the
     one this process's runtime serves (``SPMDZERO_BACKEND=torchax`` gave the devices to JAX),
-    else the config's default."""
-    if "backend" not in cfg.spmd.model_fields_set and jax_runtime.selected():
+    else the config's default. ``jax_devices``: whether JAX has the devices, for another
+    process than this one (``spmdzero aot``'s child); by default this process's runtime."""
+    jax_devices = jax_runtime.selected() if jax_devices is None else jax_devices
+    if "backend" not in cfg.spmd.model_fields_set and jax_devices:
         cfg = cfg.model_copy(update={"spmd": cfg.spmd.model_copy(update={"backend": "torchax"})})
     return cfg

@@ -80,10 +80,15 @@ def test_console_entry_point_does_not_start_the_runtime(tmp_path):
     assert "fsdp=4" in out and "exit 0 torch_xla loaded: False" in out
 
 
-def test_aot_traces_with_torch_xla_whatever_backend_the_shell_selects(tmp_path, monkeypatch):
-    """``spmdzero aot`` compiles the default engine's step, traced by torch_xla in a child:
-    the child must not inherit SPMDZERO_BACKEND=torchax (it would start no torch_xla runtime)
-    or SPMDZERO_NO_RUNTIME."""
+@pytest.mark.parametrize("shell, backend, traced", [
+    (None, None, "torch_xla"), ("torchax", None, "torchax"), ("torchax", "torch_xla", "torch_xla"),
+    (None, "torchax", "torchax"), ("torch_xla", "torchax", "torchax")])
+def test_aot_traces_the_backend_initialize_would_build(tmp_path, monkeypatch, shell, backend, traced):
+    """``spmdzero aot`` compiles the step of the engine ``spmdzero.initialize`` would build
+    under this shell: the config's ``spmd.backend``, else ``SPMDZERO_BACKEND``'s. torch_xla's is
+    traced in a child with one CPU device per chip and without the variable (it would start no
+    torch_xla runtime); torchax's in a child whose devices are JAX's (the variable set). Neither
+    inherits SPMDZERO_NO_RUNTIME, and neither takes a TPU (PJRT_DEVICE=CPU)."""
     import subprocess
 
     seen = {}
@@ -93,13 +98,27 @@ def test_aot_traces_with_torch_xla_whatever_backend_the_shell_selects(tmp_path, 
         return subprocess.CompletedProcess(command, 0)
 
     monkeypatch.setattr(subprocess, "run", fake_run)
-    monkeypatch.setenv("SPMDZERO_BACKEND", "torchax")
+    if shell is None:
+        monkeypatch.delenv("SPMDZERO_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("SPMDZERO_BACKEND", shell)
     monkeypatch.setenv("SPMDZERO_NO_RUNTIME", "1")
-    path = write(tmp_path, {"train_batch_size": 8})
+    path = write(tmp_path, {"train_batch_size": 8, **({"spmd": {"backend": backend}} if backend else {})})
     assert main(["aot", "--topology", "v5e:2x2", "--deepspeed_config", path]) == 0
+    env = seen["env"]
     assert seen["command"][1:3] == ["-m", "spmdzero.aot"]
-    assert "SPMDZERO_BACKEND" not in seen["env"] and "SPMDZERO_NO_RUNTIME" not in seen["env"]
-    assert seen["env"]["PJRT_DEVICE"] == "CPU" and seen["env"]["CPU_NUM_DEVICES"] == "4"
+    assert "SPMDZERO_NO_RUNTIME" not in env and env["PJRT_DEVICE"] == "CPU"
+    if traced == "torch_xla":
+        assert "SPMDZERO_BACKEND" not in env and env["CPU_NUM_DEVICES"] == "4"
+    else:
+        assert env["SPMDZERO_BACKEND"] == "torchax"
+
+
+def test_aot_refuses_a_backend_variable_that_names_none(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPMDZERO_BACKEND", "jax")
+    path = write(tmp_path, {"train_batch_size": 8})
+    assert main(["aot", "--topology", "v5e:2x2", "--deepspeed_config", path]) == 1
+    assert "SPMDZERO_BACKEND='jax' is not a backend" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("given, passed", [([], []), (["--scan-layers"], ["--scan-layers"]),

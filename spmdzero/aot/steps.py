@@ -49,10 +49,11 @@ def _stage_config(config: dict, stage: int, micro_batch: Optional[int]) -> dict:
     return cfg
 
 
-def step_backend(config: dict) -> str:
+def step_backend(config: dict, jax_devices: Optional[bool] = None) -> str:
     """The backend whose step ``spmdzero aot`` compiles for ``config``: the one
-    ``spmdzero.initialize`` would build its engine with."""
-    return with_backend(load_config(None, config, None)).spmd.backend
+    ``spmdzero.initialize`` would build its engine with (in a process whose devices are JAX's
+    when ``jax_devices``; by default this one)."""
+    return with_backend(load_config(None, config, None), jax_devices).spmd.backend
 
 
 def capture_step(source, config: dict, stage: int, micro_batch: Optional[int] = None,

@@ -107,9 +107,16 @@ def _run_aot(args) -> int:
 
     from spmdzero.tpu.capture import check_traceable
 
+    from spmdzero.runtime import EnvironmentSettingError
+
+    try:
+        backend = _aot_backend(args.deepspeed_config)
+    except EnvironmentSettingError as err:
+        print(err, file=sys.stderr)
+        return 1
     env = {**os.environ, "PJRT_DEVICE": "CPU"}  # never a TPU this machine may have: the compile is libtpu's own
     env.pop("SPMDZERO_NO_RUNTIME", None)
-    if _aot_backend(args.deepspeed_config) == "torchax":
+    if backend == "torchax":
         env["SPMDZERO_BACKEND"] = "torchax"
     else:
         try:
@@ -124,14 +131,18 @@ def _run_aot(args) -> int:
 
 
 def _aot_backend(path: str) -> str:
-    """The backend ``spmdzero aot``'s child traces for the config at ``path``; for a config it
-    cannot read, torch_xla's child, which reports the error."""
+    """The backend ``spmdzero aot``'s child traces for the config at ``path``, as
+    ``spmdzero.initialize`` would pick it under this shell's ``SPMDZERO_BACKEND`` (this
+    process, the command's, started no runtime); for a config it cannot read, torch_xla's
+    child, which reports the error."""
     from spmdzero.aot.steps import step_backend
     from spmdzero.config.load import read_config_file
+    from spmdzero.runtime import jax_runtime
 
+    jax_devices = jax_runtime.from_environment()  # a SPMDZERO_BACKEND that is no backend: said here
     try:
-        return step_backend(read_config_file(path))
-    except ValueError:  # ConfigError: the child says it, with the file's name
+        return step_backend(read_config_file(path), jax_devices=jax_devices)
+    except ConfigError:  # the child says it, naming the file
         return "torch_xla"
 
 

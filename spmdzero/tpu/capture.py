@@ -116,10 +116,16 @@ class JaxStepCapture:
     backend = "torchax"
 
     def __init__(self, engine, traced_step):
+        from jax._src import config
+
         self.engine = engine
         self.step = traced_step  # TorchaxEngine.trace_step's TracedStep
-        # the TPU lowering (its own rules for a few ops, e.g. the RNG), not this machine's
-        self.mlir: str = traced_step.traced.lower(lowering_platforms=("tpu",)).as_text()
+        # The TPU lowering (its own rules for a few ops, e.g. the RNG), not this machine's, with
+        # JAX's default partitioner, Shardy, as the engine runs on a TPU VM (SPMDZERO_BACKEND=
+        # torchax): a process where torch_xla used JAX has it switched off for good (torch_xla's
+        # jax_workarounds.maybe_get_jax), and would lower GSPMD's annotations instead.
+        with config.use_shardy_partitioner(True):
+            self.mlir: str = traced_step.traced.lower(lowering_platforms=("tpu",)).as_text()
         self.donate: list[tuple[int, int]] = []  # in the module already
 
     @property
