@@ -135,13 +135,17 @@ def _aot_backend(path: str) -> str:
     ``spmdzero.initialize`` would pick it under this shell's ``SPMDZERO_BACKEND`` (this
     process, the command's, started no runtime); for a config it cannot read, torch_xla's
     child, which reports the error."""
+    import warnings
+
     from spmdzero.aot.steps import step_backend
     from spmdzero.config.load import read_config_file
     from spmdzero.runtime import jax_runtime
 
     jax_devices = jax_runtime.from_environment()  # a SPMDZERO_BACKEND that is no backend: said here
     try:
-        return step_backend(read_config_file(path), jax_devices=jax_devices)
+        with warnings.catch_warnings():  # the config's warnings: the child says them once
+            warnings.simplefilter("ignore")
+            return step_backend(read_config_file(path), jax_devices=jax_devices)
     except ConfigError:  # the child says it, naming the file
         return "torch_xla"
 
