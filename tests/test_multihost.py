@@ -367,12 +367,15 @@ def test_launch_flags_name_the_hosts_and_are_checked():
 def test_torch_xlas_runtime_refuses_hosts_it_cannot_join(tmp_path, capsys, monkeypatch):
     """torch_xla's runtime finds its hosts itself (one here, on CPU): flags naming two are refused."""
     from spmdzero.cli.launch import main
+    from spmdzero.runtime import jax_runtime
 
     for key in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SPMDZERO_BACKEND", "torch_xla")
+    monkeypatch.setattr(jax_runtime, "_decided", jax_runtime._decided)  # the launcher decides again: restored after
     script = tmp_path / "train.py"
     script.write_text("raise SystemExit('must not run')\n")
     assert main(["--num_nodes", "2", "--node_rank", "1", "--master_addr", "127.0.0.1", str(script)]) == 2
     err = capsys.readouterr().err
     assert "--num_nodes 2 --node_rank 1, but the runtime found process 0 of 1" in err
-    assert "set SPMDZERO_BACKEND=torchax" in err
+    assert "use the torchax backend (the default: unset SPMDZERO_BACKEND" in err

@@ -1,12 +1,13 @@
-"""``SPMDZERO_BACKEND=torchax``: JAX owns the devices; torch_xla's runtime is never started.
+"""JAX owns the devices (the default): ``SPMDZERO_BACKEND`` unset or ``torchax``.
 
-``import spmdzero`` normally starts torch_xla's runtime (``spmdzero.runtime``), which takes every
-TPU chip of the VM; a chip serves one runtime, so the torchax backend (``jax.jit``) could then only
-run on JAX's CPU devices. With this variable set before ``import spmdzero``, the process is
-JAX's instead: JAX is told which devices to take (every TPU chip on a TPU VM, else
-``CPU_NUM_DEVICES`` CPU devices, 8 when unset, as torch_xla would), device and host counts come
-from JAX, and only ``spmd.backend='torchax'`` can train. It is a per-process choice made before
-any runtime starts, hence a variable and not a config key.
+A process's devices are held by one runtime, chosen before any starts, at ``import spmdzero``:
+JAX's (the torchax backend, ``spmd.backend='torchax'``, the default) or torch_xla's
+(``SPMDZERO_BACKEND=torch_xla``, for ``spmd.backend='torch_xla'``). On a TPU VM a chip serves one
+runtime, hence a per-process choice made before either starts, and a variable rather than a
+config key. Here JAX is told which devices to take (every TPU chip on a TPU VM, else
+``CPU_NUM_DEVICES`` CPU devices, 8 when unset, as torch_xla would), and device and host counts come
+from JAX. On CPU, torch_xla's runtime can still be started beside JAX's devices for a config that
+names ``spmd.backend='torch_xla'`` (``runtime.process.start_torch_xla``).
 
 Several hosts (one process each) join one global mesh through ``jax.distributed``, before JAX
 starts its devices (``configure``, from ``runtime.start`` at ``import spmdzero``), as the
@@ -28,6 +29,7 @@ from spmdzero.runtime.devices import EnvironmentSettingError, _select_device_typ
 
 VARIABLE = "SPMDZERO_BACKEND"
 CHOICES = ("torch_xla", "torchax")
+DEFAULT = "torchax"
 
 DISTRIBUTED = "SPMDZERO_DISTRIBUTED"  # 0: never call jax.distributed.initialize
 INIT_TIMEOUT = "SPMDZERO_DISTRIBUTED_INIT_TIMEOUT"  # s to wait for every process to join (JAX: 300)
@@ -45,11 +47,19 @@ def selected() -> bool:
 
 
 def from_environment() -> bool:
-    value = os.environ.get(VARIABLE, "torch_xla")
+    """Whether the environment gives this process's devices to JAX: ``SPMDZERO_BACKEND`` unset
+    (the default) or ``torchax``; ``torch_xla`` gives them to torch_xla's runtime."""
+    return backend_from_environment() == "torchax"
+
+
+def backend_from_environment() -> str:
+    """``SPMDZERO_BACKEND``, checked: the backend whose runtime takes this process's devices."""
+    value = os.environ.get(VARIABLE, "").strip() or DEFAULT
     if value not in CHOICES:
-        raise EnvironmentSettingError(f"{VARIABLE}={value!r} is not a backend: use 'torchax' (JAX takes the devices, "
-                                      "for spmd.backend='torchax') or 'torch_xla' (the default; or leave it unset)")
-    return value == "torchax"
+        raise EnvironmentSettingError(f"{VARIABLE}={value!r} is not a backend: use 'torchax' (the default: JAX takes "
+                                      "the devices) or 'torch_xla' (torch_xla's runtime takes them, for "
+                                      "spmd.backend='torch_xla'), or leave it unset")
+    return value
 
 
 def decide() -> bool:
@@ -124,6 +134,14 @@ def distributed_settings(environ: Mapping[str, str] | None = None, device_type: 
         raise ValueError(f"MASTER_PORT={port!r}: a TCP port (JAX's coordinator takes the one after it)")
     return {"coordinator_address": f"{environ['MASTER_ADDR']}:{int(port) + 1}", "num_processes": count,
             "process_id": int(rank), **timeouts}
+
+
+def joined_processes() -> int:
+    """How many processes ``jax.distributed`` joined (1 when none), without starting the devices."""
+    import jax
+    from jax._src import distributed
+
+    return distributed.global_state.num_processes if jax.distributed.is_initialized() else 1
 
 
 def _on_cloud_tpu_vm() -> bool:
