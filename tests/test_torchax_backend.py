@@ -617,14 +617,13 @@ def test_torchax_files_overwritten_by_torch_xlas_copy_get_the_repair_command(mon
         torchax_build._require_torchax()
 
 
-# ---- SPMDZERO_BACKEND=torchax: JAX owns the devices, torch_xla's runtime never starts ----------------
+# ---- the default process: JAX owns the devices, torch_xla is not imported until a config asks for it ----
 
 JAX_OWNED = """
     import json, sys
     sys.path.insert(0, "tests")
-    import jax, torch
+    import jax, numpy as np, torch
     import spmdzero
-    from spmdzero.config.errors import ConfigError
     from conftest import tiny_mlp
     from test_torchax_backend import WithLoss, config, train
 
@@ -645,37 +644,38 @@ JAX_OWNED = """
     out["accelerator"] = {"device": acc.device_name(0), "current": acc.current_device_name(),
                           "count": acc.device_count(), "memory": acc.memory_allocated(),
                           "rng": acc.get_rng_state().equal(torch.get_rng_state())}
-    try:
-        spmdzero.initialize(model=WithLoss(tiny_mlp()), config=config("torch_xla"))
-    except ConfigError as err:
-        out["torch_xla_backend"] = str(err)
     unnamed = config("torchax")
-    del unnamed["spmd"]  # a config that names no backend: the variable's
+    del unnamed["spmd"]  # a config that names no backend: the default's
     out["unnamed_backend"] = type(spmdzero.initialize(model=WithLoss(tiny_mlp()), config=unnamed)[0]).__name__
     try:
-        spmdzero.initialize(model=WithLoss(tiny_mlp()), config=config("torchax"), mesh=object())
-    except ConfigError as err:
+        spmdzero.initialize(model=WithLoss(tiny_mlp()), config=unnamed, mesh=object())
+    except TypeError as err:
         out["mesh"] = str(err)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[::-1]).reshape(2, 2), ("data", "fsdp"))
+    engine = spmdzero.initialize(model=WithLoss(tiny_mlp()), config=unnamed, mesh=mesh)[0]
+    out["jax_mesh"] = [dict(engine.mesh.shape), [d.id for d in engine.mesh.devices.flat]]
     out["torch_xla_imported"] = "torch_xla" in sys.modules
-    import torch_xla, _XLAC
-    out["runtime_started"] = _XLAC._xla_runtime_is_initialized()
+    engine = spmdzero.initialize(model=WithLoss(tiny_mlp()), config=config("torch_xla"))[0]  # starts it, on CPU
+    out["torch_xla_backend"] = type(engine).__name__
+    import torch_xla.runtime as xr
+    out["torch_xla_devices"] = xr.global_runtime_device_count()
     print(json.dumps(out))
 """
 
 
 @pytest.fixture(scope="module")
 def jax_owned():
-    """One process with SPMDZERO_BACKEND=torchax and 4 CPU devices (this one has torch_xla's 8)."""
+    """One default process (no SPMDZERO_BACKEND) with 4 CPU devices (this one has 8)."""
     import json
 
     from conftest import run_python
 
-    out = run_python(JAX_OWNED, env={"SPMDZERO_BACKEND": "torchax", "CPU_NUM_DEVICES": "4"})
+    out = run_python(JAX_OWNED, env={"SPMDZERO_BACKEND": "", "CPU_NUM_DEVICES": "4"})
     return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
-def test_with_spmdzero_backend_torchax_jax_owns_the_devices_and_trains_the_same(trained, jax_owned):
+def test_in_the_default_process_jax_owns_the_devices_and_trains_the_same(trained, jax_owned):
     gas, (_, ref_losses, ref_params, _), (engine, losses, _, _) = trained
     run = jax_owned[str(gas)]
     assert jax_owned["jax_devices"] == run["mesh"] == 4  # CPU_NUM_DEVICES, JAX's own
@@ -687,17 +687,17 @@ def test_with_spmdzero_backend_torchax_jax_owns_the_devices_and_trains_the_same(
 
 
 @pytest.mark.slow
-def test_with_spmdzero_backend_torchax_torch_xla_never_starts(jax_owned):
-    """Not at import, not in initialize, training, engine.wait() or the refusals."""
+def test_in_the_default_process_torch_xla_is_imported_only_for_its_backend(jax_owned):
+    """Not at import, not in initialize, training, engine.wait(), a JAX mesh or the refusals; a
+    config naming torch_xla then starts its runtime beside JAX's CPU devices."""
     assert not jax_owned["torch_xla_at_import"] and not jax_owned["torch_xla_imported"]
-    assert not jax_owned["runtime_started"]
     assert jax_owned["deepspeed_world_size"] == 1
     # DeepSpeed scripts keep their batches on the host (the engine places them); counts are JAX's
     assert jax_owned["accelerator"] == {"device": "cpu", "current": "cpu", "count": 4, "memory": 0, "rng": True}
-    assert "'spmd.mesh'" in jax_owned["mesh"]  # a torch_xla Mesh would start torch_xla's runtime
-    assert "spmd.backend='torch_xla'" in jax_owned["torch_xla_backend"]
-    assert "SPMDZERO_BACKEND=torchax" in jax_owned["torch_xla_backend"]
-    assert jax_owned["unnamed_backend"] == "TorchaxEngine"  # it used to refuse, as torch_xla named
+    assert jax_owned["unnamed_backend"] == "TorchaxEngine"
+    assert "mesh must be a jax.sharding.Mesh or a torch_xla.distributed.spmd.Mesh, got object" in jax_owned["mesh"]
+    assert jax_owned["jax_mesh"] == [{"data": 2, "fsdp": 2}, [3, 2, 1, 0]]  # the given mesh, in its order
+    assert jax_owned["torch_xla_backend"] == "SpmdZeroEngine" and jax_owned["torch_xla_devices"] == 4
     # several hosts: tests/test_multihost.py
 
 
@@ -752,7 +752,7 @@ def test_jax_owned_devices_on_a_tpu_vm_are_its_tpu_chips(monkeypatch):
     from spmdzero.runtime import jax_runtime
 
     chips = [SimpleNamespace(platform="tpu", id=i) for i in range(4)]
-    monkeypatch.setattr(jax_runtime, "_decided", True)  # as if started with SPMDZERO_BACKEND=torchax
+    monkeypatch.setattr(jax_runtime, "_decided", True)  # JAX's process (the default)
     monkeypatch.setattr(jax_runtime, "_device_type", lambda: "TPU")
     monkeypatch.setattr(jax_runtime, "configure", lambda: None)
     monkeypatch.setattr(jax, "devices", lambda *backend: chips)
@@ -768,7 +768,7 @@ def test_jax_owned_devices_on_a_tpu_vm_are_its_tpu_chips(monkeypatch):
         raise RuntimeError("Unable to initialize backend 'tpu': TPU in use by process 1234")
 
     monkeypatch.setattr(jax, "devices", held)
-    with pytest.raises(RuntimeError, match="SPMDZERO_BACKEND=torchax: JAX could not open .* TPU in use by process"):
+    with pytest.raises(RuntimeError, match="spmdzero: JAX could not open .* TPU in use by process"):
         spmdzero.runtime.hosts()
 
 

@@ -172,12 +172,12 @@ def join_processes(settings: dict) -> None:
         jax.distributed.initialize(**settings)
     except Exception as err:
         if "num_processes" not in settings:
-            raise RuntimeError(f"{VARIABLE}=torchax on a TPU VM: JAX could not find this host's place among the "
+            raise RuntimeError(f"spmdzero on a TPU VM: JAX could not find this host's place among the "
                                "TPU VM's hosts (jax.distributed.initialize() with no arguments). Name the hosts "
                                "yourself (spmdzero launch --num_nodes N --node_rank I --master_addr ADDR, or "
                                f"WORLD_SIZE/RANK/MASTER_ADDR/MASTER_PORT), or set {DISTRIBUTED}=0 to run this "
                                f"process alone. JAX said: {err}") from err
-        raise RuntimeError(f"{VARIABLE}=torchax: process {settings['process_id']} of {settings['num_processes']} "
+        raise RuntimeError(f"spmdzero: process {settings['process_id']} of {settings['num_processes']} "
                            f"could not join the others through jax.distributed at {where} (MASTER_ADDR, port "
                            "MASTER_PORT + 1, served by the RANK 0 process). Did every host start, with the same "
                            f"WORLD_SIZE, MASTER_ADDR and MASTER_PORT and its own RANK? ({INIT_TIMEOUT} sets how long "
@@ -214,7 +214,7 @@ def configure() -> None:
 
     if xla_bridge.backends_are_initialized():
         if not jax.distributed.is_initialized() and (distributed_settings() or {}).get("num_processes"):
-            raise RuntimeError(f"{VARIABLE}=torchax with WORLD_SIZE={os.environ['WORLD_SIZE']}: JAX started its "
+            raise RuntimeError(f"spmdzero with WORLD_SIZE={os.environ['WORLD_SIZE']}: JAX started its "
                                "devices before `import spmdzero`, so this process can no longer join the others "
                                "(jax.distributed must come first). Import spmdzero before any JAX computation.")
         return  # JAX ran before `import spmdzero`; devices() checks what it took
@@ -226,7 +226,7 @@ def configure() -> None:
         if "JAX_PLATFORMS" not in os.environ:
             jax.config.update("jax_platforms", "tpu,cpu")
     else:
-        raise RuntimeError(f"{VARIABLE}=torchax runs on TPU or CPU; PJRT_DEVICE={device_type} is neither")
+        raise RuntimeError(f"spmdzero's JAX devices are TPU or CPU devices; PJRT_DEVICE={device_type} is neither")
     settings = distributed_settings(device_type=device_type)
     if settings is not None:
         join_processes(settings)
@@ -244,11 +244,11 @@ def devices() -> list:
     try:
         found = jax.devices()
     except RuntimeError as err:
-        raise RuntimeError(f"{VARIABLE}=torchax: JAX could not open this host's {device_type} devices. A TPU chip "
+        raise RuntimeError(f"spmdzero: JAX could not open this host's {device_type} devices. A TPU chip "
                            "serves one process: is another one using it (a training run, a notebook kernel that "
                            "imported spmdzero without the variable)? JAX said: " + str(err)) from err
     if found[0].platform != device_type.lower():
-        raise RuntimeError(f"{VARIABLE}=torchax: this is a {device_type} host but JAX started on "
+        raise RuntimeError(f"spmdzero: this is a {device_type} host but JAX started on "
                            f"{found[0].platform} devices (JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r}); "
                            "to run on CPU devices, set PJRT_DEVICE=CPU")
     return found
