@@ -11,8 +11,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
-	# torch_xla 2.9's wheel also installs an older torchax copy (it imports flax); torchax's own
-	# files must win, whatever order pip chose (spmd.scan_layers needs them: docs/config.md)
+	# the test extra installs torch_xla (the torch_xla backend), whose 2.9 wheel also carries an older
+	# torchax copy (it imports flax); torchax's own files must win, whatever order pip chose
 	$(VENV)/bin/python -m pip install --quiet --no-deps --force-reinstall torchax==0.0.13
 	touch $@
 

@@ -20,6 +20,9 @@ What CPU timings can say: how much work each device does and whether anything re
 What they cannot: TPU step times. XLA:CPU has no reduce-scatter (it all-reduces and slices),
 and 8 "devices" share this machine's cores. Collective counts and bytes carry over to TPU;
 absolute times do not.
+
+The torch_xla backend's benchmark (`SPMDZERO_BACKEND=torch_xla`): its hand-written loop and
+FSDPv2 are torch_xla's.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+os.environ.setdefault("SPMDZERO_BACKEND", "torch_xla")  # the torch_xla backend's benchmark (its children inherit it)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)

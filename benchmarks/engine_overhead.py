@@ -34,6 +34,8 @@ compiled ahead of time for TOPOLOGY (8 chips, ``spmdzero.aot``), and the measure
 The hand loop (issue #15): torch.optim.AdamW on replicated params, its moments created
 eagerly and annotated with the ZeRO spec, ``mark_sharding(p.grad, ZeRO spec)`` after each
 backward, params re-annotated replicated after ``step()``.
+
+The torch_xla backend's benchmark (`SPMDZERO_BACKEND=torch_xla`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+os.environ.setdefault("SPMDZERO_BACKEND", "torch_xla")  # the torch_xla backend's benchmark (its children inherit it)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)

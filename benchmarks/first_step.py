@@ -5,6 +5,8 @@
 Runs the example model's first training step in two fresh processes sharing one
 ``spmd.compile_cache_dir``: the first fills the cache, the second could read it. Prints both
 times, their ratio, and the cache counters torch_xla recorded.
+
+The torch_xla backend's benchmark (`SPMDZERO_BACKEND=torch_xla`): XLA's persistent cache.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+
+os.environ.setdefault("SPMDZERO_BACKEND", "torch_xla")  # the torch_xla backend's benchmark (its children inherit it)
 
 CHILD = """
 import json, sys, time

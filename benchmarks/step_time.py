@@ -10,13 +10,19 @@
 Runs are interleaved (A, B, A, B, ...) and the median of the repeats is reported, so
 machine noise hits both sides alike. CPU timings say how much work each device does;
 they do not predict TPU step times.
+
+The torch_xla backend's benchmark (`SPMDZERO_BACKEND=torch_xla`): its hand-written loop is
+torch_xla's. The torchax backend's step is measured by trace_overhead.py.
 """
 
 from __future__ import annotations
 
+import os
 import argparse
 import statistics
 import time
+
+os.environ.setdefault("SPMDZERO_BACKEND", "torch_xla")  # the torch_xla backend's benchmark (its children inherit it)
 
 import spmdzero  # noqa: F401  (starts the runtime)
 import torch

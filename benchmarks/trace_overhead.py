@@ -1,17 +1,18 @@
 """How much of a training step the host spends tracing: spmdzero ZeRO-2 against the same model
-as one ``jax.jit`` step (torchax), on 8 CPU devices, measured side by side in one process.
+as one ``jax.jit`` step (torchax), on 8 CPU devices, measured side by side in one run.
 
     python benchmarks/trace_overhead.py            # re-runs itself with 8 CPU devices for both
+    python benchmarks/trace_overhead.py --sizes 12x64,124m --configs torchax,torch_xla --steps 3 --repeats 2
     python benchmarks/trace_overhead.py --first-step --sizes 2x64,12x64 --configs scan_layers,scan_stacked
-    python benchmarks/trace_overhead.py --sizes 12x64,124m --configs default,torchax --steps 3 --repeats 2
 
 For a transformers GPT-2 built from its config (batch 8, ``attention_mask`` passed, dropout
 off, eager attention: transformers' sdpa path reads an all-ones mask back to the host) at 2
 and 12 layers, n_embd 64 (host-bound on CPU) and 256, it prints per size and spmdzero
-configuration (``default``; ``scan_layers``: ``"spmd": {"scan_layers": true}``; ``scan_stacked``:
+configuration (``torchax``: the default backend, the module traced once under ``jax.jit``;
+``torch_xla``: ``"spmd": {"backend": "torch_xla"}``, re-traced by torch_xla every step; and
+torch_xla's variants ``scan_layers``: ``"spmd": {"scan_layers": true}``; ``scan_stacked``:
 ``"spmd": {"scan_layers": "stacked"}``, one parameter per block parameter name; ``compile``:
-``engine.compile()``, dynamo's openxla backend on the forward and backward; ``torchax``:
-``"spmd": {"backend": "torchax"}``, the module traced once under ``jax.jit``):
+``engine.compile()``, dynamo's openxla backend on the forward and backward):
 
 * spmdzero step / JAX step: the fastest of interleaved repeats (A, B, A, B, ...) of each;
 * tracing share: host time in forward + backward + the update's tracing, over the step time
@@ -38,7 +39,10 @@ configuration (``default``; ``scan_layers``: ``"spmd": {"scan_layers": true}``; 
 
 After each size, its configurations' step ratios side by side. ``--sizes 124m`` is GPT-2 small
 (12 layers, n_embd 768, 12 heads, vocabulary 50257: 124M parameters) at the same batch and
-sequence length; a step takes seconds on a 2-core host.
+sequence length; a step takes seconds on a 2-core host. Its parameters, replicated on the 8
+devices, fill 4 GiB per copy, and the JAX step and an engine together do not fit a 23 GiB host:
+with 124m (or ``--separate``) each configuration and the JAX step run alone, each in a fresh
+process, one after the other (``separate``), and the ratios are taken between those processes.
 
 The JAX side is ``torchax.extract_jax`` of the same module with optax's AdamW, parameters
 replicated and optimizer states sharded like spmdzero's ZeRO-2, under one ``jax.jit``.
@@ -88,23 +92,23 @@ def batch():
     return ids, torch.ones_like(ids)
 
 
-def config(variant: str = "default") -> dict:
+def config(variant: str = "torchax") -> dict:
     cfg = {"train_batch_size": BATCH, "gradient_clipping": 1.0, "zero_optimization": {"stage": 2},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
+    cfg["spmd"] = {"backend": "torchax" if variant == "torchax" else "torch_xla"}
     if variant == "scan_layers":
-        cfg["spmd"] = {"scan_layers": True}
+        cfg["spmd"]["scan_layers"] = True
     if variant == "scan_stacked":
-        cfg["spmd"] = {"scan_layers": "stacked"}
-    if variant == "torchax":
-        cfg["spmd"] = {"backend": "torchax"}
+        cfg["spmd"]["scan_layers"] = "stacked"
     return cfg
 
 
-CONFIGS = ("default", "scan_layers", "scan_stacked", "compile", "torchax")
+# torchax: the default backend; torch_xla: "spmd": {"backend": "torch_xla"}, and its variants
+CONFIGS = ("torchax", "torch_xla", "scan_layers", "scan_stacked", "compile")
 
 
 class SpmdzeroRunner:
-    def __init__(self, layers: int, width: int, variant: str = "default"):
+    def __init__(self, layers: int, width: int, variant: str = "torchax"):
         import spmdzero
 
         self.engine, *_ = spmdzero.initialize(model=gpt2(layers, width), config=config(variant))
@@ -268,6 +272,8 @@ import json, resource, sys, time
 start = time.perf_counter()
 sys.path.insert(0, {here!r})
 import spmdzero
+if {variant!r} != "torchax":
+    spmdzero.runtime.start_torch_xla()
 from trace_overhead import gpt2, batch, config, wait
 engine, *_ = spmdzero.initialize(model=gpt2({layers}, {width}), config=config({variant!r}))
 ids, mask = batch()
@@ -276,8 +282,10 @@ out = engine(input_ids=ids, attention_mask=mask, labels=ids)
 engine.backward(out.loss)
 engine.step()
 wait(engine)
-import torch_xla.debug.metrics as met
-compile_time = met.metric_data("CompileTime")  # (count, total ns, samples); None if nothing compiled
+compile_time = None
+if {variant!r} != "torchax":
+    import torch_xla.debug.metrics as met
+    compile_time = met.metric_data("CompileTime")  # (count, total ns, samples); None if nothing compiled
 print(json.dumps({{"first_step_s": time.perf_counter() - ready,
                   "compile_s": compile_time[1] / 1e9 if compile_time else None,
                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
@@ -344,6 +352,74 @@ def first_steps(sizes: list, configs: list, repeats: int) -> None:
                       f"{deep['first_step_s'] / shallow['first_step_s']:.2f}x{fusions}")
 
 
+ALONE = """
+import json, sys
+sys.path.insert(0, {here!r})
+import spmdzero
+if {variant!r} not in ("jax", "torchax"):
+    spmdzero.runtime.start_torch_xla()  # before any backward on the host
+from trace_overhead import measure_alone
+print(json.dumps(measure_alone({layers}, {width}, {variant!r}, {steps}, {repeats})))
+"""
+
+
+def measure_alone(layers: int, width: int, variant: str, steps: int, repeats: int) -> dict:
+    """One configuration (``jax``: the JAX step) alone in this fresh process: the time to its
+    first step (trace, compile, run), then the fastest of ``repeats`` timings of ``steps`` steps
+    after two more warm-up steps, the programs compiled and run while timed, and the process's
+    peak host memory."""
+    import resource
+
+    runner = JaxRunner(layers, width) if variant == "jax" else SpmdzeroRunner(layers, width, variant)
+    start = time.perf_counter()
+    runner.step()
+    runner.wait()
+    first = time.perf_counter() - start
+    for _ in range(2):
+        runner.step()
+    runner.wait()
+    counted = variant != "jax"
+    compiles, graphs = runner.counts() if counted else (0, 0)
+    best = min(timed(runner, steps) for _ in range(repeats))
+    compiles_after, graphs_after = runner.counts() if counted else (0, 0)
+    return {"step_ms": 1e3 * best, "first_step_s": first, "recompiles": compiles_after - compiles if counted else None,
+            "graphs_per_step": (graphs_after - graphs) / (steps * repeats) if counted else None,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def separate(sizes: list, configs: list, steps: int, repeats: int) -> None:
+    """Each configuration and the JAX step in a fresh process of its own, one after the other
+    (``--separate``): for models whose replicated parameters, twice over, do not fit the host
+    (GPT-2 124M on 8 CPU devices), at the price of interleaving."""
+    print("| layers | n_embd | config | step (ms) | JAX step (ms) | step / JAX | graphs/step | recompiles | "
+          "first step (s) | peak host MiB |\n|---|---|---|---|---|---|---|---|---|---|")
+    for layers, width in sizes:
+        results = {}
+        for variant in ["jax", *configs]:
+            code = ALONE.format(here=HERE, layers=layers, width=width, variant=variant, steps=steps, repeats=repeats)
+            proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+            if proc.returncode != 0:
+                last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+                print(f"{variant} ({layers} x {width}) failed: {last}", file=sys.stderr, flush=True)
+                continue
+            results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+        jax_ms = results.get("jax", {}).get("step_ms")
+        ratios = []
+        for variant in ["jax", *configs]:
+            r = results.get(variant)
+            if r is None:
+                continue
+            ratio = f"{r['step_ms'] / jax_ms:.2f}" if jax_ms else "-"
+            graphs = "-" if r["graphs_per_step"] is None else f"{r['graphs_per_step']:.2f}"
+            recompiles = "-" if r["recompiles"] is None else r["recompiles"]
+            print(f"| {layers} | {width} | {variant} | {r['step_ms']:.1f} | {jax_ms or float('nan'):.1f} | {ratio} | "
+                  f"{graphs} | {recompiles} | {r['first_step_s']:.1f} | {r['peak_rss_mib']:.0f} |", flush=True)
+            if variant != "jax" and jax_ms:
+                ratios.append(f"{variant} {r['step_ms'] / jax_ms:.2f}x")
+        print(f"  {layers} x {width}, step / one jax.jit step, each alone in its process: {', '.join(ratios)}",
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
@@ -353,6 +429,8 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"spmdzero configurations, of {CONFIGS}")
     parser.add_argument("--first-step", action="store_true",
                         help="only the time to first step, each in a fresh process, --repeats rounds")
+    parser.add_argument("--separate", action="store_true",
+                        help="each configuration and the JAX step alone in a fresh process (the default with 124m)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = [parse_size(size) for size in args.sizes.split(",")]
@@ -360,18 +438,26 @@ def main() -> None:
         env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(DEVICES), "JAX_PLATFORMS": "cpu",
                "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"}
         command = [sys.executable, __file__, "--child", "--steps", str(args.steps), "--repeats", str(args.repeats),
-                   "--sizes", args.sizes, "--configs", args.configs] + ["--first-step"] * args.first_step
+                   "--sizes", args.sizes, "--configs", args.configs] + ["--first-step"] * args.first_step + [
+                   "--separate"] * args.separate
         sys.exit(subprocess.run(command, env=env, cwd=REPO).returncode)
     configs = [c for c in args.configs.split(",") if c]
     unknown = sorted(set(configs) - set(CONFIGS) | ({"compile"} & set(configs) if args.first_step else set()))
     if unknown:
         parser.error(f"--configs: unknown {unknown}; known: {', '.join(CONFIGS)} (compile: not with --first-step)")
+    if args.separate or GPT2_124M in sizes:
+        print(f"{DEVICES} CPU devices; GPT-2, batch {BATCH}, seq {SEQ}, vocab {VOCAB} (50257 at 124m); each "
+              f"configuration alone in a fresh process: fastest of {args.repeats} timings of {args.steps} steps\n")
+        separate(sizes, configs, args.steps, args.repeats)
+        return
     if args.first_step:
         print(f"{DEVICES} CPU devices; GPT-2, batch {BATCH}, seq {SEQ}, vocab {VOCAB}; time to the first step "
               f"(trace, compile, run), each in a fresh process, fastest of {args.repeats}\n")
         first_steps(sizes, configs, args.repeats)
         return
     import spmdzero  # noqa: F401  (starts the 8-device runtime before anything else)
+    if set(configs) - {"torchax"}:
+        spmdzero.runtime.start_torch_xla()  # beside JAX's devices, before any backward on the host
     print(f"{DEVICES} CPU devices; GPT-2, batch {BATCH}, seq {SEQ}, vocab {VOCAB} (50257 at 124m); fastest of {args.repeats} "
           f"interleaved repeats of {args.steps} steps\n")
     print("| layers | n_embd | config | spmdzero step (ms) | JAX step (ms) | spmdzero / JAX | tracing share | "

@@ -1,9 +1,10 @@
 """spmdzero: DeepSpeed ZeRO-1/2 on TPUs, the GSPMD way.
 
-Importing spmdzero starts the XLA runtime in SPMD mode (see ``spmdzero.runtime``), so
-import it before creating any XLA tensor or running any backward pass. With
-``SPMDZERO_BACKEND=torchax`` it starts no runtime and JAX takes the devices, for
-``spmd.backend='torchax'`` (see ``spmdzero.runtime.jax_runtime``).
+Importing spmdzero gives the process's devices to one runtime (see ``spmdzero.runtime``): JAX's
+by default, for the torchax backend (``spmd.backend='torchax'``), or torch_xla's in SPMD mode under
+``SPMDZERO_BACKEND=torch_xla``; so import it first, before any device work (and, for torch_xla,
+before any backward pass). torch_xla is an optional install (``spmdzero[torch_xla]``), imported
+only when its backend is used.
 """
 
 import os as _os
@@ -14,13 +15,26 @@ if _os.environ.get("SPMDZERO_NO_RUNTIME") != "1":  # set by the CLI, which needs
     _runtime.start()
 
 from spmdzero.config.errors import ConfigError  # noqa: E402
-from spmdzero.backends.torch_xla.engine import SpmdZeroEngine  # noqa: E402
 from spmdzero.initialize import initialize  # noqa: E402
 from spmdzero.sharding.plan import ShardingPlan, make_plan  # noqa: E402
 
 from spmdzero.version import __version__  # noqa: E402
-__all__ = ["initialize", "alias_deepspeed", "SpmdZeroEngine", "ShardingPlan", "make_plan", "ConfigError",
+__all__ = ["initialize", "alias_deepspeed", "SpmdZeroEngine", "TorchaxEngine", "ShardingPlan", "make_plan", "ConfigError",
            "__version__"]
+
+
+def __getattr__(name: str):
+    """``spmdzero.SpmdZeroEngine`` (the torch_xla backend's engine) and ``spmdzero.TorchaxEngine``,
+    imported on first use: the torch_xla one imports torch_xla."""
+    if name == "SpmdZeroEngine":
+        from spmdzero.backends.torch_xla.engine import SpmdZeroEngine
+
+        return SpmdZeroEngine
+    if name == "TorchaxEngine":
+        from spmdzero.backends.torchax.engine import TorchaxEngine
+
+        return TorchaxEngine
+    raise AttributeError(f"module 'spmdzero' has no attribute {name!r}")
 
 
 def alias_deepspeed() -> None:

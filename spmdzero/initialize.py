@@ -1,20 +1,34 @@
 """``spmdzero.initialize``: DeepSpeed's entry point, same arguments and return value. It reads
 the config and hands the rest to the backend the config names (``spmd.backend``), or, when it
-names none, the one the process's runtime serves (``SPMDZERO_BACKEND``)."""
+names none, the one the process's runtime serves (``SPMDZERO_BACKEND``: torchax unless it says
+torch_xla). A backend's modules are imported when it is chosen: torch_xla is an optional
+install, never imported for the torchax backend."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Callable, Optional
 
 import torch
 
-from spmdzero.backends.torch_xla import build as torch_xla_build
-from spmdzero.backends.torchax import build as torchax_build
+from spmdzero.config.errors import ConfigError
 from spmdzero.config.load import load_config
 from spmdzero.runtime import jax_runtime
 from spmdzero.train.build import config_dict
 
-BACKENDS = {"torch_xla": torch_xla_build, "torchax": torchax_build}
+BACKENDS = {"torch_xla": "spmdzero.backends.torch_xla.build", "torchax": "spmdzero.backends.torchax.build"}
+
+
+def backend_builder(name: str):
+    """The ``build`` module of backend ``name``; a missing torch_xla install is named, with the fix."""
+    try:
+        return importlib.import_module(BACKENDS[name])
+    except ModuleNotFoundError as err:
+        if name == "torch_xla" and (err.name or "").split(".")[0] == "torch_xla":
+            raise ConfigError("spmd.backend='torch_xla' needs torch_xla, which is not installed: pip install "
+                              "'spmdzero[torch_xla]' (torch_xla==2.9.0), or use spmd.backend='torchax' (the "
+                              "default)") from err
+        raise
 
 
 def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer: Any = None,
@@ -33,7 +47,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"spmdzero.initialize: model must be a torch.nn.Module, got {type(model).__name__}")
     cfg = with_backend(load_config(args, config, config_params))
-    return BACKENDS[cfg.spmd.backend].build(model, cfg, mesh=mesh, optimizer=optimizer,
+    return backend_builder(cfg.spmd.backend).build(model, cfg, mesh=mesh, optimizer=optimizer,
                                             model_parameters=model_parameters, training_data=training_data,
                                             lr_scheduler=lr_scheduler, collate_fn=collate_fn,
                                             config_dict=config_dict(cfg, args, config, config_params))
@@ -41,10 +55,11 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
 
 def with_backend(cfg, jax_devices: Optional[bool] = None):
     """``cfg`` with the backend that builds its engine: the one ``spmd.backend`` names, else the
-    one this process's runtime serves (``SPMDZERO_BACKEND=torchax`` gave the devices to JAX),
-    else the config's default. ``jax_devices``: whether JAX has the devices, for another
-    process than this one (``spmdzero aot``'s child); by default this process's runtime."""
-    jax_devices = jax_runtime.selected() if jax_devices is None else jax_devices
-    if "backend" not in cfg.spmd.model_fields_set and jax_devices:
-        cfg = cfg.model_copy(update={"spmd": cfg.spmd.model_copy(update={"backend": "torchax"})})
+    one whose runtime holds the process's devices (``SPMDZERO_BACKEND``: JAX's, torchax, unless
+    it says torch_xla). ``jax_devices``: whether JAX holds them, for another process than this
+    one (``spmdzero aot``'s child); by default this process's runtime."""
+    if "backend" not in cfg.spmd.model_fields_set:
+        jax_devices = jax_runtime.selected() if jax_devices is None else jax_devices
+        chosen = "torchax" if jax_devices else "torch_xla"
+        cfg = cfg.model_copy(update={"spmd": cfg.spmd.model_copy(update={"backend": chosen})})
     return cfg

@@ -1,5 +1,7 @@
-"""Shared helpers. Importing spmdzero starts an 8-device CPU SPMD runtime for this process;
-tests needing another device count run in a subprocess (``run_python``)."""
+"""Shared helpers. Importing spmdzero gives this process 8 JAX CPU devices (the default, torchax
+backend's runtime); torch_xla's runtime is started beside it at once, before any test runs a CPU
+backward (spmdzero.runtime.process), so that both backends' engines run in this one process.
+Tests needing another device count run in a subprocess (``run_python``)."""
 
 import contextlib
 import logging
@@ -16,7 +18,9 @@ import torch
 # whenever any other process on the machine (another test run, a notebook) holds it.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-import spmdzero  # noqa: E402,F401  (bootstraps the runtime before any test creates tensors)
+import spmdzero  # noqa: E402,F401  (starts the runtime before any test creates tensors)
+
+spmdzero.runtime.start_torch_xla("the torch_xla backend's tests")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,3 +68,32 @@ def spmdzero_log():
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+BACKENDS = ["torchax", "torch_xla"]  # the default first
+
+
+def compile_count(engine) -> int:
+    """Programs compiled so far: the torchax engine's traces (a trace of a jitted program is
+    its compile), or torch_xla's process-wide compile count."""
+    if hasattr(engine, "traces"):
+        return sum(engine.traces.values())
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("CompileTime")
+    return data[0] if data else 0
+
+
+def batch_device(backend: str) -> str:
+    """Where the engine's loader leaves a batch: torch_xla's devices, or the host for the
+    torchax engine, which places it at the forward."""
+    return "xla" if backend == "torch_xla" else "cpu"
+
+
+def on_host(t) -> torch.Tensor:
+    """A CPU torch tensor of an engine's value: a torch_xla or torchax tensor, or a JAX array."""
+    if isinstance(t, torch.Tensor):
+        return t.detach().cpu()
+    from torchax.ops import mappings
+
+    return mappings.j2t(t, use_dlpack=False)

@@ -9,6 +9,8 @@ import pytest
 
 from conftest import run_python
 
+TORCH_XLA = {"SPMDZERO_BACKEND": "torch_xla"}  # the torch_xla backend's runtime holds the child's devices
+
 STAGES = """
     import json, sys, torch
     sys.path.insert(0, "examples")
@@ -25,7 +27,7 @@ STAGES = """
 
 @pytest.fixture(scope="module")
 def compiled():
-    out = run_python(STAGES, env={"CPU_NUM_DEVICES": "4", "PJRT_DEVICE": "CPU"})
+    out = run_python(STAGES, env={**TORCH_XLA, "CPU_NUM_DEVICES": "4", "PJRT_DEVICE": "CPU"})
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -249,7 +251,7 @@ def test_bad_input_is_a_clear_error():
         except RuntimeError as err:
             print("LIBTPU", err)
         print("engine untouched:", engine.global_steps, engine.micro_steps)
-    """)
+    """, env=TORCH_XLA)
     assert "TOPOLOGY unknown TPU topology 'v9z:2x2'" in out and "TOPOLOGY unknown TPU topology 'v5e:2by2'" in out
     assert "CHIPS topology 'v5e:2x2' has 4 chips but the mesh has 8 devices" in out
     assert "LIBTPU libtpu is not installed; install it with: pip install 'spmdzero[aot]'" in out
@@ -264,7 +266,7 @@ def test_cli_prints_the_stages_side_by_side(tmp_path):
         json.dump(cfg, open({str(tmp_path / 'ds.json')!r}, "w"))
         print("exit", spmdzero_cli.main(["aot", "--topology", "v5e:2x2", "--deepspeed_config",
                                          {str(tmp_path / 'ds.json')!r}, "--stages", "0,2"]))
-    """)
+    """, env=TORCH_XLA)
     assert "exit 0" in out and "stage 0" in out and "stage 2" in out and "fits in HBM" in out
 
 
@@ -281,7 +283,7 @@ def test_transformers_config_bf16_zero1_shape_only_as_json(tmp_path):
         import spmdzero_cli
         spmdzero_cli.main(["aot", "--topology", "v5e:2x2", "--deepspeed_config", {str(tmp_path / 'ds.json')!r},
                            "--model", {str(tmp_path)!r}, "--stages", "1", "--seq-len", "16", "--json"])
-    """)
+    """, env=TORCH_XLA)
     result = json.loads(out[out.index("{"):])
     report = result["reports"][0]
     assert result["shape_only"] and report["stage"] == 1 and report["micro_batch"] == 2 and report["fits"]
@@ -313,7 +315,7 @@ def test_find_max_batch_on_real_compiles_stops_where_libtpu_runs_out_of_memory(t
         spmdzero_cli.main(["aot", "--topology", "v5e:2x2", "--deepspeed_config", {str(tmp_path / 'ds.json')!r},
                            "--model", {str(tmp_path)!r}, "--stages", "2", "--seq-len", "4096",
                            "--find-max-batch", "--json"])
-    """)
+    """, env=TORCH_XLA)
     result = json.loads(out[out.index("{"):])
     search = result["max_micro_batch"]["2"]
     tried = {int(batch): fits for batch, fits in search["tried"].items()}
@@ -334,7 +336,8 @@ def test_capture_leaves_the_engine_state_untouched():
     from spmdzero.tpu.capture import capture
 
     engine, *_ = spmdzero.initialize(model=tiny_mlp(), config={
-        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
+        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+        "spmd": {"backend": "torch_xla"}})
     (x, y), = batches(1, 8)
     step_loss = lambda: torch.nn.functional.mse_loss(engine(x), y.to(engine.device))  # noqa: E731
     engine.backward(step_loss())
@@ -361,7 +364,8 @@ def test_capture_inside_an_accumulation_window_keeps_the_pending_gradients():
     from spmdzero.tpu.capture import capture
 
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
-              "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}
+              "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+              "spmd": {"backend": "torch_xla"}}
     (x1, y1), (x2, y2) = batches(2, 8)
     engines = []
     for captured in (False, True):
@@ -446,8 +450,8 @@ def test_a_step_traced_on_fewer_devices_and_moved_is_the_step_traced_on_all(tmp_
     model = {"model_type": "gpt2", "vocab_size": 512, "n_positions": 32, "n_embd": 64, "n_layer": 2, "n_head": 2}
     json.dump(model, open(tmp_path / "config.json", "w"))
     code = RETRACE.replace("sys.argv[-1]", repr(str(tmp_path / "config.json")))
-    direct = run_python(code, env={"CPU_NUM_DEVICES": "8", "PJRT_DEVICE": "CPU"})
-    moved = run_python(code, env={"CPU_NUM_DEVICES": "4", "PJRT_DEVICE": "CPU"})
+    direct = run_python(code, env={**TORCH_XLA, "CPU_NUM_DEVICES": "8", "PJRT_DEVICE": "CPU"})
+    moved = run_python(code, env={**TORCH_XLA, "CPU_NUM_DEVICES": "4", "PJRT_DEVICE": "CPU"})
     pick = lambda out, tag: next(line for line in out.splitlines() if line.startswith(tag))  # noqa: E731
     assert pick(direct, "MICRO").startswith("MICRO 2 ") and pick(moved, "MICRO").startswith("MICRO 4 ")
     assert pick(direct, "MICRO").split("DONATE")[1] == pick(moved, "MICRO").split("DONATE")[1]
@@ -667,7 +671,7 @@ def test_scanned_layers_keep_few_more_temporaries_than_unrolled(tmp_path):
              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
     json.dump(model, open(tmp_path / "config.json", "w"))
     code = SCANNED_TEMPORARIES.replace("sys.argv[-1]", repr(str(tmp_path / "config.json")))
-    temps = json.loads(run_python(code, env={"CPU_NUM_DEVICES": "4", "PJRT_DEVICE": "CPU",
+    temps = json.loads(run_python(code, env={**TORCH_XLA, "CPU_NUM_DEVICES": "4", "PJRT_DEVICE": "CPU",
                                              "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}).strip().splitlines()[-1])
     assert temps["True"] <= 1.5 * temps["False"], temps
 
@@ -762,7 +766,7 @@ def test_training_after_a_collectives_report_does_not_recompile():
 
     engine, *_ = spmdzero.initialize(model=tiny_mlp(), config={
         "train_batch_size": 8, "zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}, "spmd": {"backend": "torch_xla"},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}})
     data = batches(6, 8)
     loss_fn = lambda out, y: torch.nn.functional.mse_loss(out.float(), y.to(engine.device))  # noqa: E731
@@ -869,7 +873,8 @@ def test_a_captured_step_without_an_optimizer_says_so():
     import spmdzero
     from spmdzero.tpu.capture import capture
 
-    engine, *_ = spmdzero.initialize(model=torch.nn.Linear(8, 8), config={"train_batch_size": 8})
+    engine, *_ = spmdzero.initialize(model=torch.nn.Linear(8, 8), config={"train_batch_size": 8,
+                                                                          "spmd": {"backend": "torch_xla"}})
     with pytest.raises(RuntimeError, match=r"engine.step\(\) in spmdzero.aot.capture needs an optimizer"):
         with capture(engine):
             engine.backward(engine(torch.randn(8, 8)).sum())
@@ -1061,9 +1066,9 @@ def test_a_live_torchax_engine_traces_its_step_and_trains_on_unchanged():
 
 @pytest.mark.slow
 def test_the_command_compiles_the_torchax_step_for_16_chips_without_retargeting(tmp_path):
-    """``SPMDZERO_BACKEND=torchax`` and a config naming no backend: the torchax step, as
-    ``initialize`` would build it, lowered on an abstract 16-device mesh (no 16 CPU devices,
-    no retargeting) and compiled for v5e:4x4."""
+    """A config naming no backend in a shell whose ``SPMDZERO_BACKEND`` is torchax (the
+    default): the torchax step, as ``initialize`` would build it, lowered on an abstract
+    16-device mesh (no 16 CPU devices, no retargeting) and compiled for v5e:4x4."""
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     (tmp_path / "ds.json").write_text(json.dumps(config))
     out = run_python(f"""

@@ -6,13 +6,12 @@ import warnings
 
 import pytest
 import torch
-import torch_xla.debug.metrics as met
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import spmdzero
 from spmdzero.train.data import pad_sequences
 
-from conftest import spmdzero_log, tiny_mlp
+from conftest import BACKENDS, batch_device, compile_count, spmdzero_log, tiny_mlp
 
 ADAMW = {"type": "AdamW", "params": {"lr": 0.01}}
 # plain SGD, unclipped (DeepSpeed clips at 1.0 by default): compared with torch.optim.SGD
@@ -171,9 +170,10 @@ def lm_batch(length, rows=8, seed=0):
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("pad", [None, 16])
-def test_shape_buckets_stop_recompiles_from_variable_lengths(pad):
-    spmd = {"rank": "device", **({"pad_to_multiple_of": pad} if pad else {})}
+def test_shape_buckets_stop_recompiles_from_variable_lengths(pad, backend):
+    spmd = {"rank": "device", "backend": backend, **({"pad_to_multiple_of": pad} if pad else {})}
     engine = spmdzero.initialize(model=TinyLM(), config={
         "train_micro_batch_size_per_gpu": 1, "optimizer": ADAMW, "spmd": spmd})[0]
     lengths = [5, 5, 5, 5, 9, 13]  # warm-up at one length, then the lengths change
@@ -181,10 +181,10 @@ def test_shape_buckets_stop_recompiles_from_variable_lengths(pad):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step, length in enumerate(lengths):
-            before = met.metric_data("CompileTime")[0] if met.metric_data("CompileTime") else 0
+            before = compile_count(engine)
             engine.backward(engine(**lm_batch(length, seed=step)))
             engine.step()
-            compiles.append(met.metric_data("CompileTime")[0] - before)
+            compiles.append(compile_count(engine) - before)
     guard = [str(w.message) for w in caught if "recompiled after warm-up" in str(w.message)]
     if pad:
         assert compiles[4:] == [0, 0]
@@ -273,7 +273,8 @@ def test_the_training_loader_aligns_and_pads_ranks_batches_on_the_host(pad):
         assert torch.equal(mask, (ids != 0).long()) and torch.equal(labels, ids.masked_fill(ids == 0, -100))
 
 
-def test_hugging_face_collators_batch_encodings_are_split_like_dicts():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hugging_face_collators_batch_encodings_are_split_like_dicts(backend):
     """transformers' collators (DataCollatorWithPadding, ...ForLanguageModeling) return a
     BatchEncoding, a UserDict and not a dict: every rank's rows reach the devices, padded, and
     are counted (the first rank's alone used to be trained, on the host, with a warning that
@@ -282,12 +283,13 @@ def test_hugging_face_collators_batch_encodings_are_split_like_dicts():
 
     engine, _, loader, _ = spmdzero.initialize(
         model=TinyLM(), training_data=Sentences(), collate_fn=lambda items: BatchEncoding(pad_to_longest(items)),
-        config={"train_micro_batch_size_per_gpu": 1, "optimizer": ADAMW, "spmd": {"pad_to_multiple_of": 16}})
+        config={"train_micro_batch_size_per_gpu": 1, "optimizer": ADAMW,
+                "spmd": {"pad_to_multiple_of": 16, "backend": backend}})
     seen = 0
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         for batch in loader:
-            assert isinstance(batch, BatchEncoding) and batch["input_ids"].device.type == "xla"
+            assert isinstance(batch, BatchEncoding) and batch["input_ids"].device.type == batch_device(backend)
             assert batch["input_ids"].shape == (8, 16)
             seen += batch["input_ids"].shape[0]
             engine.backward(engine(**batch))
@@ -298,7 +300,7 @@ def test_hugging_face_collators_batch_encodings_are_split_like_dicts():
         def forward(self, batch):
             return super().forward(**batch)
 
-    engine = engine_for(micro=1, model=WholeBatch())
+    engine = engine_for(micro=1, model=WholeBatch(), spmd={"backend": backend})
     engine.backward(engine(BatchEncoding(pad_to_longest([Sentences()[i] for i in range(8)]))))
     engine.step()
     assert engine.global_samples == 8

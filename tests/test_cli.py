@@ -81,14 +81,14 @@ def test_console_entry_point_does_not_start_the_runtime(tmp_path):
 
 
 @pytest.mark.parametrize("shell, backend, traced", [
-    (None, None, "torch_xla"), ("torchax", None, "torchax"), ("torchax", "torch_xla", "torch_xla"),
-    (None, "torchax", "torchax"), ("torch_xla", "torchax", "torchax")])
+    (None, None, "torchax"), ("torch_xla", None, "torch_xla"), ("torchax", "torch_xla", "torch_xla"),
+    (None, "torch_xla", "torch_xla"), ("torch_xla", "torchax", "torchax")])
 def test_aot_traces_the_backend_initialize_would_build(tmp_path, monkeypatch, shell, backend, traced):
     """``spmdzero aot`` compiles the step of the engine ``spmdzero.initialize`` would build
-    under this shell: the config's ``spmd.backend``, else ``SPMDZERO_BACKEND``'s. torch_xla's is
-    traced in a child with one CPU device per chip and without the variable (it would start no
-    torch_xla runtime); torchax's in a child whose devices are JAX's (the variable set). Neither
-    inherits SPMDZERO_NO_RUNTIME, and neither takes a TPU (PJRT_DEVICE=CPU)."""
+    under this shell: the config's ``spmd.backend``, else ``SPMDZERO_BACKEND``'s (torchax when
+    unset). torch_xla's is traced in a child whose devices are torch_xla's (the variable says so),
+    one CPU device per chip; torchax's in a child whose devices are JAX's. Neither inherits
+    SPMDZERO_NO_RUNTIME, and neither takes a TPU (PJRT_DEVICE=CPU)."""
     import subprocess
 
     seen = {}
@@ -108,10 +108,9 @@ def test_aot_traces_the_backend_initialize_would_build(tmp_path, monkeypatch, sh
     env = seen["env"]
     assert seen["command"][1:3] == ["-m", "spmdzero.aot"]
     assert "SPMDZERO_NO_RUNTIME" not in env and env["PJRT_DEVICE"] == "CPU"
+    assert env["SPMDZERO_BACKEND"] == traced
     if traced == "torch_xla":
-        assert "SPMDZERO_BACKEND" not in env and env["CPU_NUM_DEVICES"] == "4"
-    else:
-        assert env["SPMDZERO_BACKEND"] == "torchax"
+        assert env["CPU_NUM_DEVICES"] == "4"
 
 
 def test_aot_refuses_a_backend_variable_that_names_none(tmp_path, monkeypatch, capsys):

@@ -31,7 +31,7 @@ def deepspeed():
 
     yield ds
     for key, value in environment.items():  # what the alias set for Hugging Face (compat.hugging_face)
-        os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+        os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
     sys.meta_path[:] = [f for f in sys.meta_path
                         if not isinstance(f, (alias.DeepSpeedAlias, hugging_face._PatchOnLoad))]
     for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
@@ -134,26 +134,46 @@ def test_initialize_has_deepspeed_0_19_signature(deepspeed):
         "dist_init_required", "collate_fn", "config", "mesh_param", "config_params"]
 
 
-def test_accelerator_describes_the_xla_device(deepspeed):
+def test_accelerator_describes_the_hosts_devices(deepspeed):
+    """In the default process JAX holds the devices: a script's tensors stay on the host
+    (``device_name() == "cpu"``) and the engine places each batch; counts come from JAX."""
     from deepspeed.accelerator import get_accelerator
 
     acc = get_accelerator()
     assert acc is deepspeed.get_accelerator()
     assert (acc.device_name(), acc.device_name(0), acc.current_device(), acc.current_device_name()) == (
-        "xla", "xla:0", 0, "xla:0")
+        "cpu", "cpu", 0, "cpu")
     assert acc.device_count() == 8  # the host's devices (8 virtual CPU devices here)
     assert acc.is_bf16_supported() and acc.is_available()
     assert acc.communication_backend_name() == "gloo"
-    assert acc.get_compile_backend() == "openxla"
     acc.set_device(0)
     with pytest.raises(ValueError, match="one process per host"):
         acc.set_device(1)
+    acc.manual_seed(7)
+    first = torch.rand(4, device=acc.device_name())
+    acc.manual_seed(7)
+    assert torch.equal(first, torch.rand(4, device=acc.device_name()))
+    acc.synchronize()
+    acc.empty_cache()
+    assert acc.memory_allocated() >= 0 and acc.max_memory_allocated() >= 0
+
+
+def test_the_torch_xla_accelerator_describes_the_xla_device(deepspeed):
+    """Under SPMDZERO_BACKEND=torch_xla the accelerator is torch_xla's device (its runtime is
+    started in this test process beside JAX's, conftest.py)."""
+    from spmdzero.compat.deepspeed.accelerator import XlaAccelerator
+
+    acc = XlaAccelerator()
+    assert (acc.device_name(), acc.device_name(0), acc.current_device(), acc.current_device_name()) == (
+        "xla", "xla:0", 0, "xla:0")
+    assert acc.device_count() == 8
+    assert acc.is_bf16_supported() and acc.is_available()
+    assert acc.get_compile_backend() == "openxla"
     acc.manual_seed_all(7)
     first = torch.rand(4, device=acc.device_name()).cpu()
     acc.manual_seed(7)
     assert torch.equal(first, torch.rand(4, device=acc.device_name()).cpu())
     acc.synchronize()
-    acc.empty_cache()
     assert acc.memory_allocated() >= 0 and acc.max_memory_allocated() >= 0
 
 

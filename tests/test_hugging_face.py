@@ -41,8 +41,8 @@ def _env(plain: bool, backend: str) -> dict:
     env.pop("SPMDZERO_NO_RUNTIME", None)
     if plain:
         env["USE_TORCH_XLA"] = "0"  # plain PyTorch on the CPU: the reference
-    elif backend == "torchax":
-        env["SPMDZERO_BACKEND"] = "torchax"  # the HF config names no backend
+    else:
+        env["SPMDZERO_BACKEND"] = backend  # the HF config names no backend
     return env
 
 

@@ -25,6 +25,8 @@ def launch(*args: str, cwd, **variables: str) -> str:
     ``variables`` added to its environment)."""
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **variables}
     env.pop("SPMDZERO_NO_RUNTIME", None)
+    if "SPMDZERO_BACKEND" not in variables:  # the default, unless the run names one
+        env.pop("SPMDZERO_BACKEND", None)
     command = [sys.executable, "-c", "import sys, spmdzero_cli; sys.exit(spmdzero_cli.main())", "launch", *args]
     proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
@@ -57,13 +59,14 @@ def cifar_run(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_cifar_style_script_on_the_torchax_backend_prints_the_same_losses(cifar_run, tmp_path):
+def test_cifar_style_script_on_the_torch_xla_backend_prints_the_same_losses(cifar_run, tmp_path):
     """The script computes its loss outside the model (``criterion(model_engine(inputs), labels)``)
-    and runs unchanged on the torchax backend: the same losses as on the default backend, through
-    the save and the reload."""
+    and runs unchanged on the torch_xla backend (``--spmd`` names it: the launcher gives the
+    devices to torch_xla's runtime): the same losses as on the default backend, through the save
+    and the reload."""
     script = os.path.join(SCRIPTS, "cifar_style.py")
-    out = launch("--spmd", '{"backend": "torchax"}', script, "--steps", "2", "--save_dir", str(tmp_path / "ck"),
-                 "--reload", cwd=tmp_path, SPMDZERO_BACKEND="torchax")
+    out = launch("--spmd", '{"backend": "torch_xla"}', script, "--steps", "2", "--save_dir", str(tmp_path / "ck"),
+                 "--reload", cwd=tmp_path)
     assert steps(out) == steps(cifar_run) == [(1, 16, 16), (2, 16, 32), (3, 16, 48)]
     assert LOSS.findall(out) == LOSS.findall(cifar_run) and len(LOSS.findall(out)) == 3
     assert "EVAL total=8" in out
@@ -81,6 +84,8 @@ def test_cifar_style_script_trains_saves_and_reloads(cifar_run):
 
 @pytest.mark.slow
 def test_bert_style_script_with_its_own_loader_trains_saves_and_resumes(tmp_path):
+    """On the default backend: its own loader, a transformers model computing its loss,
+    `pad_to_multiple_of` (its collator's `src_tokens` beside the mask: left whole, said once)."""
     script = os.path.join(SCRIPTS, "bert_style.py")
     ckpt = str(tmp_path / "exp")
     # --spmd: shape buckets for its pad-to-longest collator, without touching the script
@@ -88,23 +93,22 @@ def test_bert_style_script_with_its_own_loader_trains_saves_and_resumes(tmp_path
                  "--batch_size", "8", cwd=tmp_path)
     # its DataLoader's batch_size is train_micro_batch_size_per_gpu: 8 rows per step, as on 1 GPU
     assert steps(out) == [(1, 8, 8), (2, 8, 16)]
+    assert out.count("spmd.pad_to_multiple_of leaves a batch with keys ['src_tokens', 'tgt_tokens'] unpadded") == 1
     out = launch(script, "--load_checkpoint_dir", ckpt, "--num_iterations", "3", cwd=tmp_path)
     assert "RESUMED checkpoint_step=2 global_steps=2" in out
     assert steps(out) == [(3, 8, 24)]
 
 
 @pytest.mark.slow
-def test_bert_style_script_on_the_torchax_backend_trains_saves_and_resumes(tmp_path):
-    """Its own loader, a transformers model computing its loss, `pad_to_multiple_of` (its
-    collator's `src_tokens` beside the mask: left whole, said once), save and resume."""
+def test_bert_style_script_on_the_torch_xla_backend_trains_saves_and_resumes(tmp_path):
+    """Its own loader, a transformers model computing its loss, `pad_to_multiple_of`, save and
+    resume, on the torch_xla backend."""
     script = os.path.join(SCRIPTS, "bert_style.py")
-    ckpt, spmd = str(tmp_path / "exp"), '{"pad_to_multiple_of": 32, "backend": "torchax"}'
+    ckpt, spmd = str(tmp_path / "exp"), '{"pad_to_multiple_of": 32, "backend": "torch_xla"}'
     out = launch("--spmd", spmd, script, "--checkpoint_dir", ckpt, "--num_iterations", "2", "--batch_size", "8",
-                 cwd=tmp_path, SPMDZERO_BACKEND="torchax")
+                 cwd=tmp_path)
     assert steps(out) == [(1, 8, 8), (2, 8, 16)]
-    assert out.count("spmd.pad_to_multiple_of leaves a batch with keys ['src_tokens', 'tgt_tokens'] unpadded") == 1
-    out = launch("--spmd", spmd, script, "--load_checkpoint_dir", ckpt, "--num_iterations", "3", cwd=tmp_path,
-                 SPMDZERO_BACKEND="torchax")
+    out = launch("--spmd", spmd, script, "--load_checkpoint_dir", ckpt, "--num_iterations", "3", cwd=tmp_path)
     assert "RESUMED checkpoint_step=2 global_steps=2" in out
     assert steps(out) == [(3, 8, 24)]
 
@@ -125,18 +129,16 @@ def test_chat_style_script_with_world_size_arithmetic_trains_saves_and_resumes(t
 
 
 @pytest.mark.slow
-def test_chat_style_script_on_the_torchax_backend_trains_saves_and_resumes(tmp_path):
-    """DeepSpeed-Chat's shape on the torchax backend: FusedAdam (a torch optimizer there, its
-    own step traced), a transformers schedule, gradient checkpointing, its all-reduced eval
-    loss (gloo on a host copy of a torchax tensor), save and resume."""
+def test_chat_style_script_on_the_torch_xla_backend_trains_saves_and_resumes(tmp_path):
+    """DeepSpeed-Chat's shape on the torch_xla backend: FusedAdam, a transformers schedule,
+    gradient checkpointing, its all-reduced eval loss, save and resume."""
     script = os.path.join(SCRIPTS, "chat_style.py")
-    out_dir, spmd = str(tmp_path / "out"), '{"backend": "torchax"}'
+    out_dir, spmd = str(tmp_path / "out"), '{"backend": "torch_xla"}'
     common = ["--spmd", spmd, script, "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]
-    out = launch(*common, "--max_steps", "2", "--gradient_checkpointing", "--output_dir", out_dir, cwd=tmp_path,
-                 SPMDZERO_BACKEND="torchax")
+    out = launch(*common, "--max_steps", "2", "--gradient_checkpointing", "--output_dir", out_dir, cwd=tmp_path)
     assert steps(out) == [(1, 4, 8), (2, 4, 16)]
     assert "EVAL ppl=" in out and os.path.isfile(os.path.join(out_dir, "pytorch_model.bin"))
-    out = launch(*common, "--max_steps", "3", "--resume_dir", out_dir, cwd=tmp_path, SPMDZERO_BACKEND="torchax")
+    out = launch(*common, "--max_steps", "3", "--resume_dir", out_dir, cwd=tmp_path)
     assert "RESUMED global_steps=2 global_samples=16 epoch=0" in out
     assert steps(out) == [(3, 4, 24)]
 
@@ -237,9 +239,12 @@ def test_a_bad_device_environment_is_one_line_from_the_console_entry_point(tmp_p
     import used to start it first, so a bad CPU_NUM_DEVICES or PJRT_DEVICE was a traceback."""
     script = tmp_path / "train.py"
     script.write_text("raise SystemExit('the script ran')\n")
-    for variable, value, message in [("CPU_NUM_DEVICES", "x", "CPU_NUM_DEVICES='x' is not a device count"),
-                                     ("PJRT_DEVICE", "GPU", "(PJRT_DEVICE='GPU'): No PjRtPlugin registered for: GPU")]:
-        env = {**os.environ, "PYTHONPATH": REPO, variable: value}
+    for variable, value, message, backend in [
+            ("CPU_NUM_DEVICES", "x", "CPU_NUM_DEVICES='x' is not a device count", ""),
+            ("PJRT_DEVICE", "GPU", "(PJRT_DEVICE='GPU'): spmdzero's JAX devices are TPU or CPU devices; PJRT_DEVICE=GPU "
+                                   "is neither", ""),
+            ("PJRT_DEVICE", "GPU", "(PJRT_DEVICE='GPU'): No PjRtPlugin registered for: GPU", "torch_xla")]:
+        env = {**os.environ, "PYTHONPATH": REPO, variable: value, "SPMDZERO_BACKEND": backend}
         env.pop("SPMDZERO_NO_RUNTIME", None)
         command = [sys.executable, "-c", "import sys, spmdzero_cli; sys.exit(spmdzero_cli.main())", "launch",
                    str(script)]

@@ -100,7 +100,7 @@ def dataset():
 # a DeepSpeed rank is a device: 2 rows x 8 devices x 2 accumulation steps, on 1 or 2 processes
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
           "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-          "spmd": {"backend": "torchax", "rank": "device"}}
+          "spmd": {"rank": "device"}}  # the default backend (torchax)
 
 
 def train(engine, loader, die_at=None):
@@ -177,7 +177,7 @@ def _launch_hosts(tmp_path, *script_args, hosts: int = 2):
     script.write_text(SCRIPT)
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT",
                                                              "SPMDZERO_NO_RUNTIME", "XLA_FLAGS")}
-    env.update({"PYTHONPATH": REPO, "SPMDZERO_BACKEND": "torchax", "JAX_PLATFORMS": "cpu", "PJRT_DEVICE": "CPU",
+    env.update({"PYTHONPATH": REPO, "SPMDZERO_BACKEND": "", "JAX_PLATFORMS": "cpu", "PJRT_DEVICE": "CPU",
                 "CPU_NUM_DEVICES": "4", "SPMDZERO_DISTRIBUTED_INIT_TIMEOUT": "60",
                 "SPMDZERO_DISTRIBUTED_HEARTBEAT_TIMEOUT": "10", "PYTHONUNBUFFERED": "1"})
     port = _free_port_pair()
@@ -300,7 +300,7 @@ def test_a_process_whose_peers_never_come_says_so_within_the_initialization_time
     from conftest import REPO
 
     env = {k: v for k, v in os.environ.items() if k not in ("SPMDZERO_NO_RUNTIME", "XLA_FLAGS")}
-    env.update({"PYTHONPATH": REPO, "SPMDZERO_BACKEND": "torchax", "JAX_PLATFORMS": "cpu", "PJRT_DEVICE": "CPU",
+    env.update({"PYTHONPATH": REPO, "SPMDZERO_BACKEND": "", "JAX_PLATFORMS": "cpu", "PJRT_DEVICE": "CPU",
                 "CPU_NUM_DEVICES": "4", "SPMDZERO_DISTRIBUTED_INIT_TIMEOUT": "3", "WORLD_SIZE": "2", "RANK": "1",
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port_pair())})
     # a plain script (no launcher): the variables alone make `import spmdzero` join the others
@@ -367,12 +367,15 @@ def test_launch_flags_name_the_hosts_and_are_checked():
 def test_torch_xlas_runtime_refuses_hosts_it_cannot_join(tmp_path, capsys, monkeypatch):
     """torch_xla's runtime finds its hosts itself (one here, on CPU): flags naming two are refused."""
     from spmdzero.cli.launch import main
+    from spmdzero.runtime import jax_runtime
 
     for key in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SPMDZERO_BACKEND", "torch_xla")
+    monkeypatch.setattr(jax_runtime, "_decided", jax_runtime._decided)  # the launcher decides again: restored after
     script = tmp_path / "train.py"
     script.write_text("raise SystemExit('must not run')\n")
     assert main(["--num_nodes", "2", "--node_rank", "1", "--master_addr", "127.0.0.1", str(script)]) == 2
     err = capsys.readouterr().err
     assert "--num_nodes 2 --node_rank 1, but the runtime found process 0 of 1" in err
-    assert "set SPMDZERO_BACKEND=torchax" in err
+    assert "use the torchax backend (the default: unset SPMDZERO_BACKEND" in err

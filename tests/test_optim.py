@@ -225,7 +225,8 @@ def test_each_param_group_keeps_its_fused_op_across_steps(monkeypatch):
     groups = [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")], "weight_decay": 0.01},
               {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}]
     engine, *_ = spmdzero.initialize(model=model, model_parameters=groups, config={
-        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "spmd": {"backend": "torch_xla"}})  # its fused update op
     x = torch.randn(8, 16)
     for _ in range(3):
         engine.backward(engine(x).pow(2).mean())

@@ -25,9 +25,9 @@ def mse(out, y):
 
 
 def engine_for(stage, optimizer=None, backend="torch_xla", **extra):
+    spmd = {"backend": backend, **extra.pop("spmd", {})}
     cfg = {"train_micro_batch_size_per_gpu": ROWS // 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-           "zero_optimization": {"stage": stage}, "spmd": {"backend": backend},
-           **extra}  # unclipped, as the plain torch loops here
+           "zero_optimization": {"stage": stage}, "spmd": spmd, **extra}  # unclipped, as the plain torch loops here
     if optimizer is None:
         cfg.setdefault("optimizer", {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}})
     cfg["train_batch_size"] = cfg["train_micro_batch_size_per_gpu"] * 8 * cfg["gradient_accumulation_steps"]

@@ -213,7 +213,6 @@ class MaybeLoss(torch.nn.Module):
 @pytest.mark.parametrize("extra, key", [
     ({"communication_data_type": "fp16"}, "communication_data_type fp16 without fp16.enabled"),
     ({"spmd": {"backend": "torchax", "scan_layers": True}}, "spmd.scan_layers"),
-    ({"optimizer": None}, "'optimizer' section"),
 ])
 def test_refused_options_name_the_key(extra, key):
     cfg = {k: v for k, v in {**config("torchax"), **extra}.items() if v is not None}
@@ -221,11 +220,30 @@ def test_refused_options_name_the_key(extra, key):
         spmdzero.initialize(model=WithLoss(tiny_mlp()), config=cfg)
 
 
-def test_no_optimizer_at_all_is_refused_naming_both_ways_to_give_one():
-    cfg = config("torchax")
+@pytest.mark.parametrize("backend", ["torchax", "torch_xla"])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_without_an_optimizer_the_engine_evaluates_and_step_says_what_it_needs(tmp_path, backend, bf16):
+    """As DeepSpeed (DeepSpeed-Chat builds its reference and reward models so): no optimizer,
+    no returned optimizer or schedule; forward, backward and checkpoints work, and the step
+    names both ways to give an optimizer."""
+    cfg = {**config(backend), "bf16": {"enabled": bf16}}
     del cfg["optimizer"], cfg["scheduler"]
-    with pytest.raises(ConfigError, match=r"an 'optimizer' section in the config, or initialize\(optimizer=...\)"):
-        spmdzero.initialize(model=WithLoss(tiny_mlp()), config=cfg)
+    model = MaybeLoss(tiny_mlp())
+    expected = model.net(batches(1, 16)[0][0]).detach()
+    engine, optimizer, _, scheduler = spmdzero.initialize(model=model, config=cfg)
+    assert optimizer is None and scheduler is None and engine.get_lr() == []
+    x, y = batches(1, 16)[0]
+    engine.eval()
+    with torch.no_grad():
+        out = engine(x)["logits"]
+    torch.testing.assert_close(out.float().cpu(), expected, atol=0.02 if bf16 else 1e-6, rtol=0.02 if bf16 else 1e-5)
+    engine.train()
+    engine.backward(engine(x, y)["loss"])
+    with pytest.raises(RuntimeError, match=r"needs an optimizer: pass optimizer= to initialize\(\) or add an "
+                                           r"'optimizer' section to the config"):
+        engine.step()
+    engine.save_checkpoint(str(tmp_path))
+    engine.load_checkpoint(str(tmp_path))
 
 
 def test_an_unknown_backend_is_refused():
@@ -554,7 +572,7 @@ def test_missing_torchax_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_torchax)
     from spmdzero.backends.torchax import build as torchax_build
 
-    with pytest.raises(ConfigError, match=r"spmdzero\[torchax\]"):
+    with pytest.raises(ConfigError, match=r"needs the torchax package .*pip install torchax==0.0.13"):
         torchax_build._require_torchax()
 
 
@@ -565,8 +583,10 @@ def test_the_torchax_version_named_in_errors_is_pyprojects_pin():
     from spmdzero.backends.torchax.build import TORCHAX_VERSION
 
     with open(f"{REPO}/pyproject.toml", "rb") as f:
-        extras = tomllib.load(f)["project"]["optional-dependencies"]
-    assert extras["torchax"] == [f"torchax=={TORCHAX_VERSION}"]
+        project = tomllib.load(f)["project"]
+    assert f"torchax=={TORCHAX_VERSION}" in project["dependencies"]  # the default backend's: no extra
+    assert not any(d.startswith("torch_xla") for d in project["dependencies"])  # an extra: spmdzero[torch_xla]
+    assert project["optional-dependencies"]["torch_xla"] == ["torch_xla==2.9.0"]
 
 
 def test_torchax_files_overwritten_by_torch_xlas_copy_get_the_repair_command(monkeypatch, tmp_path):
@@ -597,14 +617,13 @@ def test_torchax_files_overwritten_by_torch_xlas_copy_get_the_repair_command(mon
         torchax_build._require_torchax()
 
 
-# ---- SPMDZERO_BACKEND=torchax: JAX owns the devices, torch_xla's runtime never starts ----------------
+# ---- the default process: JAX owns the devices, torch_xla is not imported until a config asks for it ----
 
 JAX_OWNED = """
     import json, sys
     sys.path.insert(0, "tests")
-    import jax, torch
+    import jax, numpy as np, torch
     import spmdzero
-    from spmdzero.config.errors import ConfigError
     from conftest import tiny_mlp
     from test_torchax_backend import WithLoss, config, train
 
@@ -625,37 +644,38 @@ JAX_OWNED = """
     out["accelerator"] = {"device": acc.device_name(0), "current": acc.current_device_name(),
                           "count": acc.device_count(), "memory": acc.memory_allocated(),
                           "rng": acc.get_rng_state().equal(torch.get_rng_state())}
-    try:
-        spmdzero.initialize(model=WithLoss(tiny_mlp()), config=config("torch_xla"))
-    except ConfigError as err:
-        out["torch_xla_backend"] = str(err)
     unnamed = config("torchax")
-    del unnamed["spmd"]  # a config that names no backend: the variable's
+    del unnamed["spmd"]  # a config that names no backend: the default's
     out["unnamed_backend"] = type(spmdzero.initialize(model=WithLoss(tiny_mlp()), config=unnamed)[0]).__name__
     try:
-        spmdzero.initialize(model=WithLoss(tiny_mlp()), config=config("torchax"), mesh=object())
-    except ConfigError as err:
+        spmdzero.initialize(model=WithLoss(tiny_mlp()), config=unnamed, mesh=object())
+    except TypeError as err:
         out["mesh"] = str(err)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[::-1]).reshape(2, 2), ("data", "fsdp"))
+    engine = spmdzero.initialize(model=WithLoss(tiny_mlp()), config=unnamed, mesh=mesh)[0]
+    out["jax_mesh"] = [dict(engine.mesh.shape), [d.id for d in engine.mesh.devices.flat]]
     out["torch_xla_imported"] = "torch_xla" in sys.modules
-    import torch_xla, _XLAC
-    out["runtime_started"] = _XLAC._xla_runtime_is_initialized()
+    engine = spmdzero.initialize(model=WithLoss(tiny_mlp()), config=config("torch_xla"))[0]  # starts it, on CPU
+    out["torch_xla_backend"] = type(engine).__name__
+    import torch_xla.runtime as xr
+    out["torch_xla_devices"] = xr.global_runtime_device_count()
     print(json.dumps(out))
 """
 
 
 @pytest.fixture(scope="module")
 def jax_owned():
-    """One process with SPMDZERO_BACKEND=torchax and 4 CPU devices (this one has torch_xla's 8)."""
+    """One default process (no SPMDZERO_BACKEND) with 4 CPU devices (this one has 8)."""
     import json
 
     from conftest import run_python
 
-    out = run_python(JAX_OWNED, env={"SPMDZERO_BACKEND": "torchax", "CPU_NUM_DEVICES": "4"})
+    out = run_python(JAX_OWNED, env={"SPMDZERO_BACKEND": "", "CPU_NUM_DEVICES": "4"})
     return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
-def test_with_spmdzero_backend_torchax_jax_owns_the_devices_and_trains_the_same(trained, jax_owned):
+def test_in_the_default_process_jax_owns_the_devices_and_trains_the_same(trained, jax_owned):
     gas, (_, ref_losses, ref_params, _), (engine, losses, _, _) = trained
     run = jax_owned[str(gas)]
     assert jax_owned["jax_devices"] == run["mesh"] == 4  # CPU_NUM_DEVICES, JAX's own
@@ -667,17 +687,17 @@ def test_with_spmdzero_backend_torchax_jax_owns_the_devices_and_trains_the_same(
 
 
 @pytest.mark.slow
-def test_with_spmdzero_backend_torchax_torch_xla_never_starts(jax_owned):
-    """Not at import, not in initialize, training, engine.wait() or the refusals."""
+def test_in_the_default_process_torch_xla_is_imported_only_for_its_backend(jax_owned):
+    """Not at import, not in initialize, training, engine.wait(), a JAX mesh or the refusals; a
+    config naming torch_xla then starts its runtime beside JAX's CPU devices."""
     assert not jax_owned["torch_xla_at_import"] and not jax_owned["torch_xla_imported"]
-    assert not jax_owned["runtime_started"]
     assert jax_owned["deepspeed_world_size"] == 1
     # DeepSpeed scripts keep their batches on the host (the engine places them); counts are JAX's
     assert jax_owned["accelerator"] == {"device": "cpu", "current": "cpu", "count": 4, "memory": 0, "rng": True}
-    assert "'spmd.mesh'" in jax_owned["mesh"]  # a torch_xla Mesh would start torch_xla's runtime
-    assert "spmd.backend='torch_xla'" in jax_owned["torch_xla_backend"]
-    assert "SPMDZERO_BACKEND=torchax" in jax_owned["torch_xla_backend"]
-    assert jax_owned["unnamed_backend"] == "TorchaxEngine"  # it used to refuse, as torch_xla named
+    assert jax_owned["unnamed_backend"] == "TorchaxEngine"
+    assert "mesh must be a jax.sharding.Mesh or a torch_xla.distributed.spmd.Mesh, got object" in jax_owned["mesh"]
+    assert jax_owned["jax_mesh"] == [{"data": 2, "fsdp": 2}, [3, 2, 1, 0]]  # the given mesh, in its order
+    assert jax_owned["torch_xla_backend"] == "SpmdZeroEngine" and jax_owned["torch_xla_devices"] == 4
     # several hosts: tests/test_multihost.py
 
 
@@ -685,13 +705,13 @@ def test_the_backend_variable_is_checked(monkeypatch):
     from spmdzero.runtime import jax_runtime
 
     monkeypatch.delenv("SPMDZERO_BACKEND", raising=False)
-    assert not jax_runtime.from_environment()
-    monkeypatch.setenv("SPMDZERO_BACKEND", "torch_xla")
-    assert not jax_runtime.from_environment()
+    assert jax_runtime.from_environment()  # the default: JAX takes the devices
     monkeypatch.setenv("SPMDZERO_BACKEND", "torchax")
     assert jax_runtime.from_environment()
+    monkeypatch.setenv("SPMDZERO_BACKEND", "torch_xla")
+    assert not jax_runtime.from_environment()
     # this process's runtime started without it (conftest): set now, as in a notebook, it changes nothing
-    assert not jax_runtime.selected()
+    assert jax_runtime.selected()
     monkeypatch.setenv("SPMDZERO_BACKEND", "jax")
     with pytest.raises(ValueError, match="SPMDZERO_BACKEND='jax'"):
         jax_runtime.from_environment()
@@ -728,11 +748,11 @@ def test_jax_owned_devices_on_a_tpu_vm_are_its_tpu_chips(monkeypatch):
 
     import jax
 
-    from spmdzero.backends.torchax import engine as backend_torchax
+    from spmdzero.backends.torchax import mesh as backend_torchax
     from spmdzero.runtime import jax_runtime
 
     chips = [SimpleNamespace(platform="tpu", id=i) for i in range(4)]
-    monkeypatch.setattr(jax_runtime, "_decided", True)  # as if started with SPMDZERO_BACKEND=torchax
+    monkeypatch.setattr(jax_runtime, "_decided", True)  # JAX's process (the default)
     monkeypatch.setattr(jax_runtime, "_device_type", lambda: "TPU")
     monkeypatch.setattr(jax_runtime, "configure", lambda: None)
     monkeypatch.setattr(jax, "devices", lambda *backend: chips)
@@ -748,19 +768,35 @@ def test_jax_owned_devices_on_a_tpu_vm_are_its_tpu_chips(monkeypatch):
         raise RuntimeError("Unable to initialize backend 'tpu': TPU in use by process 1234")
 
     monkeypatch.setattr(jax, "devices", held)
-    with pytest.raises(RuntimeError, match="SPMDZERO_BACKEND=torchax: JAX could not open .* TPU in use by process"):
+    with pytest.raises(RuntimeError, match="spmdzero: JAX could not open .* TPU in use by process"):
         spmdzero.runtime.hosts()
 
 
-def test_the_torchax_backend_on_a_tpu_vm_without_the_variable_says_to_set_it(monkeypatch):
+def test_the_torchax_backend_where_torch_xla_holds_the_tpu_says_to_unset_the_variable(monkeypatch):
     import torch_xla.runtime as xr
 
-    from spmdzero.backends.torchax import engine as backend_torchax
+    from spmdzero.backends.torchax import mesh as torchax_mesh
+    from spmdzero.runtime import jax_runtime
 
-    monkeypatch.setenv("SPMDZERO_BACKEND", "torchax")  # set after `import spmdzero`: too late
+    monkeypatch.setattr(jax_runtime, "_decided", False)  # as if started with SPMDZERO_BACKEND=torch_xla
     monkeypatch.setattr(xr, "device_type", lambda: "TPU")
-    with pytest.raises(RuntimeError, match=r"SPMDZERO_BACKEND=torchax in the environment before `import spmdzero`"):
-        backend_torchax.jax_devices(4)
+    with pytest.raises(RuntimeError, match=r"SPMDZERO_BACKEND=torch_xla gave the TPU devices to torch_xla's runtime "
+                                           r"at `import spmdzero`: unset the variable"):
+        torchax_mesh.jax_devices(4)
+
+
+def test_the_torch_xla_backend_where_jax_holds_the_tpu_says_to_set_the_variable(monkeypatch):
+    """The default process gives a TPU's chips to JAX: a config naming torch_xla there cannot
+    start torch_xla's runtime, and the error says how to choose it (on CPU it starts beside JAX's)."""
+    from spmdzero.runtime import jax_runtime, process
+
+    monkeypatch.setattr(process, "_torch_xla_started", False)
+    monkeypatch.setattr(process, "_select_device_type", lambda: "TPU")
+    monkeypatch.setattr(jax_runtime, "_decided", True)
+    with pytest.raises(RuntimeError, match=r"spmd.backend='torch_xla' needs torch_xla's runtime on the TPU devices, "
+                                           r"which JAX holds .* Set SPMDZERO_BACKEND=torch_xla in the environment "
+                                           r"before `import spmdzero` \(`spmdzero launch` does it"):
+        process.start_torch_xla()
 
 
 # ---- the module on the host and the engine's device copy (review findings) -------------------------
@@ -1279,3 +1315,17 @@ def test_a_dcn_mesh_puts_data_across_slices_and_trains_as_the_torch_xla_engine()
     assert losses == pytest.approx(ref_losses, abs=1e-5)
     for (name, p), (_, q) in zip(engine.module.named_parameters(), ref.module.named_parameters()):
         torch.testing.assert_close(p.detach(), q.detach().cpu(), atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("read", ["bool", "tolist"])
+def test_a_forward_that_reads_a_value_on_the_host_is_a_clear_error(read):
+    """JAX traces the forward once and cannot stop for a value: the error names the module and
+    the calls, and says what runs it (torch_xla cuts the step in two there, test_monitor.py)."""
+    from test_monitor import ReadsBack
+
+    engine, *_ = spmdzero.initialize(model=ReadsBack(read), config={
+        "train_batch_size": 16, "optimizer": {"type": "Adam"}, "spmd": {"backend": "torchax"}})
+    x, y = batches(1, 16)[0]
+    with pytest.raises(RuntimeError, match=r"ReadsBack's forward reads a tensor's value on the host .* "
+                                           r"spmd.backend='torch_xla', which cuts the step in two"):
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))

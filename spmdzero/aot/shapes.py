@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import torch
 from spmdzero import runtime
-from spmdzero.backends.torch_xla import build as torch_xla_build
-from spmdzero.backends.torch_xla.mesh import build_mesh
 from spmdzero.config.errors import ConfigError
 from spmdzero.config.load import load_config
+from spmdzero.initialize import with_backend
 from spmdzero.train.build import config_dict
 
 
@@ -44,7 +43,16 @@ def _replicated(t: torch.Tensor, mesh) -> None:
 def shape_only_engine(model: torch.nn.Module, config: dict):
     """``spmdzero.initialize(model, config)`` for a model whose parameters are on ``meta``.
     Returns ``(engine, inputs)``: ``inputs`` maps each state key (``state_tensors()`` keys
-    and ``grad.<name>``) to the placeholder that is its value before the step."""
+    and ``grad.<name>``) to the placeholder that is its value before the step. torch_xla (an
+    optional install) is imported here, its runtime started if JAX has this process's
+    devices and it can start beside them (CPU)."""
+    cfg = with_backend(load_config(None, config, None))
+    if cfg.spmd.backend != "torch_xla":
+        raise ConfigError(f"spmd.backend={cfg.spmd.backend!r}: this builds a torch_xla engine; a torchax engine's "
+                          "shape-only build is shape_only_torchax_engine (spmdzero.aot.capture_step picks by backend)")
+    runtime.start_torch_xla("spmdzero aot's torch_xla step")  # before any placeholder
+    from spmdzero.backends.torch_xla import build as torch_xla_build
+    from spmdzero.backends.torch_xla.mesh import build_mesh
 
     mesh = build_mesh(None, runtime.device_count())  # any mesh over all devices: for replicated only
     swapped: dict[int, torch.nn.Parameter] = {}  # tied parameters stay tied
@@ -57,10 +65,6 @@ def shape_only_engine(model: torch.nn.Module, config: dict):
                 _replicated(value, mesh)  # not device data any more: mark_sharding will not try to read it
                 swapped[id(p)] = torch.nn.Parameter(value, requires_grad=p.requires_grad)
             module._parameters[name] = swapped[id(p)]
-    cfg = load_config(None, config, None)
-    if cfg.spmd.backend != "torch_xla":
-        raise ConfigError(f"spmd.backend={cfg.spmd.backend!r}: this builds a torch_xla engine; a torchax engine's "
-                          "shape-only build is shape_only_torchax_engine (spmdzero.aot.capture_step picks by backend)")
     engine, *_ = torch_xla_build.build(model, cfg, config_dict=config_dict(cfg, None, config, None), shape_only=True)
     inputs = {}
     tensors = {k: (t, spec) for k, (t, spec) in engine.state_tensors().items()}

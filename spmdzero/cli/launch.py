@@ -7,14 +7,16 @@ to spmdzero's compatibility layer (``spmdzero.compat.alias``). As DeepSpeed's la
 it sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_SIZE``, ``CROSS_RANK``,
 ``CROSS_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``, and passes ``--local_rank=0``. On a
 pod, run the same command on every host: the process index and count come from the XLA
-runtime (torch_xla's on a TPU pod; JAX's, through the TPU runtime, under
-``SPMDZERO_BACKEND=torchax``).
+runtime (JAX's, through the TPU runtime; torch_xla's on a TPU pod under
+``SPMDZERO_BACKEND=torch_xla``).
 
 DeepSpeed's ``--num_nodes N --node_rank I --master_addr A --master_port P`` name the hosts
 explicitly: they are exported (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``, ``MASTER_PORT``)
-before the runtime starts, so that under ``SPMDZERO_BACKEND=torchax`` the N processes join one
-global mesh through ``jax.distributed`` (``spmdzero.runtime.jax_runtime``), on CPU hosts too.
-torch_xla's runtime finds its hosts itself; there the flags are checked against it.
+before the runtime starts, so that the N processes join one global mesh through
+``jax.distributed`` (``spmdzero.runtime.jax_runtime``), on CPU hosts too. A run whose config (or
+``--spmd``) names ``"backend": "torch_xla"`` gets ``SPMDZERO_BACKEND=torch_xla`` unless the
+variable is set, so that torch_xla's runtime takes the devices; it finds its hosts itself, and
+there the flags are checked against it.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--master_addr", default=None, help="address of the first host (several hosts)")
     parser.add_argument("--master_port", type=_port, default=None,
                         help=f"rendezvous port of torch.distributed (default: MASTER_PORT, else {DEFAULT_PORT}); "
-                             "JAX's coordinator (SPMDZERO_BACKEND=torchax) takes the next one")
+                             "JAX's coordinator takes the next one")
     parser.add_argument("--num_nodes", type=int, default=None,
                         help="the number of hosts (one process each); run this command on every host")
     parser.add_argument("--node_rank", type=int, default=None,
@@ -145,6 +147,31 @@ def _hosts_from_flags(args: argparse.Namespace, join: bool) -> tuple[int | None,
     return args.node_rank, args.num_nodes
 
 
+CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed")  # DeepSpeed's own, and the HF Trainer's
+
+
+def configured_backend(spmd: dict, script_args: list[str]) -> Optional[str]:
+    """The backend the run asks for: ``--spmd``'s ``backend``, else the ``spmd.backend`` of the
+    config file the script is given (``--deepspeed_config PATH``, ``--deepspeed PATH``). None when
+    neither names one, or the file cannot be read here (``initialize`` reports that)."""
+    if isinstance(spmd.get("backend"), str):
+        return spmd["backend"]
+    from spmdzero.config.load import read_config_file
+
+    for i, arg in enumerate(script_args):
+        flag, _, path = arg.partition("=")
+        if flag not in CONFIG_FLAGS:
+            continue
+        path = path or (script_args[i + 1] if i + 1 < len(script_args) else "")
+        try:
+            section = read_config_file(path).get("spmd")
+        except Exception:  # not a file (``--deepspeed`` as a bare flag), or not a config
+            continue
+        if isinstance(section, dict) and isinstance(section.get("backend"), str):
+            return section["backend"]
+    return None
+
+
 def set_launcher_env(process_index: int, process_count: int, master_addr: str, master_port: int) -> None:
     """What DeepSpeed's launcher exports to each process, for one process per host."""
     os.environ.update({
@@ -181,6 +208,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     from spmdzero.compat import alias
     from spmdzero.runtime import jax_runtime
 
+    if configured_backend(spmd, args.user_args) == "torch_xla" and not os.environ.get(jax_runtime.VARIABLE):
+        # torch_xla's runtime must take the devices at start (on a TPU, JAX would hold the chips)
+        os.environ[jax_runtime.VARIABLE] = "torch_xla"
     try:  # before the runtime starts: a bad value costs no startup
         port = _master_port(args.master_port)
         join = jax_runtime.from_environment()
@@ -201,9 +231,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if given is not None and (given[0] not in (None, index) or given[1] != count):
         rank = "" if given[0] is None else f" --node_rank {given[0]}"
         print(f"spmdzero launch: --num_nodes {given[1]}{rank}, but the runtime found process "
-              f"{index} of {count}. torch_xla's runtime finds the hosts itself (a TPU pod) and cannot join "
-              "processes on CPU; to join hosts named by these flags, set SPMDZERO_BACKEND=torchax (with "
-              '"spmd": {"backend": "torchax"} in the config)', file=sys.stderr)
+              f"{index} of {count}. torch_xla's runtime (SPMDZERO_BACKEND=torch_xla) finds the hosts itself (a TPU "
+              "pod) and cannot join processes on CPU; to join hosts named by these flags, use the torchax backend "
+              "(the default: unset SPMDZERO_BACKEND, and no \"backend\": \"torch_xla\" in the config)",
+              file=sys.stderr)
         return 2
     set_launcher_env(index, count, _master_addr(args.master_addr, count), port)
     try:

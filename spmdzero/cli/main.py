@@ -99,9 +99,10 @@ def _one_line(err: Exception) -> str:
 def _run_aot(args) -> int:
     """Trace in a child process, then compile for the TPU. The torch_xla backend's step is
     traced with one CPU device per chip (a quarter of them from 128 chips:
-    spmdzero.tpu.retarget); the torchax backend's on an abstract mesh, in a process whose
-    devices are JAX's CPU ones (torch_xla's runtime never starts). Which backend: the one the
-    config selects, as ``spmdzero.initialize`` would (``spmdzero.aot.steps.step_backend``)."""
+    spmdzero.tpu.retarget), in a process whose devices are torch_xla's; the torchax backend's on
+    an abstract mesh, in a process whose devices are JAX's CPU ones (torch_xla never imported).
+    Which backend: the one the config selects, as ``spmdzero.initialize`` would under this
+    shell's ``SPMDZERO_BACKEND`` (``spmdzero.aot.steps.step_backend``)."""
     import os
     import subprocess
 
@@ -125,7 +126,7 @@ def _run_aot(args) -> int:
             print(err, file=sys.stderr)
             return 1
         env["CPU_NUM_DEVICES"] = str(devices)
-        env.pop("SPMDZERO_BACKEND", None)  # torch_xla's runtime traces it
+        env["SPMDZERO_BACKEND"] = "torch_xla"  # torch_xla's runtime takes the devices at import and traces it
     command = [sys.executable, "-m", "spmdzero.aot", *sys_argv_after(args)]
     return subprocess.run(command, env=env).returncode
 

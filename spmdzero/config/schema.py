@@ -215,8 +215,10 @@ class SpmdConfig(Section):
     # Trace and compile the model's identical blocks once (spmdzero.backends.torch_xla.scan); "stacked": each block
     # parameter name is one parameter [layers, ...] (the step's cost then does not grow with depth).
     scan_layers: Union[bool, Literal["stacked"]] = False
-    # "torchax": the module traced once under jax.jit through torchax (spmdzero.backends.torchax.engine)
-    backend: Literal["torch_xla", "torchax"] = "torch_xla"
+    # "torchax" (the default): the module traced once under jax.jit through torchax
+    # (spmdzero.backends.torchax.engine); "torch_xla": re-traced by torch_xla every step. Unset, it is
+    # the backend whose runtime holds the process's devices (SPMDZERO_BACKEND; spmdzero.initialize).
+    backend: Literal["torch_xla", "torchax"] = "torchax"
 
     @field_validator("scan_layers", mode="before")
     @classmethod

@@ -1,12 +1,13 @@
-"""``SPMDZERO_BACKEND=torchax``: JAX owns the devices; torch_xla's runtime is never started.
+"""JAX owns the devices (the default): ``SPMDZERO_BACKEND`` unset or ``torchax``.
 
-``import spmdzero`` normally starts torch_xla's runtime (``spmdzero.runtime``), which takes every
-TPU chip of the VM; a chip serves one runtime, so the torchax backend (``jax.jit``) could then only
-run on JAX's CPU devices. With this variable set before ``import spmdzero``, the process is
-JAX's instead: JAX is told which devices to take (every TPU chip on a TPU VM, else
-``CPU_NUM_DEVICES`` CPU devices, 8 when unset, as torch_xla would), device and host counts come
-from JAX, and only ``spmd.backend='torchax'`` can train. It is a per-process choice made before
-any runtime starts, hence a variable and not a config key.
+A process's devices are held by one runtime, chosen before any starts, at ``import spmdzero``:
+JAX's (the torchax backend, ``spmd.backend='torchax'``, the default) or torch_xla's
+(``SPMDZERO_BACKEND=torch_xla``, for ``spmd.backend='torch_xla'``). On a TPU VM a chip serves one
+runtime, hence a per-process choice made before either starts, and a variable rather than a
+config key. Here JAX is told which devices to take (every TPU chip on a TPU VM, else
+``CPU_NUM_DEVICES`` CPU devices, 8 when unset, as torch_xla would), and device and host counts come
+from JAX. On CPU, torch_xla's runtime can still be started beside JAX's devices for a config that
+names ``spmd.backend='torch_xla'`` (``runtime.process.start_torch_xla``).
 
 Several hosts (one process each) join one global mesh through ``jax.distributed``, before JAX
 starts its devices (``configure``, from ``runtime.start`` at ``import spmdzero``), as the
@@ -28,6 +29,7 @@ from spmdzero.runtime.devices import EnvironmentSettingError, _select_device_typ
 
 VARIABLE = "SPMDZERO_BACKEND"
 CHOICES = ("torch_xla", "torchax")
+DEFAULT = "torchax"
 
 DISTRIBUTED = "SPMDZERO_DISTRIBUTED"  # 0: never call jax.distributed.initialize
 INIT_TIMEOUT = "SPMDZERO_DISTRIBUTED_INIT_TIMEOUT"  # s to wait for every process to join (JAX: 300)
@@ -45,11 +47,19 @@ def selected() -> bool:
 
 
 def from_environment() -> bool:
-    value = os.environ.get(VARIABLE, "torch_xla")
+    """Whether the environment gives this process's devices to JAX: ``SPMDZERO_BACKEND`` unset
+    (the default) or ``torchax``; ``torch_xla`` gives them to torch_xla's runtime."""
+    return backend_from_environment() == "torchax"
+
+
+def backend_from_environment() -> str:
+    """``SPMDZERO_BACKEND``, checked: the backend whose runtime takes this process's devices."""
+    value = os.environ.get(VARIABLE, "").strip() or DEFAULT
     if value not in CHOICES:
-        raise EnvironmentSettingError(f"{VARIABLE}={value!r} is not a backend: use 'torchax' (JAX takes the devices, "
-                                      "for spmd.backend='torchax') or 'torch_xla' (the default; or leave it unset)")
-    return value == "torchax"
+        raise EnvironmentSettingError(f"{VARIABLE}={value!r} is not a backend: use 'torchax' (the default: JAX takes "
+                                      "the devices) or 'torch_xla' (torch_xla's runtime takes them, for "
+                                      "spmd.backend='torch_xla'), or leave it unset")
+    return value
 
 
 def decide() -> bool:
@@ -126,6 +136,14 @@ def distributed_settings(environ: Mapping[str, str] | None = None, device_type: 
             "process_id": int(rank), **timeouts}
 
 
+def joined_processes() -> int:
+    """How many processes ``jax.distributed`` joined (1 when none), without starting the devices."""
+    import jax
+    from jax._src import distributed
+
+    return distributed.global_state.num_processes if jax.distributed.is_initialized() else 1
+
+
 def _on_cloud_tpu_vm() -> bool:
     """Whether JAX found TPU chips and libtpu when it was imported: where its discovery of the
     TPU VM's hosts (the TPU runtime's metadata) can work."""
@@ -154,12 +172,12 @@ def join_processes(settings: dict) -> None:
         jax.distributed.initialize(**settings)
     except Exception as err:
         if "num_processes" not in settings:
-            raise RuntimeError(f"{VARIABLE}=torchax on a TPU VM: JAX could not find this host's place among the "
+            raise RuntimeError(f"spmdzero on a TPU VM: JAX could not find this host's place among the "
                                "TPU VM's hosts (jax.distributed.initialize() with no arguments). Name the hosts "
                                "yourself (spmdzero launch --num_nodes N --node_rank I --master_addr ADDR, or "
                                f"WORLD_SIZE/RANK/MASTER_ADDR/MASTER_PORT), or set {DISTRIBUTED}=0 to run this "
                                f"process alone. JAX said: {err}") from err
-        raise RuntimeError(f"{VARIABLE}=torchax: process {settings['process_id']} of {settings['num_processes']} "
+        raise RuntimeError(f"spmdzero: process {settings['process_id']} of {settings['num_processes']} "
                            f"could not join the others through jax.distributed at {where} (MASTER_ADDR, port "
                            "MASTER_PORT + 1, served by the RANK 0 process). Did every host start, with the same "
                            f"WORLD_SIZE, MASTER_ADDR and MASTER_PORT and its own RANK? ({INIT_TIMEOUT} sets how long "
@@ -196,7 +214,7 @@ def configure() -> None:
 
     if xla_bridge.backends_are_initialized():
         if not jax.distributed.is_initialized() and (distributed_settings() or {}).get("num_processes"):
-            raise RuntimeError(f"{VARIABLE}=torchax with WORLD_SIZE={os.environ['WORLD_SIZE']}: JAX started its "
+            raise RuntimeError(f"spmdzero with WORLD_SIZE={os.environ['WORLD_SIZE']}: JAX started its "
                                "devices before `import spmdzero`, so this process can no longer join the others "
                                "(jax.distributed must come first). Import spmdzero before any JAX computation.")
         return  # JAX ran before `import spmdzero`; devices() checks what it took
@@ -208,7 +226,7 @@ def configure() -> None:
         if "JAX_PLATFORMS" not in os.environ:
             jax.config.update("jax_platforms", "tpu,cpu")
     else:
-        raise RuntimeError(f"{VARIABLE}=torchax runs on TPU or CPU; PJRT_DEVICE={device_type} is neither")
+        raise RuntimeError(f"spmdzero's JAX devices are TPU or CPU devices; PJRT_DEVICE={device_type} is neither")
     settings = distributed_settings(device_type=device_type)
     if settings is not None:
         join_processes(settings)
@@ -226,11 +244,11 @@ def devices() -> list:
     try:
         found = jax.devices()
     except RuntimeError as err:
-        raise RuntimeError(f"{VARIABLE}=torchax: JAX could not open this host's {device_type} devices. A TPU chip "
+        raise RuntimeError(f"spmdzero: JAX could not open this host's {device_type} devices. A TPU chip "
                            "serves one process: is another one using it (a training run, a notebook kernel that "
                            "imported spmdzero without the variable)? JAX said: " + str(err)) from err
     if found[0].platform != device_type.lower():
-        raise RuntimeError(f"{VARIABLE}=torchax: this is a {device_type} host but JAX started on "
+        raise RuntimeError(f"spmdzero: this is a {device_type} host but JAX started on "
                            f"{found[0].platform} devices (JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r}); "
                            "to run on CPU devices, set PJRT_DEVICE=CPU")
     return found

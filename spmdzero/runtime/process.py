@@ -1,6 +1,9 @@
-"""Process-wide XLA bootstrap: SPMD mode, one process per host.
+"""Process-wide runtime start: one process per host, the devices held by one runtime.
 
-Everything here runs once, on ``import spmdzero``, before any XLA tensor exists:
+``start`` runs once, on ``import spmdzero``, before any tensor is placed on a device. By
+default (``SPMDZERO_BACKEND`` unset or ``torchax``) JAX takes the devices
+(``spmdzero.runtime.jax_runtime``) and torch_xla is not even imported. With
+``SPMDZERO_BACKEND=torch_xla``, torch_xla's runtime starts instead (``bootstrap``):
 
 * pick the PJRT device: every TPU chip on a TPU VM, else the CPU client with
   ``CPU_NUM_DEVICES`` virtual devices (8 when unset), the embedded default;
@@ -13,25 +16,59 @@ Everything here runs once, on ``import spmdzero``, before any XLA tensor exists:
   at the first ``backward()`` of the process. If that backward runs on CPU before
   the XLA runtime has started, the XLA queues are never created and every later
   XLA backward dies with a ``device_ready_queues_`` assert. Starting the runtime
-  at import makes that ordering impossible."""
+  at import makes that ordering impossible.
+
+In a process whose devices are JAX's, a config naming ``spmd.backend='torch_xla'`` starts
+torch_xla's runtime at ``initialize`` (``start_torch_xla``) where the two can share the host:
+on CPU, one process. On a TPU the chips are JAX's, and the error says to set the variable."""
 
 from __future__ import annotations
 import os
 from spmdzero.runtime.devices import _select_device_type, cpu_device_count
 from spmdzero.runtime import jax_runtime, libtpu_flags
+from spmdzero.runtime.privateuse1 import keep_accelerator_lookup_working
+
+_torch_xla_started = False
 
 
 def start() -> None:
-    """The process's runtime, at ``import spmdzero`` (and ``spmdzero launch``): torch_xla's
-    (``bootstrap``), or JAX's devices under ``SPMDZERO_BACKEND=torchax`` (``spmdzero.runtime.jax_runtime``)."""
+    """The process's runtime, at ``import spmdzero`` (and ``spmdzero launch``): JAX's devices
+    (``spmdzero.runtime.jax_runtime``, the default), or torch_xla's (``bootstrap``) under
+    ``SPMDZERO_BACKEND=torch_xla``."""
+    # either backend imports torchax (torch_xla's fused update and scan call JAX through it)
+    keep_accelerator_lookup_working()
     if jax_runtime.decide():
         jax_runtime.configure()
     else:
         bootstrap()
 
 
+def start_torch_xla(why: str = "spmd.backend='torch_xla'") -> None:
+    """torch_xla's runtime, for ``why``, in a process that may have given its devices to JAX:
+    nothing to do under ``SPMDZERO_BACKEND=torch_xla`` (started at import); on one CPU host it
+    starts now, beside JAX's CPU devices. A TPU's chips, or hosts joined through
+    ``jax.distributed``, are JAX's: refused, saying how to choose torch_xla's runtime."""
+    if _torch_xla_started or not jax_runtime.selected():
+        bootstrap()  # idempotent
+        return
+    device_type = _select_device_type()
+    joined = jax_runtime.joined_processes()
+    if device_type == "CPU" and joined <= 1:
+        bootstrap()
+        return
+    where = (f"the {device_type} devices, which JAX holds in this process" if device_type != "CPU" else
+             f"this host, but torch_xla 2.9 cannot join the {joined} processes that jax.distributed joined")
+    raise RuntimeError(f"{why} needs torch_xla's runtime on {where} ({jax_runtime.VARIABLE} is unset or 'torchax': "
+                       f"JAX takes the devices at `import spmdzero`). Set {jax_runtime.VARIABLE}=torch_xla in the "
+                       "environment before `import spmdzero` (`spmdzero launch` does it for a config that names "
+                       "spmd.backend 'torch_xla'; in a notebook: restart the kernel, set "
+                       f"os.environ['{jax_runtime.VARIABLE}'] = 'torch_xla', then import spmdzero), or use "
+                       "spmd.backend='torchax'")
+
+
 def bootstrap() -> None:
-    """Configure and start the XLA runtime in SPMD mode. Idempotent."""
+    """Configure and start torch_xla's runtime in SPMD mode. Idempotent."""
+    global _torch_xla_started
     device_type = _select_device_type()
     os.environ["PJRT_DEVICE"] = device_type
     # XLA's C++ warnings, read when torch_xla loads: a "GSPMD sharding propagation is going to be
@@ -57,6 +94,11 @@ def bootstrap() -> None:
             ) from err
     xr.global_runtime_device_count()  # starts the runtime; see the module docstring
     register_torch_device_module()
+    _torch_xla_started = True
+
+
+def torch_xla_started() -> bool:
+    return _torch_xla_started
 
 
 def register_torch_device_module() -> None:
@@ -134,9 +176,11 @@ def explain_backward_trap(err: RuntimeError) -> RuntimeError | None:
     """A clear error for the autograd queue trap, or None if ``err`` is something else."""
     if BACKWARD_TRAP_MARKER not in str(err):
         return None
+    late = jax_runtime.selected()  # torch_xla started at initialize, not at import
+    fix = (f"Set {jax_runtime.VARIABLE}=torch_xla before `import spmdzero`, which then starts torch_xla's runtime "
+           "first" if late else "Import spmdzero before running any backward pass")
     return RuntimeError(
-        "XLA backward failed because a backward pass ran on CPU tensors before the XLA "
+        "XLA backward failed because a backward pass ran on CPU tensors before torch_xla's "
         "runtime started in this process (PyTorch's autograd engine then never creates "
-        "its XLA device queues). Import spmdzero before running any backward pass; in a "
-        "notebook, restart the kernel and `import spmdzero` in the first cell."
+        f"its XLA device queues). {fix}; in a notebook, restart the kernel and do it in the first cell."
     )

@@ -90,11 +90,16 @@ def global_shape(ici: dict[str, int], dcn: dict[str, int]) -> dict[str, int]:
     return {axis: ici[axis] * dcn[axis] for axis in ici}
 
 
-def check_user_mesh(mesh) -> None:
-    import torch_xla.distributed.spmd as xs
+MESH_KINDS = {"torch_xla": "a torch_xla.distributed.spmd.Mesh", "jax": "a jax.sharding.Mesh"}
 
-    if not isinstance(mesh, xs.Mesh):
-        raise TypeError(f"mesh must be a torch_xla.distributed.spmd.Mesh, got {type(mesh).__name__}")
+
+def check_user_mesh(mesh, kinds: tuple[str, ...] = ("torch_xla",)) -> None:
+    """``initialize(mesh=...)``: a mesh of one of the ``kinds`` the backend takes (``MESH_KINDS``)
+    with an ``fsdp`` axis."""
+    found = "torch_xla" if is_torch_xla_mesh(mesh) else "jax" if is_jax_mesh(mesh) else None
+    if found not in kinds:
+        raise TypeError(f"mesh must be {' or '.join(MESH_KINDS[k] for k in kinds)}, got {type(mesh).__name__}"
+                        + (" (the torchax backend's)" if found == "jax" else ""))
     if FSDP_AXIS not in (mesh.axis_names or ()):
         raise ValueError(
             f"mesh axes {mesh.axis_names} have no {FSDP_AXIS!r} axis; spmdzero shards optimizer "
@@ -102,8 +107,22 @@ def check_user_mesh(mesh) -> None:
         )
 
 
+def is_torch_xla_mesh(mesh) -> bool:
+    """A ``torch_xla.distributed.spmd.Mesh`` (by its fields: torch_xla is an optional install)."""
+    return hasattr(mesh, "mesh_shape") and hasattr(mesh, "device_ids") and hasattr(mesh, "axis_names")
+
+
+def is_jax_mesh(mesh) -> bool:
+    """A ``jax.sharding.Mesh`` (by its fields: JAX is imported only by the torchax backend)."""
+    return hasattr(mesh, "devices") and hasattr(mesh, "axis_names") and hasattr(mesh, "shape") and not isinstance(
+        mesh, str)
+
+
 def mesh_shape(mesh) -> dict[str, int]:
-    return dict(zip(mesh.axis_names, mesh.mesh_shape))
+    """{axis: size} of a torch_xla or a JAX mesh."""
+    if is_torch_xla_mesh(mesh):
+        return dict(zip(mesh.axis_names, mesh.mesh_shape))
+    return dict(mesh.shape)
 
 
 def fsdp_axes(shape: Mapping[str, int]) -> tuple[str, ...]:

@@ -22,10 +22,12 @@ hint names ``spmd.batch_dim`` (a sequence-first model); nothing is decided from 
 
 from __future__ import annotations
 import inspect
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 import torch
+from spmdzero.train.data import caller_stacklevel
 
 BatchDim = Union[int, Mapping[str, Optional[int]]]
 
@@ -114,3 +116,18 @@ def leading_dim_layout(batch: Any) -> BatchLayout:
         return BatchLayout()
     on_device = next(t for _, t in tensors if t.dim()).device.type == "xla"
     return BatchLayout(rows, on_device, {id(t): 0 for _, t in tensors if t.dim() and t.shape[0] == rows})
+
+
+_NOTED_REPLICATED: set[tuple[int, int]] = set()
+
+
+def note_replicated(rows: int, devices: int) -> None:
+    """Warn, once per shape, that a batch whose rows do not divide over the data-parallel devices
+    runs replicated (both backends place it so)."""
+    if (rows, devices) in _NOTED_REPLICATED:
+        return
+    _NOTED_REPLICATED.add((rows, devices))
+    warnings.warn(f"spmdzero: a batch of {rows} rows does not divide over the {devices} data-parallel devices; it "
+                  f"runs replicated along the batch (every device computes all {rows} rows, the same result at "
+                  f"{devices}x the compute, and one more compiled program for this shape). Use a multiple of "
+                  f"{devices} rows to split it (noted once per shape).", stacklevel=caller_stacklevel())

@@ -4,6 +4,7 @@ over a backend's step core. One definition, so the two backends cannot drift apa
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import warnings
@@ -39,6 +40,21 @@ class EngineBase:
     ``micro_steps``, ``_boundary_override`` and ``_rows_since_step`` (training rows fed since
     the last optimizer step), and implements the step core: ``forward``, ``backward``,
     ``step``, ``zero_grad``."""
+
+    def register_post_step_hook(self, hook) -> "torch.utils.hooks.RemovableHandle":
+        """Call ``hook(engine)`` on the host after every optimizer (boundary) step, once its
+        program is dispatched; ``.remove()`` on the returned handle unregisters it. A hook that
+        reads device values (a loss, a norm) waits for the step: read them only when needed."""
+        from torch.utils.hooks import RemovableHandle
+
+        hooks = self.__dict__.setdefault("_post_step_hooks", collections.OrderedDict())
+        handle = RemovableHandle(hooks)  # holds the dict weakly: the engine owns it
+        hooks[handle.id] = hook
+        return handle
+
+    def _run_post_step_hooks(self) -> None:
+        for hook in list(self.__dict__.get("_post_step_hooks", {}).values()):
+            hook(self)
 
     @property
     def validated_config(self):

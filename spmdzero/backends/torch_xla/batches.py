@@ -3,27 +3,13 @@ the batch (``train.batch_inputs``) are sharded on their batch dim, the rest repl
 several hosts each contributes its rows of the global batch."""
 
 from __future__ import annotations
-import warnings
 from typing import Any, Callable, Optional
 import torch
 from spmdzero import runtime
 from spmdzero.backends.torch_xla.annotate import shard
 from spmdzero.sharding.plan import replicated
-from spmdzero.train.batch_inputs import BatchLayout, leading_dim_layout
-from spmdzero.train.data import caller_stacklevel, map_tensors
-
-
-_noted_replicated: set[tuple[int, int]] = set()
-
-
-def _note_replicated(rows: int, devices: int) -> None:
-    if (rows, devices) in _noted_replicated:
-        return
-    _noted_replicated.add((rows, devices))
-    warnings.warn(f"spmdzero: a batch of {rows} rows does not divide over the {devices} data-parallel devices; it "
-                  f"runs replicated along the batch (every device computes all {rows} rows, the same result at "
-                  f"{devices}x the compute, and one more compiled program for this shape). Use a multiple of "
-                  f"{devices} rows to split it (noted once per shape).", stacklevel=caller_stacklevel())
+from spmdzero.train.batch_inputs import BatchLayout, leading_dim_layout, note_replicated
+from spmdzero.train.data import map_tensors
 
 
 class _SendWithGradient(torch.autograd.Function):
@@ -73,7 +59,7 @@ def to_device_sharded(batch: Any, mesh, batch_spec: Callable[..., tuple], dp_siz
             f"with several hosts each host's rows must split over its devices: use a multiple of {local_dp}"
         )
     if replicate:
-        _note_replicated(batch_size, local_dp)
+        note_replicated(batch_size, local_dp)
 
     def move(t: torch.Tensor) -> torch.Tensor:
         dim = layout.dim_of(t)

@@ -9,7 +9,6 @@ from typing import Any, Callable, Optional
 import torch
 
 from spmdzero import runtime
-from spmdzero.runtime import jax_runtime
 from spmdzero.config.errors import ConfigError
 from spmdzero.config.schema import DeepSpeedConfig
 from spmdzero.backends.torch_xla.batches import to_device_sharded
@@ -29,17 +28,13 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh: Any = None, optimi
     """``(engine, optimizer, training_dataloader, lr_scheduler)`` on torch_xla's runtime.
     ``shape_only``: the model's parameters are placeholders with no buffers
     (``spmdzero.aot.shapes``); the engine is built without executing anything."""
-    if jax_runtime.selected():
-        raise ConfigError(f"spmd.backend={cfg.spmd.backend!r} needs torch_xla's runtime, which was not started: "
-                          f"{jax_runtime.VARIABLE}=torchax gave this process's devices to JAX. Set spmd.backend to "
-                          f"'torchax', or unset {jax_runtime.VARIABLE} before `import spmdzero` (in a notebook: "
-                          "restart the kernel)")
+    runtime.start_torch_xla()  # started at import under SPMDZERO_BACKEND=torch_xla; else now, where it can
     refuse_sparse_gradients(model)
     if cfg.spmd.compile_cache_dir:
         runtime.enable_compile_cache(cfg.spmd.compile_cache_dir)
 
     if mesh is not None:
-        check_user_mesh(mesh)
+        check_user_mesh(mesh, ("torch_xla",))
         if cfg.spmd.mesh is not None or cfg.spmd.dcn_mesh is not None:
             raise ValueError("a mesh was given twice: as initialize(mesh=...) and in the config's 'spmd' section")
     else:

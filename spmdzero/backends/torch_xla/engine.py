@@ -24,7 +24,6 @@ optimizer, with no zero-fill, add or copy of a full-size buffer.
 
 from __future__ import annotations
 
-import collections
 import copy
 import functools
 import time
@@ -56,7 +55,6 @@ from spmdzero.io.restore import load_checkpoint
 from spmdzero.observe.reports import sharding_report
 from spmdzero.tpu.capture import capture
 
-COMPILE_BACKEND = "openxla"  # torch_xla's dynamo backend: what engine.compile() and the accelerator name
 
 
 @dataclass(eq=False)
@@ -144,7 +142,6 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         self._step_logger = StepLogger(config, process_index=self.global_rank)
         self.tput_timer = ThroughputTimer(self)
         self._is_compiled = False
-        self._post_step_hooks = collections.OrderedDict()  # register_post_step_hook (weak-referenced by handles)
 
         masters = master_weights or {}
         optimized = {id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer else set()
@@ -277,8 +274,7 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         if boundary:
             self._step_logger.after_boundary(self)
             self.tput_timer.after_boundary()
-            for hook in list(self._post_step_hooks.values()):
-                hook(self)
+            self._run_post_step_hooks()
 
     def _require_optimizer(self, call: str) -> None:
         if self.optimizer is None:
@@ -828,16 +824,6 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
             except AttributeError:
                 raise AttributeError(f"neither the engine nor its module ({type(module).__name__}) has an attribute "
                                      f"{name!r}") from None
-
-    def register_post_step_hook(self, hook) -> "torch.utils.hooks.RemovableHandle":
-        """Call ``hook(engine)`` on the host after every optimizer (boundary) step, once its
-        graph is dispatched; ``.remove()`` on the returned handle unregisters it. A hook that
-        reads device values (a loss, a norm) waits for the step: read them only when needed."""
-        from torch.utils.hooks import RemovableHandle
-
-        handle = RemovableHandle(self._post_step_hooks)
-        self._post_step_hooks[handle.id] = hook
-        return handle
 
     def compile(self, backend: Optional[str] = None, compile_kwargs: Optional[dict] = None, schedule=None,
                 compiled_autograd_enabled: bool = False) -> None:

@@ -11,12 +11,13 @@ from spmdzero.sharding.mesh import check_user_mesh, global_shape, mesh_shape, re
 from spmdzero.optim.precision import DTYPES
 from spmdzero.backends.torchax import batchnorm
 from spmdzero.backends.torchax.engine import TorchaxEngine
+from spmdzero.backends.torchax.mesh import user_mesh_devices
 from spmdzero.train.build import refuse_sparse_gradients, setup_training
 from spmdzero import runtime
 from spmdzero.runtime import jax_runtime
 
 
-def check_config(cfg: DeepSpeedConfig, client_optimizer: Any = None) -> None:
+def check_config(cfg: DeepSpeedConfig) -> None:
     """Refuse what this backend does not implement, naming the key."""
     unscaled = not cfg.fp16.enabled
     refused = {
@@ -32,9 +33,6 @@ def check_config(cfg: DeepSpeedConfig, client_optimizer: Any = None) -> None:
             raise ConfigError(f"{key} is not supported by the torchax backend (spmd.backend='torchax'; it trains "
                               "with the config's optimizer in fp32, bf16 or fp16); remove it or use "
                               "spmd.backend='torch_xla'")
-    if client_optimizer is None and cfg.optimizer is None:
-        raise ConfigError("spmd.backend='torchax' needs an optimizer: an 'optimizer' section in the config, or "
-                          "initialize(optimizer=...)")
 
 
 def _require_torchax() -> None:
@@ -51,7 +49,7 @@ def _require_torchax() -> None:
                               "which overwrote them. Repair with: pip install --force-reinstall --no-deps "
                               f"torchax=={TORCHAX_VERSION}") from err
         raise ConfigError(f"spmd.backend='torchax' needs the torchax package ({err}): "
-                          f"pip install 'spmdzero[torchax]' (torchax=={TORCHAX_VERSION})") from err
+                          f"pip install torchax=={TORCHAX_VERSION} (a dependency of spmdzero)") from err
 
 
 TORCHAX_VERSION = "0.0.13"  # pyproject.toml's pin
@@ -88,7 +86,7 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
     its step is traced (``TorchaxEngine.trace_step``), never run. The model's parameters may be
     on the ``meta`` device."""
 
-    check_config(cfg, optimizer)
+    check_config(cfg)
     _require_torchax()
     refuse_sparse_gradients(model)
     batchnorm.check_replaceable(model)  # the others' running statistics are updated as torch does
@@ -97,13 +95,13 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
                                  config_dict)
     if cfg.spmd.compile_cache_dir:  # before this engine's first program compiles
         jax_runtime.enable_compile_cache(cfg.spmd.compile_cache_dir)
-    if mesh is not None and jax_runtime.selected():
-        raise ConfigError(f"initialize(mesh=...) takes a torch_xla Mesh, and building one starts torch_xla's runtime, "
-                          f"which {jax_runtime.VARIABLE}=torchax keeps off the devices: give the mesh shape as "
-                          "'spmd.mesh' in the config instead")
+    devices = None  # the mesh's devices in order: JAX's, or a given mesh's
     if mesh is not None:
-        check_user_mesh(mesh)
+        check_user_mesh(mesh, ("jax", "torch_xla"))
+        if cfg.spmd.mesh is not None or cfg.spmd.dcn_mesh is not None:
+            raise ValueError("a mesh was given twice: as initialize(mesh=...) and in the config's 'spmd' section")
         shape = mesh_shape(mesh)
+        devices = user_mesh_devices(mesh, runtime.device_count())
     elif cfg.spmd.dcn_mesh is not None:  # data across slices, the rest within one (backends/torchax/mesh.py)
         ici, dcn = resolve_hybrid_shape(cfg.spmd.mesh, cfg.spmd.dcn_mesh, runtime.device_count())
         shape = global_shape(ici, dcn)
@@ -133,7 +131,7 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
                            training_data=training_data, collate_fn=collate_fn, even=True,
                            prepare_optimizer=prepare_optimizer)
     engine = TorchaxEngine(model, setup.optimizer, setup.scheduler, cfg, setup.batch, setup.plan, shape,
-                           runtime.device_count(), setup.loader, config_dict)
+                           runtime.device_count(), setup.loader, config_dict, devices=devices)
     return engine, engine.optimizer, setup.loader, setup.scheduler
 
 

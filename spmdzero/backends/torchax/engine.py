@@ -24,11 +24,11 @@ instead, and a loss the script computes from the outputs reaches a compiled back
 through torch autograd (``outside_loss``). The outputs come back as torchax tensors (JAX arrays
 seen as torch tensors; torch ops on them run eagerly in JAX), tied into torch autograd.
 
-Its devices: with ``SPMDZERO_BACKEND=torchax`` set before ``import spmdzero``, JAX's own (every
-TPU chip on a TPU VM, else ``CPU_NUM_DEVICES`` CPU devices) and torch_xla's runtime never starts
-(``spmdzero.runtime.jax_runtime``); without it, JAX CPU devices as many as torch_xla's runtime has, since
-that runtime, started by ``import spmdzero``, would hold any TPU. Under the variable, several hosts
-(``jax.distributed``, ``spmdzero.runtime.jax_runtime``) make one global mesh: each process
+Its devices: JAX's own, as ``import spmdzero`` gave them to JAX (every TPU chip on a TPU VM, else
+``CPU_NUM_DEVICES`` CPU devices; ``spmdzero.runtime.jax_runtime``), and torch_xla is never imported;
+under ``SPMDZERO_BACKEND=torch_xla``, JAX CPU devices as many as torch_xla's runtime has, since that
+runtime holds any TPU (``mesh.jax_devices``). Several hosts (``jax.distributed``,
+``spmdzero.runtime.jax_runtime``) make one global mesh: each process
 starts from process 0's parameters (as DeepSpeed broadcasts them) and places only its own rows
 of a batch (``jax.make_array_from_process_local_data``); losses and norms read back are the
 global values, the same on every process. fp32, or
@@ -64,6 +64,7 @@ from torch.utils import _pytree as torch_pytree
 
 from spmdzero.sharding.batch import BatchSizes
 from spmdzero.config.schema import DeepSpeedConfig
+from spmdzero.train.batch_inputs import note_replicated
 from spmdzero.train.data import like, model_pad_id
 from spmdzero.observe.monitor import RecompileGuard, StepLogger, ThroughputTimer, notice_nonfinite
 from spmdzero.observe.reports import sharding_report
@@ -74,10 +75,9 @@ from spmdzero.optim.update import LossScale, boundary_update, init_loss_scale, s
 from spmdzero.train.engine_base import EngineBase, NO_GRADIENTS
 from spmdzero.sharding.plan import ShardingPlan, replicated
 from spmdzero.optim.precision import precision_policy
-from spmdzero.runtime import jax_runtime
 from spmdzero.train.build import move_in_place
 from spmdzero.backends.torchax import batchnorm
-from spmdzero.backends.torchax.mesh import mesh_devices
+from spmdzero.backends.torchax.mesh import jax_devices, mesh_devices
 from spmdzero.sharding.mesh import resolve_hybrid_shape
 from spmdzero.backends.torchax.outside_loss import tie
 from spmdzero.backends.torchax import torch_optim
@@ -117,22 +117,6 @@ def _is_torchax_tensor(t: torch.Tensor) -> bool:
     return isinstance(t, ttensor.Tensor)
 
 
-def jax_devices(count: int) -> list:
-    """``count`` JAX devices: JAX's own under ``SPMDZERO_BACKEND=torchax`` (the TPU chips on a TPU
-    VM); else JAX CPU devices, as many as torch_xla's runtime has, since that runtime holds any TPU."""
-    if jax_runtime.selected():
-        return jax_runtime.devices()[:count]
-    import torch_xla.runtime as xr
-
-    if xr.device_type() != "CPU":
-        raise RuntimeError(f"spmd.backend='torchax' on {xr.device_type()} needs {jax_runtime.VARIABLE}=torchax in "
-                           f"the environment before `import spmdzero`: without it, import spmdzero starts torch_xla's "
-                           f"runtime, which holds the {xr.device_type()} devices JAX would run on (in a notebook: "
-                           f"restart the kernel, set os.environ['{jax_runtime.VARIABLE}'] = 'torchax', then import "
-                           "spmdzero)")
-    return jax_runtime.cpu_devices(count)
-
-
 def _jax_dtype(dtype: torch.dtype):
     import jax.numpy as jnp
 
@@ -148,7 +132,7 @@ def _placed_dtype(dtype: torch.dtype):
     return jax.dtypes.canonicalize_dtype(mappings.t2j_dtype(dtype))
 
 
-INT64_TRUNCATED = r"Explicitly requested dtype int64 requested in .* is not available"
+INT64_TRUNCATED = r"Explicitly requested dtype .*int64.* requested in .* is not available"
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,6 +162,16 @@ def _output_tensor_class():
 
         def detach(self):
             return Output(jax.lax.stop_gradient(self._elem), env)
+
+        @property
+        def data(self):
+            # torchax logs "In-place to .data modifications still results a copy" at each read; a
+            # loop reads outputs.data (cifar's torch.max(outputs.data, 1)): a detached view, as torch's
+            return self.detach()
+
+        @data.setter
+        def data(self, other):
+            ttensor.Tensor.data.fset(self, other)
 
     return Output
 
@@ -217,9 +211,8 @@ def _find_loss(output) -> Optional[torch.Tensor]:
 # The torch_xla engine's public names this engine lacks (tests/test_torchax_backend.py checks
 # the list against both classes): asking for one says which backend has it.
 TORCH_XLA_ONLY = frozenset({
-    "capture_steps", "collectives_report", "grad_buffers", "is_compiled", "lay_out_state",
-    "master_weights",
-    "register_post_step_hook", "restore_snapshot", "snapshot", "trained_parameters",
+    "capture_steps", "collectives_report", "is_compiled", "lay_out_state",
+    "restore_snapshot", "snapshot", "trained_parameters",
 })
 
 
@@ -228,7 +221,8 @@ class TorchaxEngine(EngineBase):
 
     def __init__(self, module: torch.nn.Module, optimizer: SpmdOptimizer, lr_scheduler: Any, cfg: DeepSpeedConfig,
                  batch: BatchSizes, plan: ShardingPlan, mesh_shape: dict[str, int], device_count: int,
-                 training_dataloader: Any = None, config_dict: Optional[dict] = None, shape_only: bool = False):
+                 training_dataloader: Any = None, config_dict: Optional[dict] = None, devices=None,
+                 shape_only: bool = False):
         import jax
         import torchax
         from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
@@ -239,12 +233,12 @@ class TorchaxEngine(EngineBase):
         # no parameter is ever materialized (``trace_step``)
         self._shape_only = shape_only
         if shape_only:
-            devices = None
             self._processes = 1
         else:
             dcn = None if cfg.spmd.dcn_mesh is None else resolve_hybrid_shape(cfg.spmd.mesh, cfg.spmd.dcn_mesh,
                                                                                device_count)[1]
-            devices = mesh_devices(jax_devices(device_count), mesh_shape, dcn)  # before any JAX array
+            if devices is None:  # before any JAX array; else a mesh given to initialize, in its order
+                devices = mesh_devices(jax_devices(device_count), mesh_shape, dcn)
             self._processes = jax.process_count()  # hosts joined by jax.distributed; 1 without
         seed = torch.initial_seed()
         if self._processes > 1:
@@ -253,7 +247,10 @@ class TorchaxEngine(EngineBase):
         self._Output = _output_tensor_class()
         self._module = module
         self.basic_optimizer = optimizer
-        self.optimizer = ZeroOptimizer(optimizer, self)  # DeepSpeed's ZeRO optimizer face, as the torch_xla engine's
+        # DeepSpeed's ZeRO optimizer face, as the torch_xla engine's; None without an optimizer (a model
+        # only evaluated, or only given gradients: DeepSpeed-Chat's reference and reward models)
+        self.optimizer = None if optimizer is None else ZeroOptimizer(optimizer, self)
+        groups = [] if optimizer is None else optimizer.param_groups
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
         self.plan = plan
@@ -273,9 +270,10 @@ class TorchaxEngine(EngineBase):
 
         # Trainable parameters by plan name; frozen ones and buffers are inputs that are not trained.
         names = {id(p): n for n, p in module.named_parameters()}
-        optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        optimized = ({id(p) for g in groups for p in g["params"]} if optimizer is not None else
+                     {id(p) for p in module.parameters()})  # no optimizer: backward still gives every gradient
         self._names = [n for n, p in module.named_parameters() if p.requires_grad and id(p) in optimized]
-        self._groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        self._groups = [[names[id(p)] for p in g["params"]] for g in groups]
         trained = set(self._names)
         self._param_specs = {n: spec(plan[n].param) for n in self._names}
         self._grad_specs = {n: spec(plan[n].grad) for n in self._names}
@@ -293,11 +291,11 @@ class TorchaxEngine(EngineBase):
         states, self._state_specs = {}, {}
         # a torch.optim optimizer's own step runs in the update (torch_optim): its first step
         # creates its states, as torch's does
-        self._torch_optimizer = not isinstance(optimizer, SpmdOptimizer)
+        self._torch_optimizer = optimizer is not None and not isinstance(optimizer, SpmdOptimizer)
         self._static_hyper = torch_optim.static_hyperparameters(optimizer) if self._torch_optimizer else None
         # how the torch optimizer's step gets its lr (torch_optim.LR_MODES)
         self._lr_mode = torch_optim.initial_lr_mode(optimizer) if self._torch_optimizer else "traced"
-        for group, group_names in zip(optimizer.param_groups, self._groups):
+        for group, group_names in zip(groups, self._groups):
             for p, name in zip(group["params"], group_names):
                 initial = {} if self._torch_optimizer else optimizer._initial_state(p.detach().float(), group)
                 self._state_specs[name] = {k: spec(plan[name].optimizer_state if tuple(v.shape) == tuple(p.shape)
@@ -305,8 +303,8 @@ class TorchaxEngine(EngineBase):
                 states[name] = {k: self._put(v, self._state_specs[name][k]) for k, v in initial.items()}
         # Every parameter steps together here (one update, one overflow skip): the optimizer's step
         # counters are one array, not one per parameter, so fewer arrays pass through every update.
-        self._shared_state = {"step": states[self._names[0]]["step"]} if self._names and "step" in states[
-            self._names[0]] else {}
+        first = states.get(self._names[0], {}) if self._names else {}
+        self._shared_state = {"step": first["step"]} if "step" in first else {}
         self._opt_state = {n: {k: v for k, v in st.items() if k not in self._shared_state} for n, st in states.items()}
         self._state_specs = {n: {k: v for k, v in st.items() if k not in self._shared_state}
                              for n, st in self._state_specs.items()}
@@ -345,8 +343,9 @@ class TorchaxEngine(EngineBase):
         self._touched: set[int] = set()  # host parameters (by id) whose .data was used since the last forward
         _watch_parameters(module, self)
         self._warned_fewer_rows = False
-        _refuse_optimizer_state(optimizer)
-        _zero_grad_through_engine(optimizer, self)
+        if optimizer is not None:
+            _refuse_optimizer_state(optimizer)
+            _zero_grad_through_engine(optimizer, self)
         _sync_before_state_dict(module, self)
         self._seed(seed)  # process 0's
         self._programs: dict = {}  # jitted functions by static structure
@@ -356,7 +355,7 @@ class TorchaxEngine(EngineBase):
         self.recompile_guard = RecompileGuard(cfg.spmd.max_recompiles, "JAX_LOG_COMPILES=1 logs each compilation.")
         self._traces_at_step = 0
         self._input_shapes: tuple = ()  # the last training forward's, to name a shape change
-        self._update = self._build_update()
+        self._update = self._build_update() if optimizer is not None else None
         # DeepSpeed does not step the schedule on a step skipped for overflow, which only the
         # devices know: DeepSpeed's schedules then count and compute their lr there (step_if)
         self._schedule_on_devices = self.precision.check_overflow and isinstance(lr_scheduler, LRSchedule)
@@ -415,6 +414,8 @@ class TorchaxEngine(EngineBase):
         local = layout.rows is not None and not layout.on_device  # this process's rows
         rows = None if layout.rows is None else layout.rows * (self._processes if local else 1)
         split = rows is not None and rows % self._batch.dp_devices == 0
+        if rows is not None and not split and self._processes == 1:
+            note_replicated(rows, self._batch.dp_devices)
         if local and not split and self._processes > 1:
             devices = self._batch.dp_devices // self._processes
             raise ValueError(f"a batch of {layout.rows} rows does not divide over the {devices} data-parallel devices "
@@ -564,6 +565,22 @@ class TorchaxEngine(EngineBase):
     def forward(self, *inputs, **kwargs):
         """Run the module in one jitted program; in training (train mode, grad enabled) it also
         takes the gradient of the loss the module returns (see the module docstring)."""
+        try:
+            return self._forward(inputs, kwargs)
+        except self._jax.errors.ConcretizationTypeError as err:
+            raise self._reads_values(err) from err
+
+    def _reads_values(self, err: Exception) -> RuntimeError:
+        """The error for a forward that reads a tensor's value on the host, which JAX's trace cannot."""
+        found = str(err).strip().splitlines()[0]
+        return RuntimeError(
+            f"spmd.backend='torchax': {type(self._module).__name__}'s forward reads a tensor's value on the host "
+            "(bool(t), t.item(), t.tolist(), `if t:` or int(t) on a tensor), and the torchax backend traces the "
+            "forward once as a JAX program, which cannot stop for a value. Compute it with tensor ops instead "
+            "(torch.where, masks), or use spmd.backend='torch_xla', which cuts the step in two there. JAX said: "
+            f"{found}")
+
+    def _forward(self, inputs: tuple, kwargs: dict):
         leaves, treespec, static, layout, arrays, rng, rows = self._placed(inputs, kwargs)
         training = self._module.training
         grad_enabled = torch.is_grad_enabled()
@@ -966,6 +983,9 @@ class TorchaxEngine(EngineBase):
         traces to the recompile guard."""
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
+            if self.optimizer is None:
+                raise RuntimeError("engine.step() needs an optimizer: pass optimizer= to initialize() or add an "
+                                   "'optimizer' section to the config")
             if self._accum is None:
                 raise RuntimeError(NO_GRADIENTS)
             self._take_model_step(lr_kwargs)
@@ -1042,6 +1062,7 @@ class TorchaxEngine(EngineBase):
         self._step_loss, self._window_loss = self._window_loss, None
         self._step_logger.after_boundary(self)  # reads the device at print steps only
         self.tput_timer.after_boundary()
+        self._run_post_step_hooks()
 
     def _build_update(self):
         """``(params, masters, states, shared states, grads, skipped, loss scale, hyperparameters) ->
@@ -1121,6 +1142,9 @@ class TorchaxEngine(EngineBase):
         count this trace)."""
         import jax
 
+        if self.optimizer is None:
+            raise ValueError("trace_step traces a training step, which needs an optimizer: pass optimizer= to "
+                             "initialize() or add an 'optimizer' section to the config")
         traces = collections.Counter(self.traces)
         try:
             _, treespec, static, _, arrays, rng, rows = self._placed(inputs, kwargs)
@@ -1151,15 +1175,18 @@ class TorchaxEngine(EngineBase):
             try:
                 try:
                     result = traced()
-                except jax.errors.ConcretizationTypeError:
+                except jax.errors.ConcretizationTypeError as err:
                     if not self._torch_optimizer or self._lr_mode != "traced":
-                        raise
+                        raise self._reads_values(err) from err
                     # as the first real step does: its step reads the lr as a Python number (torch_optim.LR_MODES)
                     self._lr_mode = torch_optim.fallback_lr_mode(self.basic_optimizer)
                     self._static_hyper = torch_optim.static_hyperparameters(
                         self.basic_optimizer, with_lr=self._lr_mode == "constant")
                     self._update = self._build_update()
-                    result = traced()
+                    try:
+                        result = traced()
+                    except jax.errors.ConcretizationTypeError as again:  # the forward's, then
+                        raise self._reads_values(again) from again
             except _NoLoss:
                 raise ValueError(f"the module's output holds no scalar loss ({type(self._module).__name__}): the "
                                  "torchax backend's step compiles the training program, which takes the gradient of "
@@ -1303,6 +1330,16 @@ class TorchaxEngine(EngineBase):
                 out[f"loss_scale.{field}"] = (value, ())
         return out
 
+    def master_weights(self) -> dict[str, torch.Tensor]:
+        """The fp32 master weights by parameter name (empty in fp32 training), as torchax tensors
+        over the JAX arrays (laid out by the plan's master spec), as the engine's outputs are."""
+        return {n: self._Output(a, self._env) for n, a in self._masters.items()}
+
+    def grad_buffers(self) -> dict[str, torch.Tensor]:
+        """The gradients accumulated since the last optimizer step by parameter name, as torchax
+        tensors (``accumulated_gradients`` as JAX arrays); empty between steps."""
+        return {n: self._Output(a, self._env) for n, a in (self._accum or {}).items()}
+
     def accumulated_gradients(self) -> dict[str, Any]:
         """The gradients committed since the last optimizer step, by parameter name, as JAX
         arrays laid out by the plan's gradient spec; empty between steps."""
@@ -1355,8 +1392,10 @@ class TorchaxEngine(EngineBase):
         in ``optimizer.state``, as the torch_xla backend keeps them. On a shape-only engine each
         is a ``jax.ShapeDtypeStruct`` among the device states, where a later step has them all
         (what ``trace_step`` traces). Returns those parameters."""
+        if not self._torch_optimizer:
+            return []
         pending = [n for n in self._names if not self._opt_state[n]]
-        if not self._torch_optimizer or not pending:
+        if not pending:
             return []
         shapes = torch_optim.state_shapes(self.basic_optimizer, self._groups, self._masters or self._params, self._env,
                                           self._lr_mode)

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from spmdzero.backends.torch_xla.engine import COMPILE_BACKEND
+from spmdzero.backends.torch_xla import COMPILE_BACKEND
 
 
 class NeutralStream:
@@ -270,8 +270,8 @@ class XlaAccelerator:
 
 
 class JaxHostAccelerator(XlaAccelerator):
-    """Under ``SPMDZERO_BACKEND=torchax`` JAX owns the devices and torch_xla's runtime must not
-    start (``spmdzero.runtime.jax_runtime``): a script's tensors stay on the host (``cpu``) and the
+    """Where JAX owns the devices (the default; not under ``SPMDZERO_BACKEND=torch_xla``),
+    torch_xla's runtime must not start (``spmdzero.runtime.jax_runtime``): a script's tensors stay on the host (``cpu``) and the
     torchax engine puts each batch on the devices; counts, memory and RNG come from JAX and
     torch, never from torch_xla."""
 
