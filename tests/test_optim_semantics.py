@@ -377,7 +377,8 @@ def test_a_capture_puts_back_adams_host_side_step_count():
 def test_the_tpu_compile_of_a_torch_optimizer_traces_a_later_step():
     """``spmdzero aot`` compiles the step every step after the first runs: a torch optimizer's
     state is its input (donated), whether the engine is materialized or shape-only. (In a fresh
-    process: a real engine's step after a shape-only engine crashes torch_xla.)"""
+    process: a real engine's step after a shape-only engine crashes torch_xla.) On torch_xla's
+    runtime (the torch_xla engine's capture); the torchax step's below."""
     out = run_python("""
         import json, torch
         from conftest import tiny_mlp
@@ -390,7 +391,30 @@ def test_the_tpu_compile_of_a_torch_optimizer_traces_a_later_step():
             state = [k for k in step.inputs if k.startswith("optim.")] if step.inputs else [
                 k for k in step.engine.state_tensors() if k.startswith("optim.")]
             print(json.dumps([shape_only, len(state), len(step.donate)]))
-    """, env={"PYTHONPATH": os.pathsep.join([os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")])})
+    """, env={"PYTHONPATH": os.pathsep.join([os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")]),
+              "SPMDZERO_BACKEND": "torch_xla"})
     runs = [json.loads(line) for line in out.strip().splitlines()[-2:]]
     # square_avg and momentum_buffer of 4 tensors (the step count is on the host), donated with the parameters
     assert runs == [[False, 8, 4 + 8], [True, 8, 4 + 8]]
+
+
+def test_the_torchax_tpu_compile_of_a_torch_optimizer_traces_a_later_step():
+    """The torchax step (``spmdzero aot``'s default): the torch optimizer's states, which its
+    first step creates, are inputs of the compiled step and donated, as every later step has
+    them (the step count on the devices too); the loss is the source's, taken in the forward."""
+    import re
+
+    from conftest import tiny_mlp
+    from spmdzero.aot.models import ModelSource
+    from spmdzero.aot.steps import capture_step
+
+    source = ModelSource("mlp", tiny_mlp, lambda m, b: ((torch.randn(b, 16),), {}), lambda out: out.square().mean())
+    config = {"train_batch_size": 16, "optimizer": {"type": "RMSprop", "params": {"lr": 0.01, "momentum": 0.9}},
+              "spmd": {"backend": "torchax"}}
+    step = capture_step(source, config, stage=2, topology="v5e:2x4")
+    states = step.engine.optimizer_states()
+    assert sorted(states) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert all(sorted(s) == ["momentum_buffer", "square_avg", "step"] for s in states.values()), states
+    # the 4 parameters and their 12 states, donated to their updated outputs (and the skip counter)
+    donated = re.findall(r"tf.aliasing_output = \d+", step.mlir)
+    assert len(donated) >= 4 + 12

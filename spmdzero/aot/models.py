@@ -29,6 +29,9 @@ class ModelSource:
     inputs: Callable[[torch.nn.Module, int], tuple[tuple, dict]]  # (model, global batch) -> args, kwargs
     loss: Callable[[Any], torch.Tensor]  # forward output -> loss
     seq_len: int | None = None  # tokens per sequence when known (for model FLOPs)
+    # the forward's output holds the loss (a scalar, ``.loss``...) and ``loss`` only picks it: the
+    # torchax engine's training program takes its gradient from the module's own output
+    returns_loss: bool = False
 
 
 @contextlib.contextmanager
@@ -113,7 +116,7 @@ def _from_file(spec: str) -> ModelSource:
             raise ValueError(f"--model {spec!r}: the model has no example_inputs(batch_size) method giving a batch")
         return tuple(model.example_inputs(batch)), {}
 
-    return ModelSource(spec, factory, inputs, lambda output: output)
+    return ModelSource(spec, factory, inputs, lambda output: output, returns_loss=True)
 
 
 def _from_config(spec: str, seq_len: int | None) -> ModelSource:
@@ -155,4 +158,4 @@ def _from_config(spec: str, seq_len: int | None) -> ModelSource:
         return (), {"input_ids": tokens, "labels": tokens}  # the model shifts the labels itself
 
     return ModelSource(f"{model_type} ({os.path.basename(os.path.dirname(os.path.abspath(path)))})", build, inputs,
-                       lambda output: output.loss, seq_len)
+                       lambda output: output.loss, seq_len, returns_loss=True)

@@ -95,9 +95,25 @@ def _trace_torchax_step(source, config: dict, stage: int, micro_batch: Optional[
     (for a model that does not build on ``meta``); the engine never places them."""
     cfg = _stage_config(config, stage, micro_batch)
     model = build_on_meta(source) if shape_only else checked_module(source, source.build())
+    if not source.returns_loss:
+        _loss_inside(model, source.loss)
     engine = shape_only_torchax_engine(model, cfg, topology_chips(topology) if topology else runtime.device_count())
     args, kwargs = source.inputs(model, engine.train_micro_batch_size_per_gpu() * engine.dp_world_size)
     return trace_step(engine, *args, **kwargs)
+
+
+def _loss_inside(model, loss) -> None:
+    """``model``'s forward returning ``loss`` of its output: the step compiled is then the
+    torchax engine's fused training program with that loss. (The engine would run a loss the
+    script computes from the outputs through its VJP and backward programs instead, which one
+    step cannot compose; the gradients and the update are the same.) The instance's own
+    ``forward``: the parameters keep their names."""
+    forward = model.forward
+
+    def with_loss(*args, **kwargs):
+        return loss(forward(*args, **kwargs))
+
+    model.forward = with_loss
 
 
 def compile_step(source, config: dict, topology: str, stage: int, micro_batch: Optional[int] = None,
@@ -117,7 +133,7 @@ def compare_stages(make_model, config: dict, topology: str, stages=(0, 1, 2), mi
     ``example_inputs(batch_size)`` method whose forward returns the loss."""
     source = make_model if isinstance(make_model, ModelSource) else ModelSource(
         getattr(make_model, "__name__", "model"), make_model, lambda m, b: (tuple(m.example_inputs(b)), {}),
-        lambda output: output)
+        lambda output: output, returns_loss=True)
     return [compile_step(source, config, topology, stage, micro_batch, shape_only) for stage in stages]
 
 

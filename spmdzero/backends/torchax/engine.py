@@ -1166,8 +1166,13 @@ class TorchaxEngine(EngineBase):
                     outputs
 
             def traced():
-                jitted = jax.jit(step, out_shardings=(self._update_shardings, None, None),
-                                 donate_argnums=(0, 1, 2, 3, 4, 5, 6))
+                shardings = self._update_shardings
+                if shardings[2] is None and self._opt_state and all(self._opt_state.values()):
+                    # a torch optimizer's states, once they exist, come out as they went in: laid out
+                    # so, each updates its input in place (donated) instead of being a new buffer
+                    states = {n: {k: v.sharding for k, v in st.items()} for n, st in self._opt_state.items()}
+                    shardings = (*shardings[:2], states, *shardings[3:])
+                jitted = jax.jit(step, out_shardings=(shardings, None, None), donate_argnums=(0, 1, 2, 3, 4, 5, 6))
                 return jitted.trace(self._params, self._masters, self._opt_state, self._shared_state, accum,
                                     self._skipped, self._loss_scale, self._constants, rng, arrays, scalar,
                                     self._abstract_hyper())
