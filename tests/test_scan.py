@@ -16,7 +16,8 @@ from spmdzero.config.load import parse_config
 from spmdzero.observe.hlo import split_computations
 from spmdzero.observe.monitor import graph_count
 from spmdzero.sharding.plan import make_plan
-from spmdzero.backends.torch_xla.scan import apply_scan_layers, find_layer_stack, restack_optimizer
+from spmdzero.backends.torch_xla.scan import apply_scan_layers
+from spmdzero.train.scan_layers import find_layer_stack, restack_optimizer
 from spmdzero.io.restack import stacking_mismatch
 
 from conftest import REPO, run_python, tiny_mlp
