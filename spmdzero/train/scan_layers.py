@@ -55,9 +55,10 @@ def _signature(block: torch.nn.Module) -> tuple:
 
 def find_layer_stack(module: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
     """The model's largest ``nn.ModuleList`` of identical blocks, by parameter count."""
+    # a stack scanned by an earlier initialize is found again (its iteration in training is the loop)
     stacks = [(name, child) for name, child in module.named_modules()
               if isinstance(child, torch.nn.ModuleList) and len(child) >= 2
-              and len({_signature(block) for block in child}) == 1]
+              and len({_signature(block) for block in _members(child)}) == 1]
     if not stacks:
         raise ConfigError(f"spmd.scan_layers: {type(module).__name__} has no nn.ModuleList of two or more identical "
                           f"blocks (one class, the same parameter names and shapes) to scan over. Models that "
@@ -68,6 +69,10 @@ def find_layer_stack(module: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]
                           "(config.layer_types): its blocks do not compute the same function, so they cannot be "
                           "scanned. Remove spmd.scan_layers for this model.")
     return max(stacks, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+
+
+def _members(stack: torch.nn.ModuleList) -> list[torch.nn.Module]:
+    return stack.blocks() if isinstance(stack, ScannedLayers) else list(stack)
 
 
 def apply_scan_layers(module: torch.nn.Module, mode: bool | str, loop: Loop) -> dict:

@@ -90,5 +90,7 @@ class _JaxLoop:
                 key = env.prng_key
             return (env.t2j_iso(check_block_output(template, out)), key), None
 
-        (out, _), _ = jax.lax.scan(one_layer, (env.t2j_iso(hidden), env.get_and_rotate_prng_key()), weights)
+        # length: a block with no parameters or buffers gives the loop nothing to count
+        (out, _), _ = jax.lax.scan(one_layer, (env.t2j_iso(hidden), env.get_and_rotate_prng_key()), weights,
+                                   length=len(blocks))
         return env.j2t_iso(out)
