@@ -606,48 +606,87 @@ def lowered_training_program(model, scan, monkeypatch, steps: int = 1):
     return lowered[0], engine
 
 
+@pytest.fixture(params=["shardy", "gspmd"])
+def partitioner(request):
+    """JAX's partitioner for the test: Shardy (JAX's default) or GSPMD (what torch_xla switches
+    JAX to, process-wide, when it first calls JAX: after a torch_xla scan, for one)."""
+    import jax
+
+    before = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", request.param == "shardy")
+    yield request.param
+    jax.config.update("jax_use_shardy_partitioner", before)
+
+
+def small_tiny_gpt(layers: int) -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=layers)
+
+
+def shape_text(shape) -> str:
+    return f"f32[{','.join(map(str, shape))}]"
+
+
 @pytest.mark.slow
 def test_the_torchax_stacked_program_is_one_loop_whatever_the_depth(monkeypatch):
     """The block is traced once, into a forward and a backward loop: the program lowered and
-    compiled at 4 layers is the one at 2. ZeRO-2 (XLA:CPU's program): the backward loop
-    carries each stacked gradient sharded by the plan, and each trip reduces its layer's
-    gradient into its shard (all-reduce, then the device's slice: what TPU compiles to a
-    reduce-scatter); nothing all-reduces a whole [layers, ...] gradient."""
+    compiled at 4 layers is the one at 2."""
     sizes = {}
     for layers in (2, 4):
-        torch.manual_seed(0)
-        lowered, engine = lowered_training_program(
-            TinyGPT(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=layers), "stacked", monkeypatch)
+        lowered, _ = lowered_training_program(small_tiny_gpt(layers), "stacked", monkeypatch)
         text, compiled = lowered.as_text(), lowered.compile().as_text()
         assert text.count("stablehlo.while") == 2  # the forward's loop and the backward's
         sizes[layers] = (len(text.splitlines()), len(compiled.splitlines()))
     assert sizes[2] == sizes[4]
-    comps = split_computations(compiled)
-    loops = [ins for ins in comps["ENTRY"] if ins.opcode == "while"]
-    bodies = [comps[re.search(r"body=%([\w.\-]+)", ins.rest).group(1)] for ins in loops]
-    reduced = [{ins.shape.split("{")[0] for ins in body if ins.opcode.startswith("all-reduce")} for body in bodies]
-    backward = max(range(len(loops)), key=lambda i: len(reduced[i]))
-    everywhere = {ins.shape.split("{")[0] for body in comps.values() for ins in body if ins.opcode.startswith("all-reduce")}
-    matrices = [name for name in engine.stacked_layers() if len(engine.plan[name].shape) == 3]
-    assert len(matrices) == 4  # qkv, proj, the MLP's two
-    for name in matrices:
-        planned = engine.plan[name]
-        assert planned.grad[0] is None and planned.grad_stages  # split, never along the layers
-        local = [size // 8 if axis else size for size, axis in zip(planned.shape, planned.grad)]
-        layer = f"f32[{','.join(map(str, planned.shape[1:]))}]"
-        assert f"f32[{','.join(map(str, local))}]" in loops[backward].shape, name  # the sharded accumulator
-        assert layer in reduced[backward] or f"f32[{','.join(map(str, reversed(planned.shape[1:])))}]" in \
-            reduced[backward], name  # one layer's gradient reduced in its trip (possibly transposed)
-        assert f"f32[{','.join(map(str, planned.shape))}]" not in everywhere, name
 
 
 @pytest.mark.slow
-def test_libtpu_reduce_scatters_torchax_stacked_gradients_inside_the_loop(monkeypatch):
+@pytest.mark.parametrize("scan", [True, "stacked"])
+def test_torchax_zero2_reduces_each_layers_gradient_in_its_loop_trip(scan, partitioner, monkeypatch):
+    """XLA:CPU's program, under either partitioner: the backward loop carries each stacked
+    gradient sharded by the plan, and each trip reduces its layer's weight gradients into
+    their shards (all-reduce, then the device's slice: what TPU compiles to a reduce-scatter),
+    and nothing else: under GSPMD, without the layouts inside the loop
+    (``backends/torchax/scan.py``), it all-gathered the activations instead. Nothing
+    all-reduces a whole [layers, ...] gradient."""
+    layers = 2
+    lowered, engine = lowered_training_program(small_tiny_gpt(layers), scan, monkeypatch)
+    comps = split_computations(lowered.compile().as_text())
+    loops = [ins for ins in comps["ENTRY"] if ins.opcode == "while"]
+    assert len(loops) == 2
+    bodies = [comps[re.search(r"body=%([\w.\-]+)", ins.rest).group(1)] for ins in loops]
+    moved = [{ins.shape.split("{")[0] for ins in body if ins.opcode.startswith(("all-", "collective-permute"))}
+             for body in bodies]
+    backward = max(range(len(loops)), key=lambda i: len(moved[i]))
+    assert not moved[1 - backward]  # the forward loop moves nothing: the weights are replicated
+    everywhere = {ins.shape.split("{")[0] for body in comps.values() for ins in body
+                  if ins.opcode.startswith("all-reduce")}
+    stack, _ = find_layer_stack(engine.module)
+    names = [n for n, _ in engine.module.named_parameters() if n.startswith(f"{stack}.")]
+    one_layer = {}
+    for name in names:  # each block parameter once, by its plan (the stacked one, or layer 0's)
+        if scan == "stacked" or name.startswith(f"{stack}.0."):
+            planned = engine.plan[name]
+            shape = planned.shape[1:] if scan == "stacked" else planned.shape
+            one_layer[name] = (shape, planned.grad[1:] if scan == "stacked" else planned.grad)
+    assert len(one_layer) == 12  # two norms, qkv, proj, the MLP's two linears: weights and biases
+    layer_shapes = {shape_text(shape) for shape, _ in one_layer.values()}
+    layer_shapes |= {shape_text(tuple(reversed(shape))) for shape, _ in one_layer.values()}  # transposed
+    assert moved[backward] <= layer_shapes  # only gradients, no activation
+    for name, (shape, grad) in one_layer.items():
+        assert any(axis is not None for axis in grad), name  # all split on 8 devices
+        local = [size // 8 if axis else size for size, axis in zip(shape, grad)]
+        assert shape_text((layers, *local)) in loops[backward].shape, name  # the sharded accumulator
+        assert shape_text((layers, *shape)) not in everywhere, name
+
+
+@pytest.mark.slow
+def test_libtpu_reduce_scatters_torchax_stacked_gradients_inside_the_loop(partitioner, monkeypatch):
     """The TPU compiler (libtpu, compile-only) on v5e:2x4 with the torchax backend's stacked
     program: each layer's slice of every stacked parameter, and the head, is reduce-scattered
-    (an eighth of its bytes per chip), the stacked ones in the backward's layer loop; no
-    gradient is all-reduced (the embedding tables' are computed on their shards from the
-    gathered token ids)."""
+    (an eighth of its bytes per chip), the stacked ones in the backward's layer loop, once per
+    trip; no gradient is all-reduced (the embedding tables' are computed on their shards from
+    the gathered token ids)."""
     from spmdzero.tpu.capture import compile_mlir
 
     torch.manual_seed(0)

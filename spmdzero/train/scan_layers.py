@@ -98,10 +98,23 @@ def scanned_stacks(module: torch.nn.Module):
 
 
 def scanned_parameters(module: torch.nn.Module) -> frozenset[str]:
-    """The names of the parameters that live in a scanned stack (on torch_xla their
-    gradients leave the loop already laid out by its ``lay_out_gradients``)."""
+    """The names of the parameters that live in a scanned stack (their gradients leave the
+    loop already laid out by the backend's ``lay_out_gradients``)."""
     return frozenset(f"{stack_name}.{name}" for stack_name, stack in scanned_stacks(module)
                      for name, _ in stack.named_parameters())
+
+
+def gradient_layouts(stack_name: str, stack: "ScannedLayers", plan) -> dict:
+    """{block parameter name: the partition specs one layer's weight gradient goes through in
+    turn inside the loop's backward}: the plan's ``grad_layouts`` (pinned replicated, then the
+    ZeRO spec; or two fsdp stages), per layer for a stacked parameter (``layer_grad_layouts``).
+    Empty below ZeRO-2 and for frozen or unsplit parameters."""
+    layouts = {}
+    for name in stack.block_parameter_names():
+        planned = plan.get(f"{stack_name}.{name}" if stack.stacked else f"{stack_name}.0.{name}")
+        if planned is not None and planned.grad_stages:  # None: frozen, no gradient
+            layouts[name] = planned.layer_grad_layouts if stack.stacked else planned.grad_layouts
+    return layouts
 
 
 def restack_groups(params, stacked_from: dict, where: str):
@@ -189,7 +202,7 @@ class ScannedLayers(torch.nn.ModuleList):
     ``len``, iteration and indexing leave out."""
 
     loop: Optional[Loop] = None  # the backend's (apply_scan_layers)
-    gradient_layouts = None  # torch_xla's (mesh, {block parameter name: layouts in turn}): its lay_out_gradients
+    gradient_layouts = None  # (mesh, {block parameter name: layouts in turn}): the backend's lay_out_gradients
 
     @property
     def stacked(self) -> bool:

@@ -47,7 +47,7 @@ from spmdzero.config.errors import ConfigError
 from spmdzero.backends.torch_xla.annotate import constrain
 from spmdzero.train import scan_layers
 from spmdzero.train.scan_layers import (ScannedLayers, block_template, check_block_output, find_layer_stack,
-                                        join_arguments, scanned_stacks, split_arguments)
+                                        gradient_layouts, join_arguments, scanned_stacks, split_arguments)
 
 
 def _check_torchax() -> None:
@@ -88,11 +88,7 @@ def lay_out_gradients(module: torch.nn.Module, mesh, plan) -> None:
     token rows) than reduce the gradient. With two fsdp axes there is no pin, as in
     ``engine.backward``: libtpu does not reduce-scatter a pinned gradient over 16 chips."""
     for stack_name, stack in scanned_stacks(module):
-        layouts = {}
-        for name in stack.block_parameter_names():
-            planned = plan.get(f"{stack_name}.{name}" if stack.stacked else f"{stack_name}.0.{name}")
-            if planned is not None and planned.grad_stages:  # None: frozen, no gradient
-                layouts[name] = planned.layer_grad_layouts if stack.stacked else planned.grad_layouts
+        layouts = gradient_layouts(stack_name, stack, plan)
         stack.gradient_layouts = (mesh, layouts) if layouts else None
         stack.__dict__.pop("_scan_fns", None)  # traced with the previous layouts
 

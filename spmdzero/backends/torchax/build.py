@@ -11,7 +11,7 @@ from spmdzero.sharding.mesh import check_user_mesh, global_shape, mesh_shape, re
 from spmdzero.optim.precision import DTYPES
 from spmdzero.backends.torchax import batchnorm
 from spmdzero.backends.torchax.engine import TorchaxEngine
-from spmdzero.backends.torchax.scan import apply_scan_layers
+from spmdzero.backends.torchax.scan import apply_scan_layers, lay_out_gradients
 from spmdzero.train.build import refuse_sparse_gradients, setup_training
 from spmdzero.train.scan_layers import restack_client, stacked_layers
 from spmdzero import runtime
@@ -131,6 +131,8 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
                            stacked=stacked_layers(model), prepare_optimizer=prepare_optimizer)
     engine = TorchaxEngine(model, setup.optimizer, setup.scheduler, cfg, setup.batch, setup.plan, shape,
                            runtime.device_count(), setup.loader, config_dict)
+    if cfg.spmd.scan_layers:  # before the first forward traces the loop
+        lay_out_gradients(model, engine.mesh, setup.plan)
     return engine, engine.optimizer, setup.loader, setup.scheduler
 
 

@@ -19,25 +19,30 @@ key back after each layer's trace: otherwise it would hold the body's traced key
 loop. So dropout masks differ from the unrolled blocks' (as on torch_xla), with the same
 distribution.
 
-ZeRO-2 needs nothing inside the loop here. The engine constrains each gradient to the plan's
-gradient spec after ``jax.grad`` (the stacked one too: its layer dim never split), and the
-partitioner carries that layout back into the loop's backward: the loop's ``[layers, ...]``
-gradient accumulator is sharded, and each trip reduces its layer's gradient into its shard
-(XLA:CPU: an all-reduce that only partition-indexed slices read; libtpu, compile-only for
-v5e:2x4: reduce-scatters, the unrolled step's bytes, no gradient all-reduced;
-tests/test_scan.py). torch_xla needs a layout inside its scanned backward
-(``lay_out_gradients`` there) because its scan makes each trip's weight gradient "shard alike"
-the replicated weight slice; JAX's scan transpose does not, and the compiled programs with and
-without such a constraint (an identity whose custom VJP constrains the cotangent) were the same.
+ZeRO-2: each layer's weight gradient goes through the plan's layouts inside the loop's backward
+(``lay_out_gradients``: pinned replicated, then the ZeRO spec without the layer dim), through
+an identity whose custom VJP constrains the cotangent, the analogue of torch_xla's
+``aot_mark_sharding`` in its scanned backward. The engine constrains each gradient to the
+plan's gradient spec after ``jax.grad`` as well (the stacked one too: its layer dim is never
+split). Under Shardy (JAX's default partitioner) that constraint alone is carried back into the
+loop and the compiled program is the same with or without the one inside. Under GSPMD, which
+torch_xla switches JAX to process-wide (``jax_use_shardy_partitioner=False`` when it first
+calls JAX: a torch_xla scan in the same process does), it is not: the partitioner all-gathers
+each layer's activations over the batch in the backward loop instead of reducing the weight
+gradients. With the layouts inside, both partitioners compile each trip to a reduction of its
+layer's gradient into the sharded ``[layers, ...]`` accumulator (XLA:CPU: an all-reduce that
+the device's slice reads; libtpu: a reduce-scatter; tests/test_scan.py).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from spmdzero.train import scan_layers
-from spmdzero.train.scan_layers import (ScannedLayers, block_template, check_block_output, join_arguments,
-                                        scanned_stacks, split_arguments)
+from spmdzero.train.scan_layers import (ScannedLayers, block_template, check_block_output, gradient_layouts,
+                                        join_arguments, scanned_stacks, split_arguments)
 
 
 def apply_scan_layers(module: torch.nn.Module, mode: bool | str) -> dict:
@@ -49,6 +54,42 @@ def apply_scan_layers(module: torch.nn.Module, mode: bool | str) -> dict:
     for _, stack in scanned_stacks(module):
         stack.__dict__.setdefault("_scan_fns", {})["template"] = block_template(stack)
     return stacked_from
+
+
+def lay_out_gradients(module: torch.nn.Module, mesh, plan) -> None:
+    """Give each scanned stack the shardings its blocks' weight gradients go through, in turn,
+    inside the loop's backward (ZeRO-2; nothing below stage 2): ``mesh`` is the engine's JAX
+    mesh, the layouts the plan's (``spmdzero.train.scan_layers.gradient_layouts``)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    for stack_name, stack in scanned_stacks(module):
+        layouts = gradient_layouts(stack_name, stack, plan)
+        stack.gradient_layouts = (mesh, {name: tuple(NamedSharding(mesh, PartitionSpec(*spec)) for spec in specs)
+                                         for name, specs in layouts.items()}) if layouts else None
+
+
+@functools.lru_cache(maxsize=None)
+def _gradient_layout(shardings: tuple):
+    """An identity whose cotangent goes through ``shardings`` in turn: a sharding constraint
+    on the gradient alone. (``jax.lax.with_sharding_constraint`` on the weight itself would
+    lay out the forward's weight too, and its transpose would constrain the gradient to the
+    weight's replicated layout.)"""
+    import jax
+
+    @jax.custom_vjp
+    def laid_out(weight):
+        return weight
+
+    def forward(weight):
+        return weight, None
+
+    def backward(_, grad):
+        for sharding in shardings:
+            grad = jax.lax.with_sharding_constraint(grad, sharding)
+        return (grad,)
+
+    laid_out.defvjp(forward, backward)
+    return laid_out
 
 
 class _JaxLoop:
@@ -78,9 +119,11 @@ class _JaxLoop:
         template = cache["template"]
         weights = env.t2j_iso(stack.layer_weights())  # the stacked parameters, or per-layer ones stacked now
         shared = env.t2j_iso(tensors)  # masks, position ids: the same for every layer (the loop's constants)
+        _, layouts = stack.gradient_layouts or (None, {})
 
         def one_layer(carry, layer):
             hidden, key = carry
+            layer = {name: _gradient_layout(layouts[name])(w) if name in layouts else w for name, w in layer.items()}
             # the layer's dropout draws from the carried key; the environment's own key is
             # back when the block returns (override_property restores it)
             with env.override_property(prng=key):
