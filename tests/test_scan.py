@@ -6,6 +6,7 @@ import math
 import re
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch_xla.debug.metrics as met
@@ -571,6 +572,28 @@ def test_torchax_scanned_layers_train_like_its_loop_and_like_torch_xlas_scan(mak
         for name in ref_params:
             torch.testing.assert_close(params[name], ref_params[name], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_torchax_llama_scans_the_slice_of_its_stack_like_its_loop():
+    """Llama iterates over ``self.layers[: config.num_hidden_layers]``, a new list every forward,
+    whose stacked weights are slices of the traced parameters: one training forward's loss and
+    gradients are the unrolled run's."""
+    results = []
+    for scan in (False, "stacked"):
+        engine, *_ = spmdzero.initialize(model=tiny_llama(), config={
+            "train_batch_size": 8, "zero_optimization": {"stage": 2}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "spmd": {"backend": "torchax", "scan_layers": scan}})
+        tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1))
+        loss = engine(input_ids=tokens[:, :-1], labels=tokens[:, :-1]).loss
+        engine.backward(loss)
+        grads = {name: torch.from_numpy(np.array(g)) for name, g in engine.accumulated_gradients().items()}
+        results.append((loss.item(), unstacked(grads, stack="model.layers")))
+    (loop_loss, loop_grads), (loss, grads) = results
+    assert loss == pytest.approx(loop_loss, rel=1e-6)
+    assert grads.keys() == loop_grads.keys()
+    for name in loop_grads:
+        torch.testing.assert_close(grads[name], loop_grads[name], rtol=1e-5, atol=1e-6)
 
 
 def lowered_training_program(model, scan, monkeypatch, steps: int = 1):
