@@ -578,22 +578,29 @@ def test_torchax_scanned_layers_train_like_its_loop_and_like_torch_xlas_scan(mak
 def test_torchax_llama_scans_the_slice_of_its_stack_like_its_loop():
     """Llama iterates over ``self.layers[: config.num_hidden_layers]``, a new list every forward,
     whose stacked weights are slices of the traced parameters: one training forward's loss and
-    gradients are the unrolled run's."""
+    gradients are the unrolled run's, and so are those of the same loss computed outside the
+    module from the logits (the VJP program and the compiled backward, through the loop)."""
+    tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1))
+    ids = tokens[:, :-1]
     results = []
-    for scan in (False, "stacked"):
+    for scan, outside in ((False, False), ("stacked", False), ("stacked", True)):
         engine, *_ = spmdzero.initialize(model=tiny_llama(), config={
             "train_batch_size": 8, "zero_optimization": {"stage": 2}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
             "spmd": {"backend": "torchax", "scan_layers": scan}})
-        tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1))
-        loss = engine(input_ids=tokens[:, :-1], labels=tokens[:, :-1]).loss
+        if outside:  # what transformers' causal LM loss computes from the labels
+            logits = engine(input_ids=ids).logits
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1))
+        else:
+            loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         grads = {name: torch.from_numpy(np.array(g)) for name, g in engine.accumulated_gradients().items()}
         results.append((loss.item(), unstacked(grads, stack="model.layers")))
-    (loop_loss, loop_grads), (loss, grads) = results
-    assert loss == pytest.approx(loop_loss, rel=1e-6)
-    assert grads.keys() == loop_grads.keys()
-    for name in loop_grads:
-        torch.testing.assert_close(grads[name], loop_grads[name], rtol=1e-5, atol=1e-6)
+    (loop_loss, loop_grads), *scanned = results
+    for loss, grads in scanned:
+        assert loss == pytest.approx(loop_loss, rel=1e-6)
+        assert grads.keys() == loop_grads.keys()
+        for name in loop_grads:
+            torch.testing.assert_close(grads[name], loop_grads[name], rtol=1e-5, atol=1e-6)
 
 
 def lowered_training_program(model, scan, monkeypatch, steps: int = 1):
