@@ -2,8 +2,8 @@
 of identical blocks runs as one ``jax.lax.scan`` over the layers' weights inside the jitted
 programs, so that the block is traced once and the programs do not grow with depth.
 
-What qualifies, ``ScannedLayers``, stacked parameters and optimizer groups are the torch_xla
-backend's (``spmdzero.train.scan_layers``); this module is the loop. When the module, run by
+What qualifies, ``ScannedLayers``, stacked parameters and optimizer groups are shared with the
+torch_xla backend (``spmdzero.train.scan_layers``); this module is the loop. When the module, run by
 the engine under ``jax.jit`` through torchax, iterates over the stack in training, it gets one
 callable (``_JaxLoop``) that scans the block over ``[layers, ...]`` weights: the stacked
 parameters themselves under ``"stacked"``, the per-layer ones stacked in the trace under
