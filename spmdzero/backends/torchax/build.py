@@ -12,7 +12,9 @@ from spmdzero.optim.precision import DTYPES
 from spmdzero.backends.torchax import batchnorm
 from spmdzero.backends.torchax.engine import TorchaxEngine
 from spmdzero.backends.torchax.mesh import user_mesh_devices
+from spmdzero.backends.torchax.scan import apply_scan_layers, lay_out_gradients
 from spmdzero.train.build import refuse_sparse_gradients, setup_training
+from spmdzero.train.scan_layers import restack_client, stacked_layers
 from spmdzero import runtime
 from spmdzero.runtime import jax_runtime
 
@@ -21,7 +23,6 @@ def check_config(cfg: DeepSpeedConfig) -> None:
     """Refuse what this backend does not implement, naming the key."""
     unscaled = not cfg.fp16.enabled
     refused = {
-        "spmd.scan_layers": cfg.spmd.scan_layers,
         # fp16 gradients of an unscaled loss underflow: fp16 gradients only with fp16's loss scaling
         "communication_data_type fp16 without fp16.enabled": unscaled and DTYPES.get(
             cfg.communication_data_type) == torch.float16,
@@ -103,6 +104,11 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
         raise RuntimeError(f"spmd.backend='torchax' on {process_count} hosts needs {jax_runtime.VARIABLE}=torchax "
                            "before `import spmdzero` (JAX then joins the hosts into one mesh; see docs/multihost.md); "
                            "this process runs torch_xla's runtime")
+    if cfg.spmd.scan_layers:  # the block stack as one jax.lax.scan (backends/torchax/scan.py)
+        if model_parameters is not None and not isinstance(model_parameters, (list, tuple)):
+            model_parameters = list(model_parameters)  # a generator over the module, before stacking
+        # the client's per-layer parameters become the stacked ones
+        model_parameters = restack_client(model_parameters, optimizer, apply_scan_layers(model, cfg.spmd.scan_layers))
     members = {id(p) for p in model.parameters()}
 
     def prepare_optimizer(optimizer) -> None:
@@ -120,9 +126,11 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
     setup = setup_training(model, cfg, shape, process_index=process_index, process_count=process_count,
                            optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
                            training_data=training_data, collate_fn=collate_fn, even=True,
-                           prepare_optimizer=prepare_optimizer)
+                           stacked=stacked_layers(model), prepare_optimizer=prepare_optimizer)
     engine = TorchaxEngine(model, setup.optimizer, setup.scheduler, cfg, setup.batch, setup.plan, shape,
                            runtime.device_count(), setup.loader, config_dict, devices=devices)
+    if cfg.spmd.scan_layers:  # before the first forward traces the loop
+        lay_out_gradients(model, engine.mesh, setup.plan)
     return engine, engine.optimizer, setup.loader, setup.scheduler
 
 
