@@ -1,4 +1,6 @@
-"""spmd.scan_layers: the same training with the block stack scanned, and clear refusals."""
+"""spmd.scan_layers: the same training with the block stack scanned, and clear refusals. The
+first part tests the torch_xla backend's scan (its graphs, metrics and HLO); the torchax
+backend's (the default) follows."""
 
 import functools
 import json
@@ -61,7 +63,7 @@ def train(model, scan: bool, steps: int = 4):
     """SGD, so that parameters differ only as much as the gradients do (Adam would turn a
     rounding difference in a near-zero gradient into a step of size lr)."""
     engine, *_ = spmdzero.initialize(model=model, config={
-        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": scan},
+        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"backend": "torch_xla", "scan_layers": scan},
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1))
     losses, compiles = [], []
@@ -102,7 +104,7 @@ def test_zero2_lays_out_each_block_gradient_inside_the_scanned_backward(make, sc
     stack_name, stack = find_layer_stack(model)
     block, layers = [n for n, _ in stack[0].named_parameters()], len(stack)
     engine, *_ = spmdzero.initialize(model=model, config={
-        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": scan},
+        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"backend": "torch_xla", "scan_layers": scan},
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1))
     if isinstance(model, TinyGPT):
@@ -146,7 +148,7 @@ def test_the_loop_keeps_no_copy_of_the_weights_for_the_backward(scan, monkeypatc
     monkeypatch.setattr(torch_xla_scan, "_find_input_activation_aliases", recording)
     model = tiny_llama()
     engine, *_ = spmdzero.initialize(model=model, config={
-        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": scan},
+        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"backend": "torch_xla", "scan_layers": scan},
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1))
     engine.backward(engine(input_ids=tokens[:, :-1], labels=tokens[:, :-1]).loss)
@@ -176,7 +178,7 @@ def test_a_scanned_run_saves_and_resumes(tmp_path):
     overlapping host copy cannot drive; the checkpoint must not depend on it."""
     def make():
         engine, *_ = spmdzero.initialize(model=tiny_gpt(), config={
-            "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": True},
+            "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"backend": "torch_xla", "scan_layers": True},
             "optimizer": {"type": "Adam", "params": {"lr": 0.01}}})
         return engine
 
@@ -320,7 +322,7 @@ def test_optimizer_groups_that_split_the_layers_of_a_name_are_refused():
 
 
 def test_scan_layers_takes_true_false_or_stacked():
-    assert parse_config({"train_batch_size": 8, "spmd": {"scan_layers": "stacked"}}).spmd.scan_layers == "stacked"
+    assert parse_config({"train_batch_size": 8, "spmd": {"backend": "torch_xla", "scan_layers": "stacked"}}).spmd.scan_layers == "stacked"
     for bad in ("yes", 1, "Stacked"):
         with pytest.raises(ConfigError, match=r'spmd.scan_layers: .*must be true, false or "stacked"'):
             parse_config({"train_batch_size": 8, "spmd": {"scan_layers": bad}})
@@ -331,7 +333,7 @@ def train_gpt2(scan, steps: int = 3):
     model = gpt2()
     optimizer = torch.optim.SGD(decay_groups(model), lr=0.1)
     engine, *_ = spmdzero.initialize(model=model, optimizer=optimizer, config={
-        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": scan}})
+        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"backend": "torch_xla", "scan_layers": scan}})
     tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1))
     losses, compiles, graphs, traced = [], [], [], []
     for _ in range(steps):
@@ -376,7 +378,7 @@ def test_stacked_and_per_layer_scans_train_alike():
 
 def adamw_tiny_gpt(scan="stacked", bf16: bool = False):
     engine, *_ = spmdzero.initialize(model=tiny_gpt(), config={
-        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": scan},
+        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"backend": "torch_xla", "scan_layers": scan},
         "bf16": {"enabled": bf16}, "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}}})
     return engine
 
@@ -451,7 +453,7 @@ def test_a_per_layer_checkpoint_loads_into_a_stacked_engine(tmp_path, bf16):
     torch.manual_seed(0)
     deeper, *_ = spmdzero.initialize(model=TinyGPT(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=4),
                                      config={"train_batch_size": 8, "zero_optimization": {"stage": 2},
-                                             "spmd": {"scan_layers": "stacked"}})
+                                             "spmd": {"backend": "torch_xla", "scan_layers": "stacked"}})
     with pytest.raises(CheckpointError, match="missing keys .*model.blocks.qkv.weight.*not every layer"):
         deeper.load_checkpoint(str(tmp_path), tag="plain", load_optimizer_states=False)
 
@@ -466,7 +468,7 @@ STACKED_ON_TPU = """
     engine, *_ = spmdzero.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "zero_optimization": {"stage": 2},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
-        "spmd": {"scan_layers": "stacked"}})
+        "spmd": {"backend": "torch_xla", "scan_layers": "stacked"}})
     tokens = torch.randint(0, 2048, (8, 64))
     with capture(engine) as step:
         loss = engine(input_ids=tokens, labels=tokens).loss
