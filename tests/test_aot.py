@@ -1018,15 +1018,26 @@ def test_torchax_step_without_a_loss_is_a_clear_error():
         capture_step(source, TORCHAX, 2, topology="v5e:2x2")
 
 
-def test_the_command_refuses_scan_layers_for_the_torchax_step(tmp_path, capsys):
-    from spmdzero.aot import command
+def test_the_torchax_step_with_scan_layers_is_one_loop_over_the_stack():
+    """``--scan-layers`` (and ``stacked``) on the torchax backend: the shape-only engine scans
+    its block stack as training does, so the step is a loop (the forward's and the backward's)
+    over the layers, with per-layer or stacked parameters."""
+    import sys
 
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(TORCHAX))
-    assert command.main(["--topology", "v5e:2x2", "--deepspeed_config", str(path), "--scan-layers"]) == 1
-    err = capsys.readouterr().err
-    assert "--scan-layers compiles spmd.scan_layers, which the torchax backend does not run" in err
-    assert len(err.splitlines()) == 1
+    sys.path.insert(0, "examples")
+    from model import TinyGPT
+
+    from spmdzero.aot.models import ModelSource
+    from spmdzero.aot.steps import capture_step
+
+    source = ModelSource("TinyGPT", TinyGPT, lambda m, b: (tuple(m.example_inputs(b)), {}), lambda out: out,
+                         returns_loss=True)
+    for mode, stacked in ((True, False), ("stacked", True)):
+        step = capture_step(source, {**TORCHAX, "spmd": {"backend": "torchax", "scan_layers": mode}}, 2,
+                            topology="v5e:2x2")
+        assert step.mlir.count("stablehlo.while") == 2, mode
+        assert ("blocks.qkv.weight" in step.step.trained) == stacked
+        assert ("blocks.1.qkv.weight" in step.step.trained) == (not stacked)
 
 
 @pytest.mark.slow

@@ -1,9 +1,14 @@
-"""spmd.scan_layers: the same training with the block stack scanned, and clear refusals."""
+"""spmd.scan_layers: the same training with the block stack scanned, and clear refusals. The
+first part tests the torch_xla backend's scan (its graphs, metrics and HLO); the torchax
+backend's (the default) follows."""
 
+import functools
 import json
+import math
 import re
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch_xla.debug.metrics as met
@@ -16,7 +21,8 @@ from spmdzero.config.load import parse_config
 from spmdzero.observe.hlo import split_computations
 from spmdzero.observe.monitor import graph_count
 from spmdzero.sharding.plan import make_plan
-from spmdzero.backends.torch_xla.scan import apply_scan_layers, find_layer_stack, restack_optimizer
+from spmdzero.backends.torch_xla.scan import apply_scan_layers
+from spmdzero.train.scan_layers import find_layer_stack, restack_optimizer
 from spmdzero.io.restack import stacking_mismatch
 
 from conftest import REPO, run_python, tiny_mlp
@@ -57,7 +63,7 @@ def train(model, scan: bool, steps: int = 4):
     """SGD, so that parameters differ only as much as the gradients do (Adam would turn a
     rounding difference in a near-zero gradient into a step of size lr)."""
     engine, *_ = spmdzero.initialize(model=model, config={
-        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": scan},
+        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"backend": "torch_xla", "scan_layers": scan},
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1))
     losses, compiles = [], []
@@ -98,7 +104,7 @@ def test_zero2_lays_out_each_block_gradient_inside_the_scanned_backward(make, sc
     stack_name, stack = find_layer_stack(model)
     block, layers = [n for n, _ in stack[0].named_parameters()], len(stack)
     engine, *_ = spmdzero.initialize(model=model, config={
-        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": scan},
+        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"backend": "torch_xla", "scan_layers": scan},
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1))
     if isinstance(model, TinyGPT):
@@ -142,7 +148,7 @@ def test_the_loop_keeps_no_copy_of_the_weights_for_the_backward(scan, monkeypatc
     monkeypatch.setattr(torch_xla_scan, "_find_input_activation_aliases", recording)
     model = tiny_llama()
     engine, *_ = spmdzero.initialize(model=model, config={
-        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": scan},
+        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"backend": "torch_xla", "scan_layers": scan},
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1))
     engine.backward(engine(input_ids=tokens[:, :-1], labels=tokens[:, :-1]).loss)
@@ -172,7 +178,7 @@ def test_a_scanned_run_saves_and_resumes(tmp_path):
     overlapping host copy cannot drive; the checkpoint must not depend on it."""
     def make():
         engine, *_ = spmdzero.initialize(model=tiny_gpt(), config={
-            "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": True},
+            "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"backend": "torch_xla", "scan_layers": True},
             "optimizer": {"type": "Adam", "params": {"lr": 0.01}}})
         return engine
 
@@ -316,7 +322,7 @@ def test_optimizer_groups_that_split_the_layers_of_a_name_are_refused():
 
 
 def test_scan_layers_takes_true_false_or_stacked():
-    assert parse_config({"train_batch_size": 8, "spmd": {"scan_layers": "stacked"}}).spmd.scan_layers == "stacked"
+    assert parse_config({"train_batch_size": 8, "spmd": {"backend": "torch_xla", "scan_layers": "stacked"}}).spmd.scan_layers == "stacked"
     for bad in ("yes", 1, "Stacked"):
         with pytest.raises(ConfigError, match=r'spmd.scan_layers: .*must be true, false or "stacked"'):
             parse_config({"train_batch_size": 8, "spmd": {"scan_layers": bad}})
@@ -327,7 +333,7 @@ def train_gpt2(scan, steps: int = 3):
     model = gpt2()
     optimizer = torch.optim.SGD(decay_groups(model), lr=0.1)
     engine, *_ = spmdzero.initialize(model=model, optimizer=optimizer, config={
-        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": scan}})
+        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"backend": "torch_xla", "scan_layers": scan}})
     tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1))
     losses, compiles, graphs, traced = [], [], [], []
     for _ in range(steps):
@@ -372,7 +378,7 @@ def test_stacked_and_per_layer_scans_train_alike():
 
 def adamw_tiny_gpt(scan="stacked", bf16: bool = False):
     engine, *_ = spmdzero.initialize(model=tiny_gpt(), config={
-        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"scan_layers": scan},
+        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"backend": "torch_xla", "scan_layers": scan},
         "bf16": {"enabled": bf16}, "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}}})
     return engine
 
@@ -447,7 +453,7 @@ def test_a_per_layer_checkpoint_loads_into_a_stacked_engine(tmp_path, bf16):
     torch.manual_seed(0)
     deeper, *_ = spmdzero.initialize(model=TinyGPT(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=4),
                                      config={"train_batch_size": 8, "zero_optimization": {"stage": 2},
-                                             "spmd": {"scan_layers": "stacked"}})
+                                             "spmd": {"backend": "torch_xla", "scan_layers": "stacked"}})
     with pytest.raises(CheckpointError, match="missing keys .*model.blocks.qkv.weight.*not every layer"):
         deeper.load_checkpoint(str(tmp_path), tag="plain", load_optimizer_states=False)
 
@@ -462,7 +468,7 @@ STACKED_ON_TPU = """
     engine, *_ = spmdzero.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "zero_optimization": {"stage": 2},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
-        "spmd": {"scan_layers": "stacked"}})
+        "spmd": {"backend": "torch_xla", "scan_layers": "stacked"}})
     tokens = torch.randint(0, 2048, (8, 64))
     with capture(engine) as step:
         loss = engine(input_ids=tokens, labels=tokens).loss
@@ -499,3 +505,323 @@ def test_a_checkpoint_mismatch_by_stacking_alone_is_named():
     assert "this model stacks them" in stacking_mismatch(missing=stacked, unexpected=per_layer)
     assert "this model has per-layer ones" in stacking_mismatch(missing=per_layer, unexpected=stacked)
     assert stacking_mismatch(missing=["model.head.weight"], unexpected=["model.lm_head.weight"]) == ""
+
+
+# ---- the torchax backend: the stack as one jax.lax.scan (spmdzero.backends.torchax.scan) ----
+
+CLIP = 0.05  # below the gradients' norm: clipping applies at every step
+
+
+def torchax_config(scan, backend: str = "torchax") -> dict:
+    return {"train_batch_size": 16, "gradient_accumulation_steps": 2, "gradient_clipping": CLIP,
+            "zero_optimization": {"stage": 2}, "spmd": {"backend": backend, "scan_layers": scan}}
+
+
+def train_either(make, scan, backend: str = "torchax", steps: int = 2):
+    """``steps`` optimizer steps of 2 micro-steps on ``backend``: SGD from the config for
+    TinyGPT, a client torch.optim.SGD built on the per-layer parameters (weight decay grouped
+    by name, restacked by initialize) for the transformers models. Returns (losses, per-layer
+    parameters, training traces after each step, eval logits, engine)."""
+    model = make()
+    config, kwargs = torchax_config(scan, backend), {}
+    if isinstance(model, TinyGPT):
+        config["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
+    else:
+        kwargs["optimizer"] = torch.optim.SGD(decay_groups(model), lr=0.1)
+    engine, *_ = spmdzero.initialize(model=model, config=config, **kwargs)
+    stack = find_layer_stack(model)[0]
+    generator = torch.Generator().manual_seed(1)
+    losses, traces = [], []
+    for _ in range(2 * steps):
+        tokens = torch.randint(0, 64, (8, 17), generator=generator)
+        loss = engine(tokens[:, :-1], tokens[:, 1:]) if isinstance(model, TinyGPT) else gpt2_loss(engine, tokens)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        traces.append(sum(n for kind, n in engine.traces.items() if kind != "forward") if backend == "torchax" else 0)
+    assert engine.get_global_grad_norm() > CLIP
+    engine.eval()  # the blocks one by one, each with its layer's slices when stacked
+    with torch.no_grad():
+        logits = engine(tokens[:, :-1], tokens[:, 1:]) if isinstance(model, TinyGPT) else \
+            engine(input_ids=tokens[:, :-1]).logits
+    params = unstacked({n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()}, stack)
+    return losses, params, traces, logits.cpu(), engine
+
+
+@functools.lru_cache(maxsize=None)
+def unrolled_on_torchax(make):
+    return train_either(make, False)[:4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make,scan", [(tiny_gpt, True), (tiny_gpt, "stacked"), (gpt2, "stacked")],
+                         ids=["tinygpt", "tinygpt-stacked", "gpt2-stacked"])
+def test_torchax_scanned_layers_train_like_its_loop_and_like_torch_xlas_scan(make, scan):
+    """Gradient accumulation 2, clipping, ZeRO-2, fp32: the losses, parameters and eval logits
+    of torch_xla's scan with the same setting, and (TinyGPT) of the unrolled torchax run. The
+    training programs are traced at the first two micro-steps (without, then with accumulated
+    gradients) and never again."""
+    losses, params, traces, logits, engine = train_either(make, scan)
+    assert traces[1] == traces[-1]
+    assert bool(engine.stacked_layers()) == (scan == "stacked")
+    assert all(engine.plan[name].stacked for name in engine.stacked_layers())
+    references = [train_either(make, scan, backend="torch_xla")[:4]]
+    if make is tiny_gpt:
+        references.append(unrolled_on_torchax(make))
+    for ref_losses, ref_params, _, ref_logits in references:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        assert params.keys() == ref_params.keys()
+        for name in ref_params:
+            torch.testing.assert_close(params[name], ref_params[name], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_torchax_llama_scans_the_slice_of_its_stack_like_its_loop():
+    """Llama iterates over ``self.layers[: config.num_hidden_layers]``, a new list every forward,
+    whose stacked weights are slices of the traced parameters: one training forward's loss and
+    gradients are the unrolled run's, and so are those of the same loss computed outside the
+    module from the logits (the VJP program and the compiled backward, through the loop)."""
+    tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1))
+    ids = tokens[:, :-1]
+    results = []
+    for scan, outside in ((False, False), ("stacked", False), ("stacked", True)):
+        engine, *_ = spmdzero.initialize(model=tiny_llama(), config={
+            "train_batch_size": 8, "zero_optimization": {"stage": 2}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "spmd": {"backend": "torchax", "scan_layers": scan}})
+        if outside:  # what transformers' causal LM loss computes from the labels
+            logits = engine(input_ids=ids).logits
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1))
+        else:
+            loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        grads = {name: torch.from_numpy(np.array(g)) for name, g in engine.accumulated_gradients().items()}
+        results.append((loss.item(), unstacked(grads, stack="model.layers")))
+    (loop_loss, loop_grads), *scanned = results
+    for loss, grads in scanned:
+        assert loss == pytest.approx(loop_loss, rel=1e-6)
+        assert grads.keys() == loop_grads.keys()
+        for name in loop_grads:
+            torch.testing.assert_close(grads[name], loop_grads[name], rtol=1e-5, atol=1e-6)
+
+
+def lowered_training_program(model, scan, monkeypatch, steps: int = 1):
+    """The training program of ``model`` on torchax with ``scan``, as JAX lowered it (the
+    engine's ``jax.jit`` recorded: its first call's arguments lowered), after ``steps``
+    optimizer steps."""
+    import jax
+
+    jit, lowered = jax.jit, []
+
+    def recording(fn, *args, **kwargs):
+        jitted = jit(fn, *args, **kwargs)
+        if getattr(fn, "__name__", "") != "program_train":
+            return jitted
+
+        def call(*inputs):
+            if not lowered:
+                lowered.append(jitted.lower(*inputs))
+            return jitted(*inputs)
+
+        return call
+
+    monkeypatch.setattr(jax, "jit", recording)
+    engine, *_ = spmdzero.initialize(model=model, config={
+        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "spmd": {"backend": "torchax", "scan_layers": scan}})
+    tokens = torch.randint(0, model.tok.num_embeddings, (8, model.pos.num_embeddings + 1),
+                           generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+        engine.step()
+    monkeypatch.undo()
+    return lowered[0], engine
+
+
+@pytest.fixture(params=["shardy", "gspmd"])
+def partitioner(request):
+    """JAX's partitioner for the test: Shardy (JAX's default) or GSPMD (what torch_xla switches
+    JAX to, process-wide, when it first calls JAX: after a torch_xla scan, for one)."""
+    import jax
+
+    before = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", request.param == "shardy")
+    yield request.param
+    jax.config.update("jax_use_shardy_partitioner", before)
+
+
+def small_tiny_gpt(layers: int) -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=layers)
+
+
+def shape_text(shape) -> str:
+    return f"f32[{','.join(map(str, shape))}]"
+
+
+@pytest.mark.slow
+def test_the_torchax_stacked_program_is_one_loop_whatever_the_depth(monkeypatch):
+    """The block is traced once, into a forward and a backward loop: the program lowered and
+    compiled at 4 layers is the one at 2."""
+    sizes = {}
+    for layers in (2, 4):
+        lowered, _ = lowered_training_program(small_tiny_gpt(layers), "stacked", monkeypatch)
+        text, compiled = lowered.as_text(), lowered.compile().as_text()
+        assert text.count("stablehlo.while") == 2  # the forward's loop and the backward's
+        sizes[layers] = (len(text.splitlines()), len(compiled.splitlines()))
+    assert sizes[2] == sizes[4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scan", [True, "stacked"])
+def test_torchax_zero2_reduces_each_layers_gradient_in_its_loop_trip(scan, partitioner, monkeypatch):
+    """XLA:CPU's program, under either partitioner: the backward loop carries each stacked
+    gradient sharded by the plan, and each trip reduces its layer's weight gradients into
+    their shards (all-reduce, then the device's slice: what TPU compiles to a reduce-scatter),
+    and nothing else: under GSPMD, without the layouts inside the loop
+    (``backends/torchax/scan.py``), it all-gathered the activations instead. Nothing
+    all-reduces a whole [layers, ...] gradient."""
+    layers = 2
+    lowered, engine = lowered_training_program(small_tiny_gpt(layers), scan, monkeypatch)
+    comps = split_computations(lowered.compile().as_text())
+    loops = [ins for ins in comps["ENTRY"] if ins.opcode == "while"]
+    assert len(loops) == 2
+    bodies = [comps[re.search(r"body=%([\w.\-]+)", ins.rest).group(1)] for ins in loops]
+    moved = [{ins.shape.split("{")[0] for ins in body if ins.opcode.startswith(("all-", "collective-permute"))}
+             for body in bodies]
+    backward = max(range(len(loops)), key=lambda i: len(moved[i]))
+    assert not moved[1 - backward]  # the forward loop moves nothing: the weights are replicated
+    everywhere = {ins.shape.split("{")[0] for body in comps.values() for ins in body
+                  if ins.opcode.startswith("all-reduce")}
+    stack, _ = find_layer_stack(engine.module)
+    names = [n for n, _ in engine.module.named_parameters() if n.startswith(f"{stack}.")]
+    one_layer = {}
+    for name in names:  # each block parameter once, by its plan (the stacked one, or layer 0's)
+        if scan == "stacked" or name.startswith(f"{stack}.0."):
+            planned = engine.plan[name]
+            shape = planned.shape[1:] if scan == "stacked" else planned.shape
+            one_layer[name] = (shape, planned.grad[1:] if scan == "stacked" else planned.grad)
+    assert len(one_layer) == 12  # two norms, qkv, proj, the MLP's two linears: weights and biases
+    layer_shapes = {shape_text(shape) for shape, _ in one_layer.values()}
+    layer_shapes |= {shape_text(tuple(reversed(shape))) for shape, _ in one_layer.values()}  # transposed
+    assert moved[backward] <= layer_shapes  # only gradients, no activation
+    for name, (shape, grad) in one_layer.items():
+        assert any(axis is not None for axis in grad), name  # all split on 8 devices
+        local = [size // 8 if axis else size for size, axis in zip(shape, grad)]
+        assert shape_text((layers, *local)) in loops[backward].shape, name  # the sharded accumulator
+        assert shape_text((layers, *shape)) not in everywhere, name
+
+
+@pytest.mark.slow
+def test_libtpu_reduce_scatters_torchax_stacked_gradients_inside_the_loop(partitioner, monkeypatch):
+    """The TPU compiler (libtpu, compile-only) on v5e:2x4 with the torchax backend's stacked
+    program: each layer's slice of every stacked parameter, and the head, is reduce-scattered
+    (an eighth of its bytes per chip), the stacked ones in the backward's layer loop, once per
+    trip; no gradient is all-reduced (the embedding tables' are computed on their shards from
+    the gathered token ids)."""
+    from spmdzero.tpu.capture import compile_mlir
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab_size=2048, seq_len=64, d_model=256, n_heads=4, n_layers=3)
+    lowered, engine = lowered_training_program(model, "stacked", monkeypatch)
+    report = compile_mlir(lowered.as_text(), "v5e:2x4")
+    P = sum(p.numel() for p in model.parameters())
+    stacked = sum(math.prod(engine.plan[name].shape) for name in engine.stacked_layers())
+    assert report["loops"].count(3) >= 2  # the forward's layer loop and the backward's
+    assert report["all_reduces"] == []
+    collectives = report["collectives"]
+    assert collectives["reduce-scatter"]["bytes"] * 8 == pytest.approx(4 * stacked + 4 * 2048 * 256, rel=0.02)
+    assert collectives["reduce-scatter"]["count"] > 3  # one per trip of the backward's loop, and the head's
+    assert collectives.get("all-reduce", {}).get("bytes", 0) < 0.01 * 4 * P
+
+
+def adamw_tiny_gpt_on(backend: str, scan):
+    engine, *_ = spmdzero.initialize(model=tiny_gpt(), config={
+        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "spmd": {"backend": backend, "scan_layers": scan},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}}})
+    return engine
+
+
+@pytest.mark.slow
+def test_stacked_checkpoints_load_across_the_backends(tmp_path):
+    """A stacked run saved on torch_xla resumes on torchax, stacked, and the torchax run's
+    checkpoint resumes on torch_xla and on a torchax run with per-layer parameters (each
+    layer its slice of the stacks, optimizer states included): all train on as the first."""
+    xla = adamw_tiny_gpt_on("torch_xla", "stacked")
+    train_step(xla, 2)
+    xla.save_checkpoint(str(tmp_path), tag="xla")
+    after = [train_step(xla, 3), train_step(xla, 4)]
+    tax = adamw_tiny_gpt_on("torchax", "stacked")
+    tax.load_checkpoint(str(tmp_path), tag="xla")
+    assert tax.global_steps == 1
+    assert train_step(tax, 3) == pytest.approx(after[0], rel=1e-5)
+    tax.save_checkpoint(str(tmp_path), tag="torchax")
+    xla.load_checkpoint(str(tmp_path), tag="torchax")
+    per_layer = adamw_tiny_gpt_on("torchax", False)
+    per_layer.load_checkpoint(str(tmp_path), tag="torchax")
+    for engine in (tax, xla, per_layer):
+        assert engine.global_steps == 2
+        assert train_step(engine, 4) == pytest.approx(after[1], rel=1e-5)
+
+
+class Dropping(torch.nn.Module):
+    """A block that scales and drops out: what comes out of a stack of them shows which masks
+    the layers drew."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(width))
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(x * self.scale)
+
+
+class DroppingStack(torch.nn.Module):
+    def __init__(self, layers: int = 4, width: int = 256):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Dropping(width) for _ in range(layers))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return {"loss": x.mean(), "out": x}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scan", [True, "stacked"])
+def test_torchax_dropout_in_the_loop_draws_a_new_mask_per_layer_and_step(scan):
+    """The key dropout draws from is carried through the loop: four layers at p=0.5 keep an
+    element with probability 1/16 (the same mask in every layer would keep half), scaled by
+    2**4; the next micro-step draws other masks; torchax's environment holds no traced key
+    after the loop."""
+    import jax
+    import torchax
+
+    engine, *_ = spmdzero.initialize(model=DroppingStack(), config={
+        "train_batch_size": 16, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.0}}, "spmd": {"backend": "torchax", "scan_layers": scan}})
+    x = torch.ones(8, 256)
+    outs = []
+    for _ in range(2):
+        result = engine(x)
+        engine.backward(result["loss"])
+        engine.step()
+        outs.append(result["out"].cpu())
+    for out in outs:
+        assert set(out.unique().tolist()) == {0.0, 16.0}
+        assert 0.91 < (out == 0).float().mean().item() < 0.965
+    assert not torch.equal(outs[0], outs[1])
+    assert not isinstance(torchax.default_env().prng_key, jax.core.Tracer)
+
+
+def test_a_model_without_identical_blocks_is_refused_alike_on_both_backends():
+    messages = []
+    for backend in ("torch_xla", "torchax"):
+        with pytest.raises(ConfigError) as refused:
+            spmdzero.initialize(model=tiny_mlp(), config={
+                "train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                "spmd": {"backend": backend, "scan_layers": "stacked"}})
+        messages.append(str(refused.value))
+    assert messages[0] == messages[1]
+    assert "spmd.scan_layers: Sequential has no nn.ModuleList of two or more identical blocks" in messages[0]

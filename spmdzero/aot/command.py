@@ -133,10 +133,6 @@ def main(argv=None) -> int:
         else:  # traced on an abstract mesh of any size: only the name is checked
             topology_chips(args.topology)
         if args.scan_layers:
-            if backend == "torchax":
-                raise ValueError("--scan-layers compiles spmd.scan_layers, which the torchax backend does not run "
-                                 "(spmd.backend='torchax'); leave it out, or compile the torch_xla step with "
-                                 "\"spmd\": {\"backend\": \"torch_xla\"} in the config")
             config["spmd"] = {**(config.get("spmd") if isinstance(config.get("spmd"), dict) else {}),
                               "scan_layers": args.scan_layers}
         source = load_model_source(args.model or default_model(), args.seq_len)

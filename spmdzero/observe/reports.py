@@ -13,25 +13,54 @@ from spmdzero.sharding.mesh import fsdp_size
 _DEVICES = re.compile(r"devices=\[([\d,]+)\]")
 
 
-def sharding_spec(t: torch.Tensor) -> str:
-    """torch_xla's sharding string for a live XLA tensor ('' when it has none)."""
+def sharding_spec(t) -> str:
+    """The HLO sharding string of a live tensor (``{devices=[8,1]0,1,...}``): torch_xla's for an
+    XLA tensor ('' when it has none), JAX's for a JAX array or the torchax tensor over one (the
+    torchax backend's outputs, ``master_weights()``, ``optimizer_states()``)."""
+    array = getattr(t, "_elem", t)  # a torchax tensor's JAX array
+    if not isinstance(array, torch.Tensor) and hasattr(array, "sharding"):
+        return str(array.sharding._to_xla_hlo_sharding(array.ndim))
     import torch_xla
 
     return torch_xla._XLAC._get_xla_sharding_spec(t)
 
 
-def tile_assignment(t: torch.Tensor):
-    """(tiles per dim, device ids laid out on that tile grid) of a live tensor's sharding;
-    a replicated tensor is one tile held by every device (ids None)."""
+def tile_assignment(t):
+    """(tiles per dim, device ids laid out on that tile grid) of a live tensor's (or JAX
+    array's) sharding; a replicated tensor is one tile held by every device (ids None)."""
     import numpy as np
 
-    spec = sharding_spec(t)
+    array = getattr(t, "_elem", t)
+    if not isinstance(array, torch.Tensor) and hasattr(array, "sharding"):
+        return _jax_tile_assignment(array)
+    spec, ndim = sharding_spec(t), len(t.shape)
     match = re.search(r"devices=\[([\d,]+)\]([\d,]+)", spec or "")
     if match is None:
-        return (1,) * t.dim(), None
+        return (1,) * ndim, None
     dims = [int(x) for x in match.group(1).split(",")]
     ids = np.array([int(x) for x in match.group(2).split(",")]).reshape(dims)
-    return tuple(dims[: t.dim()]), ids
+    return tuple(dims[:ndim]), ids
+
+
+def _jax_tile_assignment(array):
+    """``tile_assignment`` of a JAX array, from the devices' index ranges (JAX prints its
+    shardings in the compact iota form, which names no device ids)."""
+    import numpy as np
+
+    ndim = array.ndim
+    index_map = array.sharding.devices_indices_map(tuple(array.shape))
+    starts = [sorted({index[d].start or 0 for index in index_map.values()}) for d in range(ndim)]
+    tiles = tuple(len(s) for s in starts)
+    if all(count == 1 for count in tiles):
+        return tiles, None
+    holders: dict[tuple, list[int]] = {}
+    for device, index in index_map.items():
+        holders.setdefault(tuple(starts[d].index(index[d].start or 0) for d in range(ndim)), []).append(device.id)
+    replicas = len(next(iter(holders.values())))
+    ids = np.empty(tiles + ((replicas,) if replicas > 1 else ()), dtype=int)
+    for tile, devices in holders.items():
+        ids[tile] = sorted(devices) if replicas > 1 else devices[0]
+    return tiles, ids
 
 
 def per_device_shape(shape, spec: str) -> tuple[int, ...]:

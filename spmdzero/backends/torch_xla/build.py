@@ -16,8 +16,8 @@ from spmdzero.backends.torch_xla.engine import SpmdZeroEngine
 from spmdzero.backends.torch_xla.mesh import build_mesh
 from spmdzero.sharding.mesh import check_user_mesh, mesh_shape
 from spmdzero.optim.optimizers import init_state, placeholder_state
-from spmdzero.backends.torch_xla.scan import (apply_scan_layers, lay_out_gradients, restack_groups, restack_optimizer,
-                                             stacked_layers)
+from spmdzero.backends.torch_xla.scan import apply_scan_layers, lay_out_gradients
+from spmdzero.train.scan_layers import restack_client, stacked_layers
 from spmdzero.optim.precision import attach_master_weights, precision_policy
 from spmdzero.train.build import move_in_place, move_state_to, refuse_sparse_gradients, setup_training
 
@@ -45,11 +45,9 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh: Any = None, optimi
     if cfg.spmd.scan_layers:
         if model_parameters is not None and not isinstance(model_parameters, (list, tuple)):
             model_parameters = list(model_parameters)  # a generator over the module, before stacking
-        stacked_from = apply_scan_layers(module, cfg.spmd.scan_layers)
-        if stacked_from:  # the client's per-layer parameters become the stacked ones
-            model_parameters = restack_groups(model_parameters, stacked_from, "model_parameters")
-            if isinstance(optimizer, torch.optim.Optimizer):
-                restack_optimizer(optimizer, stacked_from)
+        # the client's per-layer parameters become the stacked ones
+        model_parameters = restack_client(model_parameters, optimizer,
+                                          apply_scan_layers(module, cfg.spmd.scan_layers))
 
     policy = precision_policy(cfg)
     masters: dict = {}

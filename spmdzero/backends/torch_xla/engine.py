@@ -48,7 +48,7 @@ from spmdzero.optim.optimizers import SpmdOptimizer, ZeroOptimizer, drop_state, 
 from spmdzero.sharding.plan import ShardingPlan, replicated
 from spmdzero.optim.precision import PrecisionPolicy, keep_unless
 from spmdzero.optim.update import GradScale, LossScale, boundary_update, init_loss_scale
-from spmdzero.backends.torch_xla.scan import scanned_parameters, stacked_layers
+from spmdzero.train.scan_layers import scanned_parameters, stacked_layers
 from spmdzero.optim.schedules import LRSchedule
 from spmdzero.io.save import save_checkpoint
 from spmdzero.io.restore import load_checkpoint

@@ -1,2 +1,3 @@
 """The torchax backend: the module traced once by JAX through torchax (``engine``), its
-build pipeline (``build``) and the device side of checkpoints (``checkpoint``)."""
+build pipeline (``build``), layers traced once (``scan``) and the device side of checkpoints
+(``checkpoint``)."""

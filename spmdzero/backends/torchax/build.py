@@ -12,7 +12,9 @@ from spmdzero.optim.precision import DTYPES
 from spmdzero.backends.torchax import batchnorm
 from spmdzero.backends.torchax.engine import TorchaxEngine
 from spmdzero.backends.torchax.mesh import user_mesh_devices
+from spmdzero.backends.torchax.scan import apply_scan_layers, lay_out_gradients
 from spmdzero.train.build import refuse_sparse_gradients, setup_training
+from spmdzero.train.scan_layers import restack_client, stacked_layers
 from spmdzero import runtime
 from spmdzero.runtime import jax_runtime
 
@@ -21,7 +23,6 @@ def check_config(cfg: DeepSpeedConfig) -> None:
     """Refuse what this backend does not implement, naming the key."""
     unscaled = not cfg.fp16.enabled
     refused = {
-        "spmd.scan_layers": cfg.spmd.scan_layers,
         # fp16 gradients of an unscaled loss underflow: fp16 gradients only with fp16's loss scaling
         "communication_data_type fp16 without fp16.enabled": unscaled and DTYPES.get(
             cfg.communication_data_type) == torch.float16,
@@ -90,28 +91,40 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
     _require_torchax()
     refuse_sparse_gradients(model)
     batchnorm.check_replaceable(model)  # the others' running statistics are updated as torch does
-    if shape_only_devices is not None:
-        return _build_shape_only(model, cfg, shape_only_devices, optimizer, model_parameters, lr_scheduler,
-                                 config_dict)
-    if cfg.spmd.compile_cache_dir:  # before this engine's first program compiles
-        jax_runtime.enable_compile_cache(cfg.spmd.compile_cache_dir)
+    shape_only = shape_only_devices is not None
     devices = None  # the mesh's devices in order: JAX's, or a given mesh's
-    if mesh is not None:
-        check_user_mesh(mesh, ("jax", "torch_xla"))
-        if cfg.spmd.mesh is not None or cfg.spmd.dcn_mesh is not None:
-            raise ValueError("a mesh was given twice: as initialize(mesh=...) and in the config's 'spmd' section")
-        shape = mesh_shape(mesh)
-        devices = user_mesh_devices(mesh, runtime.device_count())
-    elif cfg.spmd.dcn_mesh is not None:  # data across slices, the rest within one (backends/torchax/mesh.py)
-        ici, dcn = resolve_hybrid_shape(cfg.spmd.mesh, cfg.spmd.dcn_mesh, runtime.device_count())
-        shape = global_shape(ici, dcn)
+    if shape_only:  # a topology this machine need not have: the mesh the config gives on that many chips
+        if cfg.spmd.dcn_mesh is not None:
+            raise ConfigError("spmd.dcn_mesh: the TPU compile (spmdzero aot) of the torchax backend compiles for one "
+                              "slice; remove spmd.dcn_mesh from the config given to it")
+        if mesh is not None:
+            raise ValueError("a shape-only engine's mesh is the config's (spmd.mesh), not initialize(mesh=...)")
+        shape = resolve_mesh_shape(cfg.spmd.mesh, shape_only_devices)
+        process_index, process_count = 0, 1
     else:
-        shape = resolve_mesh_shape(cfg.spmd.mesh, runtime.device_count())
-    process_index, process_count = runtime.hosts()
-    if process_count > 1 and not jax_runtime.selected():
-        raise RuntimeError(f"spmd.backend='torchax' on {process_count} hosts needs {jax_runtime.VARIABLE}=torchax "
-                           "before `import spmdzero` (JAX then joins the hosts into one mesh; see docs/multihost.md); "
-                           "this process runs torch_xla's runtime")
+        if cfg.spmd.compile_cache_dir:  # before this engine's first program compiles
+            jax_runtime.enable_compile_cache(cfg.spmd.compile_cache_dir)
+        if mesh is not None:
+            check_user_mesh(mesh, ("jax", "torch_xla"))
+            if cfg.spmd.mesh is not None or cfg.spmd.dcn_mesh is not None:
+                raise ValueError("a mesh was given twice: as initialize(mesh=...) and in the config's 'spmd' section")
+            shape = mesh_shape(mesh)
+            devices = user_mesh_devices(mesh, runtime.device_count())
+        elif cfg.spmd.dcn_mesh is not None:  # data across slices, the rest within one (backends/torchax/mesh.py)
+            ici, dcn = resolve_hybrid_shape(cfg.spmd.mesh, cfg.spmd.dcn_mesh, runtime.device_count())
+            shape = global_shape(ici, dcn)
+        else:
+            shape = resolve_mesh_shape(cfg.spmd.mesh, runtime.device_count())
+        process_index, process_count = runtime.hosts()
+        if process_count > 1 and not jax_runtime.selected():
+            raise RuntimeError(f"spmd.backend='torchax' on {process_count} hosts needs {jax_runtime.VARIABLE}=torchax "
+                               "before `import spmdzero` (JAX then joins the hosts into one mesh; see "
+                               "docs/multihost.md); this process runs torch_xla's runtime")
+    if cfg.spmd.scan_layers:  # the block stack as one jax.lax.scan (backends/torchax/scan.py)
+        if model_parameters is not None and not isinstance(model_parameters, (list, tuple)):
+            model_parameters = list(model_parameters)  # a generator over the module, before stacking
+        # the client's per-layer parameters become the stacked ones
+        model_parameters = restack_client(model_parameters, optimizer, apply_scan_layers(model, cfg.spmd.scan_layers))
     members = {id(p) for p in model.parameters()}
 
     def prepare_optimizer(optimizer) -> None:
@@ -129,22 +142,11 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
     setup = setup_training(model, cfg, shape, process_index=process_index, process_count=process_count,
                            optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
                            training_data=training_data, collate_fn=collate_fn, even=True,
-                           prepare_optimizer=prepare_optimizer)
+                           stacked=stacked_layers(model), prepare_optimizer=prepare_optimizer)
     engine = TorchaxEngine(model, setup.optimizer, setup.scheduler, cfg, setup.batch, setup.plan, shape,
-                           runtime.device_count(), setup.loader, config_dict, devices=devices)
+                           shape_only_devices or runtime.device_count(), setup.loader, config_dict, devices=devices,
+                           shape_only=shape_only)
+    if cfg.spmd.scan_layers:  # before the first forward traces the loop
+        lay_out_gradients(model, engine.mesh, setup.plan)
     return engine, engine.optimizer, setup.loader, setup.scheduler
 
-
-def _build_shape_only(model: torch.nn.Module, cfg: DeepSpeedConfig, devices: int, optimizer, model_parameters,
-                      lr_scheduler, config_dict: Optional[dict]):
-    """``build`` for a topology of ``devices`` chips that this machine need not have: the mesh
-    shape the config gives on that many devices, the same plan and batch arithmetic."""
-    if cfg.spmd.dcn_mesh is not None:
-        raise ConfigError("spmd.dcn_mesh: the TPU compile (spmdzero aot) of the torchax backend compiles for one "
-                          "slice; remove spmd.dcn_mesh from the config given to it")
-    shape = resolve_mesh_shape(cfg.spmd.mesh, devices)
-    setup = setup_training(model, cfg, shape, optimizer=optimizer, model_parameters=model_parameters,
-                           lr_scheduler=lr_scheduler, even=True)
-    engine = TorchaxEngine(model, setup.optimizer, setup.scheduler, cfg, setup.batch, setup.plan, shape, devices,
-                           None, config_dict, shape_only=True)
-    return engine, engine.optimizer, None, setup.scheduler

@@ -76,6 +76,7 @@ from spmdzero.train.engine_base import EngineBase, NO_GRADIENTS
 from spmdzero.sharding.plan import ShardingPlan, replicated
 from spmdzero.optim.precision import precision_policy
 from spmdzero.train.build import move_in_place
+from spmdzero.train.scan_layers import stacked_layers
 from spmdzero.backends.torchax import batchnorm
 from spmdzero.backends.torchax.mesh import jax_devices, mesh_devices
 from spmdzero.sharding.mesh import resolve_hybrid_shape
@@ -1376,8 +1377,10 @@ class TorchaxEngine(EngineBase):
         return {params[name]: name for name in self._names}
 
     def stacked_layers(self) -> dict[str, str]:
-        """Empty: this backend does not stack layers (``spmd.scan_layers`` is refused)."""
-        return {}
+        """{stacked parameter name: its stack's name} under ``spmd.scan_layers='stacked'`` (else
+        empty): checkpoints record it so that they load into either form of the model, on
+        either backend."""
+        return stacked_layers(self._module)
 
     @property
     def scales_loss(self) -> bool:
