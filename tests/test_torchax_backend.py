@@ -973,8 +973,44 @@ def test_parameter_groups_the_module_does_not_own_are_refused_and_empty_ones_dro
         {"params": list(model.net[0].parameters())}, {"params": list(model.net[2].parameters()), "lr": 0.5}])
     assert len(engine.get_lr()) == 1  # the all-frozen group is dropped, as DeepSpeed drops it
     assert not engine.was_step_applied()  # no step yet
-    with pytest.raises(AttributeError, match="engine.collectives_report is not supported by the torchax backend"):
-        engine.collectives_report
+    with pytest.raises(AttributeError, match="engine.snapshot is not supported by the torchax backend"):
+        engine.snapshot
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 2])
+def test_the_collectives_report_compiles_one_step_and_runs_nothing(stage):
+    """The step traced (not run) and compiled for XLA:CPU: ZeRO-2 reduce-scatters the gradients
+    (all-reduce + partition-indexed slices on CPU) where ZeRO-0 all-reduces them, at the
+    data-parallel minimum's traffic; the engine trains on as before, its programs unchanged, with
+    the loss given by ``loss_fn`` (the module's output is not a loss) or the module's own."""
+    cfg = {**config("torchax"), "zero_optimization": {"stage": stage}}
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(seed=0), config=cfg)
+    (x, y), = batches(1, 16)
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    report = engine.collectives_report(x, loss_fn=lambda out: torch.nn.functional.mse_loss(out, y))
+    assert engine.global_steps == 0 and engine.traces == {}
+    for name, p in engine.module.named_parameters():
+        assert torch.equal(p.detach(), before[name])
+    kinds = set(report.collectives)
+    assert any(k.startswith("reduce-scatter") for k in kinds) == (stage == 2), kinds
+    assert report.ratio == pytest.approx(1.0, abs=0.15), str(report)
+    engine.backward(torch.nn.functional.mse_loss(engine(x), y))  # the engine's own programs: one VJP forward
+    engine.step()
+    assert engine.traces["vjp_forward"] == 1 and engine.global_steps == 1
+    module_loss, *_ = spmdzero.initialize(model=WithLoss(tiny_mlp(seed=0)), config=cfg)
+    assert set(module_loss.collectives_report(x, y).collectives) == kinds
+
+
+def test_engine_compile_is_a_no_op_that_says_so():
+    """DeepSpeed's engine.compile() (accelerate calls it with dynamo on): the programs are jax.jit's."""
+    engine, *_ = spmdzero.initialize(model=WithLoss(tiny_mlp(seed=0)), config=config("torchax"))
+    assert not engine.is_compiled
+    engine.compile(backend="inductor")
+    assert engine.is_compiled
+    (x, y), = batches(1, 16)
+    engine.backward(engine(x, y))
+    engine.step()
 
 
 def test_the_deepspeed_engine_api_a_script_reaches_for(tmp_path):

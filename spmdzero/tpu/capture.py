@@ -143,6 +143,16 @@ class JaxStepCapture:
                          micro_batch=self.step.micro_batch, gradient_names=self.gradient_names(),
                          backend=self.backend, **result)
 
+    def collectives_report(self, timeout: int = 1800) -> CollectivesReport:
+        """The collectives of this step compiled for XLA:CPU on the engine's devices (lowered for
+        the CPU, with Shardy as for the TPU), reported as ``StepCapture.collectives_report`` does."""
+        from jax._src import config
+
+        with config.use_shardy_partitioner(True):
+            mlir = self.step.traced.lower(lowering_platforms=("cpu",)).as_text()
+        result = compile_mlir(mlir, f"cpu:{self.devices}", (), timeout, fixed_outputs=True)
+        return CollectivesReport(self.devices, result["collectives"], self.gradient_bytes())
+
     def gradient_bytes(self) -> int:
         count = sum(int(np.prod(shape, dtype=np.int64)) for shape in self.step.trained.values())
         return count * self.step.communication_dtype.itemsize

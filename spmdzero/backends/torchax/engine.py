@@ -212,7 +212,7 @@ def _find_loss(output) -> Optional[torch.Tensor]:
 # The torch_xla engine's public names this engine lacks (tests/test_torchax_backend.py checks
 # the list against both classes): asking for one says which backend has it.
 TORCH_XLA_ONLY = frozenset({
-    "capture_steps", "collectives_report", "is_compiled", "lay_out_state",
+    "capture_steps", "lay_out_state",
     "restore_snapshot", "snapshot", "trained_parameters",
 })
 
@@ -1366,8 +1366,42 @@ class TorchaxEngine(EngineBase):
         self._jax.block_until_ready((self._params, self._opt_state, self._accum))
 
     def compile(self, *args, **kwargs) -> None:
-        raise NotImplementedError("engine.compile() does not apply to the torchax backend: its programs are "
-                                  "compiled by jax.jit")
+        """DeepSpeed's ``engine.compile()`` (``torch.compile`` of the module; accelerate calls it
+        when dynamo is on): this engine's programs are compiled by ``jax.jit`` already, so there
+        is nothing more to compile. Said once; ``is_compiled`` is then True, as in DeepSpeed."""
+        from spmdzero.observe.console import say_once
+
+        say_once(["engine.compile(): the torchax backend's programs are already compiled by jax.jit; nothing "
+                  "changes"])
+        self._compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.__dict__.get("_compiled", False)
+
+    def collectives_report(self, *inputs, loss_fn=None, **kwargs):
+        """The collectives of one training step on these inputs, compiled for XLA:CPU on this
+        engine's devices, against the data-parallel minimum, as the torch_xla engine reports them.
+        ``loss_fn(output)`` (or the module's own loss) is the loss; the step is traced
+        (``trace_step``), not run, and the engine is left as it was."""
+        from spmdzero.tpu.capture import JaxStepCapture
+
+        module = self._module
+        programs, own = self._programs, module.__dict__.get("forward")
+        if loss_fn is not None:  # traced with the loss inside the forward, in programs of its own
+            forward = module.forward
+            self._programs = {}
+            module.forward = lambda *args, **kw: _host_tensors_as_constants(loss_fn, forward(*args, **kw))
+        try:
+            step = JaxStepCapture(self, self.trace_step(*inputs, **kwargs))
+        finally:
+            if loss_fn is not None:
+                self._programs = programs
+                if own is None:
+                    del module.forward
+                else:
+                    module.forward = own
+        return step.collectives_report()
 
     # ---- the state protocol: what checkpoints use (spmdzero.io) ------------------------------------
     def optimized_names(self) -> dict[torch.Tensor, str]:
@@ -1524,6 +1558,26 @@ class TorchaxEngine(EngineBase):
         self._take_host_changes()  # the load then writes over the host's changes, not the reverse
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only, trust_client_state)
+
+def _host_tensors_as_constants(fn, output):
+    """``fn(output)`` traced, its host tensors (a target the loss function closes over) taken
+    as constants of the program: torchax refuses math between its tensors and host ones."""
+    from torchax import tensor as ttensor
+
+    import torchax
+
+    env = torchax.default_env()
+
+    class HostTensorsAsConstants(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            args, kwargs = torch_pytree.tree_map_only(
+                torch.Tensor, lambda t: t if _is_torchax_tensor(t) else ttensor.Tensor(env.t2j_copy(t.detach()), env),
+                (args, kwargs or {}))
+            return func(*args, **kwargs)
+
+    with HostTensorsAsConstants():
+        return fn(output)
+
 
 def _broadcast_from_first_process(module: torch.nn.Module, seed: int) -> int:
     """Process 0's parameters and buffers copied into every process's ``module`` (DeepSpeed's
