@@ -9,16 +9,16 @@ from conftest import REPO
 
 
 NOTEBOOKS = sorted(pathlib.Path(REPO, "notebooks").glob("*.ipynb"))
-# zero_on_a_mesh shows torch_xla's own objects (its Mesh, the collectives in its HLO)
+# zero_on_a_mesh shows the default backend's own objects (a JAX mesh, the states as JAX arrays)
 BACKEND_FREE = [p for p in NOTEBOOKS if p.name == "quickstart.ipynb"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path,backend", [(p, "torch_xla") for p in NOTEBOOKS] + [(p, "torchax") for p in BACKEND_FREE],
-                         ids=lambda v: getattr(v, "name", v))
+@pytest.mark.parametrize("path,backend", [(p, "") for p in NOTEBOOKS] + [(p, "torch_xla") for p in BACKEND_FREE],
+                         ids=lambda v: getattr(v, "name", v) or "default")
 def test_notebook_runs_and_reruns(path, backend):
-    """The torchax runs set SPMDZERO_BACKEND=torchax in the kernel's environment: the notebook's
-    config names no backend, so it trains there."""
+    """On the default backend, and the quickstart also with SPMDZERO_BACKEND=torch_xla in the
+    kernel's environment: its config names no backend, so it trains there."""
     import os
 
     import nbformat
