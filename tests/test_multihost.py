@@ -83,13 +83,14 @@ import os
 import torch
 
 
-class Net(torch.nn.Module):  # returns its loss: the torchax backend takes the gradient in the forward
+class Net(torch.nn.Module):  # returns its loss (the torchax backend takes the gradient in the forward), or its output
     def __init__(self):
         super().__init__()
         self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
 
-    def forward(self, x, y):
-        return torch.nn.functional.mse_loss(self.body(x), y)
+    def forward(self, x, y=None):
+        out = self.body(x)
+        return out if y is None else torch.nn.functional.mse_loss(out, y)
 
 
 def dataset():
@@ -103,10 +104,11 @@ CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
           "spmd": {"rank": "device"}}  # the default backend (torchax)
 
 
-def train(engine, loader, die_at=None):
+def train(engine, loader, die_at=None, outside=False):
     losses, norms = [], []
     for x, y in loader:
-        loss = engine(x, y)
+        # outside: the loss computed from the output, with this process's targets (cifar10_deepspeed.py)
+        loss = torch.nn.functional.mse_loss(engine(x), y) if outside else engine(x, y)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -130,13 +132,14 @@ if __name__ == "__main__":
     parser.add_argument("--die_rank", type=int, default=-1)
     parser.add_argument("--load")
     parser.add_argument("--save")
+    parser.add_argument("--outside", action="store_true")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     torch.manual_seed(100 + rank)  # each host its own weights: deepspeed.initialize takes process 0's
     engine, _, loader, _ = deepspeed.initialize(model=Net(), config=CONFIG, training_data=dataset())
     if args.load:
         engine.load_checkpoint(args.load)
-    losses, norms = train(engine, loader, die_at=2 if rank == args.die_rank else None)
+    losses, norms = train(engine, loader, die_at=2 if rank == args.die_rank else None, outside=args.outside)
     if args.save:
         engine.save_checkpoint(args.save)
     torch.save({"losses": losses, "norms": norms, "hosts": runtime.hosts(), "devices": runtime.device_count(),
@@ -222,6 +225,27 @@ def test_two_processes_of_four_devices_train_as_one_process_of_eight(tmp_path):
         assert out["losses"] == pytest.approx(losses, abs=1e-6, rel=1e-6)  # global losses, the same on each
         assert out["norms"] == pytest.approx(norms, abs=1e-6, rel=1e-6)
         for name, value in params.items():  # process 0's initial weights (seeded 100), trained on all rows
+            torch.testing.assert_close(out["params"][name], value, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_loss_computed_outside_the_module_trains_on_two_processes_as_on_one(tmp_path):
+    """``criterion(engine(x), y)`` on each host with its own targets: each process sees its own
+    rows of the output (its DeepSpeed ranks' micro-batches) and its own loss, and the step
+    applies the gradient of the processes' mean loss, as DeepSpeed averages its ranks'. The
+    parameters and gradient norms are one process's of 8 devices with the loss in the module."""
+    procs = _launch_hosts(tmp_path, "--outside")
+    losses, norms, params, _ = _reference(tmp_path)
+    for i, proc in enumerate(procs):
+        assert proc.wait(timeout=240) == 0, (tmp_path / f"log{i}.txt").read_text()[-4000:]
+    outs = [torch.load(tmp_path / f"out{i}.pt") for i in range(2)]
+    mean = [(a + b) / 2 for a, b in zip(outs[0]["losses"], outs[1]["losses"])]
+    assert mean == pytest.approx(losses, abs=1e-6, rel=1e-6)  # each its own rows: their mean is the global loss
+    assert all(a != pytest.approx(b, abs=1e-6) for a, b in zip(outs[0]["losses"], outs[1]["losses"]))
+    for out in outs:
+        assert out["norms"] == pytest.approx(norms, abs=1e-6, rel=1e-6)
+        assert out["traces"]["vjp_forward"] == 1 and out["traces"]["backward"] <= 2  # compiled once each
+        for name, value in params.items():
             torch.testing.assert_close(out["params"][name], value, atol=1e-6, rtol=1e-6)
 
 

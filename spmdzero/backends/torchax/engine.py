@@ -81,6 +81,7 @@ from spmdzero.backends.torchax import batchnorm
 from spmdzero.backends.torchax.mesh import jax_devices, mesh_devices
 from spmdzero.sharding.mesh import resolve_hybrid_shape
 from spmdzero.backends.torchax.outside_loss import tie
+from spmdzero.backends.torchax import process_rows
 from spmdzero.backends.torchax import torch_optim
 
 NOT_FROM_ENGINE = ("engine.backward(loss) was given a loss that depends on no output of this engine's forward "
@@ -672,11 +673,18 @@ class TorchaxEngine(EngineBase):
         could differentiate), tied into torch autograd (``outside_loss``), so that a loss the
         script computes from them reaches the compiled backward."""
         spec, others = program.out_spec
-        leaves = [self._Output(a, self._env) for a in arrays]
+        # several processes: each sees its own rows, as a DeepSpeed rank its micro-batch (process_rows)
+        views = [process_rows.local_view(a) for a in arrays] if self._processes > 1 else arrays
+        leaves = [self._Output(v, self._env) for v in views]
         if record is not None:
             inexact = self._jax.numpy.inexact  # bf16 is not a numpy float to numpy
             record.floats = [i for i, a in enumerate(arrays) if self._jax.numpy.issubdtype(a.dtype, inexact)]
-            record.avals = tuple((tuple(arrays[i].shape), str(arrays[i].dtype)) for i in record.floats)
+            # the backward's static description of each float output: its global shape and dtype, and
+            # with several processes how its cotangent reaches the global mesh
+            kind = (lambda i: (process_rows.SPLIT if process_rows.spans_processes(arrays[i], views[i]) else
+                               process_rows.STACKED)) if self._processes > 1 else (lambda i: None)
+            record.avals = tuple((tuple(arrays[i].shape), str(arrays[i].dtype), kind(i)) for i in record.floats)
+            record.shardings = [(views[i].sharding, arrays[i].sharding) for i in record.floats]
             record.tensors = leaves
             leaves = tie(record, self._anchor, record.inputs)
             record.tensors = None  # the outputs hold the record (their grad_fn), not the reverse
@@ -901,6 +909,9 @@ class TorchaxEngine(EngineBase):
             _, _, vjp = program(self._params, record.constants, record.rng, record.arrays)
         state = self._backward_state
         cts = tuple(None if cotangents[i] is None else _as_jax(cotangents[i], self._env) for i in record.floats)
+        if self._processes > 1:  # this process's cotangents, onto the global mesh
+            cts = tuple(None if c is None else process_rows.global_cotangent(c, view, whole, shape, kind, self.mesh)
+                        for c, (view, whole), (shape, _, kind) in zip(cts, record.shardings, record.avals))
         if self._backward_program is None:
             self._backward_program = self._build_backward()
         self.runs["backward"] += 1
@@ -938,8 +949,10 @@ class TorchaxEngine(EngineBase):
     def _build_backward(self):
         """``(VJP, cotangents, accum, avals) -> (accumulated gradients, input gradients)``, jitted:
         the compiled backward of a loss computed outside the module. A cotangent that is None (an
-        output the loss does not use) is zeros of that output's shape; the gradients are reduced
-        and accumulated as the training program does (the plan's gradient spec)."""
+        output the loss does not use) is zeros of that output's shape; with several processes the
+        processes' cotangents make the gradient of their mean loss (``process_rows.combine``). The
+        gradients are reduced and accumulated as the training program does (the plan's gradient
+        spec)."""
         import jax
         import jax.numpy as jnp
 
@@ -948,8 +961,9 @@ class TorchaxEngine(EngineBase):
 
         def backward(vjp, cotangents, accum, avals):
             self.traces["backward"] += 1
-            cts = [jnp.zeros(shape, dtype) if c is None else c.astype(dtype)
-                   for c, (shape, dtype) in zip(cotangents, avals)]
+            cts = [jnp.zeros(shape, dtype) if c is None else
+                   (c if kind is None else process_rows.combine(c, kind, self._processes)).astype(dtype)
+                   for c, (shape, dtype, kind) in zip(cotangents, avals)]
             grads, input_grads = vjp(cts)
             grads = {n: self._laid_out_gradient(n, g.astype(comm)).astype(accumulated) for n, g in grads.items()}
             if accum is not None:
