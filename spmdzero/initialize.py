@@ -7,6 +7,7 @@ install, never imported for the torchax backend."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any, Callable, Optional
 
 import torch
@@ -21,14 +22,10 @@ BACKENDS = {"torch_xla": "spmdzero.backends.torch_xla.build", "torchax": "spmdze
 
 def backend_builder(name: str):
     """The ``build`` module of backend ``name``; a missing torch_xla install is named, with the fix."""
-    try:
-        return importlib.import_module(BACKENDS[name])
-    except ModuleNotFoundError as err:
-        if name == "torch_xla" and (err.name or "").split(".")[0] == "torch_xla":
-            raise ConfigError("spmd.backend='torch_xla' needs torch_xla, which is not installed: pip install "
-                              "'spmdzero[torch_xla]' (torch_xla==2.9.0), or use spmd.backend='torchax' (the "
-                              "default)") from err
-        raise
+    if name == "torch_xla" and importlib.util.find_spec("torch_xla") is None:
+        raise ConfigError("spmd.backend='torch_xla' needs torch_xla, which is not installed: pip install "
+                          "'spmdzero[torch_xla]' (torch_xla==2.9.0), or use spmd.backend='torchax' (the default)")
+    return importlib.import_module(BACKENDS[name])
 
 
 def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer: Any = None,

@@ -1367,3 +1367,69 @@ def test_a_forward_that_reads_a_value_on_the_host_is_a_clear_error(read):
     with pytest.raises(RuntimeError, match=r"ReadsBack's forward reads a tensor's value on the host .* "
                                            r"spmd.backend='torch_xla', which cuts the step in two"):
         engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+
+
+WITHOUT_TORCH_XLA = """
+    import sys
+
+    class NotInstalled:  # as an install without the torch_xla extra: `import torch_xla` fails
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch_xla" or name.startswith("torch_xla."):
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+
+    sys.meta_path.insert(0, NotInstalled())
+    import importlib.util
+    importlib.util.find_spec = (lambda real: lambda name, *a, **k: None if name.split(".")[0] == "torch_xla"
+                                else real(name, *a, **k))(importlib.util.find_spec)
+    import json, tempfile, torch
+    import spmdzero
+
+    def tiny_mlp():  # conftest's, which would start torch_xla's runtime
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+
+    def batches(n, rows):
+        g = torch.Generator().manual_seed(1)
+        return [(torch.randn(rows, 16, generator=g), torch.randn(rows, 8, generator=g)) for _ in range(n)]
+
+    cfg = {"train_batch_size": 16, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(), config=cfg)
+    losses = []
+    for x, y in batches(4, 8):
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    path = tempfile.mkdtemp()
+    engine.save_checkpoint(path)
+    engine.load_checkpoint(path)
+    spmdzero.alias_deepspeed()
+    import deepspeed
+    deepspeed.init_distributed()
+    torch.distributed.barrier()
+    out = {"engine": type(engine).__name__, "losses": losses, "steps": engine.global_steps,
+           "torch_xla": sorted(m for m in sys.modules if m.startswith("torch_xla"))}
+    try:
+        spmdzero.initialize(model=tiny_mlp(), config={**cfg, "spmd": {"backend": "torch_xla"}})
+    except spmdzero.ConfigError as err:
+        out["torch_xla_config"] = str(err)
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_without_torch_xla_installed_the_default_backend_trains_and_the_extra_is_named():
+    """``pip install spmdzero`` has no torch_xla: import, training, checkpoints, the DeepSpeed
+    layer and its barrier import none of it; a config naming torch_xla says how to install it."""
+    import json
+
+    from conftest import run_python
+
+    out = json.loads(run_python(WITHOUT_TORCH_XLA, env={"SPMDZERO_BACKEND": ""}).strip().splitlines()[-1])
+    assert out["engine"] == "TorchaxEngine" and out["steps"] == 2 and len(out["losses"]) == 4
+    assert out["torch_xla"] == []
+    assert out["torch_xla_config"] == ("spmd.backend='torch_xla' needs torch_xla, which is not installed: pip "
+                                       "install 'spmdzero[torch_xla]' (torch_xla==2.9.0), or use "
+                                       "spmd.backend='torchax' (the default)")
