@@ -20,7 +20,12 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import spmdzero  # noqa: E402,F401  (starts the runtime before any test creates tensors)
 
-spmdzero.runtime.start_torch_xla("the torch_xla backend's tests")
+
+def pytest_configure(config):
+    """torch_xla's runtime beside JAX's devices, before any test runs a backward on the host, in
+    the pytest process only (a test's subprocess that imports this module for its helpers stays
+    a default process)."""
+    spmdzero.runtime.start_torch_xla("the torch_xla backend's tests")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

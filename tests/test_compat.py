@@ -437,7 +437,7 @@ def test_engine_compile_uses_openxla_with_the_same_losses_and_no_recompiles():
     import torch_xla.debug.metrics as met
 
     config = {"train_batch_size": 16, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": 2}}
+              "zero_optimization": {"stage": 2}, "spmd": {"backend": "torch_xla"}}  # its dynamo backend
     runs = []
     for compiled in (False, True):
         engine, *_ = spmdzero.initialize(model=tiny_mlp(), config=config)

@@ -7,9 +7,14 @@ import pytest
 
 from spmdzero.observe.hlo import collective_counts, collectives, dumped_modules
 
-from conftest import run_python
+from conftest import run_python as run_any
 
 pytestmark = pytest.mark.slow
+
+
+def run_python(*code, env=None):
+    """The torch_xla backend's compiled steps (its HLO dumps and collectives_report)."""
+    return run_any(*code, env={"SPMDZERO_BACKEND": "torch_xla", **(env or {})})
 
 STEP = """
     import sys, torch, spmdzero

@@ -178,7 +178,7 @@ def test_compile_cache_dir_stores_the_compiled_programs(tmp_path):
         import torch, spmdzero
         import torch_xla.debug.metrics as met
         engine, *_ = spmdzero.initialize(model=torch.nn.Linear(16, 16), config={{"train_batch_size": 16,
-            "optimizer": {{"type": "Adam"}}, "spmd": {{"compile_cache_dir": {str(tmp_path)!r}}}}})
+            "optimizer": {{"type": "Adam"}}, "spmd": {{"compile_cache_dir": {str(tmp_path)!r}, "backend": "torch_xla"}}}})
         engine.backward(engine(torch.randn(16, 16)).pow(2).mean()); engine.step()
         engine.get_lr()
         print("misses", met.counter_value("PersistentCacheMiss"))

@@ -17,12 +17,15 @@ TRAIN_ONE_STEP = """
 """
 
 
+TORCH_XLA = {"SPMDZERO_BACKEND": "torch_xla"}  # torch_xla's runtime at import: its process-level behaviour
+
+
 def test_cpu_backward_after_import_does_not_break_xla_backward():
     out = run_python("""
         import torch, spmdzero
         w = torch.randn(3, requires_grad=True)
         (w * 2).sum().backward()   # a CPU backward first: harmless once spmdzero is imported
-    """, TRAIN_ONE_STEP)
+    """, TRAIN_ONE_STEP, env=TORCH_XLA)
     assert "world 8" in out
 
 
@@ -34,33 +37,41 @@ def test_device_count_comes_from_cpu_num_devices():
 def test_default_is_eight_cpu_devices():
     import os
 
-    env = {k: v for k, v in os.environ.items() if k not in ("CPU_NUM_DEVICES", "PJRT_DEVICE")}
+    env = {k: v for k, v in os.environ.items() if k not in ("CPU_NUM_DEVICES", "PJRT_DEVICE", "SPMDZERO_BACKEND")}
     import subprocess
     import sys
 
     from conftest import REPO
 
-    proc = subprocess.run([sys.executable, "-c", "import spmdzero, os; from spmdzero import runtime; "
-                           "print(os.environ['PJRT_DEVICE'], runtime.device_count())"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.stdout.split() == ["CPU", "8"], proc.stderr[-2000:]
+    for backend, expected in [("", ["cpu", "8"]), ("torch_xla", ["CPU", "8"])]:
+        proc = subprocess.run([sys.executable, "-c", "import spmdzero, os, jax; from spmdzero import runtime; "
+                               "n = runtime.device_count(); print(os.environ.get('PJRT_DEVICE', jax.devices()[0].platform"
+                               " if not runtime.torch_xla_started() else None), n)"],
+                              cwd=REPO, env={**env, "SPMDZERO_BACKEND": backend}, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.stdout.split() == expected, proc.stderr[-2000:]
 
 
-def test_backward_trap_before_import_is_explained():
+@pytest.mark.parametrize("variable, fix", [
+    ("torch_xla", "Import spmdzero before running any backward pass"),  # its runtime at the import: too late
+    ("", "Set SPMDZERO_BACKEND=torch_xla before `import spmdzero`"),  # started by a config at initialize
+])
+def test_backward_trap_before_import_is_explained(variable, fix):
     out = run_python("""
         import torch
         w = torch.randn(3, requires_grad=True)
         (w * 2).sum().backward()   # CPU backward before the XLA runtime exists: the trap
         import spmdzero
         model = torch.nn.Linear(8, 8)
-        engine, *_ = spmdzero.initialize(model=model, config={"train_batch_size": 8})
+        engine, *_ = spmdzero.initialize(model=model, config={"train_batch_size": 8,
+                                                              "spmd": {"backend": "torch_xla"}})
         try:
             engine.backward(engine(torch.randn(8, 8)).sum())
         except RuntimeError as err:
             print("ERR", err)
-    """)
+    """, env={"SPMDZERO_BACKEND": variable})
     assert "ERR XLA backward failed because a backward pass ran on CPU" in out
-    assert "import spmdzero" in out
+    assert fix in out
 
 
 def test_reinitializing_in_the_same_process_works():
@@ -90,6 +101,7 @@ def test_xla_compiler_warnings_show_only_when_asked_for(level, shown):
     from conftest import REPO
 
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    env.update(TORCH_XLA)
     if level is not None:
         env["TF_CPP_MIN_LOG_LEVEL"] = level
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(TRAIN_ONE_STEP)], cwd=REPO, env=env,

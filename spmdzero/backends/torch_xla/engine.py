@@ -35,6 +35,7 @@ import torch
 
 from spmdzero import runtime
 from spmdzero.backends.torch_xla import fused
+from spmdzero.backends.torch_xla import COMPILE_BACKEND
 from spmdzero.backends.torch_xla.annotate import constrain, shard
 from spmdzero.backends.torch_xla.checkpoint import XlaStateShards
 from spmdzero.sharding.batch import BatchSizes

@@ -1575,18 +1575,25 @@ class TorchaxEngine(EngineBase):
 
 def _host_tensors_as_constants(fn, output):
     """``fn(output)`` traced, its host tensors (a target the loss function closes over) taken
-    as constants of the program: torchax refuses math between its tensors and host ones."""
-    from torchax import tensor as ttensor
-
+    as constants of the program: torchax refuses math between its tensors and host ones. A move
+    to a device (``y.to(engine.device)``, ``.cpu()``) keeps the value where the program has it:
+    a traced value cannot be copied to the host."""
     import torchax
+    from torchax import tensor as ttensor
 
     env = torchax.default_env()
 
     class HostTensorsAsConstants(torch.overrides.TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in (torch.Tensor.cpu, torch.Tensor.cuda):
+                return args[0]
+            if func is torch.Tensor.to:  # only a dtype change stays
+                dtype = kwargs.get("dtype", next((a for a in args[1:] if isinstance(a, torch.dtype)), None))
+                args, kwargs = (args[0],) if dtype is None else (args[0], dtype), {}
             args, kwargs = torch_pytree.tree_map_only(
                 torch.Tensor, lambda t: t if _is_torchax_tensor(t) else ttensor.Tensor(env.t2j_copy(t.detach()), env),
-                (args, kwargs or {}))
+                (args, kwargs))
             return func(*args, **kwargs)
 
     with HostTensorsAsConstants():
