@@ -29,6 +29,7 @@ test-fast: setup  ## the quick subset for iterating
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest -m "not slow"
 
-bench: setup
+bench: setup  ## both backends against one jax.jit step (docs/benchmarks.md), then the torch_xla backend's
+	$(VENV)/bin/python benchmarks/trace_overhead.py --sizes 12x64 --configs torchax,torch_xla --steps 3 --repeats 3
 	$(VENV)/bin/python benchmarks/step_time.py
 	$(VENV)/bin/python benchmarks/first_step.py

@@ -37,6 +37,11 @@ def start() -> None:
     ``SPMDZERO_BACKEND=torch_xla``."""
     # either backend imports torchax (torch_xla's fused update and scan call JAX through it)
     keep_accelerator_lookup_working()
+    # XLA's C++ warnings, read when the first XLA library loads (jaxlib, or torch_xla): a "GSPMD
+    # sharding propagation is going to be deprecated" line on every torch_xla compile says nothing
+    # the user can act on (torch_xla 2.9 has no Shardy path). Errors still show;
+    # TF_CPP_MIN_LOG_LEVEL=0 (or 1) shows the warnings again.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if jax_runtime.decide():
         jax_runtime.configure()
     else:
@@ -71,10 +76,7 @@ def bootstrap() -> None:
     global _torch_xla_started
     device_type = _select_device_type()
     os.environ["PJRT_DEVICE"] = device_type
-    # XLA's C++ warnings, read when torch_xla loads: a "GSPMD sharding propagation is going to be
-    # deprecated" line on every compile says nothing the user can act on (torch_xla 2.9 has no
-    # Shardy path). Errors still show; TF_CPP_MIN_LOG_LEVEL=0 (or 1) shows the warnings again.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # (see start), for a bootstrap without start
     if device_type == "CPU":
         os.environ["CPU_NUM_DEVICES"] = str(cpu_device_count())  # checked: torch_xla reads "x" as no device
     elif device_type == "TPU":  # the compiler flags spmdzero aot compiles with, before libtpu loads
