@@ -1,14 +1,13 @@
 """The torchax backend's build pipeline (``spmdzero.initialize`` with ``spmd.backend:
-"torchax"``): the same batch arithmetic, plan and return value as torch_xla's, and the checks
-of what this backend does not run yet."""
+"torchax"``, the default): the same batch arithmetic, plan and return value as torch_xla's, the
+JAX mesh, and the module's checks (batch norms it can update, sparse gradients)."""
 
 from __future__ import annotations
-from typing import Any, Optional
+from typing import Optional
 import torch
 from spmdzero.config.errors import ConfigError
 from spmdzero.config.schema import DeepSpeedConfig
 from spmdzero.sharding.mesh import check_user_mesh, global_shape, mesh_shape, resolve_hybrid_shape, resolve_mesh_shape
-from spmdzero.optim.precision import DTYPES
 from spmdzero.backends.torchax import batchnorm
 from spmdzero.backends.torchax.engine import TorchaxEngine
 from spmdzero.backends.torchax.mesh import user_mesh_devices
@@ -17,23 +16,6 @@ from spmdzero.train.build import refuse_sparse_gradients, setup_training
 from spmdzero.train.scan_layers import restack_client, stacked_layers
 from spmdzero import runtime
 from spmdzero.runtime import jax_runtime
-
-
-def check_config(cfg: DeepSpeedConfig) -> None:
-    """Refuse what this backend does not implement, naming the key."""
-    unscaled = not cfg.fp16.enabled
-    refused = {
-        # fp16 gradients of an unscaled loss underflow: fp16 gradients only with fp16's loss scaling
-        "communication_data_type fp16 without fp16.enabled": unscaled and DTYPES.get(
-            cfg.communication_data_type) == torch.float16,
-        "data_types.grad_accum_dtype fp16 without fp16.enabled": unscaled and DTYPES.get(
-            cfg.data_types.grad_accum_dtype) == torch.float16,
-    }
-    for key, on in refused.items():
-        if on:
-            raise ConfigError(f"{key} is not supported by the torchax backend (spmd.backend='torchax'; it trains "
-                              "with the config's optimizer in fp32, bf16 or fp16); remove it or use "
-                              "spmd.backend='torch_xla'")
 
 
 def _require_torchax() -> None:
@@ -87,7 +69,6 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
     its step is traced (``TorchaxEngine.trace_step``), never run. The model's parameters may be
     on the ``meta`` device."""
 
-    check_config(cfg)
     _require_torchax()
     refuse_sparse_gradients(model)
     batchnorm.check_replaceable(model)  # the others' running statistics are updated as torch does
