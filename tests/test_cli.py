@@ -42,6 +42,18 @@ def test_config_check_counts_bf16_params_and_fp32_master_weights(tmp_path, capsy
     assert "under spmdzero launch (deepspeed.initialize) it is 'process'" in out  # the config sets no spmd.rank
 
 
+def test_config_check_names_the_backend_initialize_would_build(tmp_path, capsys, monkeypatch):
+    base = {"train_batch_size": 8, "optimizer": {"type": "AdamW"}}
+    for spmd, variable, expected in [({}, "", "torchax (the config names none: the default"),
+                                     ({}, "torch_xla", "torch_xla (the config names none"),
+                                     ({"backend": "torch_xla"}, "", "torch_xla\n"),
+                                     ({"backend": "torchax"}, "torch_xla", "torchax\n")]:
+        monkeypatch.setenv("SPMDZERO_BACKEND", variable)
+        path = write(tmp_path, {**base, "spmd": spmd})
+        assert main(["config", "check", path, "--devices", "8"]) == 0
+        assert f"backend (spmd.backend)    {expected}" in capsys.readouterr().out
+
+
 def test_config_check_takes_a_config_as_the_hugging_face_docs_write_it(tmp_path, capsys):
     """The "auto" values are the Trainer's or accelerate's to fill in: said, not refused (they
     used to be: "'lr' is 'auto', which only an integration such as the HF Trainer can fill in")."""

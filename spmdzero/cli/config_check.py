@@ -78,6 +78,7 @@ def config_check(path: str, devices: int, params: Optional[int]) -> str:
     mesh = " x ".join(f"{axis}={size}" for axis, size in shape.items())
     lines += [
         f"  mesh                      {mesh} ({devices} devices, data-parallel size {batch.dp_devices})",
+        f"  backend (spmd.backend)    {_backend(cfg)}",
         f"  ZeRO stage                {cfg.zero_stage}",
         f"  batch rule (spmd.rank)    {batch.rule} (DeepSpeed world size {batch.ranks})"
         + ("" if "rank" in cfg.spmd.model_fields_set else
@@ -111,6 +112,17 @@ def config_check(path: str, devices: int, params: Optional[int]) -> str:
         for name, value in estimate.items():
             lines.append(f"  {name:<17}{value:>18,.0f} B  ({value / params:5.2f} bytes/param)")
     return "\n".join(lines)
+
+
+def _backend(cfg: DeepSpeedConfig) -> str:
+    """The backend ``initialize`` would build, and why when the config names none."""
+    from spmdzero.initialize import with_backend
+    from spmdzero.runtime import jax_runtime
+
+    backend = with_backend(cfg, jax_devices=jax_runtime.from_environment()).spmd.backend
+    if "backend" in cfg.spmd.model_fields_set:
+        return backend
+    return f"{backend} (the config names none: the default, or SPMDZERO_BACKEND's)"
 
 
 def _describe(section) -> str:
