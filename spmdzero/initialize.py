@@ -35,9 +35,10 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     """Build the engine. Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
     ``config`` (or ``config_params``, or ``args.deepspeed_config``) is a dict or a JSON
-    path. ``mesh`` is an optional ``torch_xla.distributed.spmd.Mesh`` with an ``fsdp``
-    axis; without it the config's ``spmd.mesh`` or a 1-D ``fsdp`` mesh over all devices
-    is used. ``training_data`` (a Dataset) gives a loader of device-sharded batches.
+    path. ``mesh`` is an optional mesh with an ``fsdp`` axis (on torchax a ``jax.sharding.Mesh``
+    or a ``torch_xla.distributed.spmd.Mesh``; on torch_xla the latter); without it the config's
+    ``spmd.mesh`` or a 1-D ``fsdp`` mesh over all devices is used. ``training_data`` (a
+    Dataset) gives a loader of device-sharded batches.
     """
     if model is None:
         raise ValueError("spmdzero.initialize: model is required (got model=None)")
