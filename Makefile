@@ -21,9 +21,17 @@ setup: $(STAMP)
 train: setup  ## the main job: a small GPT-style LM, ZeRO-2, 8 CPU devices unless a TPU is present
 	$(VENV)/bin/python examples/train.py --deepspeed_config examples/configs/zero2.json
 
-test: setup  ## the full suite (what CI runs): the layers contract, then every test
+# Tests that name no backend run on the default, torchax. These files hold such tests of engine
+# behaviour (checkpoints, the batch rule, bad input, monitors); `make test` runs them again with
+# torch_xla's runtime holding the devices, where an unnamed backend is torch_xla.
+ON_TORCH_XLA_TOO := tests/test_checkpoint.py tests/test_checkpoint_faults.py tests/test_checkpoint_safety.py \
+                    tests/test_checkpoint_sharing.py tests/test_batch_rule.py tests/test_hostile_inputs.py \
+                    tests/test_monitor.py
+
+test: setup  ## the full suite (what CI runs): the layers contract, every test, then ON_TORCH_XLA_TOO on torch_xla
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest
+	SPMDZERO_BACKEND=torch_xla $(VENV)/bin/python -m pytest $(ON_TORCH_XLA_TOO) -k "not torchax"
 
 test-fast: setup  ## the quick subset for iterating
 	$(VENV)/bin/lint-imports
