@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: setup train test test-fast bench
+.PHONY: setup train test test-torch-xla test-fast bench
 
 $(STAMP): pyproject.toml
 	rm -rf $(VENV)
@@ -32,6 +32,9 @@ test: setup  ## the full suite (what CI runs): the layers contract, every test, 
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest
 	SPMDZERO_BACKEND=torch_xla $(VENV)/bin/python -m pytest $(ON_TORCH_XLA_TOO) -k "not torchax"
+
+test-torch-xla: setup  ## every test that names no backend, on torch_xla (about 17 minutes; not in CI)
+	SPMDZERO_BACKEND=torch_xla $(VENV)/bin/python -m pytest -k "not torchax"
 
 test-fast: setup  ## the quick subset for iterating
 	$(VENV)/bin/lint-imports

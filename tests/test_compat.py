@@ -136,13 +136,15 @@ def test_initialize_has_deepspeed_0_19_signature(deepspeed):
 
 def test_accelerator_describes_the_hosts_devices(deepspeed):
     """In the default process JAX holds the devices: a script's tensors stay on the host
-    (``device_name() == "cpu"``) and the engine places each batch; counts come from JAX."""
+    (``device_name() == "cpu"``) and the engine places each batch; counts come from JAX. Where
+    torch_xla's runtime holds them (SPMDZERO_BACKEND=torch_xla), tensors go to ``xla``."""
     from deepspeed.accelerator import get_accelerator
+    from spmdzero.runtime import jax_runtime
 
     acc = get_accelerator()
     assert acc is deepspeed.get_accelerator()
-    assert (acc.device_name(), acc.device_name(0), acc.current_device(), acc.current_device_name()) == (
-        "cpu", "cpu", 0, "cpu")
+    expected = ("cpu", "cpu", 0, "cpu") if jax_runtime.selected() else ("xla", "xla:0", 0, "xla:0")
+    assert (acc.device_name(), acc.device_name(0), acc.current_device(), acc.current_device_name()) == expected
     assert acc.device_count() == 8  # the host's devices (8 virtual CPU devices here)
     assert acc.is_bf16_supported() and acc.is_available()
     assert acc.communication_backend_name() == "gloo"
