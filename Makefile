@@ -33,7 +33,7 @@ test: setup  ## the full suite (what CI runs): the layers contract, every test, 
 	$(VENV)/bin/python -m pytest
 	SPMDZERO_BACKEND=torch_xla $(VENV)/bin/python -m pytest $(ON_TORCH_XLA_TOO) -k "not torchax"
 
-test-torch-xla: setup  ## every test that names no backend, on torch_xla (about 17 minutes; not in CI)
+test-torch-xla: setup  ## every test that names no backend, on torch_xla (about 16 minutes; not in CI)
 	SPMDZERO_BACKEND=torch_xla $(VENV)/bin/python -m pytest -k "not torchax"
 
 test-fast: setup  ## the quick subset for iterating
