@@ -28,13 +28,15 @@ ON_TORCH_XLA_TOO := tests/test_checkpoint.py tests/test_checkpoint_faults.py tes
                     tests/test_checkpoint_sharing.py tests/test_batch_rule.py tests/test_hostile_inputs.py \
                     tests/test_monitor.py
 
+PYTEST_ON_TORCH_XLA := SPMDZERO_BACKEND=torch_xla $(VENV)/bin/python -m pytest -k "not torchax"
+
 test: setup  ## the full suite (what CI runs): the layers contract, every test, then ON_TORCH_XLA_TOO on torch_xla
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest
-	SPMDZERO_BACKEND=torch_xla $(VENV)/bin/python -m pytest $(ON_TORCH_XLA_TOO) -k "not torchax"
+	$(PYTEST_ON_TORCH_XLA) $(ON_TORCH_XLA_TOO)
 
 test-torch-xla: setup  ## every test that names no backend, on torch_xla (about 16 minutes; not in CI)
-	SPMDZERO_BACKEND=torch_xla $(VENV)/bin/python -m pytest -k "not torchax"
+	$(PYTEST_ON_TORCH_XLA)
 
 test-fast: setup  ## the quick subset for iterating
 	$(VENV)/bin/lint-imports
