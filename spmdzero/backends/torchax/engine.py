@@ -83,7 +83,7 @@ from spmdzero.sharding.mesh import resolve_hybrid_shape
 from spmdzero.backends.torchax.outside_loss import tie
 from spmdzero.backends.torchax import process_rows
 from spmdzero.backends.torchax import torch_optim
-from spmdzero.backends.torchax import trace_view
+from spmdzero.backends.torchax import lowerings, trace_view
 
 NOT_FROM_ENGINE = ("engine.backward(loss) was given a loss that depends on no output of this engine's forward "
                    "with grad enabled: compute it from what engine(...) returned in training (not under "
@@ -247,6 +247,7 @@ class TorchaxEngine(EngineBase):
         if self._processes > 1:
             seed = _broadcast_from_first_process(module, seed)
         self._env = torchax.default_env()
+        lowerings.install(self._env)  # torch's values where torchax's lowerings differ (masked rows, padding_idx)
         self._Output = _output_tensor_class()
         self._module = module
         self.basic_optimizer = optimizer
