@@ -3,6 +3,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+TRANSFORMERS_4 := $(VENV)/transformers4
 
 .PHONY: setup train test test-torch-xla test-fast bench
 
@@ -16,7 +17,15 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -m pip install --quiet --no-deps --force-reinstall torchax==0.0.13
 	touch $@
 
-setup: $(STAMP)
+# transformers 4.57 (and the hub client and tokenizers it pins) beside the venv's 5.x, for the
+# zoo's second run: PYTHONPATH=$(TRANSFORMERS_4) puts it first
+$(TRANSFORMERS_4)/.installed-4.57.6: $(STAMP)
+	rm -rf $(TRANSFORMERS_4)
+	$(VENV)/bin/python -m pip install --quiet --no-deps --target $(TRANSFORMERS_4) transformers==4.57.6 \
+		huggingface_hub==0.36.0 tokenizers==0.22.1
+	touch $@
+
+setup: $(STAMP) $(TRANSFORMERS_4)/.installed-4.57.6
 
 train: setup  ## the main job: a small GPT-style LM, ZeRO-2, 8 CPU devices unless a TPU is present
 	$(VENV)/bin/python examples/train.py --deepspeed_config examples/configs/zero2.json
@@ -30,9 +39,10 @@ ON_TORCH_XLA_TOO := tests/test_checkpoint.py tests/test_checkpoint_faults.py tes
 
 PYTEST_ON_TORCH_XLA := SPMDZERO_BACKEND=torch_xla $(VENV)/bin/python -m pytest -k "not torchax"
 
-test: setup  ## the full suite (what CI runs): the layers contract, every test, then ON_TORCH_XLA_TOO on torch_xla
+test: setup  ## the full suite (what CI runs): the layers contract, every test, the zoo on transformers 4.57, then ON_TORCH_XLA_TOO on torch_xla
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest
+	PYTHONPATH=$(TRANSFORMERS_4) $(VENV)/bin/python -m pytest tests/test_transformers_zoo.py
 	$(PYTEST_ON_TORCH_XLA) $(ON_TORCH_XLA_TOO)
 
 test-torch-xla: setup  ## every test that names no backend, on torch_xla (about 16 minutes; not in CI)
@@ -46,3 +56,5 @@ bench: setup  ## both backends against one jax.jit step (docs/benchmarks.md), th
 	$(VENV)/bin/python benchmarks/trace_overhead.py --sizes 12x64 --configs torchax,torch_xla --steps 3 --repeats 3
 	$(VENV)/bin/python benchmarks/step_time.py
 	$(VENV)/bin/python benchmarks/first_step.py
+	$(VENV)/bin/python benchmarks/transformers_zoo.py
+	PYTHONPATH=$(TRANSFORMERS_4) $(VENV)/bin/python benchmarks/transformers_zoo.py

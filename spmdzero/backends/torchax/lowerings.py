@@ -11,6 +11,10 @@ Each replacement is installed on torchax's process-wide environment once, at the
   24, ... of a 96-row table on 8 devices): DistilBERT, RoBERTa and ELECTRA trained on wrong
   gradients at stage 2 only. Here the padding row is read through ``stop_gradient`` instead,
   a plain select that every layout partitions alike.
+* transformers 5.x's mixture-of-experts ``grouped_mm`` (``torch.ops.transformers.grouped_mm_fallback``,
+  and ``aten._grouped_mm`` where it picks torch's kernel): a custom op with no torchax lowering,
+  whose eager body reads the group offsets on the host. Here it is ``jax.lax.ragged_dot``, the
+  grouped matmul XLA lowers on every platform, with the offsets as a traced input.
 """
 
 from __future__ import annotations
@@ -36,14 +40,50 @@ def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=
     return jnp.take(weight, indices, axis=0)
 
 
+def grouped_mm(input, weight, offs=None, bias=None, out_dtype=None):
+    """Rows ``offs[g-1]:offs[g]`` of ``input`` (``[S, K]``, sorted by group) times ``weight[g]``
+    (``[G, K, N]``); rows past ``offs[-1]`` are zero, as in transformers' fallback."""
+    import jax
+    import jax.numpy as jnp
+
+    if offs is None or input.ndim != 2 or weight.ndim != 3:
+        raise NotImplementedError(
+            f"spmd.backend='torchax' lowers grouped_mm for a 2-D input and 3-D weights with offsets (a "
+            f"mixture of experts' layout); got input {tuple(input.shape)}, weight {tuple(weight.shape)}, "
+            f"offs {'None' if offs is None else tuple(offs.shape)}")
+    offs = offs.astype(jnp.int32)
+    sizes = jnp.diff(offs, prepend=jnp.zeros((1,), jnp.int32))
+    out = jax.lax.ragged_dot(input, weight.astype(input.dtype), sizes)
+    out = jnp.where((jnp.arange(input.shape[0]) < offs[-1])[:, None], out, 0)
+    if bias is not None:
+        out = out + bias
+    return out.astype(out_dtype or input.dtype)
+
+
+def _grouped_mm_ops() -> list:
+    """The grouped matmul ops this process has: torch's, and transformers' once its MoE code is loaded."""
+    ops = [getattr(torch.ops.aten, "_grouped_mm", None)]
+    if hasattr(torch.ops, "transformers") and hasattr(torch.ops.transformers, "grouped_mm_fallback"):
+        ops.append(torch.ops.transformers.grouped_mm_fallback)
+    return [op for op in ops if op is not None]
+
+
 def install(env) -> None:
-    """Install every replacement on ``env``. Idempotent."""
-    if getattr(env, _INSTALLED, False):
-        return
+    """Install every replacement on ``env``. Idempotent; called at every engine, since a model
+    built since the last one may have brought an op (transformers' grouped_mm)."""
     from torchax.ops import ops_registry
 
+    def lower(op, fn):
+        env._ops[op] = ops_registry.Operator(op, fn, is_jax_function=True, is_user_defined=True, needs_env=False,
+                                             is_view_op=False)
+
+    # transformers' op exists once its MoE module is imported (the model is built before the engine)
+    for op in _grouped_mm_ops():
+        if op not in env._ops or not env._ops[op].is_user_defined:
+            lower(op, grouped_mm)
+    if getattr(env, _INSTALLED, False):
+        return
     attention.install(env)
     for op in (torch.ops.aten.embedding, torch.ops.aten.embedding.default):
-        env._ops[op] = ops_registry.Operator(op, embedding, is_jax_function=True, is_user_defined=True,
-                                             needs_env=False, is_view_op=False)
+        lower(op, embedding)
     setattr(env, _INSTALLED, True)

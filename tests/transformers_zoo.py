@@ -1,0 +1,227 @@
+"""Stock transformers architectures built from tiny configs, each with a batch as its users feed
+it: decoder LMs with left- and right-padded attention masks, encoders with MLM or classification
+labels, encoder-decoders, vision and speech models, mixtures of experts. Every dropout is 0 so
+that spmdzero's step and plain torch compute the same function. Used by
+``tests/test_transformers_zoo.py`` on whichever transformers the process imports (4.x and 5.x,
+``make test`` runs it on both) and by ``benchmarks/transformers_zoo.py``.
+
+A case is ``(name, build, batch)``: ``build()`` returns the model in train mode, ``batch(seed)``
+a dict of CPU tensors with 8 rows (one per device of the test mesh), ``labels`` included."""
+
+from __future__ import annotations
+
+import torch
+
+ROWS, LENGTH, VOCAB = 8, 16, 96
+NAMES = ["gpt2", "gpt2-eager", "llama", "llama-eager", "qwen2", "mistral", "gemma", "opt", "gpt-neox", "phi", "bloom", "mixtral", "qwen2-moe", "bert", "roberta", "distilbert", "albert", "electra", "deberta-v2", "deberta-v2-cls", "t5", "bart", "vit", "convnext", "resnet", "wav2vec2", "whisper"]
+
+
+def _quiet(config):
+    """No randomness in the forward: every dropout, layer drop and SpecAugment mask off."""
+    for name in list(vars(config)):
+        value = getattr(config, name)
+        if isinstance(value, float) and ("dropout" in name or "pdrop" in name or "drop_prob" in name or name.endswith("_drop")
+                                         or name in ("layerdrop", "mask_time_prob", "mask_feature_prob")):
+            setattr(config, name, 0.0)
+    for sub in ("text_config", "vision_config", "encoder", "decoder"):
+        if isinstance(getattr(config, sub, None), type(config).__mro__[-2]):
+            _quiet(getattr(config, sub))
+    return config
+
+
+def _model(cls_name: str, config, attn: str | None = None):
+    import transformers
+
+    def build():
+        torch.manual_seed(0)
+        kwargs = {} if attn is None else {"attn_implementation": attn}
+        model = getattr(transformers, cls_name)._from_config(_quiet(config()), **kwargs)
+        return model.train()
+    return build
+
+
+def _padded_lm(seed: int, pad_id: int = 0) -> dict:
+    """Rows 0-2 left-padded, rows 3-4 right-padded, the rest full; labels ignore the padding."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (ROWS, LENGTH), generator=g)
+    mask = torch.ones(ROWS, LENGTH, dtype=torch.long)
+    mask[0, :5], mask[1, :9], mask[2, :1], mask[3, -4:], mask[4, -11:] = 0, 0, 0, 0, 0
+    ids = ids.masked_fill(mask == 0, pad_id)
+    labels = ids.masked_fill(mask == 0, -100)
+    # The last pad of a left-padded row predicts the row's first token from a query whose keys are
+    # all masked. transformers 4.x masks with the dtype's minimum there, so that position's
+    # weights are uniform only by rounding, and its gradient is ill-defined: torch's own flash and
+    # math kernels differ 6x on it (OPT). Its label is left out, as the other padding's.
+    labels[0, 5], labels[1, 9], labels[2, 1] = -100, -100, -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _mlm(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, VOCAB, (ROWS, LENGTH), generator=g)
+    mask = torch.ones(ROWS, LENGTH, dtype=torch.long)
+    mask[1, -6:], mask[5, -3:] = 0, 0
+    labels = torch.full_like(ids, -100)
+    chosen = torch.rand(ROWS, LENGTH, generator=g) < 0.3
+    labels[chosen] = ids[chosen]
+    labels[:, 0] = ids[:, 0]  # every row has a target
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask, "labels": labels.masked_fill(mask == 0, -100)}
+
+
+def _classify(seed: int, classes: int = 3) -> dict:
+    batch = _mlm(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    batch["labels"] = torch.randint(0, classes, (ROWS,), generator=g)
+    return batch
+
+
+def _seq2seq(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (ROWS, LENGTH), generator=g)
+    mask = torch.ones(ROWS, LENGTH, dtype=torch.long)
+    mask[2, -7:], mask[6, -2:] = 0, 0
+    labels = torch.randint(3, VOCAB, (ROWS, LENGTH // 2), generator=g)
+    labels[3, -3:] = -100
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask, "labels": labels}
+
+
+def _images(seed: int, classes: int = 4, size: int = 32) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"pixel_values": torch.randn(ROWS, 3, size, size, generator=g),
+            "labels": torch.randint(0, classes, (ROWS,), generator=g)}
+
+
+def _audio_ctc(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(1, 20, (ROWS, 5), generator=g)
+    labels[2, -2:] = -100
+    return {"input_values": torch.randn(ROWS, 1600, generator=g), "labels": labels}
+
+
+def _whisper(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"input_features": torch.randn(ROWS, 16, 32, generator=g),
+            "labels": torch.randint(3, VOCAB, (ROWS, 6), generator=g)}
+
+
+def _cases():
+    import transformers as t
+
+    small = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                 max_position_embeddings=64)
+    llama = dict(small, num_key_value_heads=2)
+    cases = [
+        # decoder LMs, padded masks, sdpa (the default) and eager attention
+        ("gpt2", _model("GPT2LMHeadModel", lambda: t.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
+                                                                 n_positions=64)), _padded_lm),
+        ("gpt2-eager", _model("GPT2LMHeadModel", lambda: t.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2,
+                                                                       n_head=4, n_positions=64), "eager"),
+         _padded_lm),
+        ("llama", _model("LlamaForCausalLM", lambda: t.LlamaConfig(**llama)), _padded_lm),
+        ("llama-eager", _model("LlamaForCausalLM", lambda: t.LlamaConfig(**llama), "eager"), _padded_lm),
+        ("qwen2", _model("Qwen2ForCausalLM", lambda: t.Qwen2Config(**llama)), _padded_lm),
+        ("mistral", _model("MistralForCausalLM", lambda: t.MistralConfig(**llama)), _padded_lm),
+        ("gemma", _model("GemmaForCausalLM", lambda: t.GemmaConfig(**llama, head_dim=8)), _padded_lm),
+        ("opt", _model("OPTForCausalLM", lambda: t.OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                              ffn_dim=64, num_attention_heads=4,
+                                                              max_position_embeddings=64, word_embed_proj_dim=32)),
+         _padded_lm),
+        ("gpt-neox", _model("GPTNeoXForCausalLM", lambda: t.GPTNeoXConfig(**small)), _padded_lm),
+        ("phi", _model("PhiForCausalLM", lambda: t.PhiConfig(**small)), _padded_lm),
+        ("bloom", _model("BloomForCausalLM", lambda: t.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2,
+                                                                    n_head=4)), _padded_lm),
+        # mixtures of experts
+        ("mixtral", _model("MixtralForCausalLM", lambda: t.MixtralConfig(**llama, num_local_experts=4,
+                                                                          num_experts_per_tok=2)), _padded_lm),
+        ("qwen2-moe", _model("Qwen2MoeForCausalLM", lambda: t.Qwen2MoeConfig(
+            **llama, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32)), _padded_lm),
+        # encoders
+        ("bert", _model("BertForMaskedLM", lambda: t.BertConfig(**small)), _mlm),
+        ("roberta", _model("RobertaForMaskedLM", lambda: t.RobertaConfig(**small, pad_token_id=1)), _mlm),
+        ("distilbert", _model("DistilBertForSequenceClassification",
+                              lambda: t.DistilBertConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4,
+                                                         hidden_dim=64, num_labels=3)), _classify),
+        ("albert", _model("AlbertForMaskedLM", lambda: t.AlbertConfig(**small, embedding_size=16)), _mlm),
+        ("electra", _model("ElectraForSequenceClassification",
+                           lambda: t.ElectraConfig(**small, embedding_size=16, num_labels=3)), _classify),
+        ("deberta-v2", _model("DebertaV2ForMaskedLM", lambda: t.DebertaV2Config(**small)), _mlm),
+        ("deberta-v2-cls", _model("DebertaV2ForSequenceClassification",
+                                  lambda: t.DebertaV2Config(**small, num_labels=3, relative_attention=True,
+                                                            pos_att_type=["p2c", "c2p"], position_buckets=8)),
+         _classify),
+        # encoder-decoders
+        ("t5", _model("T5ForConditionalGeneration", lambda: t.T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)),
+         _seq2seq),
+        ("bart", _model("BartForConditionalGeneration", lambda: t.BartConfig(
+            vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)),
+         _seq2seq),
+        # vision
+        ("vit", _model("ViTForImageClassification", lambda: t.ViTConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=32,
+            patch_size=8, num_labels=4)), _images),
+        ("convnext", _model("ConvNextForImageClassification", lambda: t.ConvNextConfig(
+            num_channels=3, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], num_labels=4, image_size=32)), _images),
+        ("resnet", _model("ResNetForImageClassification", lambda: t.ResNetConfig(
+            embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=4)), _images),
+        # speech
+        ("wav2vec2", _model("Wav2Vec2ForCTC", lambda: t.Wav2Vec2Config(
+            vocab_size=24, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            conv_dim=(16, 16), conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=16,
+            num_conv_pos_embedding_groups=4, ctc_loss_reduction="mean", pad_token_id=0)), _audio_ctc),
+        ("whisper", _model("WhisperForConditionalGeneration", lambda: t.WhisperConfig(
+            vocab_size=VOCAB, num_mel_bins=16, d_model=32, encoder_layers=2, decoder_layers=2,
+            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+            max_source_positions=16, max_target_positions=32, decoder_start_token_id=1, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, suppress_tokens=None, begin_suppress_tokens=None)), _whisper),
+    ]
+    return cases
+
+
+def cases() -> dict:
+    """``{name: (build, batch)}`` for the transformers this process imports."""
+    return {name: (build, batch) for name, build, batch in _cases()}
+
+
+def names() -> list[str]:
+    """The cases' names, without importing transformers (for pytest's parametrisation)."""
+    return NAMES
+
+
+def train_both(name: str, steps: int = 4, lr: float = 0.1, stage: int = 2) -> dict:
+    """``steps`` SGD steps of case ``name`` on spmdzero's engine (ZeRO ``stage``, fp32, no
+    clipping) and on plain torch from the same weights and batches. Returns the losses of both,
+    the largest relative loss difference, the largest parameter difference relative to the
+    parameter's scale, and the engine's traces (its compiles)."""
+    import copy
+
+    import spmdzero
+
+    build, batch = cases()[name]
+    model = build()
+    reference = copy.deepcopy(model)
+    config = {"train_batch_size": ROWS, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "SGD", "params": {"lr": lr}}}
+    engine, *_ = spmdzero.initialize(model=model, config=config)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
+    ours, theirs = [], []
+    for step in range(steps):
+        inputs = batch(step)
+        out = engine(**inputs)
+        engine.backward(out.loss)
+        engine.step()
+        ours.append(out.loss.detach())
+        loss = reference(**inputs).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        theirs.append(float(loss))
+    ours = [float(t) for t in ours]
+    trained = dict(engine.module.named_parameters())
+    param_diff = max(float((trained[n].detach().cpu() - p.detach()).abs().max() / (p.detach().abs().max() + 1e-6))
+                     for n, p in reference.named_parameters() if n in trained)
+    return {"name": name, "ours": ours, "theirs": theirs, "steps": steps, "param_diff": param_diff,
+            "loss_diff": max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(ours, theirs)),
+            "compiles": sum(engine.traces.values()), "traces": dict(engine.traces)}
