@@ -1,0 +1,134 @@
+"""The default backend's replacements of torchax lowerings (``backends/torchax/lowerings.py``,
+``attention.py``) and the trace's view for libraries (``trace_view.py``), against torch."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spmdzero  # noqa: F401
+from conftest import on_host
+
+torchax = pytest.importorskip("torchax")
+
+from spmdzero.backends.torchax import attention, lowerings, trace_view  # noqa: E402
+
+
+def _jax(t):
+    import jax.numpy as jnp
+
+    return jnp.asarray(t.detach().numpy())
+
+
+def _sdpa_cases():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=g) for _ in range(3))
+    left_padded = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+    left_padded[0, :, :, :3] = False  # row 0: the first three keys are padding; queries 0-2 see no key
+    additive = torch.zeros(2, 1, 6, 6).masked_fill(~left_padded, float("-inf"))
+    minimum = torch.zeros(2, 1, 6, 6).masked_fill(~left_padded, torch.finfo(torch.float32).min)
+    kv2 = (k[:, :2], v[:, :2])
+    return {
+        "no mask": ((q, k, v), {}),
+        "causal": ((q, k, v), {"is_causal": True}),
+        "bool mask, rows with every key masked": ((q, k, v), {"attn_mask": left_padded}),
+        "-inf mask, rows with every key masked": ((q, k, v), {"attn_mask": additive}),
+        "dtype-minimum mask (transformers' eager)": ((q, k, v), {"attn_mask": minimum}),
+        "scale": ((q, k, v), {"scale": 0.3, "is_causal": True}),
+        "gqa": ((q, *kv2), {"enable_gqa": True, "is_causal": True}),
+    }
+
+
+@pytest.mark.parametrize("case", list(_sdpa_cases()))
+def test_sdpa_gives_torchs_values_and_gradients_with_every_mask(case):
+    import jax
+
+    (q, k, v), kwargs = _sdpa_cases()[case]
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    # torch's math kernel: its CPU flash kernel gives another gradient on rows masked by the dtype's
+    # minimum (uniform weights only by rounding, an ill-defined gradient: tests/transformers_zoo.py)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        expected = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    expected.square().sum().backward()
+    jkwargs = {n: _jax(a) if isinstance(a, torch.Tensor) else a for n, a in kwargs.items()}
+
+    def loss(q, k, v):
+        return (attention.scaled_dot_product_attention(q, k, v, **jkwargs) ** 2).sum()
+
+    out = attention.scaled_dot_product_attention(_jax(q), _jax(k), _jax(v), **jkwargs)
+    grads = jax.grad(loss, argnums=(0, 1, 2))(_jax(q), _jax(k), _jax(v))
+    np.testing.assert_allclose(np.asarray(out), expected.detach().numpy(), atol=1e-5)
+    for ours, t in zip(grads, (q, k, v)):
+        assert np.isfinite(np.asarray(ours)).all()
+        np.testing.assert_allclose(np.asarray(ours), t.grad.numpy(), atol=1e-4)
+
+
+def test_the_backend_lowers_sdpa_and_embedding_with_spmdzeros_replacements():
+    env = torchax.default_env()
+    lowerings.install(env)
+    assert env._ops[F.scaled_dot_product_attention].func is attention.scaled_dot_product_attention
+    assert env._ops[torch.ops.aten.embedding].func is lowerings.embedding
+    lowerings.install(env)  # idempotent
+
+
+class _Tagger(torch.nn.Module):
+    """Records what ``torch.compiler.is_compiling()`` answered in its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(torch.compiler.is_compiling())
+        return self.linear(x).square().mean()
+
+
+def test_libraries_see_a_trace_as_a_trace_and_eager_code_as_eager():
+    model = _Tagger()
+    engine, *_ = spmdzero.initialize(model=model, config={"train_batch_size": 8, "optimizer": {
+        "type": "SGD", "params": {"lr": 0.1}}})
+    loss = engine(torch.randn(8, 4))
+    engine.backward(loss)
+    engine.step()
+    assert model.seen == [True]  # traced once, as a compiler
+    assert torch.compiler.is_compiling() is False  # and the flag is down again
+    with pytest.raises(ValueError), trace_view.tracing():
+        raise ValueError  # an error in a trace lowers it too
+    assert torch.compiler.is_compiling() is False
+
+
+class _PaddedEmbedding(torch.nn.Module):
+    def __init__(self, tied: bool):
+        super().__init__()
+        self.embed = torch.nn.Embedding(96, 32, padding_idx=0)
+        self.head = torch.nn.Linear(32, 96)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, ids, labels):
+        return F.cross_entropy(self.head(torch.tanh(self.embed(ids))).view(-1, 96), labels.view(-1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("tied", [False, True])
+def test_an_embeddings_padding_row_takes_no_gradient_in_every_layout(stage, tied):
+    torch.manual_seed(0)
+    model = _PaddedEmbedding(tied)
+    reference = copy.deepcopy(model)
+    engine, *_ = spmdzero.initialize(model=model, config={
+        "train_batch_size": 8, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "SGD", "params": {"lr": 1.0}}})
+    ids, labels = torch.randint(0, 96, (8, 16)), torch.randint(0, 96, (8, 16))
+    ids[:, :3] = 0  # padding in every row
+    loss = engine(ids, labels)
+    engine.backward(loss)
+    engine.step()
+    reference(ids, labels).backward()
+    torch.optim.SGD(reference.parameters(), lr=1.0).step()
+    # rows 12, 24, ... start the gradient's shards at stage 2: every row must match torch's
+    np.testing.assert_allclose(on_host(engine.module.embed.weight).numpy(), reference.embed.weight.detach().numpy(),
+                               atol=1e-6)
