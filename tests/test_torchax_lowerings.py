@@ -132,3 +132,13 @@ def test_an_embeddings_padding_row_takes_no_gradient_in_every_layout(stage, tied
     # rows 12, 24, ... start the gradient's shards at stage 2: every row must match torch's
     np.testing.assert_allclose(on_host(engine.module.embed.weight).numpy(), reference.embed.weight.detach().numpy(),
                                atol=1e-6)
+
+
+def test_a_number_in_a_vmapped_function_meets_a_torchax_tensor():
+    """transformers 4.x's sliding-window mask: ``kv_idx > q_idx - sliding_window`` under ``torch.vmap``."""
+    env = torchax.default_env()
+    lowerings.install(env)
+    with env:
+        q = torch.arange(5, device="jax")
+        result = torch.vmap(lambda x: x - 3)(q)
+    np.testing.assert_array_equal(on_host(result).numpy(), np.arange(5) - 3)

@@ -27,7 +27,6 @@ if MAJOR < 5:
     KNOWN.update({
         "mixtral": "4.x routes tokens to experts in a loop over torch.where's data-dependent indices",
         "qwen2-moe": "4.x routes tokens to experts in a loop over torch.where's data-dependent indices",
-        "mistral": "4.x's sliding-window mask under torch.compile's TransformGetItemToIndex meets torchax's _to_copy",
     })
 
 

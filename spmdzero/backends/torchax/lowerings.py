@@ -15,6 +15,11 @@ Each replacement is installed on torchax's process-wide environment once, at the
   and ``aten._grouped_mm`` where it picks torch's kernel): a custom op with no torchax lowering,
   whose eager body reads the group offsets on the host. Here it is ``jax.lax.ragged_dot``, the
   grouped matmul XLA lowers on every platform, with the offsets as a traced input.
+* ``aten._to_copy`` of a Python number: ``torch.vmap``'s batching rules hand torchax a scalar
+  operand as a plain int (``x - 3`` inside a vmapped function), and torchax's ``_to_copy`` read
+  its ``.dtype``. transformers 4.x builds every attention mask with ``torch.vmap``, and Mistral's
+  sliding window (``q_idx - sliding_window``) stopped there. The number becomes an array of the
+  asked dtype.
 """
 
 from __future__ import annotations
@@ -60,6 +65,24 @@ def grouped_mm(input, weight, offs=None, bias=None, out_dtype=None):
     return out.astype(out_dtype or input.dtype)
 
 
+def _numbers_copy_to_arrays(env) -> None:
+    """``env``'s ``.to``/``_to_copy`` takes a Python number as a 0-d tensor of the asked dtype."""
+    to = env._torch_Tensor_to
+
+    def to_or_number(args, kwargs):
+        if args and isinstance(args[0], (bool, int, float)):
+            import jax.numpy as jnp
+            from torchax import tensor
+            from torchax.ops import mappings
+
+            dtype = (kwargs or {}).get("dtype")
+            value = jnp.asarray(args[0], dtype=None if dtype is None else mappings.t2j_dtype(dtype))
+            return tensor.Tensor(value, env)
+        return to(args, kwargs)
+
+    env._torch_Tensor_to = to_or_number
+
+
 def _grouped_mm_ops() -> list:
     """The grouped matmul ops this process has: torch's, and transformers' once its MoE code is loaded."""
     ops = [getattr(torch.ops.aten, "_grouped_mm", None)]
@@ -84,6 +107,7 @@ def install(env) -> None:
     if getattr(env, _INSTALLED, False):
         return
     attention.install(env)
+    _numbers_copy_to_arrays(env)
     for op in (torch.ops.aten.embedding, torch.ops.aten.embedding.default):
         lower(op, embedding)
     setattr(env, _INSTALLED, True)
