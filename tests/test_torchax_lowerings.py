@@ -142,3 +142,74 @@ def test_a_number_in_a_vmapped_function_meets_a_torchax_tensor():
         q = torch.arange(5, device="jax")
         result = torch.vmap(lambda x: x - 3)(q)
     np.testing.assert_array_equal(np.asarray(result._elem), np.arange(5) - 3)
+
+
+class _OutArgument(torch.nn.Module):
+    """A forward that writes a product into a buffer it made (``out=``), as TRL's helpers do."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 4))
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        with torch.no_grad():
+            scale = torch.empty(x.shape[0], 4, device=x.device)
+            torch.mm(x, self.weight, out=scale)
+        return self.head(x @ self.weight * scale.sigmoid()).square().mean()
+
+
+@pytest.mark.slow
+def test_an_out_argument_in_a_forward_is_written_as_torch_writes_it():
+    torch.manual_seed(0)
+    model = _OutArgument()
+    reference = copy.deepcopy(model)
+    engine, *_ = spmdzero.initialize(model=model, config={"train_batch_size": 8, "gradient_clipping": 0.0,
+                                                          "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(8, 4)
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        expected = reference(x)
+        expected.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+
+
+class _Detached(torch.nn.Module):
+    """Gradients stopped three ways: ``torch.detach``, ``.detach()`` and ``torch.no_grad()``."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.weight = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        y = x @ self.weight
+        if self.how == "torch.detach":
+            gate = torch.detach(y)
+        elif self.how == "method":
+            gate = y.detach()
+        else:
+            with torch.no_grad():
+                gate = y * 1.0
+        return (y * gate.sigmoid()).square().mean()
+
+
+@pytest.mark.parametrize("how", ["torch.detach", "method", "no_grad"])
+def test_a_value_detached_in_the_forward_takes_no_gradient(how):
+    torch.manual_seed(0)
+    model = _Detached(how)
+    reference = copy.deepcopy(model)
+    engine, *_ = spmdzero.initialize(model=model, config={"train_batch_size": 8, "gradient_clipping": 0.0,
+                                                          "optimizer": {"type": "SGD", "params": {"lr": 1.0}}})
+    x = torch.randn(8, 4)
+    loss = engine(x)
+    engine.backward(loss)
+    engine.step()
+    reference(x).backward()
+    torch.optim.SGD(reference.parameters(), lr=1.0).step()
+    np.testing.assert_allclose(on_host(engine.module.weight).numpy(), reference.weight.detach().numpy(), atol=1e-6)

@@ -15,6 +15,9 @@ Each replacement is installed on torchax's process-wide environment once, at the
   and ``aten._grouped_mm`` where it picks torch's kernel): a custom op with no torchax lowering,
   whose eager body reads the group offsets on the host. Here it is ``jax.lax.ragged_dot``, the
   grouped matmul XLA lowers on every platform, with the offsets as a traced input.
+* ``aten.detach`` (``torch.detach(t)``, and torch's own detaches): torchax lowers it to the
+  identity, so a detached value still passed gradients under JAX. Here it is
+  ``jax.lax.stop_gradient``, as the torchax tensor's own ``.detach()`` method already is.
 * ``aten._to_copy`` of a Python number: ``torch.vmap``'s batching rules hand torchax a scalar
   operand as a plain int (``x - 3`` inside a vmapped function), and torchax's ``_to_copy`` read
   its ``.dtype``. transformers 4.x builds every attention mask with ``torch.vmap``, and Mistral's
@@ -65,6 +68,12 @@ def grouped_mm(input, weight, offs=None, bias=None, out_dtype=None):
     return out.astype(out_dtype or input.dtype)
 
 
+def _stop_gradient(x):
+    import jax
+
+    return jax.lax.stop_gradient(x)
+
+
 def _numbers_copy_to_arrays(env) -> None:
     """``env``'s ``.to``/``_to_copy`` takes a Python number as a 0-d tensor of the asked dtype."""
     to = env._torch_Tensor_to
@@ -110,4 +119,6 @@ def install(env) -> None:
     _numbers_copy_to_arrays(env)
     for op in (torch.ops.aten.embedding, torch.ops.aten.embedding.default):
         lower(op, embedding)
+    for op in (torch.ops.aten.detach, torch.ops.aten.detach.default):
+        lower(op, _stop_gradient)
     setattr(env, _INSTALLED, True)

@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from spmdzero.backends.torchax.trace_view import OutArgumentsCopied
+
 
 class UntraceableStep(RuntimeError):
     """A torch optimizer whose ``step()`` cannot be traced into the update program."""
@@ -45,19 +47,6 @@ class UntraceableStep(RuntimeError):
                          f"traced there: {why}. Give the optimizer in the config instead (\"optimizer\": {{\"type\": "
                          f"...}}: spmdzero's Adam, AdamW, SGD, Adagrad, Lamb or Lion run on this backend), or use "
                          "spmd.backend='torch_xla', which runs any torch.optim optimizer")
-
-
-class _OutArgumentsCopied(torch.overrides.TorchFunctionMode):
-    """``torch.maximum(a, b, out=c)`` (Adamax's step) as ``c.copy_(torch.maximum(a, b))``:
-    torchax's ops take no ``out``."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        out = kwargs.pop("out", None)
-        if not isinstance(out, torch.Tensor):
-            return func(*args, **({**kwargs, "out": out} if out is not None else kwargs))
-        out.copy_(func(*args, **kwargs))
-        return out
 
 
 # "traced": the lr a tensor in the step; "unit": the step at lr 1, its change times the lr;
@@ -152,7 +141,7 @@ def traced_step(optimizer: torch.optim.Optimizer, groups: list[list[str]], targe
             for flag in ("foreach", "fused"):  # torch's per-tensor code: the same math, traced
                 if flag in group:
                     group[flag] = False
-        with env, _OutArgumentsCopied(), torch.no_grad():
+        with env, OutArgumentsCopied(), torch.no_grad():
             try:
                 optimizer.step()
             except Exception as err:

@@ -7,6 +7,18 @@ host unless it sees a compiler, and other models read a value to skip work the s
 ``jax.jit`` a host read is a ConcretizationTypeError, so the backend refused stock models
 that ``torch.compile`` and torch_xla run.
 
+torchax's ops take no ``out=`` argument (``torch.mm(a, b, out=c)``, which TRL and optimizers call):
+inside ``tracing()`` and ``OutArgumentsCopied`` such a call is ``c.copy_(torch.mm(a, b))``.
+
+JAX differentiates the whole traced function, where torch's autograd records nothing under
+``torch.no_grad()``: a forward that computes a scale, a routing weight or a target there would
+send gradients through it. Inside ``tracing()`` every result computed with grad disabled is
+``jax.lax.stop_gradient``-ed (``NoGradStopsGradients``); ``torch.detach`` is lowered to it too
+(``lowerings``). Not inside a custom ``torch.autograd.Function``'s forward, which torch runs
+with grad disabled too: its gradient is its ``backward``'s, and JAX, which does not call it,
+differentiates the forward instead (exact where the backward is the forward's derivative, as in
+Bloom's GeLU; a Function whose backward is not, a gradient reversal, trains on the forward's).
+
 ``tracing()`` raises torch's own flag (``torch.compiler._is_compiling_flag``, the one dynamo
 and ``torch.export`` set) for the duration of the trace, so every library that asks the public
 question gets the answer it would get under ``torch.compile``. The flag is process-wide, like
@@ -20,14 +32,66 @@ import contextlib
 
 import torch
 import torch.compiler
+from torch.utils import _pytree as torch_pytree
+
+
+class OutArgumentsCopied(torch.overrides.TorchFunctionMode):
+    """``torch.maximum(a, b, out=c)`` as ``c.copy_(torch.maximum(a, b))``."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        out = kwargs.pop("out", None)
+        if not isinstance(out, torch.Tensor):
+            return func(*args, **({**kwargs, "out": out} if out is not None else kwargs))
+        out.copy_(func(*args, **kwargs))
+        return out
+
+
+class NoGradStopsGradients(torch.overrides.TorchFunctionMode):
+    """Results computed under ``torch.no_grad()`` (or ``torch.inference_mode``) take no gradient,
+    except inside an autograd Function's forward (``_functions_running``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if torch.is_grad_enabled() or _functions_running[0]:
+            return result
+        import jax
+        from torchax import tensor
+
+        return torch_pytree.tree_map_only(
+            tensor.Tensor, lambda t: tensor.Tensor(jax.lax.stop_gradient(t._elem), t._env), result)
+
+
+_functions_running = [0]  # autograd Functions whose forward is running, in the trace
+
+
+@contextlib.contextmanager
+def _functions_counted():
+    """``torch.autograd.Function.apply`` counted in ``_functions_running`` while the trace lasts."""
+    apply = torch.autograd.Function.__dict__["apply"]
+
+    def counted(cls, *args, **kwargs):
+        _functions_running[0] += 1
+        try:
+            return apply.__func__(cls, *args, **kwargs)
+        finally:
+            _functions_running[0] -= 1
+
+    torch.autograd.Function.apply = classmethod(counted)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = apply
 
 
 @contextlib.contextmanager
 def tracing():
-    """``torch.compiler.is_compiling()`` answers True inside. Re-entrant."""
+    """``torch.compiler.is_compiling()`` answers True inside, and ``out=`` arguments are copied
+    into. Re-entrant."""
     before = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True
     try:
-        yield
+        with _functions_counted(), NoGradStopsGradients(), OutArgumentsCopied():
+            yield
     finally:
         torch.compiler._is_compiling_flag = before
