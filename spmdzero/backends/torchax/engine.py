@@ -726,7 +726,7 @@ class TorchaxEngine(EngineBase):
                                   if not isinstance(v, torch.Tensor)]]
             return [env.t2j_iso(t) for t in leaves if isinstance(t, torch.Tensor)]
 
-        def run(params, constants, rng, arrays):
+        def run(params, constants, rng, arrays, differentiated: bool = True):
             leaves = list(arrays)
             for i, value in static:
                 leaves.insert(i, value)
@@ -737,7 +737,7 @@ class TorchaxEngine(EngineBase):
             # registered twice (``self.alias = self.shared``): there the traced ones stayed. Put back here.
             held = [(m, dict(m._parameters), dict(m._buffers)) for m in module.modules()]
             try:
-                with env, env.override_property(prng=jax.random.fold_in(*rng)), trace_view.tracing(), \
+                with env, env.override_property(prng=jax.random.fold_in(*rng)), trace_view.tracing(differentiated), \
                         batchnorm.updating_running_statistics(batch_norms):
                     output = torch.func.functional_call(module, tensors, inputs, kwargs)
             finally:
@@ -750,7 +750,7 @@ class TorchaxEngine(EngineBase):
 
         def program_forward(params, constants, rng, arrays):
             self.traces["forward"] += 1
-            output, changed = run(params, constants, rng, arrays)
+            output, changed = run(params, constants, rng, arrays, differentiated=False)
             return flatten_output(output), changed
 
         def program_train(params, constants, accum, rng, arrays, loss_scale, divisor):

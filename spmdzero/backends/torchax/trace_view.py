@@ -85,13 +85,16 @@ def _functions_counted():
 
 
 @contextlib.contextmanager
-def tracing():
+def tracing(differentiated: bool = True):
     """``torch.compiler.is_compiling()`` answers True inside, and ``out=`` arguments are copied
-    into. Re-entrant."""
+    into. ``differentiated``: JAX takes the trace's gradient, so grad is enabled at its start
+    (a program can be traced inside torch's backward, which disables it), and a ``no_grad``
+    region inside stops gradients. Re-entrant."""
     before = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True
     try:
-        with _functions_counted(), NoGradStopsGradients(), OutArgumentsCopied():
+        with torch.set_grad_enabled(True) if differentiated else contextlib.nullcontext(), _functions_counted(), \
+                NoGradStopsGradients() if differentiated else contextlib.nullcontext(), OutArgumentsCopied():
             yield
     finally:
         torch.compiler._is_compiling_flag = before
