@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 ROWS, LENGTH, VOCAB = 8, 16, 96
-NAMES = ["gpt2", "gpt2-eager", "llama", "llama-eager", "qwen2", "mistral", "gemma", "opt", "gpt-neox", "phi", "bloom", "mixtral", "qwen2-moe", "bert", "roberta", "distilbert", "albert", "electra", "deberta-v2", "deberta-v2-cls", "t5", "bart", "vit", "convnext", "resnet", "wav2vec2", "whisper"]
+NAMES = ["llama-lora", "gpt2", "gpt2-eager", "llama", "llama-eager", "qwen2", "mistral", "gemma", "opt", "gpt-neox", "phi", "bloom", "mixtral", "qwen2-moe", "bert", "roberta", "distilbert", "albert", "electra", "deberta-v2", "deberta-v2-cls", "t5", "bart", "vit", "convnext", "resnet", "wav2vec2", "whisper"]
 
 
 def _quiet(config):
@@ -38,6 +38,23 @@ def _model(cls_name: str, config, attn: str | None = None):
         model = getattr(transformers, cls_name)._from_config(_quiet(config()), **kwargs)
         return model.train()
     return build
+
+
+def _lora(build):
+    """PEFT's LoRA on the attention projections of ``build()``'s model: the base frozen, the
+    adapters trained (B drawn non-zero, so that A's gradient is not zero at the first step)."""
+    def lora():
+        import peft
+
+        model = peft.get_peft_model(build(), peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                             target_modules=["q_proj", "v_proj"]))
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        return model.train()
+    return lora
 
 
 def _padded_lm(seed: int, pad_id: int = 0) -> dict:
@@ -112,6 +129,7 @@ def _cases():
     llama = dict(small, num_key_value_heads=2)
     cases = [
         # decoder LMs, padded masks, sdpa (the default) and eager attention
+        ("llama-lora", _lora(_model("LlamaForCausalLM", lambda: t.LlamaConfig(**llama))), _padded_lm),
         ("gpt2", _model("GPT2LMHeadModel", lambda: t.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
                                                                  n_positions=64)), _padded_lm),
         ("gpt2-eager", _model("GPT2LMHeadModel", lambda: t.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2,
@@ -204,8 +222,9 @@ def train_both(name: str, steps: int = 4, lr: float = 0.1, stage: int = 2) -> di
     reference = copy.deepcopy(model)
     config = {"train_batch_size": ROWS, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage},
               "optimizer": {"type": "SGD", "params": {"lr": lr}}}
-    engine, *_ = spmdzero.initialize(model=model, config=config)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
+    trained = [p for p in model.parameters() if p.requires_grad]  # all but a frozen base (LoRA)
+    engine, *_ = spmdzero.initialize(model=model, model_parameters=trained, config=config)
+    optimizer = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=lr)
     ours, theirs = [], []
     for step in range(steps):
         inputs = batch(step)
