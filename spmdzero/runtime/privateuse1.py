@@ -58,6 +58,18 @@ def install() -> None:
     answer_accelerator_queries()
 
 
+def name_the_device() -> None:
+    """Import torchax now, where JAX owns the devices (the torchax backend's process): torch's
+    device ``0`` is ``jax:0`` from a script's first line, as after ``initialize`` (which imports
+    it), so ``model.to(local_rank)`` before ``initialize`` means what it means after it, not a
+    CUDA device this host lacks. A broken torchax install is left to the backend's own check,
+    which says how to repair it."""
+    try:
+        import torchax  # noqa: F401
+    except ImportError:
+        pass
+
+
 def keep_accelerator_lookup_working() -> None:
     """Make ``torch._C._get_accelerator`` answer ``cpu`` where PrivateUse1 has no hooks. Idempotent."""
     import torch

@@ -45,6 +45,7 @@ def start() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if jax_runtime.decide():
         jax_runtime.configure()
+        privateuse1.name_the_device()
     else:
         bootstrap()
 
