@@ -248,6 +248,11 @@ def test_torch_accelerator_answers_as_a_host_without_an_accelerator():
     assert torch._C._get_accelerator() == torch.device("cpu")  # torch.distributed.barrier's lookup
 
 
+def test_pinning_a_tensor_leaves_it_on_the_host_unpinned():
+    x = torch.randn(3)
+    assert x.pin_memory() is x and not x.is_pinned()  # it raised "Please register PrivateUse1HooksInterface"
+
+
 def test_pinned_dataloaders_load_unpinned_batches_in_a_fresh_process():
     """``DataLoader(pin_memory=True)`` (HF's Trainer default) with 0 and 2 workers (forked and
     spawned), in a process that only imported spmdzero: torch skips pinning, as without an

@@ -27,14 +27,16 @@ of its host through compiled programs and torch's own tensors stay on the host: 
   ``jax`` pinning needs the C++ hooks (HF's Trainer pins by default: its first batch failed
   with "Please register PrivateUse1HooksInterface"), and pinned host memory means nothing to
   PJRT's transfers. Libraries that ask then take their CPU path, consistent with
-  ``engine.device`` and DeepSpeed's ``get_accelerator().device_name()`` (``cpu``).
+  ``engine.device`` and DeepSpeed's ``get_accelerator().device_name()`` (``cpu``). A script's own
+  ``tensor.pin_memory()`` returns the tensor unpinned (``pin_nothing_without_hooks``), as
+  DeepSpeed's ``get_accelerator().pin_memory`` does here.
 * **torch's own accelerator lookup answers cpu** (``keep_accelerator_lookup_working``):
   ``torch.distributed.barrier()`` calls ``torch._C._get_accelerator()`` first thing, which
   raises "Please register PrivateUse1HooksInterface" without hooks: every barrier of a script
   (DeepSpeed's cifar example, the HF Trainer's ``main_process_first``) failed once torchax was
   imported. Any other error of the lookup is raised as before.
 
-All three are process-wide and act only where torch would otherwise raise for the missing
+All of it is process-wide and acts only where torch would otherwise raise for the missing
 hooks or kernels; CPU tensors, torch_xla's ``xla`` device and a real accelerator are untouched.
 Hooks and a device guard cannot be registered from Python in torch 2.9, so an index-less
 ``.to("jax")`` (which asks the guard for the current index) still fails in torch's words; the
@@ -56,6 +58,7 @@ def install() -> None:
     keep_accelerator_lookup_working()
     run_device_ops_on_host()
     answer_accelerator_queries()
+    pin_nothing_without_hooks()
 
 
 def name_the_device() -> None:
@@ -140,9 +143,7 @@ def _hooks_missing() -> bool:
     try:
         lookup()
     except RuntimeError as err:
-        if _MISSING_HOOKS in str(err):
-            return True
-        raise
+        return _MISSING_HOOKS in str(err)  # any other failure is the query's own to report
     return False
 
 
@@ -169,3 +170,26 @@ def answer_accelerator_queries() -> None:
         query = getattr(accelerator, name)
         if not getattr(query, "_spmdzero_without_hooks", False):
             setattr(accelerator, name, _unless_hooks_missing(answer)(query))
+
+
+def pin_nothing_without_hooks() -> None:
+    """``tensor.pin_memory()`` returns the tensor unpinned where pinning needs the missing hooks
+    (a script's own ``batch.pin_memory()``, as DeepSpeed's ``get_accelerator().pin_memory`` does
+    here); it raised "Please register PrivateUse1HooksInterface". Idempotent."""
+    import torch
+
+    pin = torch.Tensor.pin_memory
+    if getattr(pin, "_spmdzero_without_hooks", False):
+        return
+
+    @functools.wraps(pin)
+    def pin_memory(self, *args, **kwargs):
+        try:
+            return pin(self, *args, **kwargs)
+        except RuntimeError as err:
+            if _MISSING_HOOKS not in str(err):
+                raise
+            return self
+
+    pin_memory._spmdzero_without_hooks = True
+    torch.Tensor.pin_memory = pin_memory
