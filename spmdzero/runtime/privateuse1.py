@@ -16,11 +16,11 @@ of its host through compiled programs and torch's own tensors stay on the host: 
   PrivateUse1 key runs each such op with the device replaced by the CPU: a move is a copy on the
   host, as ``engine.device`` (``cpu``) gives, and the engine places the result where its
   program needs it (a batch split over the devices, a target beside the outputs). One fallback,
-  not a kernel per op: it covers every factory, in every thread (a DataLoader's pin thread),
-  at no cost to any other device. It acts only while PrivateUse1 is torchax's ``jax`` (or not
+  not a kernel per op: it covers every factory, in every thread (a global torch mode would
+  miss other threads: modes are thread-local), at no cost to any other device. It acts only while PrivateUse1 is torchax's ``jax`` (or not
   yet named): a real PrivateUse1 backend imported later keeps its own errors.
-* **torch.accelerator answers as on a host without an accelerator** (``answer_accelerator_
-  queries``), as a CUDA build of torch does on a machine without GPUs: ``is_available()``
+* **torch.accelerator answers as on a host without an accelerator**
+  (``answer_accelerator_queries``), as a CUDA build of torch does on a machine without GPUs: ``is_available()``
   False, ``device_count()`` 0, ``current_accelerator()`` the built-in name (``jax``),
   ``current_device_index()`` 0 (the process's one logical device, what ``LOCAL_RANK`` is under
   ``spmdzero launch``). The DataLoader pins memory only where ``is_available()`` says so; for
@@ -35,6 +35,9 @@ of its host through compiled programs and torch's own tensors stay on the host: 
   raises "Please register PrivateUse1HooksInterface" without hooks: every barrier of a script
   (DeepSpeed's cifar example, the HF Trainer's ``main_process_first``) failed once torchax was
   imported. Any other error of the lookup is raised as before.
+* **The name exists from the start** (``name_the_device``, where JAX owns the devices): torchax
+  is imported at ``import spmdzero``, not first at ``initialize``, so ``torch.device(0)`` means
+  the same before and after it.
 
 All of it is process-wide and acts only where torch would otherwise raise for the missing
 hooks or kernels; CPU tensors, torch_xla's ``xla`` device and a real accelerator are untouched.
