@@ -27,7 +27,7 @@ def mlp() -> torch.nn.Module:
 def sgd(stage: int = 1) -> dict:
     # a micro-batch of ROWS rows on the 8 devices (spmd.rank "device": a rank is a device)
     return {"train_micro_batch_size_per_gpu": ROWS // 8, "zero_optimization": {"stage": stage},
-            "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}
+            "optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "spmd": {"backend": "torchax"}}
 
 
 @pytest.fixture(scope="module")
