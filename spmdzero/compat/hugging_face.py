@@ -18,9 +18,9 @@ support bf16/gpu"): it asks ``is_torch_bf16_gpu_available()``, which knows CUDA-
 and torch_xla, not the engine's. The engine's XLA devices compute in bf16 (TPUs natively,
 XLA:CPU too), so once transformers' ``import_utils`` is loaded, that question answers yes.
 
-On the torchax backend accelerate's device stays the host (torch cannot create tensors on
-torchax's ``jax`` device outside torchax's own mode), while the engine's loss lives on the JAX
-devices. The Trainer keeps its running loss on its own device and refuses a step loss on
+On the torchax backend accelerate's device stays the host (a tensor made for torchax's ``jax``
+device outside torchax's own mode is a host tensor: ``spmdzero.runtime.privateuse1``), while the
+engine's loss lives on the JAX devices. The Trainer keeps its running loss on its own device and refuses a step loss on
 another ("Calculated loss must be on the original device"). ``Trainer.training_step`` is
 therefore wrapped to hand the loss over on the Trainer's device: a host copy of one number per
 micro-step, where the Trainer's default ``logging_nan_inf_filter`` already reads that number

@@ -1,13 +1,50 @@
-"""torch's accelerator lookup in a process where torchax is imported.
+"""torch's PrivateUse1 device in a process where torchax is imported: the ``jax`` device.
 
-torchax names torch's PrivateUse1 device ``jax`` (``torch.utils.rename_privateuse1_backend``) but
-registers no C++ hooks for it. torch 2.9's ``torch._C._get_accelerator()`` then raises "Please
-register PrivateUse1HooksInterface by `RegisterPrivateUse1HooksInterface` first", and
-``torch.distributed.barrier()`` calls it first thing, on any backend: every barrier of a script
-(DeepSpeed's cifar example, the HF Trainer's ``main_process_first``) failed once an engine of the
-torchax backend existed. There is no device behind the name that a barrier could use (torchax's
-tensors live in JAX), so the lookup answers what torch answers on a machine without an
-accelerator: the CPU. Any other error of the lookup is raised as before.
+torchax names torch's PrivateUse1 device ``jax`` (``torch.utils.rename_privateuse1_backend``),
+and its tensors say ``jax:0``, but it registers nothing behind the name: no aten kernels, no C++
+hooks, no device guard. torchax's tensors are Python wrappers whose values are JAX arrays; torch
+itself can put nothing on that device. So every device idiom of a torch script failed with a
+raw aten error once torchax was imported, on either backend. ``install`` (run at ``import
+spmdzero``) gives the name the meaning it has under SPMD, where one process drives every device
+of its host through compiled programs and torch's own tensors stay on the host: the host.
+
+* **Moves and factories run on the host** (``run_device_ops_on_host``). ``y.to(out.device)``,
+  ``y.to(engine.local_rank)``, ``y.to(0)`` (after ``import torchax``, ``torch.device(0)`` is
+  ``jax:0``: at::getAccelerator prefers a named PrivateUse1 backend) and ``torch.zeros(n,
+  device=out.device)`` reach the PrivateUse1 kernel table (``empty_strided``,
+  ``empty.memory_format``, ``tril_indices``...), which is empty. A fallback for the whole
+  PrivateUse1 key runs each such op with the device replaced by the CPU: a move is a copy on the
+  host, as ``engine.device`` (``cpu``) gives, and the engine places the result where its
+  program needs it (a batch split over the devices, a target beside the outputs). One fallback,
+  not a kernel per op: it covers every factory, in every thread (a global torch mode would
+  miss other threads: modes are thread-local), at no cost to any other device. It acts only while PrivateUse1 is torchax's ``jax`` (or not
+  yet named): a real PrivateUse1 backend imported later keeps its own errors.
+* **torch.accelerator answers as on a host without an accelerator**
+  (``answer_accelerator_queries``), as a CUDA build of torch does on a machine without GPUs: ``is_available()``
+  False, ``device_count()`` 0, ``current_accelerator()`` the built-in name (``jax``),
+  ``current_device_index()`` 0 (the process's one logical device, what ``LOCAL_RANK`` is under
+  ``spmdzero launch``). The DataLoader pins memory only where ``is_available()`` says so; for
+  ``jax`` pinning needs the C++ hooks (HF's Trainer pins by default: its first batch failed
+  with "Please register PrivateUse1HooksInterface"), and pinned host memory means nothing to
+  PJRT's transfers. Libraries that ask then take their CPU path, consistent with
+  ``engine.device`` and DeepSpeed's ``get_accelerator().device_name()`` (``cpu``). A script's own
+  ``tensor.pin_memory()`` returns the tensor unpinned (``pin_nothing_without_hooks``), as
+  DeepSpeed's ``get_accelerator().pin_memory`` does here.
+* **torch's own accelerator lookup answers cpu** (``keep_accelerator_lookup_working``):
+  ``torch.distributed.barrier()`` calls ``torch._C._get_accelerator()`` first thing, which
+  raises "Please register PrivateUse1HooksInterface" without hooks: every barrier of a script
+  (DeepSpeed's cifar example, the HF Trainer's ``main_process_first``) failed once torchax was
+  imported. Any other error of the lookup is raised as before.
+* **The name exists from the start** (``name_the_device``, where JAX owns the devices): torchax
+  is imported at ``import spmdzero``, not first at ``initialize``, so ``torch.device(0)`` means
+  the same before and after it.
+
+All of it is process-wide and acts only where torch would otherwise raise for the missing
+hooks or kernels; CPU tensors, torch_xla's ``xla`` device and a real accelerator are untouched.
+Hooks and a device guard cannot be registered from Python in torch 2.9, so an index-less
+``.to("jax")`` (which asks the guard for the current index) still fails in torch's words; the
+idioms above carry an index. With torchax's own mode active (inside a traced forward), torchax
+handles ``jax`` tensors itself and none of this is reached.
 """
 
 from __future__ import annotations
@@ -15,6 +52,28 @@ from __future__ import annotations
 import functools
 
 _MISSING_HOOKS = "PrivateUse1HooksInterface"
+_TORCHAX_NAMES = ("jax", "privateuseone")  # torchax's name, or none yet (torchax not imported)
+_libraries: list = []  # the registration lives as long as its Library object
+
+
+def install() -> None:
+    """The host device model for torchax's ``jax`` device (see the module docstring). Idempotent."""
+    keep_accelerator_lookup_working()
+    run_device_ops_on_host()
+    answer_accelerator_queries()
+    pin_nothing_without_hooks()
+
+
+def name_the_device() -> None:
+    """Import torchax now, where JAX owns the devices (the torchax backend's process): torch's
+    device ``0`` is ``jax:0`` from a script's first line, as after ``initialize`` (which imports
+    it), so ``model.to(local_rank)`` before ``initialize`` means what it means after it, not a
+    CUDA device this host lacks. A broken torchax install is left to the backend's own check,
+    which says how to repair it."""
+    try:
+        import torchax  # noqa: F401
+    except ImportError:
+        pass
 
 
 def keep_accelerator_lookup_working() -> None:
@@ -36,3 +95,104 @@ def keep_accelerator_lookup_working() -> None:
 
     get_accelerator._spmdzero_cpu_without_hooks = True
     torch._C._get_accelerator = get_accelerator
+
+
+def _privateuse1_is_torchax() -> bool:
+    import torch
+
+    return torch._C._get_privateuse1_backend_name() in _TORCHAX_NAMES
+
+
+def _on_host(device):
+    """``device`` with a PrivateUse1 device (``jax:0``) replaced by the CPU."""
+    import torch
+
+    if isinstance(device, torch.device) and device.type == torch._C._get_privateuse1_backend_name():
+        return torch.device("cpu")
+    return device
+
+
+def _run_on_host(op, *args, **kwargs):
+    """The PrivateUse1 fallback: ``op`` with its device argument on the CPU."""
+    import torch
+
+    name = torch._C._get_privateuse1_backend_name()
+    host_args = tuple(_on_host(a) for a in args)
+    host_kwargs = {k: _on_host(v) for k, v in kwargs.items()}
+    if name not in _TORCHAX_NAMES or (host_args, host_kwargs) == (args, kwargs):
+        # another PrivateUse1 backend's missing kernel, or no device to move (never a torchax
+        # tensor: those dispatch through Python, not PrivateUse1)
+        raise NotImplementedError(f"{op} has no kernel for torch's PrivateUse1 device {name!r}")
+    return op(*host_args, **host_kwargs)
+
+
+def run_device_ops_on_host() -> None:
+    """Every op torch sends to the ``jax`` device's kernel table runs on the host. Idempotent."""
+    import torch
+
+    if _libraries or not _privateuse1_is_torchax():
+        return
+    library = torch.library.Library("_", "IMPL")  # a fallback: the whole key, every op
+    library.fallback(_run_on_host, "PrivateUse1")
+    _libraries.append(library)
+
+
+def _hooks_missing() -> bool:
+    """torch's accelerator is a PrivateUse1 backend without C++ hooks (torchax's ``jax``)."""
+    import torch
+
+    lookup = torch._C._get_accelerator
+    lookup = getattr(lookup, "__wrapped__", lookup)  # the original, under keep_accelerator_lookup_working
+    try:
+        lookup()
+    except RuntimeError as err:
+        return _MISSING_HOOKS in str(err)  # any other failure is the query's own to report
+    return False
+
+
+def _unless_hooks_missing(answer):
+    """A decorator: the ``torch.accelerator`` function answers ``answer`` where the hooks are missing."""
+
+    def wrap(query):
+        @functools.wraps(query)
+        def answered(*args, **kwargs):
+            return answer if _hooks_missing() else query(*args, **kwargs)
+
+        answered._spmdzero_without_hooks = True
+        return answered
+
+    return wrap
+
+
+def answer_accelerator_queries() -> None:
+    """``torch.accelerator`` answers as on a host without an accelerator while PrivateUse1 has no
+    hooks: not available, no devices, the current index 0. Idempotent."""
+    import torch.accelerator as accelerator
+
+    for name, answer in (("is_available", False), ("device_count", 0), ("current_device_index", 0)):
+        query = getattr(accelerator, name)
+        if not getattr(query, "_spmdzero_without_hooks", False):
+            setattr(accelerator, name, _unless_hooks_missing(answer)(query))
+
+
+def pin_nothing_without_hooks() -> None:
+    """``tensor.pin_memory()`` returns the tensor unpinned where pinning needs the missing hooks
+    (a script's own ``batch.pin_memory()``, as DeepSpeed's ``get_accelerator().pin_memory`` does
+    here); it raised "Please register PrivateUse1HooksInterface". Idempotent."""
+    import torch
+
+    pin = torch.Tensor.pin_memory
+    if getattr(pin, "_spmdzero_without_hooks", False):
+        return
+
+    @functools.wraps(pin)
+    def pin_memory(self, *args, **kwargs):
+        try:
+            return pin(self, *args, **kwargs)
+        except RuntimeError as err:
+            if _MISSING_HOOKS not in str(err):
+                raise
+            return self
+
+    pin_memory._spmdzero_without_hooks = True
+    torch.Tensor.pin_memory = pin_memory

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from spmdzero.runtime.devices import _select_device_type, cpu_device_count
 from spmdzero.runtime import jax_runtime, libtpu_flags
-from spmdzero.runtime.privateuse1 import keep_accelerator_lookup_working
+from spmdzero.runtime import privateuse1
 
 _torch_xla_started = False
 
@@ -35,8 +35,9 @@ def start() -> None:
     """The process's runtime, at ``import spmdzero`` (and ``spmdzero launch``): JAX's devices
     (``spmdzero.runtime.jax_runtime``, the default), or torch_xla's (``bootstrap``) under
     ``SPMDZERO_BACKEND=torch_xla``."""
-    # either backend imports torchax (torch_xla's fused update and scan call JAX through it)
-    keep_accelerator_lookup_working()
+    # either backend imports torchax (torch_xla's fused update and scan call JAX through it), which
+    # names torch's PrivateUse1 device "jax" with nothing behind it: the host stands in
+    privateuse1.install()
     # XLA's C++ warnings, read when the first XLA library loads (jaxlib, or torch_xla): a "GSPMD
     # sharding propagation is going to be deprecated" line on every torch_xla compile says nothing
     # the user can act on (torch_xla 2.9 has no Shardy path). Errors still show;
@@ -44,6 +45,7 @@ def start() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if jax_runtime.decide():
         jax_runtime.configure()
+        privateuse1.name_the_device()
     else:
         bootstrap()
 

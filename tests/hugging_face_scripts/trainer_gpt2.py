@@ -44,7 +44,7 @@ training = TrainingArguments(
     per_device_train_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=0.5, learning_rate=3e-3,
     lr_scheduler_type="constant" if args.scheduler == "deepspeed_warmup" else args.scheduler, warmup_steps=2, max_steps=args.steps, logging_steps=1,
     save_steps=args.save_steps, save_strategy="steps", eval_strategy="no", report_to=[], seed=0, bf16=args.bf16,
-    dataloader_pin_memory=False, use_cpu=args.deepspeed == "none")
+    use_cpu=args.deepspeed == "none")  # the DataLoader pins memory, the Trainer's default
 optimizers = (None, None)
 if args.scheduler == "deepspeed_warmup":  # the reference for DeepSpeed's WarmupLR (linear, 2 steps, from 0):
     # its first two updates use lr 0 (set at construction, then iteration 0), then 1/2, then all

@@ -78,6 +78,7 @@ from spmdzero.optim.precision import precision_policy
 from spmdzero.train.build import move_in_place
 from spmdzero.train.scan_layers import stacked_layers
 from spmdzero.backends.torchax import batchnorm
+from spmdzero.backends.torchax import host_tensors
 from spmdzero.backends.torchax.mesh import jax_devices, mesh_devices
 from spmdzero.sharding.mesh import resolve_hybrid_shape
 from spmdzero.backends.torchax.outside_loss import tie
@@ -152,6 +153,7 @@ def _output_tensor_class():
     class Output(ttensor.Tensor):
         @classmethod
         def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            written = host_tensors.write_back(func, args, kwargs or {})  # `total += loss`: into a host tensor
             # host tensors mixed in (a target on the CPU) are copied to JAX, as the module's inputs
             args, kwargs = torch_pytree.tree_map_only(
                 torch.Tensor, lambda t: t if isinstance(t, ttensor.Tensor) else ttensor.Tensor(env.t2j_copy(t), env),
@@ -161,6 +163,8 @@ def _output_tensor_class():
                 # JAX's warning at each such op is noise in a loop (cifar's accuracy count printed it)
                 warnings.filterwarnings("ignore", INT64_TRUNCATED, UserWarning)
                 result = func(*args, **kwargs)
+            if written is not None:
+                written(args, kwargs)
             return torch_pytree.tree_map_only(ttensor.Tensor, lambda t: Output(t._elem, env), result)
 
         def detach(self):
@@ -248,6 +252,7 @@ class TorchaxEngine(EngineBase):
             seed = _broadcast_from_first_process(module, seed)
         self._env = torchax.default_env()
         lowerings.install(self._env)  # torch's values where torchax's lowerings differ (masked rows, padding_idx)
+        host_tensors.name_devices_by_type(self._env)  # x.to(0) in a traced forward
         self._Output = _output_tensor_class()
         self._module = module
         self.basic_optimizer = optimizer

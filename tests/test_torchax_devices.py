@@ -1,0 +1,292 @@
+"""PyTorch's device idioms on the torchax backend (the default): torchax names torch's PrivateUse1
+device ``jax`` (the outputs' device, and ``torch.device(0)``) with nothing behind it. A move or a
+factory there is a copy on the host (``spmdzero.runtime.privateuse1``), ``torch.accelerator``
+answers as on a host without an accelerator (so DataLoaders do not pin), and a host tensor an
+output's op writes into gets the value (``backends/torchax/host_tensors.py``). Every idiom used
+to raise "Could not run 'aten::empty_strided' with arguments from the 'jax' backend"."""
+
+from collections import namedtuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spmdzero
+from spmdzero.compat.deepspeed.accelerator import get_accelerator
+
+from conftest import run_python
+
+VOCAB, ROWS, LENGTH = 32, 8, 6
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+
+
+def sgd(stage: int = 1) -> dict:
+    # a micro-batch of ROWS rows on the 8 devices (spmd.rank "device": a rank is a device)
+    return {"train_micro_batch_size_per_gpu": ROWS // 8, "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "spmd": {"backend": "torchax"}}
+
+
+@pytest.fixture(scope="module")
+def engine_and_output():
+    engine, *_ = spmdzero.initialize(model=mlp(), config=sgd())
+    with torch.no_grad():
+        out = engine(torch.randn(ROWS, 16, generator=torch.Generator().manual_seed(1)))
+    assert out.device.type == "jax"  # a torchax tensor: the device these idioms name
+    return engine, out
+
+
+# ---- moves and factories ---------------------------------------------------------------------
+
+MOVES = {
+    "out.device": lambda engine, out: out.device,
+    "engine.local_rank": lambda engine, out: engine.local_rank,
+    "int 0": lambda engine, out: 0,
+    "torch.device(out.device)": lambda engine, out: torch.device(out.device),
+    "torch.device(0)": lambda engine, out: torch.device(0),
+    "'jax:0'": lambda engine, out: "jax:0",
+    "get_accelerator().device_name(0)": lambda engine, out: get_accelerator().device_name(0),
+    "engine.device": lambda engine, out: engine.device,
+}
+
+
+@pytest.mark.parametrize("target", list(MOVES))
+def test_a_move_to_the_device_is_a_copy_on_the_host(engine_and_output, target):
+    engine, out = engine_and_output
+    for y in (torch.arange(6).view(2, 3), torch.randn(3, 4).t(), torch.randn(5, requires_grad=True)):
+        moved = y.to(MOVES[target](engine, out))
+        assert moved.device.type == "cpu" and moved.dtype == y.dtype  # int64 stays int64 on the host
+        assert torch.equal(moved.detach(), y.detach())
+    half = torch.ones(3).to(MOVES[target](engine, out), torch.float16, non_blocking=True)
+    assert half.dtype == torch.float16 and half.device.type == "cpu"
+
+
+def test_torch_device_0_is_the_outputs_device(engine_and_output):
+    engine, out = engine_and_output
+    assert torch.device(0) == torch.device(out.device) == out.device  # at::getAccelerator names jax
+    assert engine.local_rank == 0 and engine.device == torch.device("cpu")
+
+
+def test_a_move_keeps_its_gradient_on_the_host():
+    y = torch.ones(3, requires_grad=True)
+    (y.to(0) * torch.arange(3.0)).sum().backward()
+    assert torch.equal(y.grad, torch.arange(3.0))
+
+
+def test_a_module_moved_to_the_device_stays_on_the_host():
+    net = mlp()
+    before = [p.detach().clone() for p in net.parameters()]
+    assert net.to(0) is net and net.to("jax:0") is net
+    assert all(p.device.type == "cpu" and torch.equal(p, q) for p, q in zip(net.parameters(), before))
+
+
+FACTORIES = {
+    "zeros": (lambda d: torch.zeros(2, 3, device=d), lambda: torch.zeros(2, 3)),
+    "ones int64": (lambda d: torch.ones(4, dtype=torch.long, device=d), lambda: torch.ones(4, dtype=torch.long)),
+    "full": (lambda d: torch.full((2,), 7.0, device=d), lambda: torch.full((2,), 7.0)),
+    "arange": (lambda d: torch.arange(5, device=d), lambda: torch.arange(5)),
+    "tensor": (lambda d: torch.tensor([[1, 2], [3, 4]], device=d), lambda: torch.tensor([[1, 2], [3, 4]])),
+    "as_tensor": (lambda d: torch.as_tensor([1.0, 2.0], device=d), lambda: torch.as_tensor([1.0, 2.0])),
+    "eye": (lambda d: torch.eye(3, device=d), lambda: torch.eye(3)),
+    "linspace": (lambda d: torch.linspace(0, 1, 5, device=d), lambda: torch.linspace(0, 1, 5)),
+    "tril_indices": (lambda d: torch.tril_indices(3, 3, device=d), lambda: torch.tril_indices(3, 3)),
+    "zeros_like": (lambda d: torch.zeros_like(torch.ones(2, 2), device=d), lambda: torch.zeros(2, 2)),
+    "empty (shape)": (lambda d: torch.tensor(torch.empty(2, 5, device=d).shape), lambda: torch.tensor([2, 5])),
+    # random draws come from torch's CPU generator, as they would on the host
+    "randn": (lambda d: torch.randn(4, device=d, generator=torch.Generator().manual_seed(3)),
+              lambda: torch.randn(4, generator=torch.Generator().manual_seed(3))),
+    "randint": (lambda d: torch.randint(0, 9, (4,), device=d, generator=torch.Generator().manual_seed(3)),
+                lambda: torch.randint(0, 9, (4,), generator=torch.Generator().manual_seed(3))),
+}
+
+
+@pytest.mark.parametrize("factory", list(FACTORIES))
+@pytest.mark.parametrize("device", ["out.device", "int 0", "'jax:0'"])
+def test_a_factory_on_the_device_makes_a_host_tensor(engine_and_output, factory, device):
+    engine, out = engine_and_output
+    made, expected = FACTORIES[factory][0](MOVES[device](engine, out)), FACTORIES[factory][1]()
+    assert made.device.type == "cpu" and made.dtype == expected.dtype
+    assert torch.equal(made, expected)
+
+
+def test_an_index_less_device_makes_a_factory_on_the_host():
+    assert torch.zeros(2, device="jax").device.type == "cpu"
+
+
+# ---- host tensors beside the outputs ----------------------------------------------------------
+
+def test_host_tensors_made_on_the_device_combine_with_the_outputs(engine_and_output):
+    engine, out = engine_and_output
+    expected = out.detach().cpu()
+    bias = torch.arange(8.0).to(out.device)
+    assert torch.allclose((out + bias).cpu(), expected + torch.arange(8.0))
+    labels = torch.arange(ROWS).remainder(8).to(out.device)
+    assert float(F.cross_entropy(out, labels)) == pytest.approx(float(F.cross_entropy(expected, labels)), rel=1e-6)
+
+
+def test_an_outputs_value_written_into_a_host_tensor_lands_there(engine_and_output):
+    """``total += loss``, ``buf[:] = out.argmax(-1)``, ``copy_`` and ``out=``: the op runs in JAX
+    on a copy of the host tensor; the value used to stay in the copy (the host tensor kept 0)."""
+    engine, out = engine_and_output
+    host = out.detach().cpu()
+    total = torch.zeros((), device=out.device)
+    total += out.sum().detach()
+    total += out.sum().detach()
+    assert float(total) == pytest.approx(2 * float(host.sum()), rel=1e-5)
+    buf = torch.zeros(ROWS, dtype=torch.long, device=0)
+    buf[:] = out.argmax(-1)
+    assert torch.equal(buf, host.argmax(-1)) and buf.dtype == torch.long
+    rows = torch.zeros(ROWS, 8)
+    rows[2:5] = out[2:5].detach()
+    assert torch.equal(rows[2:5], host[2:5]) and not rows[:2].any() and not rows[5:].any()
+    copied = torch.empty(ROWS, 8).copy_(out.detach())
+    assert torch.equal(copied, host)
+    written = torch.zeros(ROWS)
+    torch.add(out[:, 0].detach(), 1.0, out=written)
+    assert torch.allclose(written, host[:, 0] + 1.0)
+
+
+def test_a_traced_forward_moves_to_its_device_by_index_or_name():
+    """``x.to(0)`` and ``x.to("jax:0")`` inside the traced forward: torchax compared the raw
+    argument with its device type and went through the host, which a traced value cannot."""
+
+    class Moves(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+
+        def forward(self, x):
+            h = self.net(x)
+            shift = torch.ones(8).to(0) + torch.zeros(8, device=h.device) + torch.ones(8).to("jax:0")
+            return (h.to(0) + h.to("jax:0") - h.to(torch.device(0)) + shift.to(0)).to("jax:0")
+
+    engine, *_ = spmdzero.initialize(model=Moves(), config=sgd())
+    x = torch.randn(ROWS, 16, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out = engine(x)
+        expected = mlp()(x) + 2.0
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+# ---- a loss outside the module, its target moved to the device ----------------------------------
+
+LMOutput = namedtuple("LMOutput", "logits")
+
+
+class TinyLM(torch.nn.Module):
+    """What ``out.logits`` comes from in a Hugging Face script."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids):
+        return LMOutput(logits=self.head(torch.tanh(self.embed(input_ids))))
+
+
+TARGETS = [  # how each step's script moves its labels, given the engine and the output's logits
+    ("host", lambda labels, engine, logits: labels),
+    ("logits.device", lambda labels, engine, logits: labels.to(logits.device)),
+    ("engine.local_rank", lambda labels, engine, logits: labels.to(engine.local_rank)),
+    ("int 0", lambda labels, engine, logits: labels.to(0)),
+    ("torch.device(logits.device)", lambda labels, engine, logits: labels.to(torch.device(logits.device))),
+    ("get_accelerator()", lambda labels, engine, logits: labels.to(get_accelerator().device_name(engine.local_rank))),
+    ("torch.tensor(device=logits.device)",
+     lambda labels, engine, logits: torch.tensor(labels.tolist(), device=logits.device)),
+]
+
+
+@pytest.mark.slow
+def test_a_loss_outside_the_module_trains_as_torch_with_its_labels_moved_to_the_device():
+    """``F.cross_entropy(out.logits.view(-1, V), labels.to(out.device).view(-1))`` and
+    ``engine.backward(loss)``: each step moves its labels another way; losses and parameters are
+    plain torch's (SGD, fp32, no clipping), and nothing recompiles after the first step."""
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randint(0, VOCAB, (ROWS, LENGTH), generator=g), torch.randint(0, VOCAB, (ROWS, LENGTH), generator=g))
+            for _ in TARGETS]
+    reference = TinyLM()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    expected = []
+    for ids, labels in data:
+        loss = F.cross_entropy(reference(ids).logits.view(-1, VOCAB), labels.view(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+
+    engine, *_ = spmdzero.initialize(model=TinyLM(), config=sgd(stage=2))
+    losses, traces = [], []
+    for (ids, labels), (name, move) in zip(data, TARGETS):
+        out = engine(ids.to(engine.local_rank))
+        target = move(labels, engine, out.logits)
+        assert target.device.type == "cpu" and target.dtype == torch.long, name
+        loss = F.cross_entropy(out.logits.view(-1, VOCAB), target.view(-1))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        traces.append(sum(engine.traces.values()))
+    assert losses == pytest.approx(expected, abs=1e-5)
+    for (name, p), q in zip(engine.module.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), atol=1e-5, rtol=1e-5, msg=name)
+    assert traces[1:] == traces[:1] * (len(TARGETS) - 1)  # compiled at the first step only
+
+
+# ---- torch.accelerator and DataLoaders ------------------------------------------------------------
+
+def test_torch_accelerator_answers_as_a_host_without_an_accelerator():
+    """As a CUDA build of torch on a machine without GPUs answers, with the index answered."""
+    assert torch.accelerator.is_available() is False
+    assert torch.accelerator.current_accelerator().type == "jax"  # the device type torch was given
+    assert torch.accelerator.current_accelerator(check_available=True) is None
+    assert torch.accelerator.device_count() == 0
+    assert torch.accelerator.current_device_index() == 0
+    assert torch._C._get_accelerator() == torch.device("cpu")  # torch.distributed.barrier's lookup
+
+
+def test_pinning_a_tensor_leaves_it_on_the_host_unpinned():
+    x = torch.randn(3)
+    assert x.pin_memory() is x and not x.is_pinned()  # it raised "Please register PrivateUse1HooksInterface"
+
+
+def test_pinned_dataloaders_load_unpinned_batches_in_a_fresh_process():
+    """``DataLoader(pin_memory=True)`` (HF's Trainer default) with 0 and 2 workers (forked and
+    spawned), in a process that only imported spmdzero: torch skips pinning, as without an
+    accelerator. It used to raise "Please register PrivateUse1HooksInterface"."""
+    out = run_python("""
+        import spmdzero, torch, warnings
+
+        def main():
+            data = torch.utils.data.TensorDataset(torch.arange(16.0).view(8, 2), torch.arange(8))
+            print("device", torch.device(0))
+            for workers, context in ((0, None), (2, None), (2, "spawn")):
+                loader = torch.utils.data.DataLoader(data, batch_size=4, pin_memory=True, num_workers=workers,
+                                                     multiprocessing_context=context)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # torch's "no accelerator is found" note
+                    batches = [(x.sum().item(), y.tolist(), x.is_pinned(), x.device.type) for x, y in loader]
+                print("loaded", workers, context, batches)
+
+        if __name__ == "__main__":
+            main()
+    """, timeout=300)
+    assert "device jax:0" in out  # importing spmdzero names the device: torchax is imported
+    expected = [(28.0, [0, 1, 2, 3], False, "cpu"), (92.0, [4, 5, 6, 7], False, "cpu")]
+    for case in ("0 None", "2 None", "2 spawn"):
+        assert f"loaded {case} {expected}" in out, out
+
+
+# ---- the torch_xla backend's devices are untouched ----------------------------------------------
+
+def test_xla_devices_and_the_host_are_untouched():
+    import torch_xla
+
+    xla = torch_xla.device()
+    y = torch.arange(4.0)
+    assert y.to(xla).device.type == "xla" and torch.zeros(2, device=xla).device.type == "xla"
+    assert torch.equal(y.to(xla).cpu(), y)
+    assert y.to("cpu") is y and torch.zeros(2).device.type == "cpu"
