@@ -78,6 +78,7 @@ from spmdzero.optim.precision import precision_policy
 from spmdzero.train.build import move_in_place
 from spmdzero.train.scan_layers import stacked_layers
 from spmdzero.backends.torchax import batchnorm
+from spmdzero.backends.torchax import host_reads
 from spmdzero.backends.torchax import host_tensors
 from spmdzero.backends.torchax.mesh import jax_devices, mesh_devices
 from spmdzero.sharding.mesh import resolve_hybrid_shape
@@ -358,6 +359,8 @@ class TorchaxEngine(EngineBase):
         _sync_before_state_dict(module, self)
         self._seed(seed)  # process 0's
         self._programs: dict = {}  # jitted functions by static structure
+        # programs whose trace reads a value on the host run eagerly (host_reads)
+        self._host_reads = host_reads.Fallback(self, type(module).__name__)
         self.traces: collections.Counter = collections.Counter()  # by program kind, counted while tracing
         self.runs: collections.Counter = collections.Counter()  # programs executed, by kind
         # training programs traced after warm-up: a warning, or an error past spmd.max_recompiles
@@ -802,12 +805,12 @@ class TorchaxEngine(EngineBase):
             return outputs, changed, vjp
 
         if kind == "vjp":
-            jitted = jax.jit(program_vjp)
+            jitted = self._host_reads.vjp_program(program_vjp)
 
             def call(params, constants, rng, arrays):
                 return jitted(params, constants, rng, arrays)
         elif kind != "forward":
-            jitted = jax.jit(program_train)
+            jitted = self._host_reads.program(program_train, kind)
 
             def call(params, constants, accum, rng, arrays):
                 scale = None if self._loss_scale is None else self._loss_scale.scale
@@ -817,7 +820,7 @@ class TorchaxEngine(EngineBase):
                     call.no_loss = True
                     return None
         else:
-            jitted = jax.jit(program_forward)
+            jitted = self._host_reads.program(program_forward, kind)
 
             def call(params, constants, rng, arrays):
                 return jitted(params, constants, rng, arrays)
@@ -978,7 +981,7 @@ class TorchaxEngine(EngineBase):
                          for n, g in grads.items()}
             return grads, input_grads
 
-        return jax.jit(backward, static_argnums=(3,))
+        return self._host_reads.backward(backward, static_argnums=(3,))
 
     def _laid_out_gradient(self, name: str, grad):
         """A fresh gradient laid out by the plan's gradient spec; on a mesh with two fsdp axes,

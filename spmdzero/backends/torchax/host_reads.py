@@ -1,0 +1,199 @@
+"""Forwards that read a tensor's value on the host train on the torchax backend: the programs of
+such a module run eagerly, op by op, instead of as one ``jax.jit`` program.
+
+A forward that reads a value (``if mask.any():``, ``t.item()``, ``int(t.max())``, ``t.tolist()``,
+``t.cpu()``) or makes a shape from one (``x[mask]``, ``torch.nonzero``: DeBERTa-v2's
+classification loss, ``(labels >= 0).nonzero()``) cannot be traced once: under ``jax.jit`` the
+value does not exist yet, and JAX raises a ConcretizationTypeError. DeepSpeed trains such models
+(torch runs eagerly), and so does the torch_xla backend (it cuts the graph at the read), so this
+backend must not refuse them.
+
+The mechanism: when a program's trace stops at a host read, the same program function runs
+without ``jax.jit``, from then on. JAX's transformations run eagerly on concrete arrays:
+``jax.grad`` and ``jax.vjp`` evaluate op by op, and their tracers carry concrete values, so
+``bool``, ``int``, ``.item()``, boolean masks and ``nonzero`` see the value, as in torch, and the
+gradient is the same function's, with the same dropout draws (the key is an input). Nothing else
+changes: the program's inputs and outputs, its sharding constraints (eagerly a ``device_put``),
+the accumulation, the update program (``engine.step()``, still jitted). Where the step is cut in
+two is the whole forward and backward, not just the read: simpler than splitting at the read as
+torch_xla does, and right for every read wherever it sits (a submodule, the loss, a library).
+
+Its cost: every op is a dispatch from Python (tens of µs on the host) instead of a fused kernel,
+and nothing is fused across ops. docs/config.md gives the figure measured on a small model; the
+note printed once per engine says it too. A model that reads values only sometimes keeps its
+compiled programs where their trace succeeds (evaluation, another input structure).
+
+Programs whose trace failed are not traced again (``Program.eager``), and an eager run counts no
+trace (``engine.traces``): the recompile guard sees a compiled step's retraces only.
+
+``concrete_reads`` lets the reads JAX refuses on any tracer (``.tolist()``, ``np.asarray``, which
+torchax's ``.numpy()`` and ``.cpu()`` use) see the concrete value an eager autodiff tracer
+carries, as ``bool`` and ``int`` already do.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+from typing import Any, Callable, Optional
+
+from spmdzero.observe.console import ensure_handler, logger
+
+
+def host_read_errors() -> tuple:
+    """JAX's errors for a value or shape that a trace does not know: what the eager run answers."""
+    import jax
+
+    errors = jax.errors
+    return (errors.ConcretizationTypeError,  # bool(t), t.item(), int(t), nonzero (and TracerBoolConversionError)
+            errors.NonConcreteBooleanIndexError,  # x[mask]
+            errors.TracerArrayConversionError,  # np.asarray(t), t.numpy(), t.cpu()
+            errors.TracerIntegerConversionError)  # operator.index(t): a tensor as a size or an index
+
+
+def _traced(args) -> bool:
+    """Whether any argument is a tracer: the program is called inside another trace
+    (``trace_step``), where an eager run would meet the same abstract values."""
+    import jax
+
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(args))
+
+
+@contextlib.contextmanager
+def concrete_reads():
+    """``.tolist()``, ``__array__`` and ``.tobytes()`` of a tracer that carries a concrete value
+    (eager ``jax.grad``/``jax.vjp``) give that value, as its ``bool``/``int`` do; an abstract
+    tracer still raises. Process-wide for the duration (the backend runs a step on one thread)."""
+    import jax
+
+    tracer = jax.core.Tracer
+    originals = {name: getattr(tracer, name) for name in ("tolist", "__array__", "tobytes")}
+
+    def concrete(name: str, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def method(self, *args, **kwargs):
+            value = self.to_concrete_value()
+            if value is None:
+                return original(self, *args, **kwargs)
+            return getattr(value, name)(*args, **kwargs)
+
+        return method
+
+    for name, original in originals.items():
+        setattr(tracer, name, concrete(name, original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(tracer, name, original)
+
+
+class EagerVJP:
+    """The VJP an eager run of the VJP program returned. A jitted backward would trace it again
+    at every step (each eager ``jax.vjp`` is a new function), so its backward runs eagerly too
+    (``Fallback.backward``)."""
+
+    def __init__(self, vjp: Callable):
+        self.vjp = vjp
+
+    def __call__(self, cotangents):
+        return self.vjp(cotangents)
+
+
+class Program:
+    """A program function, run as ``jax.jit(fn)`` until its trace meets a host read, then run
+    eagerly from then on (see the module docstring). Called as the jitted function would be;
+    inside another trace (``trace_step`` composing it with the update) it is always the jitted
+    one, so a host read there raises JAX's error, which says the step cannot be one program."""
+
+    def __init__(self, fallback: "Fallback", fn: Callable, kind: str, on_eager: Optional[Callable] = None,
+                 **jit_kwargs):
+        import jax
+
+        self._fallback, self._fn, self._kind, self._on_eager = fallback, fn, kind, on_eager
+        self.jitted = jax.jit(fn, **jit_kwargs)
+        self.eager = False  # its trace met a host read: it runs eagerly
+
+    def __call__(self, *args):
+        if self.eager and not _traced(args):
+            return self._eagerly(args)
+        try:
+            return self.jitted(*args)
+        except host_read_errors() as err:
+            if _traced(args):
+                raise
+            self.eager = True
+            self._fallback.note(self._kind, err)
+        return self._eagerly(args)
+
+    def _eagerly(self, args):
+        result = self._fallback.run_eagerly(self._fn, args)
+        return result if self._on_eager is None else self._on_eager(result)
+
+
+class Fallback:
+    """One engine's programs that may run eagerly, and the note said once when one first does."""
+
+    def __init__(self, engine: Any, module_name: str):
+        self._engine, self._module_name = engine, module_name
+        self.noted = False
+
+    def program(self, fn: Callable, kind: str, **jit_kwargs) -> Program:
+        """``fn`` jitted, or eager once its trace reads a value; ``kind`` names it in the note."""
+        return Program(self, fn, kind, **jit_kwargs)
+
+    def vjp_program(self, fn: Callable) -> Program:
+        """The VJP program ``(params, constants, rng, inputs) -> (outputs, changed buffers,
+        VJP)``: run eagerly, its VJP is an ``EagerVJP``, whose backward runs eagerly too."""
+        return Program(self, fn, "vjp", on_eager=lambda result: (*result[:-1], EagerVJP(result[-1])))
+
+    def backward(self, fn: Callable, **jit_kwargs) -> Callable:
+        """The backward program ``(vjp, ...) -> ...``: jitted for a jitted forward's VJP, eager
+        for an ``EagerVJP``."""
+        import jax
+
+        jitted = jax.jit(fn, **jit_kwargs)
+
+        def call(vjp, *args):
+            if isinstance(vjp, EagerVJP):
+                return self.run_eagerly(fn, (vjp, *args))
+            return jitted(vjp, *args)
+
+        return call
+
+    def run_eagerly(self, fn: Callable, args: tuple):
+        """``fn(*args)`` without ``jax.jit``: op by op. It compiles no program, so it counts no
+        trace (the program functions count themselves in ``engine.traces``)."""
+        engine = self._engine
+        counted = collections.Counter(engine.traces)
+        try:
+            with concrete_reads():
+                return fn(*args)
+        finally:
+            engine.traces.clear()
+            engine.traces.update(counted)
+
+    def note(self, kind: str, err: Exception) -> None:
+        """Say once per engine that its module's programs run eagerly, why, and what it costs."""
+        if self.noted:
+            return
+        self.noted = True
+        found = str(err).strip().splitlines()[0]
+        ensure_handler()
+        logger.warning(
+            "spmdzero: %s's forward reads a tensor's value on the host (bool(t), t.item(), t.tolist(), a boolean "
+            "mask or nonzero: a value or a shape that a compiled program does not know; JAX said: %s). The torchax "
+            "backend runs its %s program, and any other of this model's programs that reads, eagerly, op by op, "
+            "instead of compiled once: %s. engine.step() stays compiled. To compile the step, compute it with tensor "
+            "ops (torch.where, masks of fixed shape), or use spmd.backend='torch_xla', which cuts the step at the "
+            "read (noted once)", self._module_name, found, PROGRAM_NAMES.get(kind, kind),
+            COST)
+
+
+# the engine's program kinds (TorchaxEngine._build_forward), as the note names them
+PROGRAM_NAMES = {"train": "training", "accumulate": "accumulating training", "vjp": "forward-and-VJP",
+                 "forward": "evaluation"}
+
+# measured by benchmarks/host_reads.py (docs/config.md#the-torchax-backend)
+COST = "each micro-step is several times slower than compiled on a small model (docs/config.md)"
