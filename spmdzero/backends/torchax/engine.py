@@ -576,21 +576,20 @@ class TorchaxEngine(EngineBase):
 
     def forward(self, *inputs, **kwargs):
         """Run the module in one jitted program; in training (train mode, grad enabled) it also
-        takes the gradient of the loss the module returns (see the module docstring)."""
-        try:
-            return self._forward(inputs, kwargs)
-        except self._jax.errors.ConcretizationTypeError as err:
-            raise self._reads_values(err) from err
+        takes the gradient of the loss the module returns (see the module docstring). A forward
+        that reads a tensor's value on the host runs eagerly (``host_reads``)."""
+        return self._forward(inputs, kwargs)
 
     def _reads_values(self, err: Exception) -> RuntimeError:
-        """The error for a forward that reads a tensor's value on the host, which JAX's trace cannot."""
+        """The error for tracing the step of a forward that reads a tensor's value on the host
+        (``trace_step``): training runs it eagerly (``host_reads``), one traced program cannot."""
         found = str(err).strip().splitlines()[0]
         return RuntimeError(
-            f"spmd.backend='torchax': {type(self._module).__name__}'s forward reads a tensor's value on the host "
-            "(bool(t), t.item(), t.tolist(), `if t:` or int(t) on a tensor), and the torchax backend traces the "
-            "forward once as a JAX program, which cannot stop for a value. Compute it with tensor ops instead "
-            "(torch.where, masks), or use spmd.backend='torch_xla', which cuts the step in two there. JAX said: "
-            f"{found}")
+            f"spmd.backend='torchax': {type(self._module).__name__}'s forward reads a tensor's value on the host"
+            f"{host_reads.where(err)} (bool(t), t.item(), t.tolist(), a boolean mask or nonzero), so its step cannot "
+            "be traced as one JAX program (trace_step, spmdzero aot); training runs such a forward eagerly instead. "
+            "Compute it with tensor ops (torch.where, masks of fixed shape) to compile it, or use "
+            f"spmd.backend='torch_xla', which cuts the step in two at the read. JAX said: {found}")
 
     def _forward(self, inputs: tuple, kwargs: dict):
         leaves, treespec, static, layout, arrays, rng, rows = self._placed(inputs, kwargs)

@@ -36,7 +36,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import os
 from typing import Any, Callable, Optional
+
+import torch
 
 from spmdzero.observe.console import ensure_handler, logger
 
@@ -175,25 +178,48 @@ class Fallback:
             engine.traces.update(counted)
 
     def note(self, kind: str, err: Exception) -> None:
-        """Say once per engine that its module's programs run eagerly, why, and what it costs."""
+        """Say once per engine that its module's programs run eagerly, where it reads, and the cost."""
         if self.noted:
             return
         self.noted = True
         found = str(err).strip().splitlines()[0]
         ensure_handler()
         logger.warning(
-            "spmdzero: %s's forward reads a tensor's value on the host (bool(t), t.item(), t.tolist(), a boolean "
-            "mask or nonzero: a value or a shape that a compiled program does not know; JAX said: %s). The torchax "
-            "backend runs its %s program, and any other of this model's programs that reads, eagerly, op by op, "
-            "instead of compiled once: %s. engine.step() stays compiled. To compile the step, compute it with tensor "
-            "ops (torch.where, masks of fixed shape), or use spmd.backend='torch_xla', which cuts the step at the "
-            "read (noted once)", self._module_name, found, PROGRAM_NAMES.get(kind, kind),
-            COST)
+            "spmdzero: %s's forward reads a tensor's value on the host%s, which a program compiled once cannot "
+            "(JAX: %s). The torchax backend runs this model's %s program, and any other of its programs that reads, "
+            "eagerly, op by op, from now on; engine.step() stays compiled. Cost: %s. To compile it, compute with "
+            "tensor ops (torch.where, masks of fixed shape) instead of reading the value, or use "
+            "spmd.backend='torch_xla', which cuts the step at the read (noted once)",
+            self._module_name, where(err), found, PROGRAM_NAMES.get(kind, kind), COST)
+
+
+def where(err: Exception) -> str:
+    """`` at file.py:line (`code`)``: the last frame of the error outside JAX, torch, torchax and
+    spmdzero (the model's line that reads), or nothing."""
+    import traceback
+
+    skip = _internal_directories()
+    for frame in reversed(traceback.extract_tb(err.__traceback__)):
+        if not frame.filename.startswith(skip) and os.path.exists(frame.filename):
+            code = f" (`{frame.line.strip()}`)" if frame.line else ""
+            return f" at {os.path.basename(frame.filename)}:{frame.lineno}{code}"
+    return ""
+
+
+def _internal_directories() -> tuple:
+    """The directories of JAX, jaxlib, torch, torchax and spmdzero."""
+    import jax
+    import jaxlib
+    import torchax
+
+    spmdzero_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, jaxlib, torch, torchax)) + (spmdzero_dir + os.sep,)
 
 
 # the engine's program kinds (TorchaxEngine._build_forward), as the note names them
 PROGRAM_NAMES = {"train": "training", "accumulate": "accumulating training", "vjp": "forward-and-VJP",
                  "forward": "evaluation"}
 
-# measured by benchmarks/host_reads.py (docs/config.md#the-torchax-backend)
-COST = "each micro-step is several times slower than compiled on a small model (docs/config.md)"
+# benchmarks/host_reads.py, 8 CPU devices, ZeRO-2 (docs/config.md#the-torchax-backend)
+COST = ("a training step took 6x the compiled step's time on a small MLP and 10x on a 2-layer GPT-2 "
+        "(benchmarks/host_reads.py, 8 CPU devices)")
