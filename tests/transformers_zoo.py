@@ -212,7 +212,7 @@ def train_both(name: str, steps: int = 4, lr: float = 0.1, stage: int = 2) -> di
     """``steps`` SGD steps of case ``name`` on spmdzero's engine (ZeRO ``stage``, fp32, no
     clipping) and on plain torch from the same weights and batches. Returns the losses of both,
     the largest relative loss difference, the largest parameter difference relative to the
-    parameter's scale, and the engine's traces (its compiles)."""
+    parameter's scale, the engine's traces (its compiles) and whether its forward ran eagerly."""
     import copy
 
     import spmdzero
@@ -243,4 +243,5 @@ def train_both(name: str, steps: int = 4, lr: float = 0.1, stage: int = 2) -> di
                      for n, p in reference.named_parameters() if n in trained)
     return {"name": name, "ours": ours, "theirs": theirs, "steps": steps, "param_diff": param_diff,
             "loss_diff": max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(ours, theirs)),
-            "compiles": sum(engine.traces.values()), "traces": dict(engine.traces)}
+            "compiles": sum(engine.traces.values()), "traces": dict(engine.traces),
+            "eager": engine._host_reads.noted}  # its forward read a value: it ran eagerly (host_reads)
