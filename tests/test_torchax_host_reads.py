@@ -1,0 +1,243 @@
+"""Forwards that read a tensor's value on the host train on the default (torchax) backend as in
+plain torch: their programs run eagerly (``spmdzero/backends/torchax/host_reads.py``), said once
+in the log, and the optimizer step stays compiled. Errors that are not host reads surface as
+before. DeBERTa-v2's classification loss (a stock model that reads) is in the transformers zoo
+(``test_transformers_zoo.py``, on transformers 5.x and 4.57); here it is checked for the note."""
+
+import copy
+
+import pytest
+import torch
+
+import spmdzero
+from conftest import spmdzero_log
+
+STEPS, GAS, LR = 4, 2, 0.1
+NOTE = "reads a tensor's value on the host"
+
+
+class HostReads(torch.nn.Module):
+    """An MLP whose forward reads values on the host the ways eager torch code does: an ``if`` on
+    an input and on an activation, ``.item()``, ``int()``, ``.tolist()`` and ``.cpu()`` (a log of
+    what it saw), ``nonzero`` and a boolean mask (rows chosen by value: data-dependent shapes)."""
+
+    def __init__(self, loss_inside: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = torch.nn.Linear(16, 64), torch.nn.Linear(64, 8)
+        self.loss_inside = loss_inside
+        self.seen: list = []
+
+    def forward(self, x, y=None):
+        if x.abs().max() > 3.0:  # a branch on the batch: taken by some batches, not others
+            x = x.clamp(-3.0, 3.0)
+        h = torch.tanh(self.fc1(x))
+        h = h / max(1.0, h.detach().abs().mean().item() * 4)
+        self.seen.append((h.sum().tolist(), h.detach().cpu().abs().max()))
+        out = self.fc2(h)
+        if out.abs().max() > 1.0:  # a branch on a value the parameters make
+            out = out * 0.9
+        keep = out[:, 0] > 0
+        rows = torch.nonzero(keep).flatten()
+        out = out.index_add(0, rows, out[keep] * (int(keep.sum()) / len(keep)))
+        if not self.loss_inside:
+            return out
+        return torch.nn.functional.mse_loss(out, y)
+
+
+def data(n: int):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 16, generator=g) * 1.3, torch.randn(16, 8, generator=g)) for _ in range(n)]
+
+
+def loss_of(model, x, y, loss_inside: bool):
+    return model(x, y) if loss_inside else torch.nn.functional.mse_loss(model(x), y)
+
+
+def train_both(loss_inside: bool) -> dict:
+    """STEPS optimizer steps (GAS micro-steps each) on the engine (ZeRO-2, fp32, SGD, no
+    clipping) and on plain torch from the same weights, with the engine's log and traces."""
+    model = HostReads(loss_inside)
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    with spmdzero_log() as records:
+        engine, *_ = spmdzero.initialize(model=model, config={
+            "train_batch_size": 16 * GAS, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": 2}, "optimizer": {"type": "SGD", "params": {"lr": LR}}})
+        ours, theirs, traces = [], [], []
+        for i, (x, y) in enumerate(data(STEPS * GAS)):
+            loss = loss_of(engine, x, y, loss_inside)
+            engine.backward(loss)
+            engine.step()
+            ours.append(loss.item())
+            traces.append(dict(engine.traces))
+            ref_loss = loss_of(reference, x, y, loss_inside)
+            (ref_loss / GAS).backward()
+            theirs.append(ref_loss.item())
+            if (i + 1) % GAS == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+        x, y = data(1)[0]
+        with torch.no_grad():  # an evaluation forward reads too
+            engine.eval()
+            reference.eval()
+            evaluated = (loss_of(engine, x, y, loss_inside).item(), loss_of(reference, x, y, loss_inside).item())
+    notes = [r.getMessage() for r in records if NOTE in r.getMessage()]
+    return {"engine": engine, "reference": reference, "ours": ours, "theirs": theirs, "traces": traces,
+            "evaluated": evaluated, "notes": notes, "seen": (model.seen, reference.seen)}
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["loss_inside", "loss_outside"])
+def trained(request):
+    return train_both(request.param)
+
+
+@pytest.mark.slow
+def test_a_forward_that_reads_values_trains_as_in_plain_torch(trained):
+    """ZeRO-2 with gradient accumulation, the loss returned by the module (the training and
+    accumulating programs) or computed outside it (the VJP program and its backward)."""
+    assert trained["ours"] == pytest.approx(trained["theirs"], abs=1e-5)
+    for (name, p), q in zip(trained["engine"].module.named_parameters(), trained["reference"].parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), atol=1e-5, rtol=1e-5, msg=name)
+    assert trained["evaluated"][0] == pytest.approx(trained["evaluated"][1], abs=1e-5)
+    # the host reads saw the values torch saw. With the loss outside, the first two micro-steps
+    # ran the forward twice (the training program's eager run finds no loss, then the VJP
+    # program runs): the same values again
+    ours, theirs = ([(a, float(b)) for a, b in seen] for seen in trained["seen"])
+    ours = [v for i, v in enumerate(ours) if i == 0 or v != ours[i - 1]]
+    assert len(ours) == len(theirs) == STEPS * GAS + 1
+    assert [v for pair in ours for v in pair] == pytest.approx([v for pair in theirs for v in pair], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_the_eager_run_is_said_once_naming_the_line_and_the_cost(trained):
+    notes = trained["notes"]
+    assert len(notes) == 1, notes
+    assert "HostReads's forward" in notes[0] and "test_torchax_host_reads.py" in notes[0], notes[0]
+    assert "eagerly, op by op" in notes[0] and "10x" in notes[0] and "spmd.backend='torch_xla'" in notes[0]
+
+
+@pytest.mark.slow
+def test_a_program_that_fell_back_is_not_traced_again(trained):
+    """Each program's trace stops at the read once; after the first optimizer step nothing is
+    traced (the eager runs count no trace, so the recompile guard stays quiet)."""
+    traces = trained["traces"]
+    assert all(t == traces[GAS - 1] for t in traces[GAS - 1:]), traces
+    assert traces[-1]["update"] == 1
+
+
+class Broken(torch.nn.Module):
+    """A forward with a bug that is not a host read."""
+
+    def __init__(self, bug: str):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 8)
+        self.bug = bug
+
+    def forward(self, x, y):
+        if self.bug == "shape":
+            x = x.reshape(-1, 2)  # then Linear(16, 8) of 2 features
+        elif self.bug == "raise":
+            raise ValueError("the model's own error")
+        return torch.nn.functional.mse_loss(self.fc(x), y)
+
+
+@pytest.mark.parametrize("bug, error, match", [("shape", ValueError, "does not match"),
+                                               ("raise", ValueError, "the model's own error")])
+def test_an_error_that_is_not_a_host_read_surfaces_as_before(bug, error, match):
+    engine, *_ = spmdzero.initialize(model=Broken(bug), config={
+        "train_batch_size": 16, "optimizer": {"type": "SGD", "params": {"lr": LR}}})
+    x, y = data(1)[0]
+    with spmdzero_log() as records, pytest.raises(error, match=match) as raised:
+        engine(x, y)
+    assert NOTE not in str(raised.value) and "eager" not in str(raised.value)
+    assert not [r for r in records if NOTE in r.getMessage()]
+    assert not engine._host_reads.noted
+
+
+class GuardedLoss(torch.nn.Module):
+    """A loss checked on the host, as training code guards against NaN: the read makes the
+    forward eager, and the check raises as it does in torch."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(16, 8)
+
+    def forward(self, x, y):
+        loss = torch.nn.functional.mse_loss(self.fc(x), y)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite loss {loss.item()}")
+        return loss
+
+
+def test_an_error_the_eager_forward_raises_is_the_models():
+    engine, *_ = spmdzero.initialize(model=GuardedLoss(), config={
+        "train_batch_size": 16, "optimizer": {"type": "SGD", "params": {"lr": LR}}})
+    x, y = data(1)[0]
+    loss = engine(x, y)  # finite: trained eagerly
+    engine.backward(loss)
+    engine.step()
+    assert engine._host_reads.noted
+    with pytest.raises(FloatingPointError, match="non-finite loss nan"):
+        engine(x * float("nan"), y)
+
+
+def test_a_traced_step_of_a_forward_that_reads_says_it_cannot_be_one_program():
+    """``trace_step`` (what ``spmdzero aot`` compiles) composes the step into one program, which
+    cannot stop for a value: a clear error naming the read, not an eager run."""
+    engine, *_ = spmdzero.initialize(model=GuardedLoss(), config={
+        "train_batch_size": 16, "optimizer": {"type": "SGD", "params": {"lr": LR}}})
+    x, y = data(1)[0]
+    with pytest.raises(RuntimeError, match=r"GuardedLoss's forward reads a tensor's value on the host at "
+                                           r"test_torchax_host_reads.py:\d+ .* cannot be traced as one JAX program"):
+        engine.trace_step(x, y)
+    assert not engine._host_reads.noted
+
+
+@pytest.mark.slow
+def test_deberta_v2_classification_runs_eagerly_said_once_naming_transformers_line():
+    """DeBERTa-v2's classification loss indexes the labels by ``(labels >= 0).nonzero()`` (a
+    data-dependent shape) on transformers 5.x and 4.57 alike; its training against plain torch is
+    the zoo's ``deberta-v2-cls`` case."""
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    config = DebertaV2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                             intermediate_size=64, max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0,
+                             attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    engine, *_ = spmdzero.initialize(model=DebertaV2ForSequenceClassification(config), config={
+        "train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": LR}}})
+    g = torch.Generator().manual_seed(1)
+    with spmdzero_log() as records:
+        for _ in range(2):
+            out = engine(input_ids=torch.randint(0, 64, (8, 12), generator=g),
+                         labels=torch.randint(0, 3, (8,), generator=g))
+            engine.backward(out.loss)
+            engine.step()
+    notes = [r.getMessage() for r in records if NOTE in r.getMessage()]
+    assert len(notes) == 1 and "modeling_deberta_v2.py" in notes[0] and "nonzero()" in notes[0], notes
+
+
+def test_concrete_reads_give_an_eager_tracers_value_and_still_refuse_an_abstract_one():
+    """``.tolist()`` and ``np.asarray`` of an eager autodiff tracer see its value inside
+    ``concrete_reads`` only; under ``jax.jit`` they still raise JAX's error."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from spmdzero.backends.torchax.host_reads import concrete_reads
+
+    seen = []
+
+    def f(x):
+        seen.append((x.sum().tolist(), float(np.asarray(x).max())))
+        return (x * x).sum()
+
+    with concrete_reads():
+        assert jax.grad(f)(jnp.arange(3.0)).tolist() == [0.0, 2.0, 4.0]
+        assert seen == [(3.0, 2.0)]
+        with pytest.raises(jax.errors.ConcretizationTypeError):
+            jax.jit(f)(jnp.arange(3.0))
+    with pytest.raises(jax.errors.ConcretizationTypeError):
+        jax.grad(f)(jnp.arange(3.0))
