@@ -63,8 +63,8 @@ class ReadsBack(torch.nn.Module):
 
 @pytest.mark.parametrize("read", ["bool", "tolist"])
 def test_guard_names_a_step_that_runs_two_graphs(read):
-    """torch_xla cuts the step where the forward reads a value; the torchax backend cannot
-    trace such a forward (test_torchax_backend.py: its error says so)."""
+    """torch_xla cuts the step where the forward reads a value; the torchax backend runs such a
+    forward eagerly (test_torchax_host_reads.py)."""
     engine, *_ = spmdzero.initialize(model=ReadsBack(read), config=config(spmd=TORCH_XLA))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

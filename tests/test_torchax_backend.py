@@ -1372,17 +1372,24 @@ def test_a_dcn_mesh_puts_data_across_slices_and_trains_as_the_torch_xla_engine()
 
 
 @pytest.mark.parametrize("read", ["bool", "tolist"])
-def test_a_forward_that_reads_a_value_on_the_host_is_a_clear_error(read):
-    """JAX traces the forward once and cannot stop for a value: the error names the module and
-    the calls, and says what runs it (torch_xla cuts the step in two there, test_monitor.py)."""
+def test_a_forward_that_reads_a_value_on_the_host_trains_eagerly_as_on_torch_xla(read):
+    """JAX traces the forward once and cannot stop for a value: the torchax backend runs that
+    forward eagerly (host_reads, tests/test_torchax_host_reads.py) and trains what the torch_xla
+    backend trains, which cuts the step in two there (test_monitor.py)."""
     from test_monitor import ReadsBack
 
-    engine, *_ = spmdzero.initialize(model=ReadsBack(read), config={
-        "train_batch_size": 16, "optimizer": {"type": "Adam"}, "spmd": {"backend": "torchax"}})
-    x, y = batches(1, 16)[0]
-    with pytest.raises(RuntimeError, match=r"ReadsBack's forward reads a tensor's value on the host .* "
-                                           r"spmd.backend='torch_xla', which cuts the step in two"):
-        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+    losses, engines = {}, {}
+    for backend in ("torchax", "torch_xla"):
+        engine, *_ = spmdzero.initialize(model=ReadsBack(read), config={
+            "train_batch_size": 16, "optimizer": {"type": "Adam"}, "spmd": {"backend": backend}})
+        engines[backend], losses[backend] = engine, []
+        for x, y in batches(3, 16):
+            loss = torch.nn.functional.mse_loss(engine(x.to(engine.device)), y.to(engine.device))
+            engine.backward(loss)
+            engine.step()
+            losses[backend].append(loss.item())
+    assert engines["torchax"]._host_reads.noted
+    assert losses["torchax"] == pytest.approx(losses["torch_xla"], abs=1e-5)
 
 
 WITHOUT_TORCH_XLA = """
