@@ -17,6 +17,9 @@ under ``jax.jit`` through torchax (torch ops lowered to JAX), so a step is two c
   plan, the old buffers donated. The hyperparameters (lr from the schedule included) are a
   traced input, so a changing lr does not recompile.
 
+A forward that reads a tensor's value on the host (``if t:``, ``.item()``, ``x[mask]``) cannot be
+one program: the program whose trace stops at the read runs eagerly instead (``host_reads``).
+
 The fused training program needs the module to return its loss: a scalar, a dict with a
 ``"loss"`` key, an object with ``.loss`` (Hugging Face outputs), or a tuple whose first item is
 the scalar loss. Otherwise (or when inputs require grad) the training forward runs a VJP program
