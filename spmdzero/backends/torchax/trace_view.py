@@ -4,8 +4,9 @@ Libraries written for torch keep a host-side fast path for eager mode and a trac
 for compilers, and choose between them with ``torch.compiler.is_compiling()``. transformers
 4.57's ``_ignore_causal_mask_sdpa`` (OPT, RoBERTa, ...) reads ``torch.all(mask == 1)`` on the
 host unless it sees a compiler, and other models read a value to skip work the same way. Under
-``jax.jit`` a host read is a ConcretizationTypeError, so the backend refused stock models
-that ``torch.compile`` and torch_xla run.
+``jax.jit`` a host read is a ConcretizationTypeError, and such a forward runs eagerly, several
+times slower (``host_reads``): stock models that ``torch.compile`` compiles would lose their
+compiled step for a read they skip under a compiler.
 
 torchax's ops take no ``out=`` argument (``torch.mm(a, b, out=c)``, which TRL and optimizers call):
 inside ``tracing()`` and ``OutArgumentsCopied`` such a call is ``c.copy_(torch.mm(a, b))``.
