@@ -26,6 +26,11 @@ compiled programs where their trace succeeds (evaluation, another input structur
 Programs whose trace failed are not traced again (``Program.eager``), and an eager run counts no
 trace (``engine.traces``): the recompile guard sees a compiled step's retraces only.
 
+Limits: with several hosts, reading a value that spans other hosts' devices fails (JAX cannot
+fetch it; untested). A module whose output holds no loss runs its forward once more in each of
+its first two micro-steps (the training program's eager run finds no loss, then the VJP program
+runs).
+
 ``concrete_reads`` lets the reads JAX refuses on any tracer (``.tolist()``, ``np.asarray``, which
 torchax's ``.numpy()`` and ``.cpu()`` use) see the concrete value an eager autodiff tracer
 carries, as ``bool`` and ``int`` already do.
