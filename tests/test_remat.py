@@ -111,6 +111,8 @@ def test_the_hook_is_gone_after_the_trace():
     torch.testing.assert_close(layer.weight.grad, expected)
 
 
+@pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
+                    reason="transformers 4.x's GPT2Block returns a tuple, which spmd.scan_layers refuses")
 def test_scanned_layers_with_gradient_checkpointing_train_as_without():
     """spmd.scan_layers: the block checkpoints inside the loop's body, with the body's carried key."""
     (_, without), (engine, with_) = (train_gpt2(c, dropout=0.1, scan=True) for c in (False, True))
