@@ -229,3 +229,43 @@ def test_context_fn_is_ignored_and_said_once():
     remat._warned.discard("context_fn")
     with pytest.warns(UserWarning, match=r"context_fn=\.\.\.\) is ignored on the torchax backend"):
         assert np.isfinite(first_loss(call))
+
+
+class Normed(torch.nn.Module):
+    """Batch norm inside ``checkpoint_sequential``: its running statistics are updated in place in
+    a region."""
+
+    def __init__(self, checkpointing: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.checkpointing = checkpointing
+        self.seq = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(),
+                                       torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 8))
+
+    def forward(self, x, y):
+        if self.checkpointing:
+            out = torch.utils.checkpoint.checkpoint_sequential(self.seq, 2, x, use_reentrant=False)
+        else:
+            out = self.seq(x)
+        return torch.nn.functional.mse_loss(out, y)
+
+
+def test_running_statistics_updated_in_a_region_are_updated_once():
+    runs = {}
+    for checkpointing in (False, True):
+        engine, *_ = spmdzero.initialize(model=Normed(checkpointing), config={
+            "train_batch_size": 16, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        losses = []
+        for x, y in batches(STEPS, 16):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        x, y = batches(1, 16)[0]
+        runs[checkpointing] = engine, (losses, host_params(engine)), {
+            n: b.detach().cpu().clone() for n, b in engine.module.named_buffers()}
+    assert_same_training(runs[False][1], runs[True][1])
+    for name, value in runs[False][2].items():
+        torch.testing.assert_close(runs[True][2][name], value, atol=1e-6, rtol=0)
+    assert int(runs[True][2]["seq.1.num_batches_tracked"]) == STEPS
+    assert remat_regions(runs[True][0].trace_step(x, y).traced) >= 1

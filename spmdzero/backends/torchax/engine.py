@@ -738,7 +738,7 @@ class TorchaxEngine(EngineBase):
             held = [(m, dict(m._parameters), dict(m._buffers)) for m in module.modules()]
             try:
                 with env, env.override_property(prng=jax.random.fold_in(*rng)), trace_view.tracing(), \
-                        remat.rematerializing(env), batchnorm.updating_running_statistics(batch_norms):
+                        remat.rematerializing(env, tensors.values()), batchnorm.updating_running_statistics(batch_norms):
                     output = torch.func.functional_call(module, tensors, inputs, kwargs)
             finally:
                 for m, params, buffers in held:

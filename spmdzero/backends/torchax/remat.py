@@ -38,8 +38,11 @@ checkpointing policies, ``create_selective_checkpoint_contexts``) is ignored, sa
 whole region is recomputed. ``determinism_check``, ``debug`` and ``early_stop`` have nothing to
 check or stop here.
 
-A region must not update tensors it closes over in place (BatchNorm's running statistics in a
-checkpointed block): the update would hold a value of the region's trace.
+Module state updated in place inside a region (BatchNorm's running statistics in a checkpointed
+block): the engine hands ``rematerializing()`` the module's parameters and buffers as traced; one
+the region changed leaves the region as one of its outputs and is set outside, or it would hold a
+value of the region's trace. It is updated once, in the forward (torch's checkpoint updates it
+again when it recomputes the block).
 """
 
 from __future__ import annotations
@@ -79,9 +82,11 @@ def _warn_once(key: str, message: str) -> None:
 
 
 @contextlib.contextmanager
-def rematerializing(env):
+def rematerializing(env, state=()):
     """Inside, ``torch.utils.checkpoint.checkpoint`` (however bound) runs its function under
-    ``jax.checkpoint`` in torchax's ``env``. Re-entrant; restored by an exception too."""
+    ``jax.checkpoint`` in torchax's ``env``; ``state``: the traced module's parameters and buffers
+    (torchax tensors), which a region may update in place. Re-entrant; restored by an exception
+    too."""
     inner = _wrapped()
     if inner is None:
         _warn_once("hook", f"torch {torch.__version__}: torch.utils.checkpoint.checkpoint is not the "
@@ -92,9 +97,10 @@ def rematerializing(env):
     missing = object()
     before = inner.__dict__.get(_CACHE, missing)
     signature = inspect.signature(inner)
+    state = list(state)
 
     def checkpoint(function, *args, **kwargs):
-        return _checkpoint(env, signature, function, args, kwargs)
+        return _checkpoint(env, state, signature, function, args, kwargs)
 
     setattr(inner, _CACHE, checkpoint)
     try:
@@ -106,7 +112,7 @@ def rematerializing(env):
             setattr(inner, _CACHE, before)
 
 
-def _checkpoint(env, signature, function, args, kwargs):
+def _checkpoint(env, state, signature, function, args, kwargs):
     """One call of ``torch.utils.checkpoint.checkpoint(function, *args, **kwargs)`` in the trace."""
     try:
         bound = signature.bind(function, *args, **kwargs)
@@ -124,11 +130,12 @@ def _checkpoint(env, signature, function, args, kwargs):
     if context_fn is not torch.utils.checkpoint.noop_context_fn:
         _warn_once("context_fn", "torch.utils.checkpoint.checkpoint(context_fn=...) is ignored on the torchax "
                                  "backend: the whole region is recomputed in the backward (jax.checkpoint)")
-    return rematerialized(env, function, options.get(varargs, ()), function_kwargs)
+    return rematerialized(env, function, options.get(varargs, ()), function_kwargs, state)
 
 
-def rematerialized(env, function, args: tuple, kwargs: dict):
-    """``function(*args, **kwargs)`` on torchax tensors as one ``jax.checkpoint`` region."""
+def rematerialized(env, function, args: tuple, kwargs: dict, state: list = ()):
+    """``function(*args, **kwargs)`` on torchax tensors as one ``jax.checkpoint`` region; the
+    tensors of ``state`` it updates in place are updated outside it."""
     import jax
     from torchax import tensor as ttensor
 
@@ -137,6 +144,7 @@ def rematerialized(env, function, args: tuple, kwargs: dict):
     traced: list = []  # the output's structure and its non-tensor leaves, found while tracing the region
 
     def region(key, arrays):
+        before = [t._elem for t in state]
         placed = list(leaves)
         for i, array in zip(inputs, arrays):
             placed[i] = ttensor.Tensor(array, env, requires_grad=leaves[i].requires_grad)
@@ -146,12 +154,18 @@ def rematerialized(env, function, args: tuple, kwargs: dict):
             key = env.prng_key
         out_leaves, out_spec = torch_pytree.tree_flatten(output)
         tensors = [i for i, leaf in enumerate(out_leaves) if isinstance(leaf, ttensor.Tensor)]
-        traced[:] = [out_spec, out_leaves, tensors]
-        return key, [out_leaves[i]._elem for i in tensors]
+        changed = [i for i, t in enumerate(state) if t._elem is not before[i]]
+        updates = [state[i]._elem for i in changed]
+        for i in changed:  # the region's values leave it only as its outputs
+            state[i]._elem = before[i]
+        traced[:] = [out_spec, out_leaves, tensors, changed]
+        return key, [out_leaves[i]._elem for i in tensors], updates
 
-    key, arrays = jax.checkpoint(region)(env.prng_key, [leaves[i]._elem for i in inputs])
+    key, arrays, updates = jax.checkpoint(region)(env.prng_key, [leaves[i]._elem for i in inputs])
     env.param.prng = key  # the environment's key advances as the region's draws rotated it
-    out_spec, out_leaves, tensors = traced
+    out_spec, out_leaves, tensors, changed = traced
+    for i, update in zip(changed, updates):
+        state[i]._elem = update
     out_leaves = list(out_leaves)
     for i, array in zip(tensors, arrays):
         out_leaves[i] = ttensor.Tensor(array, env, requires_grad=out_leaves[i].requires_grad)
