@@ -676,6 +676,49 @@ def test_scanned_layers_keep_few_more_temporaries_than_unrolled(tmp_path):
     assert temps["True"] <= 1.5 * temps["False"], temps
 
 
+def test_every_aot_option_reaches_the_child_process():
+    """``spmdzero aot`` runs ``python -m spmdzero.aot`` with its options again (``sys_argv_after``):
+    each option set here, away from its default, comes back the same."""
+    import argparse
+
+    from spmdzero.aot.command import add_arguments
+    from spmdzero.cli.main import sys_argv_after
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--topology", "v5e:2x2", "--deepspeed_config", "ds.json", "--model", "m.json",
+                              "--stages", "1,2", "--seq-len", "8", "--micro-batch", "2", "--materialize",
+                              "--scan-layers", "stacked", "--gradient-checkpointing", "--find-max-batch", "--json"])
+    assert all(getattr(args, a.dest) != a.default for a in parser._actions if a.dest not in ("help", "topology",
+                                                                                           "deepspeed_config"))
+    assert vars(parser.parse_args(sys_argv_after(args))) == vars(args)
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_cuts_the_temporaries(tmp_path):
+    """--gradient-checkpointing: the torchax step rematerializes each GPT-2 block
+    (spmdzero.backends.torchax.remat), so what the backward keeps of the blocks is their inputs. A
+    4-layer GPT-2 whose blocks' activations dominate (small vocabulary), 4 x 1024 tokens per chip,
+    ZeRO-2 on v5e:2x2: 16% of the temporaries without it when measured (394 -> 63 MiB; at 128 wide
+    the step's own share makes it 42%)."""
+    model = {"model_type": "gpt2", "vocab_size": 2048, "n_positions": 1024, "n_embd": 256, "n_layer": 4, "n_head": 4}
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    json.dump(model, open(tmp_path / "config.json", "w"))
+    json.dump(config, open(tmp_path / "ds.json", "w"))
+    temps = {}
+    for flag in ([], ["--gradient-checkpointing"]):
+        out = run_python(f"""
+            import spmdzero_cli
+            spmdzero_cli.main(["aot", "--topology", "v5e:2x2", "--deepspeed_config", {str(tmp_path / 'ds.json')!r},
+                               "--model", {str(tmp_path)!r}, "--stages", "2", "--json", *{flag!r}])
+        """)
+        report = json.loads(out[out.index("{"):])["reports"][0]
+        assert report["backend"] == "torchax"
+        temps[bool(flag)] = report["memory"]["temp"]
+    assert temps[True] <= 0.4 * temps[False], temps
+
+
 # ---- the command's bad input, refused before anything compiles (review findings) ---------------------
 
 def _write(path, text):
@@ -696,6 +739,8 @@ def aot_inputs(tmp_path):
         "list": _write(tmp_path / "list.json", "[1, 2]"),
         "t5": _write(tmp_path / "t5.json", json.dumps({"model_type": "t5", "num_layers": 1, "d_model": 64,
                                                         "num_heads": 2, "d_ff": 128, "vocab_size": 1024})),
+        "plain": _write(tmp_path / "plain.py", "import torch\nclass M(torch.nn.Module):\n    def __init__(self):\n"
+                        "        super().__init__()\n        self.w = torch.nn.Linear(2, 1)\n") + ":M",
         "gpt2": _write(tmp_path / "gpt2.json", json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 64,
                                                           "n_head": 2, "vocab_size": 256, "n_positions": 32})),
     }
@@ -710,6 +755,8 @@ def aot_inputs(tmp_path):
     ("t5", [], r"model_type 't5' has no causal-LM model in transformers"),
     ("gpt2", ["--topology", "v5e:0x2"], r"unknown TPU topology 'v5e:0x2'"),
     ("not_a_module", ["--seq-len", "16"], r"--seq-len applies to transformers configs"),
+    ("plain", ["--gradient-checkpointing"], r"--gradient-checkpointing: model .*plain.py:M \(M\) has no "
+                                           r"gradient_checkpointing_enable\(\) method"),
 ])
 def test_the_command_refuses_bad_input_with_one_line(aot_inputs, capsys, case, extra, message):
     from spmdzero.aot import command

@@ -77,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "stack instead of every layer unrolled (needed for 7B-scale compiles on a small host); "
                              "'--scan-layers stacked' as with spmd.scan_layers='stacked' (one parameter per block "
                              "parameter name: the update around the loop does not grow with depth)")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="call the model's gradient_checkpointing_enable() before tracing (transformers "
+                             "models): each block is recomputed in the backward instead of keeping its activations")
     parser.add_argument("--find-max-batch", action="store_true",
                         help="also find the largest micro-batch per chip that fits (a few compiles per stage)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
@@ -117,7 +120,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="spmdzero aot", description="compile the training step for a TPU topology")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    from spmdzero.aot.models import load_model_source
+    from spmdzero.aot.models import load_model_source, with_gradient_checkpointing
     from spmdzero.config.load import read_config_file
 
     from spmdzero.config.load import parse_config
@@ -136,6 +139,8 @@ def main(argv=None) -> int:
             config["spmd"] = {**(config.get("spmd") if isinstance(config.get("spmd"), dict) else {}),
                               "scan_layers": args.scan_layers}
         source = load_model_source(args.model or default_model(), args.seq_len)
+        if args.gradient_checkpointing:
+            source = with_gradient_checkpointing(source)
         reports = [compile_step(source, config, args.topology, stage, args.micro_batch, shape_only)
                    for stage in stages]
         searches = {}

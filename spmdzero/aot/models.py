@@ -12,6 +12,7 @@ real (rotary tables and masks are computed, and small).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -56,6 +57,8 @@ def build_on_meta(source: ModelSource) -> torch.nn.Module:
     try:
         with meta_parameters():
             model = source.build()
+    except ModelRefused:
+        raise
     except Exception as err:
         raise ValueError(f"model {source.name} did not build with its parameters on the 'meta' device "
                          f"(shape-only capture): {type(err).__name__}: {_short(err)}. If it builds with real "
@@ -90,6 +93,32 @@ def load_model_source(spec: str, seq_len: int | None = None) -> ModelSource:
         raise ValueError(f"--seq-len applies to transformers configs; the model {spec!r} makes its own batch "
                          "(example_inputs)")
     return _from_file(spec)
+
+
+class ModelRefused(ValueError):
+    """A model that built but cannot be compiled as asked: said as it is, not as a failure to build on
+    ``meta``."""
+
+
+def with_gradient_checkpointing(source: ModelSource) -> ModelSource:
+    """``source`` whose model, once built, has activation checkpointing enabled as a script
+    enables it (transformers' ``gradient_checkpointing_enable()``, or its newer name
+    ``activation_checkpointing_enable()`` where it has one), in training mode (transformers
+    checkpoints only there): its blocks run through ``torch.utils.checkpoint``, which both
+    backends rematerialize. A model with neither method is refused."""
+    def build():
+        model = source.build()
+        enable = next((getattr(model, name) for name in ("activation_checkpointing_enable",
+                                                         "gradient_checkpointing_enable")
+                       if callable(getattr(model, name, None))), None)
+        if enable is None:
+            raise ModelRefused(f"--gradient-checkpointing: model {source.name} ({type(model).__name__}) has no "
+                               "gradient_checkpointing_enable() method (transformers models have one); call "
+                               "torch.utils.checkpoint.checkpoint in its forward instead")
+        enable()
+        return model.train()
+
+    return dataclasses.replace(source, build=build)
 
 
 def _from_file(spec: str) -> ModelSource:

@@ -160,6 +160,6 @@ def sys_argv_after(args) -> list[str]:
     for flag, value in (("--model", args.model), ("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch)):
         if value is not None:
             out += [flag, str(value)]
-    out += [flag for flag, on in (("--materialize", args.materialize), ("--find-max-batch", args.find_max_batch))
-            if on]
+    out += [flag for flag, on in (("--materialize", args.materialize), ("--find-max-batch", args.find_max_batch),
+                                  ("--gradient-checkpointing", args.gradient_checkpointing)) if on]
     return out + scan_layers_args(args.scan_layers) + (["--json"] if args.json else [])

@@ -89,6 +89,8 @@ from spmdzero.backends.torchax.outside_loss import tie
 from spmdzero.backends.torchax import process_rows
 from spmdzero.backends.torchax import torch_optim
 from spmdzero.backends.torchax import lowerings, trace_view
+from spmdzero.backends.torchax import remat
+from spmdzero.backends.torchax import cross_entropy
 
 NOT_FROM_ENGINE = ("engine.backward(loss) was given a loss that depends on no output of this engine's forward "
                    "with grad enabled: compute it from what engine(...) returned in training (not under "
@@ -748,6 +750,7 @@ class TorchaxEngine(EngineBase):
             held = [(m, dict(m._parameters), dict(m._buffers)) for m in module.modules()]
             try:
                 with env, env.override_property(prng=jax.random.fold_in(*rng)), trace_view.tracing(differentiated), \
+                        remat.rematerializing(env, tensors.values()), cross_entropy.fused(env), \
                         batchnorm.updating_running_statistics(batch_norms):
                     output = torch.func.functional_call(module, tensors, inputs, kwargs)
             finally:

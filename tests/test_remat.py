@@ -1,0 +1,271 @@
+"""Activation checkpointing on the torchax backend (spmdzero.backends.torchax.remat):
+``torch.utils.checkpoint`` and Hugging Face's ``gradient_checkpointing_enable()`` rematerialize in
+the traced programs (counted in the jaxpr) and train exactly as without, dropout included."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+import torch
+import torch.utils.checkpoint
+import transformers
+from jax._src import core as jax_core
+from jax._src.ad_checkpoint import remat_p
+# bound at import, before any engine exists, as user code binds it
+from torch.utils.checkpoint import checkpoint as checkpoint_bound_early
+
+import spmdzero
+from spmdzero.backends.torchax import remat
+
+from conftest import batches
+
+STEPS = 3
+
+
+def remat_regions(traced) -> int:
+    """``jax.checkpoint`` regions in a traced program (a ``jax.stages.Traced``), nested ones included."""
+    def count(jaxpr) -> int:
+        return sum((eqn.primitive is remat_p) + sum(count(sub) for sub in jax_core.jaxprs_in_params(eqn.params))
+                   for eqn in jaxpr.eqns)
+
+    return count(traced.jaxpr.jaxpr)
+
+
+def host_params(engine) -> dict:
+    return {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()}
+
+
+def assert_same_training(a, b):
+    (losses_a, params_a), (losses_b, params_b) = a, b
+    np.testing.assert_allclose(losses_b, losses_a, rtol=0, atol=1e-6)
+    for name, value in params_a.items():
+        torch.testing.assert_close(params_b[name], value, atol=1e-6, rtol=0)
+
+
+# ---- Hugging Face GPT-2: gradient_checkpointing_enable() ----------------------------------------
+
+def tiny_gpt2(checkpointing: bool, dropout: float) -> torch.nn.Module:
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=64,
+                                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    return model.train()
+
+
+def tokens(seed: int) -> torch.Tensor:
+    return torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def train_gpt2(checkpointing: bool, dropout: float, scan: bool = False):
+    config = {"train_batch_size": 8, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}
+    if scan:
+        config["spmd"] = {"scan_layers": True}
+    engine, *_ = spmdzero.initialize(model=tiny_gpt2(checkpointing, dropout), config=config)
+    losses = []
+    for _ in range(STEPS):
+        out = engine(input_ids=tokens(0), labels=tokens(0))  # one batch again: the loss falls
+        engine.backward(out.loss)
+        engine.step()
+        losses.append(out.loss.item())
+    assert sum(engine.traces.values()) == 2  # the training forward and the update, traced once
+    return engine, (losses, host_params(engine))
+
+
+@pytest.fixture(scope="module", params=[0.0, 0.1], ids=["no_dropout", "dropout"])
+def gpt2_runs(request):
+    return {checkpointing: train_gpt2(checkpointing, request.param) for checkpointing in (False, True)}
+
+
+def test_gradient_checkpointing_enable_trains_as_without(gpt2_runs):
+    assert_same_training(gpt2_runs[False][1], gpt2_runs[True][1])
+    losses = gpt2_runs[True][1][0]
+    assert losses[-1] < losses[0]  # it trained
+
+
+def test_gradient_checkpointing_enable_rematerializes_each_block(gpt2_runs):
+    """One remat region per GPT-2 block in the compiled step, none without checkpointing: this fails
+    if torch's checkpoint stops reaching the hook (a torch that wraps it otherwise)."""
+    assert remat.hook_available()
+    step = {c: engine.trace_step(input_ids=tokens(0), labels=tokens(0)).traced for c, (engine, _) in gpt2_runs.items()}
+    assert remat_regions(step[False]) == 0
+    # each block's forward is a region; its backward is the region's recomputation and transpose
+    assert remat_regions(step[True]) >= 2
+
+
+def test_the_hook_is_gone_after_the_trace():
+    """Outside the engine's trace, torch's checkpoint is torch's: autograd recomputes as usual."""
+    first_loss(lambda layer, x: torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False))
+    hook = getattr(torch.utils.checkpoint.checkpoint.__wrapped__, "__dynamo_disable", None)
+    assert getattr(hook, "__module__", None) != remat.__name__
+    layer = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False).sum().backward()
+    expected = layer.weight.grad.clone()
+    layer.weight.grad = None
+    layer(x).sum().backward()
+    torch.testing.assert_close(layer.weight.grad, expected)
+
+
+@pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
+                    reason="transformers 4.x's GPT2Block returns a tuple, which spmd.scan_layers refuses")
+def test_scanned_layers_with_gradient_checkpointing_train_as_without():
+    """spmd.scan_layers: the block checkpoints inside the loop's body, with the body's carried key."""
+    (_, without), (engine, with_) = (train_gpt2(c, dropout=0.1, scan=True) for c in (False, True))
+    assert_same_training(without, with_)
+    assert remat_regions(engine.trace_step(input_ids=tokens(0), labels=tokens(0)).traced) >= 1
+
+
+# ---- a plain torch module calling torch.utils.checkpoint ----------------------------------------
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.up, self.down, self.drop = torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width), \
+            torch.nn.Dropout(0.2)
+
+    def forward(self, x, scale=None):
+        hidden = self.drop(torch.tanh(self.up(x)))
+        if scale is not None:
+            hidden = hidden * scale
+        return x + self.down(hidden), None, {"hidden": hidden}  # nested, with None, as HF layers return
+
+
+class Net(torch.nn.Module):
+    """``how``: None (no checkpointing), "reentrant" (the name bound at import, positional
+    arguments), "non_reentrant" (a ``functools.partial`` of the module's attribute, as transformers
+    binds it, with a keyword argument for the function)."""
+
+    def __init__(self, how, outside_loss: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.how, self.outside_loss = how, outside_loss
+        self.blocks = torch.nn.ModuleList(Block(16) for _ in range(2))
+        self.head = torch.nn.Linear(16, 8)
+
+    def forward(self, x, y=None):
+        scale = torch.full((1,), 0.5)
+        for block in self.blocks:
+            if self.how is None:
+                x, none, extra = block(x, scale=scale)
+            elif self.how == "reentrant":
+                x, none, extra = checkpoint_bound_early(block, x, scale, use_reentrant=True)
+            else:
+                bound = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False,
+                                          preserve_rng_state=True)
+                x, none, extra = bound(block, x, scale=scale)
+            assert none is None and extra["hidden"].shape[-1] == 32
+        out = self.head(x)
+        return out if self.outside_loss else torch.nn.functional.mse_loss(out, y)
+
+
+def train_net(how, outside_loss: bool = False):
+    engine, *_ = spmdzero.initialize(model=Net(how, outside_loss), config={
+        "train_batch_size": 16, "zero_optimization": {"stage": 2}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    losses = []
+    for x, y in batches(STEPS, 16):
+        if outside_loss:  # the engine's VJP program, the loss computed from its output
+            loss = torch.nn.functional.mse_loss(engine(x), y.to(engine.device))
+        else:
+            loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return engine, (losses, host_params(engine))
+
+
+@pytest.fixture(scope="module")
+def net_runs():
+    return {how: train_net(how) for how in (None, "reentrant", "non_reentrant")}
+
+
+@pytest.mark.parametrize("how", ["reentrant", "non_reentrant"])
+def test_torch_checkpoint_trains_as_without(net_runs, how):
+    assert_same_training(net_runs[None][1], net_runs[how][1])
+    x, y = batches(1, 16)[0]
+    assert remat_regions(net_runs[how][0].trace_step(x, y).traced) >= 2
+    assert remat_regions(net_runs[None][0].trace_step(x, y).traced) == 0
+
+
+def test_torch_checkpoint_in_the_vjp_program_trains_as_without():
+    """The loss computed outside the module: the forward is the engine's VJP program."""
+    assert_same_training(train_net(None, outside_loss=True)[1], train_net("non_reentrant", outside_loss=True)[1])
+
+
+# ---- torch's arguments ----------------------------------------------------------------------------
+
+class Calls(torch.nn.Module):
+    def __init__(self, call):
+        super().__init__()
+        self.layer, self.call = torch.nn.Linear(4, 1), call
+
+    def forward(self, x):
+        return self.call(self.layer, x).mean()
+
+
+def first_loss(call):
+    engine, *_ = spmdzero.initialize(model=Calls(call), config={
+        "train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    return engine(torch.ones(8, 4)).item()
+
+
+def test_reentrant_checkpoint_refuses_keyword_arguments_as_torch_does():
+    def call(layer, x):
+        return torch.utils.checkpoint.checkpoint(lambda x, k: layer(x) * k, x, k=2.0, use_reentrant=True)
+
+    with pytest.raises(ValueError, match="Unexpected keyword arguments: k"):
+        first_loss(call)
+
+
+def test_context_fn_is_ignored_and_said_once():
+    def call(layer, x):
+        return torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False,
+                                                 context_fn=lambda: torch.utils.checkpoint.noop_context_fn())
+
+    remat._warned.discard("context_fn")
+    with pytest.warns(UserWarning, match=r"context_fn=\.\.\.\) is ignored on the torchax backend"):
+        assert np.isfinite(first_loss(call))
+
+
+class Normed(torch.nn.Module):
+    """Batch norm inside ``checkpoint_sequential``: its running statistics are updated in place in
+    a region."""
+
+    def __init__(self, checkpointing: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.checkpointing = checkpointing
+        self.seq = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(),
+                                       torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 8))
+
+    def forward(self, x, y):
+        if self.checkpointing:
+            out = torch.utils.checkpoint.checkpoint_sequential(self.seq, 2, x, use_reentrant=False)
+        else:
+            out = self.seq(x)
+        return torch.nn.functional.mse_loss(out, y)
+
+
+def test_running_statistics_updated_in_a_region_are_updated_once():
+    runs = {}
+    for checkpointing in (False, True):
+        engine, *_ = spmdzero.initialize(model=Normed(checkpointing), config={
+            "train_batch_size": 16, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        losses = []
+        for x, y in batches(STEPS, 16):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        x, y = batches(1, 16)[0]
+        runs[checkpointing] = engine, (losses, host_params(engine)), {
+            n: b.detach().cpu().clone() for n, b in engine.module.named_buffers()}
+    assert_same_training(runs[False][1], runs[True][1])
+    for name, value in runs[False][2].items():
+        torch.testing.assert_close(runs[True][2][name], value, atol=1e-6, rtol=0)
+    assert int(runs[True][2]["seq.1.num_batches_tracked"]) == STEPS
+    assert remat_regions(runs[True][0].trace_step(x, y).traced) >= 1
