@@ -50,8 +50,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import queue
-import threading
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -84,6 +82,7 @@ from spmdzero.backends.torchax.outside_loss import tie
 from spmdzero.backends.torchax import process_rows
 from spmdzero.backends.torchax import torch_optim
 from spmdzero.backends.torchax import trace_view
+from spmdzero.backends.torchax.release import drain, release_in_background
 
 NOT_FROM_ENGINE = ("engine.backward(loss) was given a loss that depends on no output of this engine's forward "
                    "with grad enabled: compute it from what engine(...) returned in training (not under "
@@ -317,7 +316,6 @@ class TorchaxEngine(EngineBase):
         self._accum_token = 0  # changes with _accum (_set_accum)
         self._generation = 0  # changes with the parameters (an update, a change taken from the host)
         self._window_reduced = False  # the last backward was at a boundary (zero_grad_keeps_gradients)
-        self._retired: Optional[dict] = None  # the sum the last backward replaced
         self._retired_inputs: tuple = ()  # the last update's inputs
         self._last_loss = None
         self._loss_divisor = float(self.gradient_accumulation_steps())  # what the training program divides the loss by
@@ -872,8 +870,9 @@ class TorchaxEngine(EngineBase):
         forward.pending = None
 
     def _take_accum(self, accum: dict) -> None:
-        _release_in_background(self._retired)
-        self._retired = self._accum  # released one micro-step later (see _take_model_step)
+        # the sum this one replaces is released now (off this thread): kept a micro-step longer it
+        # was a second gradient held between micro-steps (ZeRO's accounting holds one)
+        release_in_background(self._accum)
         self._set_accum(accum)
 
     def _backward_outside(self, loss: torch.Tensor, retain_graph: bool, divide: int) -> int:
@@ -1039,7 +1038,7 @@ class TorchaxEngine(EngineBase):
                      for g in self.basic_optimizer.param_groups]
         # The inputs, donated, are released at the next boundary: dropping the last reference to an
         # array that a dispatched program still uses blocks the host until that program has run.
-        _release_in_background(self._retired_inputs)
+        release_in_background(self._retired_inputs)
         self._retired_inputs = (self._params, self._masters, self._opt_state, self._shared_state, self._accum,
                                 self._skipped, self._loss_scale)
         self._set_accum(None)
@@ -1067,6 +1066,10 @@ class TorchaxEngine(EngineBase):
                 updated = self._update(*self._retired_inputs, hyper)
             (self._params, self._masters, self._opt_state, self._shared_state, self._global_grad_norm, self._skipped,
              self._last_skip, self._loss_scale) = updated
+        # the gradients are the one donated input no output reuses (JAX keeps such a buffer): released
+        # now, off this thread, not held to the next boundary beside the next window's gradients
+        release_in_background(self._retired_inputs[4])
+        self._retired_inputs = (*self._retired_inputs[:4], None, *self._retired_inputs[5:])
         self._module_stale = True
         if self.lr_scheduler is not None:
             if self._schedule_on_devices and not lr_kwargs:
@@ -1138,7 +1141,9 @@ class TorchaxEngine(EngineBase):
         shardings = (self._param_specs, self._master_specs, states, {k: rep for k in self._shared_state},
                      rep, rep, rep, scaler)
         self._update_shardings = shardings  # trace_step's outputs are laid out as the update's
-        return jax.jit(update, out_shardings=shardings, donate_argnums=(0, 1, 2, 3, 4, 5, 6))
+        # keep_unused: under master weights the update reads no parameter, and an input jit prunes is
+        # not donated: the old bf16 parameters stayed beside the new ones until the next boundary
+        return jax.jit(update, out_shardings=shardings, donate_argnums=(0, 1, 2, 3, 4, 5, 6), keep_unused=True)
 
     def trace_step(self, *inputs, **kwargs) -> "TracedStep":
         """One training step at an accumulation boundary for a batch of ``inputs``, traced by JAX
@@ -1248,7 +1253,7 @@ class TorchaxEngine(EngineBase):
 
     def _zero_grad(self, by_optimizer: bool) -> None:
         if self._accum is not None and not self.zero_grad_keeps_gradients(by_optimizer, self._window_reduced):
-            _release_in_background(self._accum)
+            release_in_background(self._accum)
             self._set_accum(None)
             self._window_reduced = False
 
@@ -1377,8 +1382,10 @@ class TorchaxEngine(EngineBase):
         return self._params
 
     def wait(self) -> None:
-        """Block until the dispatched programs have run."""
+        """Block until the dispatched programs have run and the arrays they consumed are released
+        (``release.drain``: what the devices hold is then what the engine keeps)."""
         self._jax.block_until_ready((self._params, self._opt_state, self._accum))
+        drain()
 
     def compile(self, *args, **kwargs) -> None:
         """DeepSpeed's ``engine.compile()`` (``torch.compile`` of the module; accelerate calls it
@@ -1732,28 +1739,6 @@ def _watch_parameters(module: torch.nn.Module, engine: TorchaxEngine) -> None:
         if not getattr(type(p), "_spmdzero_watched", False):
             p.__class__ = _watched_class(type(p))
         watchers[p] = ref
-
-
-def _release_in_background(arrays) -> None:
-    """Drop ``arrays`` (an update's inputs: some hundreds of JAX arrays) on a helper thread:
-    releasing a JAX array costs the host a few microseconds, milliseconds a step that the training
-    loop's thread would otherwise spend (docs/benchmarks.md, the torchax backend)."""
-    if arrays is not None:
-        _release_queue().put(arrays)
-
-
-@functools.lru_cache(maxsize=None)
-def _release_queue() -> queue.SimpleQueue:
-    """One daemon thread for the process (every engine), started at the first release."""
-    releases: queue.SimpleQueue = queue.SimpleQueue()
-
-    def release_forever():
-        while True:
-            arrays = releases.get()
-            del arrays  # the last reference: the arrays are released here, not in the training loop
-
-    threading.Thread(target=release_forever, name="spmdzero-release", daemon=True).start()
-    return releases
 
 
 def _hashable(static: tuple) -> tuple:
