@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import gc
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -807,7 +808,11 @@ class TorchaxEngine(EngineBase):
                     return jitted(params, constants, accum, rng, arrays, scale, np.float32(self._loss_divisor))
                 except _NoLoss:
                     call.no_loss = True
-                    return None
+                # the failed trace's frames (JAX's among them) refer to each other and hold its inputs
+                # (the parameters, the accumulated gradients): freed now, once per program, not when
+                # Python's cycle collector next runs (a second gradient on the devices until then)
+                gc.collect()
+                return None
         else:
             jitted = jax.jit(program_forward)
 
