@@ -1,6 +1,6 @@
 """Device memory of the default (torchax) backend against ZeRO's accounting, on 8 CPU devices.
 
-    python benchmarks/memory.py                    # the table in docs/memory.md
+    python benchmarks/memory.py                    # the table in docs/benchmarks.md
     python benchmarks/memory.py --width 256 --steps 6
 
 For an MLP of P parameters (``--width`` w: Linear(w, 2w), Linear(2w, w); w=512 gives P =

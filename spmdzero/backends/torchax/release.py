@@ -5,7 +5,7 @@ step for an update's hundreds of inputs, docs/benchmarks.md, the torchax backend
 runtimes it waits for a dispatched program still reading the array. The engine hands the arrays
 it is done with (the gradients an update or a backward consumed) to one helper thread, as soon as
 it is done with them: held any longer they are a second copy of the gradients on every device,
-above ZeRO's accounting (docs/memory.md). ``drain`` waits for what was handed over, for a
+above ZeRO's accounting (docs/benchmarks.md, device memory). ``drain`` waits for what was handed over, for a
 measurement of the memory held (``engine.wait()``)."""
 
 from __future__ import annotations
