@@ -128,15 +128,16 @@ def test_a_client_optimizers_state_is_laid_out_by_the_plan_after_its_first_step_
 
 # ---- 2. engine.optimizer.step() called directly ----------------------------------------------
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_optimizer_step_called_directly_applies_the_update_as_deepspeeds_zero_optimizer(stage):
+def test_optimizer_step_called_directly_applies_the_update_as_deepspeeds_zero_optimizer(stage, backend):
     """DeepSpeed's ZeRO optimizer.step() (stage_1_and_2.py, step) clips, steps and drops the
     reduced gradients; the engine's counters and LR schedule are the engine's and stay. At
     stage 0 in fp32 DeepSpeed's optimizer is torch's (engine.py, _configure_optimizer), which
     does not clip: the engine's _take_model_step clips before calling it."""
     clip = 0.05
     data = batches(2, ROWS)
-    engine = engine_for(stage, gradient_clipping=clip)
+    engine = engine_for(stage, backend=backend, gradient_clipping=clip)
     model = tiny_mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
     for x, y in data:
@@ -157,16 +158,17 @@ def test_optimizer_step_called_directly_applies_the_update_as_deepspeeds_zero_op
         engine.step()
 
 
-def test_optimizer_step_inside_an_accumulation_window_is_refused():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_optimizer_step_inside_an_accumulation_window_is_refused(backend):
     """Mid-window DeepSpeed's ZeRO optimizer has no reduced gradients yet (averaged_gradients is
     built at the boundary's backward) and fails; here the error says why."""
-    engine = engine_for(2, gradient_accumulation_steps=2)
+    engine = engine_for(2, backend=backend, gradient_accumulation_steps=2)
     x, y = batches(1, ROWS)[0]
     micro(engine, x, y)
     with pytest.raises(RuntimeError, match="accumulation boundary"):
         engine.optimizer.step()
     with pytest.raises(RuntimeError, match="no engine.backward"):
-        engine_for(2).optimizer.step()
+        engine_for(2, backend=backend).optimizer.step()
 
 
 # ---- 3. engine.zero_grad() inside an accumulation window ----------------------------------

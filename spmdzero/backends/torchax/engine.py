@@ -358,6 +358,7 @@ class TorchaxEngine(EngineBase):
         self._traces_at_step = 0
         self._input_shapes: tuple = ()  # the last training forward's, to name a shape change
         self._update = self._build_update() if optimizer is not None else None
+        self._unclipped_update = None  # engine.optimizer.step()'s at stage 0 in fp32 (_unclipped)
         # DeepSpeed does not step the schedule on a step skipped for overflow, which only the
         # devices know: DeepSpeed's schedules then count and compute their lr there (step_if)
         self._schedule_on_devices = self.precision.check_overflow and isinstance(lr_scheduler, LRSchedule)
@@ -1030,6 +1031,27 @@ class TorchaxEngine(EngineBase):
         return self._jax.device_put(self._jax.numpy.float32(value), self._replicated)
 
     def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
+        """The engine's optimizer step: the update, then the schedule, the counters and the step
+        log, as DeepSpeed's ``engine._take_model_step``."""
+        self._apply_update(lr_kwargs, clipped=True)
+        if self.lr_scheduler is not None:
+            if self._schedule_on_devices and not lr_kwargs:
+                self.lr_scheduler.step_if(self._jax.numpy.logical_not(self._last_skip))
+            else:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.global_steps += 1
+        self.global_samples += self._consume_samples()
+        self._step_logger.after_boundary(self)  # reads the device at print steps only
+        self.tput_timer.after_boundary()
+        self._run_post_step_hooks()
+
+    def _apply_update(self, lr_kwargs: Optional[dict], clipped: bool) -> None:
+        """Run the update program (``_build_update``; ``clipped``: with the config's gradient
+        clipping, else without) on the accumulated gradients, which it consumes: the parameters,
+        master weights and optimizer states are its outputs."""
+        def update(*args):
+            return (self._update if clipped else self._unclipped())(*args)
+
         if self._schedule_on_devices and not lr_kwargs:  # as the previous step left it (a load: from the host)
             self.lr_scheduler.keep_on_device(None, put=self._device_count, ops=jax_ops())
         if self._torch_optimizer:
@@ -1037,7 +1059,7 @@ class TorchaxEngine(EngineBase):
             hyper = [] if constant else [self._hyper_array([g["lr"]]) for g in self.basic_optimizer.param_groups]
             static = torch_optim.static_hyperparameters(self.basic_optimizer, with_lr=constant)
             if static != self._static_hyper:  # constants of the update program: built for the new ones
-                self._static_hyper, self._update = static, self._build_update()
+                self._static_hyper, self._update, self._unclipped_update = static, self._build_update(), None
         else:
             hyper = [self._hyper_array(list(self.basic_optimizer._hyper_values(g).values()))
                      for g in self.basic_optimizer.param_groups]
@@ -1053,7 +1075,7 @@ class TorchaxEngine(EngineBase):
         with warnings.catch_warnings():  # the gradients are donated to be freed, not to hold results
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
             try:
-                updated = self._update(*self._retired_inputs, hyper)
+                updated = update(*self._retired_inputs, hyper)
             except self._jax.errors.ConcretizationTypeError:
                 if not self._torch_optimizer or self._lr_mode != "traced":
                     raise
@@ -1067,8 +1089,8 @@ class TorchaxEngine(EngineBase):
                     hyper = []
                 self._static_hyper = torch_optim.static_hyperparameters(self.basic_optimizer,
                                                                         with_lr=self._lr_mode == "constant")
-                self._update = self._build_update()
-                updated = self._update(*self._retired_inputs, hyper)
+                self._update, self._unclipped_update = self._build_update(), None
+                updated = update(*self._retired_inputs, hyper)
             (self._params, self._masters, self._opt_state, self._shared_state, self._global_grad_norm, self._skipped,
              self._last_skip, self._loss_scale) = updated
         # the gradients are the one donated input no output reuses (JAX keeps such a buffer): released
@@ -1076,19 +1098,16 @@ class TorchaxEngine(EngineBase):
         release_in_background(self._retired_inputs[4])
         self._retired_inputs = (*self._retired_inputs[:4], None, *self._retired_inputs[5:])
         self._module_stale = True
-        if self.lr_scheduler is not None:
-            if self._schedule_on_devices and not lr_kwargs:
-                self.lr_scheduler.step_if(self._jax.numpy.logical_not(self._last_skip))
-            else:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
-        self.global_steps += 1
-        self.global_samples += self._consume_samples()
         self._step_loss, self._window_loss = self._window_loss, None
-        self._step_logger.after_boundary(self)  # reads the device at print steps only
-        self.tput_timer.after_boundary()
-        self._run_post_step_hooks()
 
-    def _build_update(self):
+    def _unclipped(self):
+        """The update program without gradient clipping (``optimizer_step`` at stage 0 in fp32),
+        built at its first use."""
+        if self._unclipped_update is None:
+            self._unclipped_update = self._build_update(clipping=0.0)
+        return self._unclipped_update
+
+    def _build_update(self, clipping: Optional[float] = None):
         """``(params, masters, states, shared states, grads, skipped, loss scale, hyperparameters) ->
         (params, masters, states, shared states, norm, skipped, skip, loss scale)``, jitted, all but
         the hyperparameters donated: the engine's boundary step (clipping, the optimizer's math, the
@@ -1097,7 +1116,8 @@ class TorchaxEngine(EngineBase):
         import jax
         import jax.numpy as jnp
 
-        optimizer, ops, clipping = self.basic_optimizer, jax_ops(), self._config.gradient_clipping
+        optimizer, ops = self.basic_optimizer, jax_ops()
+        clipping = self._config.gradient_clipping if clipping is None else clipping
         groups = [] if self._torch_optimizer else [
             (names, list(optimizer._hyper_values(g)), {k: v for k, v in g.items() if isinstance(v, bool)})
             for names, g in zip(self._groups, optimizer.param_groups)]
@@ -1302,12 +1322,11 @@ class TorchaxEngine(EngineBase):
         return 1.0 if self.bfloat16_enabled() else 0
 
     def optimizer_step(self) -> None:
-        """``engine.optimizer.step()``, DeepSpeed's ZeRO optimizer stepped by the caller: not built
-        on this backend, whose update program also steps the schedule and the counters."""
-        raise NotImplementedError("engine.optimizer.step() (DeepSpeed's ZeRO optimizer stepped by the caller) is not "
-                                  "supported by the torchax backend (spmd.backend='torchax'): call engine.step() after "
-                                  "every micro-step, which steps the optimizer at the accumulation boundary, or use "
-                                  "spmd.backend='torch_xla'")
+        """``engine.optimizer.step()``: DeepSpeed's ZeRO optimizer stepped by the caller, as the
+        torch_xla backend has it (``optimizer_semantics``)."""
+        from spmdzero.backends.torchax.optimizer_step import optimizer_step
+
+        optimizer_step(self)
 
     def optimizer_zero_grad(self) -> None:
         """DeepSpeed's ZeRO ``optimizer.zero_grad()`` (``engine.optimizer.zero_grad()``)."""
