@@ -77,6 +77,7 @@ from spmdzero.optim.precision import precision_policy
 from spmdzero.train.build import move_in_place
 from spmdzero.train.scan_layers import stacked_layers
 from spmdzero.backends.torchax import batchnorm
+from spmdzero.backends.torchax import frozen
 from spmdzero.backends.torchax.mesh import jax_devices, mesh_devices
 from spmdzero.sharding.mesh import resolve_hybrid_shape
 from spmdzero.backends.torchax.outside_loss import tie
@@ -341,6 +342,7 @@ class TorchaxEngine(EngineBase):
         self._host_tensors = [*module.named_parameters(), *module.named_buffers()]
         self._host_params = [p for _, p in module.named_parameters()]
         self._trainable = self._requires_grad()
+        self._frozen: frozenset = frozenset()  # trained parameters frozen since initialize (frozen.py)
         self._host_versions = self._versions()
         self._touched: set[int] = set()  # host parameters (by id) whose .data was used since the last forward
         _watch_parameters(module, self)
@@ -469,12 +471,11 @@ class TorchaxEngine(EngineBase):
         """Before a forward: parameters and buffers changed on the host since the engine last
         wrote or read them go to the devices (fp32 master weights too), as the torch_xla
         engine's module is its device copy. A parameter frozen or unfrozen after initialize is
-        refused: this backend fixes the trained set when it traces the update."""
+        treated as DeepSpeed treats it (``frozen``)."""
         if self._requires_grad() != self._trainable:
-            changed = [n for n, p in self._module.named_parameters() if p.requires_grad != (n in self._params)]
-            raise RuntimeError(f"spmd.backend='torchax': requires_grad changed after spmdzero.initialize for "
-                               f"{changed[:5]}; this backend trains the parameters that required grad at "
-                               "initialize. Freeze parameters before initialize, or use spmd.backend='torch_xla'")
+            self._trainable = self._requires_grad()
+            with _unwatched():
+                self._frozen = frozen.frozen_since_initialize(self._module, self._names)
         versions, touched = self._versions(), self._touched
         if versions == self._host_versions and not touched:
             return
@@ -696,7 +697,7 @@ class TorchaxEngine(EngineBase):
     def _program(self, kind: str, treespec, static: tuple, training: bool, which: tuple = ()):
         """The jitted program for ``kind``, these inputs' structure and the module's mode (traced
         in it: dropout on or off); ``which``: the inputs the VJP program differentiates."""
-        key = (kind, training, treespec, _hashable(static), which)
+        key = (kind, training, treespec, _hashable(static), which, self._frozen)
         if key not in self._programs:
             self._programs[key] = self._build_forward(kind, treespec, static, which)
         return self._programs[key]
@@ -712,6 +713,7 @@ class TorchaxEngine(EngineBase):
         import jax
 
         env, module, names, policy = self._env, self._module, set(self._names), self.precision
+        frozen_now = self._frozen  # part of the program's key (_program)
         out_spec: list = []  # (treespec, [(index, non-tensor leaf)]), filled while tracing
         batch_norms = [bn for _, bn in batchnorm.tracked(module)]  # their running statistics are updated in training
         loss_leaf: list = []
@@ -730,7 +732,7 @@ class TorchaxEngine(EngineBase):
             for i, value in static:
                 leaves.insert(i, value)
             inputs, kwargs = torch_pytree.tree_unflatten(leaves, treespec)
-            tensors = env.j2t_iso({**params, **constants})
+            tensors = env.j2t_iso({**frozen.held(params, frozen_now), **constants})
             inputs, kwargs = env.j2t_iso((inputs, kwargs))
             # functional_call puts the host tensors back when it returns, except under a submodule
             # registered twice (``self.alias = self.shared``): there the traced ones stayed. Put back here.
