@@ -3,10 +3,10 @@
 Dropping the last reference to a JAX array costs the host a few microseconds (milliseconds a
 step for an update's hundreds of inputs, docs/benchmarks.md, the torchax backend), and on some
 runtimes it waits for a dispatched program still reading the array. The engine hands the arrays
-it is done with (the gradients an update or a backward consumed) to one helper thread, as soon as
-it is done with them: held any longer they are a second copy of the gradients on every device,
-above ZeRO's accounting (docs/benchmarks.md, device memory). ``drain`` waits for what was handed over, for a
-measurement of the memory held (``engine.wait()``)."""
+it is done with (the gradients an update or a backward consumed) to one helper thread, as soon
+as it is done with them: held any longer they are a second copy of the gradients on every
+device, above ZeRO's accounting (docs/benchmarks.md, device memory). ``drain`` waits for what
+was handed over, for a measurement of the memory held (``engine.wait()``)."""
 
 from __future__ import annotations
 
