@@ -128,15 +128,16 @@ def test_a_client_optimizers_state_is_laid_out_by_the_plan_after_its_first_step_
 
 # ---- 2. engine.optimizer.step() called directly ----------------------------------------------
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_optimizer_step_called_directly_applies_the_update_as_deepspeeds_zero_optimizer(stage):
+def test_optimizer_step_called_directly_applies_the_update_as_deepspeeds_zero_optimizer(stage, backend):
     """DeepSpeed's ZeRO optimizer.step() (stage_1_and_2.py, step) clips, steps and drops the
     reduced gradients; the engine's counters and LR schedule are the engine's and stay. At
     stage 0 in fp32 DeepSpeed's optimizer is torch's (engine.py, _configure_optimizer), which
     does not clip: the engine's _take_model_step clips before calling it."""
     clip = 0.05
     data = batches(2, ROWS)
-    engine = engine_for(stage, gradient_clipping=clip)
+    engine = engine_for(stage, backend=backend, gradient_clipping=clip)
     model = tiny_mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
     for x, y in data:
@@ -157,16 +158,67 @@ def test_optimizer_step_called_directly_applies_the_update_as_deepspeeds_zero_op
         engine.step()
 
 
-def test_optimizer_step_inside_an_accumulation_window_is_refused():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_optimizer_step_inside_an_accumulation_window_is_refused(backend):
     """Mid-window DeepSpeed's ZeRO optimizer has no reduced gradients yet (averaged_gradients is
     built at the boundary's backward) and fails; here the error says why."""
-    engine = engine_for(2, gradient_accumulation_steps=2)
+    engine = engine_for(2, backend=backend, gradient_accumulation_steps=2)
     x, y = batches(1, ROWS)[0]
     micro(engine, x, y)
     with pytest.raises(RuntimeError, match="accumulation boundary"):
         engine.optimizer.step()
     with pytest.raises(RuntimeError, match="no engine.backward"):
-        engine_for(2).optimizer.step()
+        engine_for(2, backend=backend).optimizer.step()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss_inside", [True, False], ids=["loss_inside", "loss_outside"])
+def test_requires_grad_changed_after_initialize_as_deepspeed(backend, loss_inside):
+    """DeepSpeed builds its parameter groups at initialize: a parameter frozen later gets no
+    gradient and its optimizer steps it with zeros (Adam's moments decay, weight decay
+    applies); one unfrozen later is in no group and is never updated. The torchax backend
+    refused the change (it fixed the trained set when it traced the update)."""
+    data = batches(4, ROWS)
+    model = tiny_mlp()
+    model[2].weight.requires_grad_(False)  # frozen at initialize
+    cfg = {"train_micro_batch_size_per_gpu": ROWS // 8, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}}, "spmd": {"backend": backend}}
+    if loss_inside:
+        class WithLoss(torch.nn.Module):
+            def __init__(self, net):
+                super().__init__()
+                self.net = net
+
+            def forward(self, x, y):
+                return mse(self.net(x), y)
+        engine, *_ = spmdzero.initialize(model=WithLoss(model), config=cfg)
+        net = engine.module.net
+    else:
+        engine, *_ = spmdzero.initialize(model=model, config=cfg)
+        net = engine.module
+    reference = tiny_mlp()
+    reference[2].weight.requires_grad_(False)
+    trained = [p for p in reference.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=0.02, weight_decay=0.01)
+    for i, (x, y) in enumerate(data):
+        if i == 2:  # after two steps: freeze the first layer's weight, unfreeze the last one's
+            for m in (net, reference):
+                m[0].weight.requires_grad_(False)
+                m[2].weight.requires_grad_(True)
+        loss = engine(x, y.to(engine.device)) if loss_inside else mse(engine(x), y.to(engine.device))
+        engine.backward(loss)
+        engine.step()
+        mse(reference(x), y).backward()
+        for p in trained:
+            if p.grad is None:  # no gradient from torch's backward: DeepSpeed's optimizer steps zeros
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad()
+    got = {n.removeprefix("net."): p.detach().float().cpu() for n, p in engine.module.named_parameters()}
+    want = {n: p.detach() for n, p in reference.named_parameters()}
+    assert not torch.equal(want["0.weight"], tiny_mlp()[0].weight.detach())
+    assert torch.equal(got["2.weight"], tiny_mlp()[2].weight.detach())  # in no group: never updated
+    assert_params_close(got, want, atol=2e-5)
 
 
 # ---- 3. engine.zero_grad() inside an accumulation window ----------------------------------

@@ -945,16 +945,6 @@ def test_training_in_eval_mode_and_a_validation_forward_between_forward_and_back
         torch.testing.assert_close(results["torchax"][name], value, atol=1e-5, rtol=1e-5)
 
 
-def test_freezing_after_initialize_is_refused_clearly():
-    engine, *_ = spmdzero.initialize(model=WithLoss(tiny_mlp(seed=0)), config=config("torchax"))
-    (x, y), = batches(1, 16)
-    engine.backward(engine(x, y))
-    engine.step()
-    engine.module.net[0].weight.requires_grad_(False)
-    with pytest.raises(RuntimeError, match=r"requires_grad changed after spmdzero.initialize for \['net.0.weight'\]"):
-        engine(x, y)
-
-
 def test_the_optimizers_state_dict_is_refused_not_empty():
     _, optimizer, *_ = spmdzero.initialize(model=WithLoss(tiny_mlp(seed=0)), config=config("torchax"))
     with pytest.raises(NotImplementedError, match="optimizer states live on the devices"):

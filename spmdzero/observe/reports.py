@@ -288,3 +288,33 @@ def _jax_sharding_report(engine) -> ShardingReport:
             if key.startswith(prefix):
                 add(name, key[len(prefix):], value)
     return ShardingReport(engine.plan.stage, int(engine.mesh.devices.size), fsdp_size(shape), tuple(entries))
+
+
+def live_device_bytes(exclude=(), device=None) -> int:
+    """Bytes that the live JAX arrays hold on one device (the first by default): every buffer
+    JAX still holds there, whoever keeps it (the engine, an output the script kept, an array
+    waiting to be released), not only the model states; ``exclude``: arrays not to count (those
+    live before an engine was built). Each buffer once: a shard read as an array of its own
+    (``addressable_shards``, which JAX keeps on the array) is the same memory. What the torchax
+    backend's memory is checked with against ZeRO's accounting (tests/test_torchax_memory.py,
+    benchmarks/memory.py)."""
+    import jax
+
+    device = device or jax.devices()[0]
+
+    def buffers(arrays):
+        for a in arrays:
+            if not a.is_deleted() and device in a.sharding.device_set:
+                for shard in a.addressable_shards:
+                    if shard.device == device:
+                        yield shard.data.unsafe_buffer_pointer(), shard.data.nbytes
+
+    excluded = list(exclude)
+    seen = {pointer for pointer, _ in buffers(excluded)}
+    skip = {id(a) for a in excluded}
+    total = 0
+    for pointer, size in buffers([a for a in jax.live_arrays() if id(a) not in skip]):
+        if pointer not in seen:
+            seen.add(pointer)
+            total += size
+    return total

@@ -53,8 +53,7 @@ from __future__ import annotations
 
 import collections
 import functools
-import queue
-import threading
+import gc
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -81,6 +80,7 @@ from spmdzero.optim.precision import precision_policy
 from spmdzero.train.build import move_in_place
 from spmdzero.train.scan_layers import stacked_layers
 from spmdzero.backends.torchax import batchnorm
+from spmdzero.backends.torchax import frozen
 from spmdzero.backends.torchax import host_reads
 from spmdzero.backends.torchax import host_tensors
 from spmdzero.backends.torchax.mesh import jax_devices, mesh_devices
@@ -91,6 +91,7 @@ from spmdzero.backends.torchax import torch_optim
 from spmdzero.backends.torchax import lowerings, trace_view
 from spmdzero.backends.torchax import remat
 from spmdzero.backends.torchax import cross_entropy
+from spmdzero.backends.torchax.release import drain, release_in_background
 
 NOT_FROM_ENGINE = ("engine.backward(loss) was given a loss that depends on no output of this engine's forward "
                    "with grad enabled: compute it from what engine(...) returned in training (not under "
@@ -329,7 +330,6 @@ class TorchaxEngine(EngineBase):
         self._accum_token = 0  # changes with _accum (_set_accum)
         self._generation = 0  # changes with the parameters (an update, a change taken from the host)
         self._window_reduced = False  # the last backward was at a boundary (zero_grad_keeps_gradients)
-        self._retired: Optional[dict] = None  # the sum the last backward replaced
         self._retired_inputs: tuple = ()  # the last update's inputs
         self._last_loss = None
         self._loss_divisor = float(self.gradient_accumulation_steps())  # what the training program divides the loss by
@@ -354,6 +354,7 @@ class TorchaxEngine(EngineBase):
         self._host_tensors = [*module.named_parameters(), *module.named_buffers()]
         self._host_params = [p for _, p in module.named_parameters()]
         self._trainable = self._requires_grad()
+        self._frozen: frozenset = frozenset()  # trained parameters frozen since initialize (frozen.py)
         self._host_versions = self._versions()
         self._touched: set[int] = set()  # host parameters (by id) whose .data was used since the last forward
         _watch_parameters(module, self)
@@ -373,6 +374,7 @@ class TorchaxEngine(EngineBase):
         self._traces_at_step = 0
         self._input_shapes: tuple = ()  # the last training forward's, to name a shape change
         self._update = self._build_update() if optimizer is not None else None
+        self._unclipped_update = None  # engine.optimizer.step()'s at stage 0 in fp32 (_unclipped)
         # DeepSpeed does not step the schedule on a step skipped for overflow, which only the
         # devices know: DeepSpeed's schedules then count and compute their lr there (step_if)
         self._schedule_on_devices = self.precision.check_overflow and isinstance(lr_scheduler, LRSchedule)
@@ -483,12 +485,11 @@ class TorchaxEngine(EngineBase):
         """Before a forward: parameters and buffers changed on the host since the engine last
         wrote or read them go to the devices (fp32 master weights too), as the torch_xla
         engine's module is its device copy. A parameter frozen or unfrozen after initialize is
-        refused: this backend fixes the trained set when it traces the update."""
+        treated as DeepSpeed treats it (``frozen``)."""
         if self._requires_grad() != self._trainable:
-            changed = [n for n, p in self._module.named_parameters() if p.requires_grad != (n in self._params)]
-            raise RuntimeError(f"spmd.backend='torchax': requires_grad changed after spmdzero.initialize for "
-                               f"{changed[:5]}; this backend trains the parameters that required grad at "
-                               "initialize. Freeze parameters before initialize, or use spmd.backend='torch_xla'")
+            self._trainable = self._requires_grad()
+            with _unwatched():
+                self._frozen = frozen.frozen_since_initialize(self._module, self._names)
         versions, touched = self._versions(), self._touched
         if versions == self._host_versions and not touched:
             return
@@ -709,7 +710,7 @@ class TorchaxEngine(EngineBase):
     def _program(self, kind: str, treespec, static: tuple, training: bool, which: tuple = ()):
         """The jitted program for ``kind``, these inputs' structure and the module's mode (traced
         in it: dropout on or off); ``which``: the inputs the VJP program differentiates."""
-        key = (kind, training, treespec, _hashable(static), which)
+        key = (kind, training, treespec, _hashable(static), which, self._frozen)
         if key not in self._programs:
             self._programs[key] = self._build_forward(kind, treespec, static, which)
         return self._programs[key]
@@ -725,6 +726,7 @@ class TorchaxEngine(EngineBase):
         import jax
 
         env, module, names, policy = self._env, self._module, set(self._names), self.precision
+        frozen_now = self._frozen  # part of the program's key (_program)
         out_spec: list = []  # (treespec, [(index, non-tensor leaf)]), filled while tracing
         batch_norms = [bn for _, bn in batchnorm.tracked(module)]  # their running statistics are updated in training
         loss_leaf: list = []
@@ -743,7 +745,7 @@ class TorchaxEngine(EngineBase):
             for i, value in static:
                 leaves.insert(i, value)
             inputs, kwargs = torch_pytree.tree_unflatten(leaves, treespec)
-            tensors = env.j2t_iso({**params, **constants})
+            tensors = env.j2t_iso({**frozen.held(params, frozen_now), **constants})
             inputs, kwargs = env.j2t_iso((inputs, kwargs))
             # functional_call puts the host tensors back when it returns, except under a submodule
             # registered twice (``self.alias = self.shared``): there the traced ones stayed. Put back here.
@@ -823,7 +825,11 @@ class TorchaxEngine(EngineBase):
                     return jitted(params, constants, accum, rng, arrays, scale, np.float32(self._loss_divisor))
                 except _NoLoss:
                     call.no_loss = True
-                    return None
+                # the failed trace's frames (JAX's among them) refer to each other and hold its inputs
+                # (the parameters, the accumulated gradients): freed now, once per program, not when
+                # Python's cycle collector next runs (a second gradient on the devices until then)
+                gc.collect()
+                return None
         else:
             jitted = self._host_reads.program(program_forward, kind)
 
@@ -886,8 +892,9 @@ class TorchaxEngine(EngineBase):
         forward.pending = None
 
     def _take_accum(self, accum: dict) -> None:
-        _release_in_background(self._retired)
-        self._retired = self._accum  # released one micro-step later (see _take_model_step)
+        # the sum this one replaces is released now (off this thread): kept a micro-step longer it
+        # was a second gradient held between micro-steps (ZeRO's accounting holds one)
+        release_in_background(self._accum)
         self._set_accum(accum)
 
     def _backward_outside(self, loss: torch.Tensor, retain_graph: bool, divide: int) -> int:
@@ -1040,6 +1047,27 @@ class TorchaxEngine(EngineBase):
         return self._jax.device_put(self._jax.numpy.float32(value), self._replicated)
 
     def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
+        """The engine's optimizer step: the update, then the schedule, the counters and the step
+        log, as DeepSpeed's ``engine._take_model_step``."""
+        self._apply_update(lr_kwargs, clipped=True)
+        if self.lr_scheduler is not None:
+            if self._schedule_on_devices and not lr_kwargs:
+                self.lr_scheduler.step_if(self._jax.numpy.logical_not(self._last_skip))
+            else:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.global_steps += 1
+        self.global_samples += self._consume_samples()
+        self._step_logger.after_boundary(self)  # reads the device at print steps only
+        self.tput_timer.after_boundary()
+        self._run_post_step_hooks()
+
+    def _apply_update(self, lr_kwargs: Optional[dict], clipped: bool) -> None:
+        """Run the update program (``_build_update``; ``clipped``: with the config's gradient
+        clipping, else without) on the accumulated gradients, which it consumes: the parameters,
+        master weights and optimizer states are its outputs."""
+        def update(*args):
+            return (self._update if clipped else self._unclipped())(*args)
+
         if self._schedule_on_devices and not lr_kwargs:  # as the previous step left it (a load: from the host)
             self.lr_scheduler.keep_on_device(None, put=self._device_count, ops=jax_ops())
         if self._torch_optimizer:
@@ -1047,13 +1075,13 @@ class TorchaxEngine(EngineBase):
             hyper = [] if constant else [self._hyper_array([g["lr"]]) for g in self.basic_optimizer.param_groups]
             static = torch_optim.static_hyperparameters(self.basic_optimizer, with_lr=constant)
             if static != self._static_hyper:  # constants of the update program: built for the new ones
-                self._static_hyper, self._update = static, self._build_update()
+                self._static_hyper, self._update, self._unclipped_update = static, self._build_update(), None
         else:
             hyper = [self._hyper_array(list(self.basic_optimizer._hyper_values(g).values()))
                      for g in self.basic_optimizer.param_groups]
         # The inputs, donated, are released at the next boundary: dropping the last reference to an
         # array that a dispatched program still uses blocks the host until that program has run.
-        _release_in_background(self._retired_inputs)
+        release_in_background(self._retired_inputs)
         self._retired_inputs = (self._params, self._masters, self._opt_state, self._shared_state, self._accum,
                                 self._skipped, self._loss_scale)
         self._set_accum(None)
@@ -1063,7 +1091,7 @@ class TorchaxEngine(EngineBase):
         with warnings.catch_warnings():  # the gradients are donated to be freed, not to hold results
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
             try:
-                updated = self._update(*self._retired_inputs, hyper)
+                updated = update(*self._retired_inputs, hyper)
             except self._jax.errors.ConcretizationTypeError:
                 if not self._torch_optimizer or self._lr_mode != "traced":
                     raise
@@ -1077,24 +1105,25 @@ class TorchaxEngine(EngineBase):
                     hyper = []
                 self._static_hyper = torch_optim.static_hyperparameters(self.basic_optimizer,
                                                                         with_lr=self._lr_mode == "constant")
-                self._update = self._build_update()
-                updated = self._update(*self._retired_inputs, hyper)
+                self._update, self._unclipped_update = self._build_update(), None
+                updated = update(*self._retired_inputs, hyper)
             (self._params, self._masters, self._opt_state, self._shared_state, self._global_grad_norm, self._skipped,
              self._last_skip, self._loss_scale) = updated
+        # the gradients are the one donated input no output reuses (JAX keeps such a buffer): released
+        # now, off this thread, not held to the next boundary beside the next window's gradients
+        release_in_background(self._retired_inputs[4])
+        self._retired_inputs = (*self._retired_inputs[:4], None, *self._retired_inputs[5:])
         self._module_stale = True
-        if self.lr_scheduler is not None:
-            if self._schedule_on_devices and not lr_kwargs:
-                self.lr_scheduler.step_if(self._jax.numpy.logical_not(self._last_skip))
-            else:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
-        self.global_steps += 1
-        self.global_samples += self._consume_samples()
         self._step_loss, self._window_loss = self._window_loss, None
-        self._step_logger.after_boundary(self)  # reads the device at print steps only
-        self.tput_timer.after_boundary()
-        self._run_post_step_hooks()
 
-    def _build_update(self):
+    def _unclipped(self):
+        """The update program without gradient clipping (``optimizer_step`` at stage 0 in fp32),
+        built at its first use."""
+        if self._unclipped_update is None:
+            self._unclipped_update = self._build_update(clipping=0.0)
+        return self._unclipped_update
+
+    def _build_update(self, clipping: Optional[float] = None):
         """``(params, masters, states, shared states, grads, skipped, loss scale, hyperparameters) ->
         (params, masters, states, shared states, norm, skipped, skip, loss scale)``, jitted, all but
         the hyperparameters donated: the engine's boundary step (clipping, the optimizer's math, the
@@ -1103,7 +1132,8 @@ class TorchaxEngine(EngineBase):
         import jax
         import jax.numpy as jnp
 
-        optimizer, ops, clipping = self.basic_optimizer, jax_ops(), self._config.gradient_clipping
+        optimizer, ops = self.basic_optimizer, jax_ops()
+        clipping = self._config.gradient_clipping if clipping is None else clipping
         groups = [] if self._torch_optimizer else [
             (names, list(optimizer._hyper_values(g)), {k: v for k, v in g.items() if isinstance(v, bool)})
             for names, g in zip(self._groups, optimizer.param_groups)]
@@ -1152,7 +1182,9 @@ class TorchaxEngine(EngineBase):
         shardings = (self._param_specs, self._master_specs, states, {k: rep for k in self._shared_state},
                      rep, rep, rep, scaler)
         self._update_shardings = shardings  # trace_step's outputs are laid out as the update's
-        return jax.jit(update, out_shardings=shardings, donate_argnums=(0, 1, 2, 3, 4, 5, 6))
+        # keep_unused: under master weights the update reads no parameter, and an input jit prunes is
+        # not donated: the old bf16 parameters stayed beside the new ones until the next boundary
+        return jax.jit(update, out_shardings=shardings, donate_argnums=(0, 1, 2, 3, 4, 5, 6), keep_unused=True)
 
     def trace_step(self, *inputs, **kwargs) -> "TracedStep":
         """One training step at an accumulation boundary for a batch of ``inputs``, traced by JAX
@@ -1262,7 +1294,7 @@ class TorchaxEngine(EngineBase):
 
     def _zero_grad(self, by_optimizer: bool) -> None:
         if self._accum is not None and not self.zero_grad_keeps_gradients(by_optimizer, self._window_reduced):
-            _release_in_background(self._accum)
+            release_in_background(self._accum)
             self._set_accum(None)
             self._window_reduced = False
 
@@ -1306,12 +1338,11 @@ class TorchaxEngine(EngineBase):
         return 1.0 if self.bfloat16_enabled() else 0
 
     def optimizer_step(self) -> None:
-        """``engine.optimizer.step()``, DeepSpeed's ZeRO optimizer stepped by the caller: not built
-        on this backend, whose update program also steps the schedule and the counters."""
-        raise NotImplementedError("engine.optimizer.step() (DeepSpeed's ZeRO optimizer stepped by the caller) is not "
-                                  "supported by the torchax backend (spmd.backend='torchax'): call engine.step() after "
-                                  "every micro-step, which steps the optimizer at the accumulation boundary, or use "
-                                  "spmd.backend='torch_xla'")
+        """``engine.optimizer.step()``: DeepSpeed's ZeRO optimizer stepped by the caller, as the
+        torch_xla backend has it (``optimizer_semantics``)."""
+        from spmdzero.backends.torchax.optimizer_step import optimizer_step
+
+        optimizer_step(self)
 
     def optimizer_zero_grad(self) -> None:
         """DeepSpeed's ZeRO ``optimizer.zero_grad()`` (``engine.optimizer.zero_grad()``)."""
@@ -1391,8 +1422,10 @@ class TorchaxEngine(EngineBase):
         return self._params
 
     def wait(self) -> None:
-        """Block until the dispatched programs have run."""
+        """Block until the dispatched programs have run and the arrays they consumed are released
+        (``release.drain``: what the devices hold is then what the engine keeps)."""
         self._jax.block_until_ready((self._params, self._opt_state, self._accum))
+        drain()
 
     def compile(self, *args, **kwargs) -> None:
         """DeepSpeed's ``engine.compile()`` (``torch.compile`` of the module; accelerate calls it
@@ -1746,28 +1779,6 @@ def _watch_parameters(module: torch.nn.Module, engine: TorchaxEngine) -> None:
         if not getattr(type(p), "_spmdzero_watched", False):
             p.__class__ = _watched_class(type(p))
         watchers[p] = ref
-
-
-def _release_in_background(arrays) -> None:
-    """Drop ``arrays`` (an update's inputs: some hundreds of JAX arrays) on a helper thread:
-    releasing a JAX array costs the host a few microseconds, milliseconds a step that the training
-    loop's thread would otherwise spend (docs/benchmarks.md, the torchax backend)."""
-    if arrays is not None:
-        _release_queue().put(arrays)
-
-
-@functools.lru_cache(maxsize=None)
-def _release_queue() -> queue.SimpleQueue:
-    """One daemon thread for the process (every engine), started at the first release."""
-    releases: queue.SimpleQueue = queue.SimpleQueue()
-
-    def release_forever():
-        while True:
-            arrays = releases.get()
-            del arrays  # the last reference: the arrays are released here, not in the training loop
-
-    threading.Thread(target=release_forever, name="spmdzero-release", daemon=True).start()
-    return releases
 
 
 def _hashable(static: tuple) -> tuple:
