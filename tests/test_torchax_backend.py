@@ -1060,7 +1060,8 @@ def test_the_torch_xla_only_names_are_exactly_what_the_torchax_engine_lacks():
     """The list behind "engine.X is not supported by the torchax backend" cannot fall behind
     either engine."""
     from spmdzero.backends.torch_xla.engine import SpmdZeroEngine
-    from spmdzero.backends.torchax.engine import TORCH_XLA_ONLY, TorchaxEngine
+    from spmdzero.backends.torchax.engine import TorchaxEngine
+    from spmdzero.backends.torchax.host_module import TORCH_XLA_ONLY
 
     public = lambda cls: {n for n in dir(cls) if not n.startswith("_")}  # noqa: E731
     assert TORCH_XLA_ONLY == public(SpmdZeroEngine) - public(torch.nn.Module) - public(TorchaxEngine)

@@ -1,0 +1,400 @@
+"""A torchax engine's forward: the module run as a jitted JAX program of its parameters, one
+program per input structure and mode. In training, the fused program also takes the gradient of
+the loss the module returns (``jax.grad``) and adds it to the accumulated gradients; for a loss
+computed outside the module, the VJP program returns the outputs with their VJP, tied into
+torch autograd (``outside_loss``). Outputs come back as torchax tensors. A mixin of
+``TorchaxEngine``."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import warnings
+from collections.abc import Mapping
+from types import SimpleNamespace
+from typing import Optional
+
+import numpy as np
+import torch
+from torch.utils import _pytree as torch_pytree
+
+from spmdzero.train.data import model_pad_id
+from spmdzero.backends.torchax import batchnorm
+from spmdzero.backends.torchax import frozen
+from spmdzero.backends.torchax import host_reads
+from spmdzero.backends.torchax import host_tensors
+from spmdzero.backends.torchax.outside_loss import tie
+from spmdzero.backends.torchax import process_rows
+from spmdzero.backends.torchax import trace_view
+from spmdzero.backends.torchax import remat
+from spmdzero.backends.torchax import cross_entropy
+from spmdzero.backends.torchax.placement import INT64_TRUNCATED, _as_dicts, _is_torchax_tensor, _jax_dtype
+
+
+
+@functools.lru_cache(maxsize=None)
+def _output_tensor_class():
+    """torchax tensors whose torch ops run in the torchax environment, whoever calls them, so
+    the outputs a training loop reads (``loss.item()``, ``logits.argmax(-1)``, ``loss * 2``)
+    work outside it; their results are such tensors too."""
+    import jax
+    import torchax
+    from torchax import tensor as ttensor
+
+    env = torchax.default_env()
+
+    class Output(ttensor.Tensor):
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            written = host_tensors.write_back(func, args, kwargs or {})  # `total += loss`: into a host tensor
+            # host tensors mixed in (a target on the CPU) are copied to JAX, as the module's inputs
+            args, kwargs = torch_pytree.tree_map_only(
+                torch.Tensor, lambda t: t if isinstance(t, ttensor.Tensor) else ttensor.Tensor(env.t2j_copy(t), env),
+                (args, kwargs or {}))
+            with env, warnings.catch_warnings():
+                # torch's int64 (labels, argmax) is int32 under JAX without x64, as torchax intends:
+                # JAX's warning at each such op is noise in a loop (cifar's accuracy count printed it)
+                warnings.filterwarnings("ignore", INT64_TRUNCATED, UserWarning)
+                result = func(*args, **kwargs)
+            if written is not None:
+                written(args, kwargs)
+            return torch_pytree.tree_map_only(ttensor.Tensor, lambda t: Output(t._elem, env), result)
+
+        def detach(self):
+            return Output(jax.lax.stop_gradient(self._elem), env)
+
+        @property
+        def data(self):
+            # torchax logs "In-place to .data modifications still results a copy" at each read; a
+            # loop reads outputs.data (cifar's torch.max(outputs.data, 1)): a detached view, as torch's
+            return self.detach()
+
+        @data.setter
+        def data(self, other):
+            ttensor.Tensor.data.fset(self, other)
+
+    return Output
+
+
+class _NoLoss(Exception):
+    """Raised while tracing a training forward whose output holds no scalar loss."""
+
+
+def _find_loss(output) -> Optional[torch.Tensor]:
+    def scalar(t):
+        return isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point()
+
+    if scalar(output):
+        return output
+    # a dict with a "loss" key, as the torch_xla backend and DeepSpeed take it
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if scalar(loss):
+        return loss
+    if isinstance(output, (tuple, list)) and output and scalar(output[0]):
+        return output[0]
+    return None
+
+
+def _hashable(static: tuple) -> tuple:
+    try:
+        hash(static)
+        return static
+    except TypeError:
+        return tuple((i, repr(v)) for i, v in static)
+
+def _host_tensors_as_constants(fn, output):
+    """``fn(output)`` traced, its host tensors (a target the loss function closes over) taken
+    as constants of the program: torchax refuses math between its tensors and host ones. A move
+    to a device (``y.to(engine.device)``, ``.cpu()``) keeps the value where the program has it:
+    a traced value cannot be copied to the host."""
+    import torchax
+    from torchax import tensor as ttensor
+
+    env = torchax.default_env()
+
+    class HostTensorsAsConstants(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in (torch.Tensor.cpu, torch.Tensor.cuda):
+                return args[0]
+            if func is torch.Tensor.to:  # only a dtype change stays
+                dtype = kwargs.get("dtype", next((a for a in args[1:] if isinstance(a, torch.dtype)), None))
+                args, kwargs = (args[0],) if dtype is None else (args[0], dtype), {}
+            args, kwargs = torch_pytree.tree_map_only(
+                torch.Tensor, lambda t: t if _is_torchax_tensor(t) else ttensor.Tensor(env.t2j_copy(t.detach()), env),
+                (args, kwargs))
+            return func(*args, **kwargs)
+
+    with HostTensorsAsConstants():
+        return fn(output)
+
+
+class ForwardPrograms:
+    """The forward part of ``TorchaxEngine`` (see the module docstring)."""
+
+    # ---- the training step -----------------------------------------------------------------
+    def __call__(self, *inputs, **kwargs):
+        return self.forward(*inputs, **kwargs)
+
+    def forward(self, *inputs, **kwargs):
+        """Run the module in one jitted program; in training (train mode, grad enabled) it also
+        takes the gradient of the loss the module returns (see the module docstring). A forward
+        that reads a tensor's value on the host runs eagerly (``host_reads``)."""
+        return self._forward(inputs, kwargs)
+
+    def _reads_values(self, err: Exception) -> RuntimeError:
+        """The error for tracing the step of a forward that reads a tensor's value on the host
+        (``trace_step``): training runs it eagerly (``host_reads``), one traced program cannot."""
+        found = str(err).strip().splitlines()[0]
+        return RuntimeError(
+            f"spmd.backend='torchax': {type(self._module).__name__}'s forward reads a tensor's value on the host"
+            f"{host_reads.where(err)} (bool(t), t.item(), t.tolist(), a boolean mask or nonzero), so its step cannot "
+            "be traced as one JAX program (trace_step, spmdzero aot); training runs such a forward eagerly instead. "
+            "Compute it with tensor ops (torch.where, masks of fixed shape) to compile it, or use "
+            f"spmd.backend='torch_xla', which cuts the step in two at the read. JAX said: {found}")
+
+    def _forward(self, inputs: tuple, kwargs: dict):
+        leaves, treespec, static, layout, arrays, rng, rows = self._placed(inputs, kwargs)
+        training = self._module.training
+        grad_enabled = torch.is_grad_enabled()
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        # the inputs whose gradients torch would give (x.grad): differentiated by the VJP program
+        which = tuple(i for i, t in enumerate(tensors) if t.requires_grad and t.is_floating_point()) \
+            if grad_enabled else ()
+        forward = SimpleNamespace(treespec=treespec, static=static, rng=rng, arrays=arrays, rows=rows,
+                                  training=training, constants=self._constants, generation=self._generation,
+                                  pending=None, accum_token=None, divisor=None, engine=self, which=which,
+                                  inputs=[tensors[i] for i in which], dims=[layout.dim_of(tensors[i]) for i in which],
+                                  vjp=None, released=False)
+        if training and grad_enabled:
+            if rows is not None:
+                self._check_training_rows(rows)
+            self._input_shapes = tuple(tuple(a.shape) for a in arrays)  # named by the recompile guard
+            ran = None if which else self._gradient(forward)
+            if ran is not None:
+                outputs, constants, program = ran
+                self._take_constants(constants)
+                result = self._outputs(outputs, program, forward)
+                program.loss_of(result)._spmdzero_forward = forward
+                return result
+            # the output holds no loss (found while tracing), or inputs want their gradients: the
+            # VJP program, whose backward engine.backward runs from the loss the script computes
+            program = self._program("vjp", treespec, static, training, which)
+            self.runs["forward"] += 1
+            outputs, constants, forward.vjp = program(self._params, self._constants, rng, arrays)
+            self._take_constants(constants)
+            return self._outputs(outputs, program, forward)
+        program = self._program("forward", treespec, static, training)
+        self.runs["forward"] += 1
+        outputs, constants = program(self._params, self._constants, rng, arrays)
+        self._take_constants(constants)
+        if not grad_enabled:
+            return self._outputs(outputs, program)
+        # eval mode with grad enabled (fine-tuning with dropout off): the gradients are taken only
+        # if backward asks for them, by the training or VJP program in eval mode
+        result = self._outputs(outputs, program, forward)
+        loss = _find_loss(result)
+        if loss is not None and not which:
+            loss._spmdzero_forward = forward
+        return result
+
+    def _placed(self, inputs: tuple, kwargs: dict) -> tuple:
+        """A forward's inputs as its program takes them: (leaves, their treespec, the non-tensor
+        leaves by position, the batch layout, the tensors placed as JAX arrays, the dropout key
+        and micro-step, the global rows when known). Changes made on the host go to the devices
+        first."""
+        inputs, kwargs = self._padded(inputs, kwargs, model_pad_id(self._module))
+        # host tensors only: a torchax tensor (an earlier output) is the model's already
+        inputs, kwargs = self._in_model_dtype(inputs, kwargs, keep=_is_torchax_tensor)
+        # a mapping that is not a dict (transformers' BatchEncoding) is one leaf to torch's pytree
+        inputs, kwargs = _as_dicts(inputs), _as_dicts(kwargs)
+        leaves, treespec = torch_pytree.tree_flatten((inputs, kwargs))
+        static = tuple((i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor))
+        self._take_host_changes()
+        layout = self._batch_layout(self._module, inputs, kwargs, on_device=_is_torchax_tensor)
+        arrays = self._place_inputs(leaves, layout)
+        rng = (self._rng, np.uint32(self.micro_steps))  # dropout draws anew at every micro-step
+        rows = layout.rows if layout.on_device else None if layout.rows is None else layout.rows * self._batch.processes
+        return leaves, treespec, static, layout, arrays, rng, rows
+
+    def _take_constants(self, changed: dict) -> None:
+        """Buffers a forward changed: the devices' values, copied to the module when it is read."""
+        if changed:
+            self._constants = {**self._constants, **changed}
+            self._buffers_stale.update(changed)
+
+    def _gradient(self, forward: SimpleNamespace):
+        """Run the training program for ``forward`` (a training forward's inputs, as it saw
+        them): its outputs and its gradient added to the gradients accumulated so far, kept in
+        ``forward.pending`` until backward commits it. Returns (outputs, changed buffers, the
+        program), or None when the module's output holds no loss."""
+        program = self._program("train" if self._accum is None else "accumulate", forward.treespec, forward.static,
+                                forward.training)
+        ran = None if program.no_loss else program(self._params, forward.constants, self._accum, forward.rng,
+                                                    forward.arrays)
+        if ran is None:
+            return None
+        self.runs["forward"] += 1
+        outputs, constants, forward.pending = ran
+        forward.accum_token, forward.divisor = self._accum_token, self._loss_divisor
+        return outputs, constants, program
+
+    def _outputs(self, arrays: list, program, record: Optional[SimpleNamespace] = None):
+        """The program's outputs as the module returned them; with ``record`` (a forward torch
+        could differentiate), tied into torch autograd (``outside_loss``), so that a loss the
+        script computes from them reaches the compiled backward."""
+        spec, others = program.out_spec
+        # several processes: each sees its own rows, as a DeepSpeed rank its micro-batch (process_rows)
+        views = [process_rows.local_view(a) for a in arrays] if self._processes > 1 else arrays
+        leaves = [self._Output(v, self._env) for v in views]
+        if record is not None:
+            inexact = self._jax.numpy.inexact  # bf16 is not a numpy float to numpy
+            record.floats = [i for i, a in enumerate(arrays) if self._jax.numpy.issubdtype(a.dtype, inexact)]
+            # the backward's static description of each float output: its global shape and dtype, and
+            # with several processes how its cotangent reaches the global mesh
+            kind = (lambda i: (process_rows.SPLIT if process_rows.spans_processes(arrays[i], views[i]) else
+                               process_rows.STACKED)) if self._processes > 1 else (lambda i: None)
+            record.avals = tuple((tuple(arrays[i].shape), str(arrays[i].dtype), kind(i)) for i in record.floats)
+            record.shardings = [(views[i].sharding, arrays[i].sharding) for i in record.floats]
+            record.tensors = leaves
+            leaves = tie(record, self._anchor, record.inputs)
+            record.tensors = None  # the outputs hold the record (their grad_fn), not the reverse
+        for i, value in others:
+            leaves.insert(i, value)
+        return torch_pytree.tree_unflatten(leaves, spec)
+
+    def _program(self, kind: str, treespec, static: tuple, training: bool, which: tuple = ()):
+        """The jitted program for ``kind``, these inputs' structure and the module's mode (traced
+        in it: dropout on or off); ``which``: the inputs the VJP program differentiates."""
+        key = (kind, training, treespec, _hashable(static), which, self._frozen)
+        if key not in self._programs:
+            self._programs[key] = self._build_forward(kind, treespec, static, which)
+        return self._programs[key]
+
+    def _build_forward(self, kind: str, treespec, static: tuple, which: tuple = ()):
+        """A jitted run of the module for one input structure: ``kind`` "forward":
+        ``(params, constants, rng, inputs) -> (outputs, changed buffers)``; "train" (the first
+        micro-step) and "accumulate" (later ones): ``(params, constants, accum, rng, inputs) ->
+        (outputs, changed buffers, accumulated gradients)``, or None when the output holds no loss;
+        "vjp": ``(params, constants, rng, inputs) -> (outputs, changed buffers, VJP)``, the VJP of
+        the float outputs with respect to the parameters and the inputs at positions ``which``
+        (what ``_backward_through`` gives the cotangents)."""
+        import jax
+
+        env, module, names, policy = self._env, self._module, set(self._names), self.precision
+        frozen_now = self._frozen  # part of the program's key (_program)
+        out_spec: list = []  # (treespec, [(index, non-tensor leaf)]), filled while tracing
+        batch_norms = [bn for _, bn in batchnorm.tracked(module)]  # their running statistics are updated in training
+        loss_leaf: list = []
+
+        def flatten_output(output) -> list:
+            """The output's tensors as JAX arrays; its other leaves are kept if they are plain
+            values, else dropped (None): a transformers cache holds traced arrays."""
+            leaves, spec = torch_pytree.tree_flatten(output)
+            plain = (int, float, str, bool, type(None))
+            out_spec[:] = [spec, [(i, v if isinstance(v, plain) else None) for i, v in enumerate(leaves)
+                                  if not isinstance(v, torch.Tensor)]]
+            return [env.t2j_iso(t) for t in leaves if isinstance(t, torch.Tensor)]
+
+        def run(params, constants, rng, arrays, differentiated: bool = True):
+            leaves = list(arrays)
+            for i, value in static:
+                leaves.insert(i, value)
+            inputs, kwargs = torch_pytree.tree_unflatten(leaves, treespec)
+            tensors = env.j2t_iso({**frozen.held(params, frozen_now), **constants})
+            inputs, kwargs = env.j2t_iso((inputs, kwargs))
+            # functional_call puts the host tensors back when it returns, except under a submodule
+            # registered twice (``self.alias = self.shared``): there the traced ones stayed. Put back here.
+            held = [(m, dict(m._parameters), dict(m._buffers)) for m in module.modules()]
+            try:
+                with env, env.override_property(prng=jax.random.fold_in(*rng)), trace_view.tracing(differentiated), \
+                        remat.rematerializing(env, tensors.values()), cross_entropy.fused(env), \
+                        batchnorm.updating_running_statistics(batch_norms):
+                    output = torch.func.functional_call(module, tensors, inputs, kwargs)
+            finally:
+                for m, params, buffers in held:
+                    m._parameters.update(params)
+                    m._buffers.update(buffers)
+            # buffers the module updated in place (running statistics) are returned as new values
+            changed = {n: t._elem for n, t in tensors.items() if n not in names and t._elem is not constants[n]}
+            return output, changed
+
+        def program_forward(params, constants, rng, arrays):
+            self.traces["forward"] += 1
+            output, changed = run(params, constants, rng, arrays, differentiated=False)
+            return flatten_output(output), changed
+
+        def program_train(params, constants, accum, rng, arrays, loss_scale, divisor):
+            self.traces["train_forward"] += 1
+
+            def objective(params):
+                output, changed = run(params, constants, rng, arrays)
+                loss = _find_loss(output)
+                if loss is None:
+                    raise _NoLoss
+                outputs = flatten_output(output)
+                tensors = [t for t in torch_pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+                loss_leaf[:] = [next(i for i, t in enumerate(tensors) if t is loss)]
+                value = env.t2j_iso(loss).reshape(())
+                # DeepSpeed's backward scales the loss by 1/gradient_accumulation_steps (unless
+                # backward(scale_wrt_gas=False): 1), then by fp16's loss scale (inputs: a new
+                # value is not a new program)
+                value = value / divisor
+                return (value if loss_scale is None else value * loss_scale), (outputs, changed)
+
+            grads, (outputs, changed) = jax.grad(objective, has_aux=True)(params)
+            # reduced in communication_data_type, accumulated in grad_accum_dtype (both the model's by default)
+            comm, accumulated = _jax_dtype(policy.communication_dtype), _jax_dtype(policy.grad_accum_dtype)
+            grads = {n: self._laid_out_gradient(n, g.astype(comm)).astype(accumulated) for n, g in grads.items()}
+            if kind == "accumulate":
+                grads = {n: jax.lax.with_sharding_constraint(accum[n] + g, self._grad_specs[n])
+                         for n, g in grads.items()}
+            return outputs, changed, grads
+
+        def program_vjp(params, constants, rng, arrays):
+            self.traces["vjp_forward"] += 1
+            floats: list = []  # positions of the float outputs, found while tracing
+
+            def differentiable(params, chosen):
+                placed = list(arrays)
+                for i, array in zip(which, chosen):
+                    placed[i] = array
+                output, changed = run(params, constants, rng, placed)
+                outputs = flatten_output(output)
+                floats[:] = [i for i, o in enumerate(outputs) if jax.numpy.issubdtype(o.dtype, jax.numpy.inexact)]
+                return [outputs[i] for i in floats], (outputs, changed)
+
+            _, vjp, (outputs, changed) = jax.vjp(differentiable, params, [arrays[i] for i in which], has_aux=True)
+            return outputs, changed, vjp
+
+        if kind == "vjp":
+            jitted = self._host_reads.vjp_program(program_vjp)
+
+            def call(params, constants, rng, arrays):
+                return jitted(params, constants, rng, arrays)
+        elif kind != "forward":
+            jitted = self._host_reads.program(program_train, kind)
+
+            def call(params, constants, accum, rng, arrays):
+                scale = None if self._loss_scale is None else self._loss_scale.scale
+                try:
+                    return jitted(params, constants, accum, rng, arrays, scale, np.float32(self._loss_divisor))
+                except _NoLoss:
+                    call.no_loss = True
+                # the failed trace's frames (JAX's among them) refer to each other and hold its inputs
+                # (the parameters, the accumulated gradients): freed now, once per program, not when
+                # Python's cycle collector next runs (a second gradient on the devices until then)
+                gc.collect()
+                return None
+        else:
+            jitted = self._host_reads.program(program_forward, kind)
+
+            def call(params, constants, rng, arrays):
+                return jitted(params, constants, rng, arrays)
+        call.no_loss = False
+        call.jitted = jitted  # for trace_step, which composes it with the update
+        call.loss_index = lambda: loss_leaf[0]  # the loss among the output tensors, once traced
+        call.out_spec = out_spec
+        call.loss_of = lambda result: [t for t in torch_pytree.tree_leaves(result)
+                                       if isinstance(t, torch.Tensor)][loss_leaf[0]]
+        return call

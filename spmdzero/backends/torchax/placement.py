@@ -1,0 +1,150 @@
+"""Where a torchax engine's values live: inputs and host tensors placed on the mesh as JAX arrays
+(replicated, or split by rows over the batch axes; several hosts each place their own rows), the
+dtype conversions torchax's x64-off runtime needs, and process 0's parameters and seed broadcast
+to every process at the start, as DeepSpeed broadcasts rank 0's. A mixin of ``TorchaxEngine``."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from spmdzero.train.batch_inputs import note_replicated
+from spmdzero.train.data import like
+
+
+
+def _as_dicts(obj):
+    """Every non-dict mapping in ``obj`` (a ``BatchEncoding``) as a dict, for torch's pytree."""
+    if isinstance(obj, Mapping):
+        pairs = ((k, _as_dicts(v)) for k, v in obj.items())
+        return like(obj, pairs) if isinstance(obj, dict) else dict(pairs)
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_as_dicts(v) for v in obj)
+    return obj
+
+
+def _as_jax(t: torch.Tensor, env):
+    """A tensor's value as a JAX array: a torchax tensor's own, a host tensor's copy."""
+    return t._elem if _is_torchax_tensor(t) else env.t2j_copy(t.detach())
+
+
+def _is_torchax_tensor(t: torch.Tensor) -> bool:
+    from torchax import tensor as ttensor
+
+    return isinstance(t, ttensor.Tensor)
+
+
+def _jax_dtype(dtype: torch.dtype):
+    import jax.numpy as jnp
+
+    return jnp.dtype(str(dtype).removeprefix("torch."))
+
+
+def _placed_dtype(dtype: torch.dtype):
+    """The dtype of the JAX array ``_put`` makes of a tensor of ``dtype`` (int64 is int32 unless
+    JAX runs with x64), for a shape-only engine, which makes none."""
+    import jax
+    from torchax.ops import mappings
+
+    return jax.dtypes.canonicalize_dtype(mappings.t2j_dtype(dtype))
+
+
+INT64_TRUNCATED = r"Explicitly requested dtype .*int64.* requested in .* is not available"
+
+
+def _broadcast_from_first_process(module: torch.nn.Module, seed: int) -> int:
+    """Process 0's parameters and buffers copied into every process's ``module`` (DeepSpeed's
+    engine broadcasts them from rank 0 at initialize, so each rank may seed or load its own),
+    and process 0's ``seed``, returned. One program over every process's devices."""
+    from jax.experimental import multihost_utils
+    from torchax.ops import mappings
+
+    tensors = [t for _, t in [*module.named_parameters(), *module.named_buffers()]]
+    host = [np.asarray(mappings.t2j(t.detach().cpu())) for t in tensors]
+    # booleans are summed as bytes (the broadcast adds process 0's values to the others' zeros)
+    host = [h.view(np.uint8) if h.dtype == np.bool_ else h for h in host]
+    seed_words = np.array([seed >> 32, seed & 0xFFFFFFFF], dtype=np.uint32)
+    *values, seed_words = multihost_utils.broadcast_one_to_all([*host, seed_words])
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # it is copied
+        for t, value in zip(tensors, values):
+            value = np.asarray(value)
+            t.copy_(mappings.j2t(value.view(np.bool_) if t.dtype == torch.bool else value, use_dlpack=False))
+    return int(seed_words[0]) << 32 | int(seed_words[1])
+
+
+class Placement:
+    """The placement part of ``TorchaxEngine`` (see the module docstring)."""
+
+    def _seed(self, seed: int) -> None:
+        """The key dropout draws from (folded with the micro-step); its seed is what a
+        checkpoint saves as ``rng.xla``."""
+        self._rng_seed = int(seed)  # torch_xla's seeds are 64-bit unsigned, JAX's signed
+        key = functools.partial(self._jax.random.key, self._rng_seed % (1 << 63))
+        if self._shape_only:
+            shape = self._jax.eval_shape(key)
+            self._rng = self._jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=self._replicated)
+            return
+        # one key for every process: a global array when the mesh spans processes
+        self._rng = key() if self._processes == 1 else self._jax.jit(key, out_shardings=self._replicated)()
+
+    # ---- placement ---------------------------------------------------------------------
+    def _put(self, t: torch.Tensor, sharding):
+        """``t``, the whole value (the same on every process), laid out by ``sharding``; from a
+        copy: JAX imports a host tensor without copying it, and the first device's buffer would
+        then be memory the script can still change (``p.data``, a reused batch buffer) on that
+        device alone."""
+        from torchax.ops import mappings
+
+        if self._shape_only:
+            return self._jax.ShapeDtypeStruct(tuple(t.shape), _placed_dtype(t.dtype), sharding=sharding)
+        value = mappings.t2j(t.detach().cpu().clone())
+        if self._processes == 1:
+            return self._jax.device_put(value, sharding)
+        # jax.device_put would compare the value across the processes first (a collective per array)
+        value = np.asarray(value)
+        return self._jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+    def _put_rows(self, t: torch.Tensor, sharding, dim: int):
+        """``t``, this process's rows of a batch (along ``dim``), as its part of the global batch."""
+        if self._processes == 1:
+            return self._put(t, sharding)
+        from torchax.ops import mappings
+
+        local = np.asarray(mappings.t2j(t.detach().cpu().clone()))  # a copy, as in _put
+        shape = (*local.shape[:dim], local.shape[dim] * self._processes, *local.shape[dim + 1:])
+        return self._jax.make_array_from_process_local_data(sharding, local, shape)
+
+    def _place_inputs(self, leaves: list, layout) -> list:
+        """Tensors to JAX arrays: the inputs that carry the batch (``layout``) split along the
+        batch axes on their batch dim (replicated when the rows do not divide), others
+        replicated; torchax tensors as they are. With several processes, host tensors that
+        carry the batch hold this process's rows of the global batch; the others must be the
+        same on every process."""
+        from torchax import tensor as ttensor
+
+        local = layout.rows is not None and not layout.on_device  # this process's rows
+        rows = None if layout.rows is None else layout.rows * (self._processes if local else 1)
+        split = rows is not None and rows % self._batch.dp_devices == 0
+        if rows is not None and not split and self._processes == 1:
+            note_replicated(rows, self._batch.dp_devices)
+        if local and not split and self._processes > 1:
+            devices = self._batch.dp_devices // self._processes
+            raise ValueError(f"a batch of {layout.rows} rows does not divide over the {devices} data-parallel devices "
+                             f"of this process; with several processes ({self._processes}) each one's rows are split "
+                             f"over its own devices: use a multiple of {devices} rows per process")
+        placed = []
+        for t in (t for t in leaves if isinstance(t, torch.Tensor)):
+            dim = layout.dim_of(t)
+            if isinstance(t, ttensor.Tensor):
+                placed.append(t._elem)
+            elif split and dim is not None:
+                sharding = self._sharding(self.plan.batch_spec(t.dim(), dim))
+                placed.append(self._put_rows(t, sharding, dim) if local else self._put(t, sharding))
+            else:
+                placed.append(self._put(t, self._replicated))
+        return placed
