@@ -213,3 +213,34 @@ def test_a_value_detached_in_the_forward_takes_no_gradient(how):
     reference(x).backward()
     torch.optim.SGD(reference.parameters(), lr=1.0).step()
     np.testing.assert_allclose(on_host(engine.module.weight).numpy(), reference.weight.detach().numpy(), atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("zero_infinity", [False, True])
+@pytest.mark.parametrize("concatenated", [False, True])
+def test_ctc_loss_gives_torchs_values_and_gradients(reduction, zero_infinity, concatenated):
+    """Padded and concatenated targets, an empty target, rows shorter than the input, and a row
+    too short for its targets (infinite, or 0 with zero_infinity)."""
+    import jax
+    import jax.numpy as jnp
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, 5, 6, generator=g, requires_grad=True)
+    targets = torch.randint(1, 6, (5, 4), generator=g)
+    input_lengths, target_lengths = torch.tensor([12, 10, 7, 3, 1]), torch.tensor([4, 3, 0, 2, 3])
+    if concatenated:
+        targets = torch.cat([targets[b, :target_lengths[b]] for b in range(5)])
+    expected = F.ctc_loss(logits.log_softmax(-1), targets, input_lengths, target_lengths, reduction=reduction,
+                          zero_infinity=zero_infinity)
+    (expected.sum() if reduction == "none" else expected).backward()
+
+    def loss(x):
+        return jnp.sum(lowerings.ctc_loss(jax.nn.log_softmax(x, -1), _jax(targets), _jax(input_lengths),
+                                          _jax(target_lengths), 0, reduction, zero_infinity))
+
+    ours = lowerings.ctc_loss(jax.nn.log_softmax(_jax(logits), -1), _jax(targets), _jax(input_lengths),
+                              _jax(target_lengths), 0, reduction, zero_infinity)
+    np.testing.assert_allclose(np.asarray(ours), expected.detach().numpy(), rtol=1e-5)
+    if zero_infinity or reduction == "none":  # torch's gradient of an infinite mean is NaN
+        grads = np.asarray(jax.grad(loss)(_jax(logits)))
+        np.testing.assert_allclose(np.nan_to_num(grads), np.nan_to_num(logits.grad.numpy()), atol=1e-5)

@@ -19,9 +19,7 @@ pytestmark = pytest.mark.slow
 MAJOR = int(transformers.__version__.split(".")[0])
 
 # cases that do not train yet, each with its cause; strict: one that starts passing must leave this list
-KNOWN = {
-    "wav2vec2": "torchax has no lowering of aten::_ctc_loss, its CTC loss (its host reads run eagerly: host_reads)",
-}
+KNOWN: dict[str, str] = {}
 
 # cases whose forward reads a tensor's value on the host: their training program runs eagerly
 # (spmdzero/backends/torchax/host_reads.py), noted once

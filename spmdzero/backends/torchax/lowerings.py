@@ -18,6 +18,11 @@ Each replacement is installed on torchax's process-wide environment once, at the
 * ``aten.detach`` (``torch.detach(t)``, and torch's own detaches): torchax lowers it to the
   identity, so a detached value still passed gradients under JAX. Here it is
   ``jax.lax.stop_gradient``, as the torchax tensor's own ``.detach()`` method already is.
+* ``F.ctc_loss``: torchax has no lowering of ``aten::_ctc_loss`` (wav2vec2's and HuBERT's
+  CTC heads stopped there). Here it is the CTC forward algorithm over the blank-interleaved
+  targets in log space, one ``jax.lax.scan`` over time, differentiated by JAX; padded or
+  concatenated targets, per-row input and target lengths, torch's reductions (``mean`` divides
+  each row by its target length) and ``zero_infinity``.
 * ``aten._to_copy`` of a Python number: ``torch.vmap``'s batching rules hand torchax a scalar
   operand as a plain int (``x - 3`` inside a vmapped function), and torchax's ``_to_copy`` read
   its ``.dtype``. transformers 4.x builds every attention mask with ``torch.vmap``, and Mistral's
@@ -66,6 +71,66 @@ def grouped_mm(input, weight, offs=None, bias=None, out_dtype=None):
     if bias is not None:
         out = out + bias
     return out.astype(out_dtype or input.dtype)
+
+
+_IMPOSSIBLE = -1e30  # a log-probability standing for log(0): finite, so that gradients stay finite
+
+
+def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean", zero_infinity=False):
+    """torch's CTC loss on JAX arrays: ``log_probs`` ``[T, N, C]`` (or ``[T, C]``), ``targets``
+    ``[N, S]`` padded or 1-D concatenated, lengths per row."""
+    import jax
+    import jax.numpy as jnp
+
+    batched = log_probs.ndim == 3
+    if not batched:
+        log_probs, targets = log_probs[:, None], targets[None] if targets.ndim == 1 else targets
+    steps, rows, _ = log_probs.shape
+    input_lengths = jnp.broadcast_to(jnp.asarray(input_lengths, jnp.int32), (rows,))
+    target_lengths = jnp.broadcast_to(jnp.asarray(target_lengths, jnp.int32), (rows,))
+    targets = jnp.asarray(targets, jnp.int32)
+    if targets.ndim == 1:  # concatenated: row b's targets start after the rows before it
+        starts = jnp.cumsum(target_lengths) - target_lengths
+        width = targets.shape[0]
+        targets = targets[jnp.clip(starts[:, None] + jnp.arange(width)[None], 0, max(width - 1, 0))]
+    width = targets.shape[1]
+    length = 2 * width + 1
+    position = jnp.arange(length)
+    # blank, t0, blank, t1, ...; labels past a row's targets are blanks that no path reaches
+    labels = jnp.where(position % 2 == 0, blank, targets[:, jnp.clip((position - 1) // 2, 0, max(width - 1, 0))])
+    labels = jnp.where((position[None] - 1) // 2 < target_lengths[:, None], labels, blank)
+    skip = (position >= 2) & (labels != blank) & (labels != jnp.roll(labels, 2, axis=1))
+    log_probs = log_probs.astype(jnp.float32)
+    emit = jnp.take_along_axis(log_probs, jnp.broadcast_to(labels[None], (steps, rows, length)), axis=2)
+    start = jnp.where(position[None] < jnp.minimum(2, 2 * target_lengths[:, None] + 1), emit[0], _IMPOSSIBLE)
+
+    def shift(alpha, by):
+        return jnp.pad(alpha, ((0, 0), (by, 0)), constant_values=_IMPOSSIBLE)[:, :length]
+
+    def advance(alpha, inputs):
+        t, emitted = inputs
+        merged = jnp.logaddexp(alpha, shift(alpha, 1))
+        merged = jnp.where(skip, jnp.logaddexp(merged, shift(alpha, 2)), merged)
+        new = jnp.maximum(merged + emitted, _IMPOSSIBLE)
+        return jnp.where((t < input_lengths)[:, None], new, alpha), None
+
+    alpha, _ = jax.lax.scan(advance, start, (jnp.arange(1, steps), emit[1:]))
+    last = 2 * target_lengths
+    final = jnp.take_along_axis(alpha, last[:, None], axis=1)[:, 0]
+    before = jnp.take_along_axis(alpha, jnp.maximum(last - 1, 0)[:, None], axis=1)[:, 0]
+    final = jnp.where(target_lengths > 0, jnp.logaddexp(final, before), final)
+    loss = -final
+    impossible = loss > -_IMPOSSIBLE / 2
+    loss = jnp.where(impossible, 0.0 if zero_infinity else jnp.inf, loss)
+    if isinstance(reduction, int):  # torch.ctc_loss's enum: none, mean, sum
+        reduction = ("none", "mean", "sum")[reduction]
+    if reduction == "mean":
+        loss = jnp.mean(loss / jnp.maximum(target_lengths, 1))
+    elif reduction == "sum":
+        loss = jnp.sum(loss)
+    elif not batched:
+        loss = loss[0]
+    return loss.astype(log_probs.dtype)
 
 
 def _stop_gradient(x):
@@ -121,4 +186,6 @@ def install(env) -> None:
         lower(op, embedding)
     for op in (torch.ops.aten.detach, torch.ops.aten.detach.default):
         lower(op, _stop_gradient)
+    for op in (torch.nn.functional.ctc_loss, torch.ctc_loss):
+        lower(op, ctc_loss)
     setattr(env, _INSTALLED, True)
