@@ -55,7 +55,7 @@ MALFORMED = [
     ({**BASE, "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 2.0}}}, "momentum must be in"),
     ({**BASE, "optimizer": ADAM, "scheduler": {"type": "WarmupCosine"}}, "did you mean 'WarmupCosineLR'"),
     ({**BASE, "optimizer": ADAM, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": -5}}},
-     "warmup_num_steps must be a positive integer"),
+     "warmup_num_steps must be a non-negative integer"),
     ({**BASE, "optimizer": ADAM, "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}},
      "total_num_steps"),
     ({**BASE, "optimizer": ADAM, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}},

@@ -94,7 +94,7 @@ def test_torch_lr_scheduler_by_exact_name():
 @pytest.mark.parametrize("cfg,match", [
     (SchedulerConfig(type="WarmupLr", params={}), "did you mean 'WarmupLR'"),
     (SchedulerConfig(type="WarmupLR", params={"warmup_steps": 10}), "warmup_steps.*did you mean 'warmup_num_steps'"),
-    (SchedulerConfig(type="WarmupLR", params={"warmup_num_steps": 0}), "warmup_num_steps must be a positive integer"),
+    (SchedulerConfig(type="WarmupLR", params={"warmup_num_steps": -1}), "warmup_num_steps must be a non-negative integer"),
     (SchedulerConfig(type="WarmupLR", params={"warmup_type": "cosine"}), "warmup_type must be 'log' or 'linear'"),
     (SchedulerConfig(type="WarmupDecayLR", params={}), "missing.*total_num_steps"),
     (SchedulerConfig(type="OneCycle", params={"cycle_min_lr": 0.1, "cycle_max_lr": 1, "cycle_first_step_size": 0}),
@@ -135,3 +135,14 @@ def test_training_under_each_schedule_never_recompiles_after_warmup(name):
         compiles.append(met.metric_data("CompileTime")[0])
     assert len(set(lrs)) >= 4  # the lr really moved
     assert compiles[2:] == [compiles[1]] * 8, compiles
+
+
+@pytest.mark.parametrize("kind", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"])
+def test_no_warmup_is_two_steps_as_deepspeed_makes_it(kind):
+    """transformers' Trainer fills an "auto" warmup_num_steps with 0 when no warmup is asked
+    (its default): DeepSpeed takes it as max(2, 0) = 2, and so does spmdzero (it was refused)."""
+    params = {"warmup_num_steps": 0, **({"total_num_steps": 10} if kind != "WarmupLR" else {}),
+              **({"warmup_max_lr": 0.01} if kind != "WarmupCosineLR" else {})}
+    opt = make_optimizer("adam", [0.01], adam_cls=AdamW)
+    sched = build_scheduler(SchedulerConfig(type=kind, params=params), opt)
+    assert sched.warmup_num_steps == 2

@@ -124,8 +124,10 @@ class LRSchedule:
 
 
 def _check_warmup(warmup_num_steps, warmup_type) -> tuple[int, str]:
-    if not isinstance(warmup_num_steps, int) or isinstance(warmup_num_steps, bool) or warmup_num_steps <= 0:
-        raise ConfigError(f"scheduler.params.warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
+    """DeepSpeed's warmup length, at least 2 steps as DeepSpeed makes it. 0 is accepted: it is what
+    transformers' Trainer fills an "auto" ``warmup_num_steps`` with when no warmup is asked."""
+    if not isinstance(warmup_num_steps, int) or isinstance(warmup_num_steps, bool) or warmup_num_steps < 0:
+        raise ConfigError(f"scheduler.params.warmup_num_steps must be a non-negative integer, got {warmup_num_steps!r}")
     if warmup_type not in (LOG, LINEAR):
         raise ConfigError(f"scheduler.params.warmup_type must be 'log' or 'linear', got {warmup_type!r}")
     return max(2, warmup_num_steps), warmup_type
