@@ -19,6 +19,8 @@ from spmdzero.backends.torchax import attention, lowerings, trace_view  # noqa: 
 def _jax(t):
     import jax.numpy as jnp
 
+    if t.dtype == torch.bfloat16:  # numpy has no bf16
+        return jnp.asarray(t.detach().float().numpy()).astype(jnp.bfloat16)
     return jnp.asarray(t.detach().numpy())
 
 
@@ -244,3 +246,52 @@ def test_ctc_loss_gives_torchs_values_and_gradients(reduction, zero_infinity, co
     if zero_infinity or reduction == "none":  # torch's gradient of an infinite mean is NaN
         grads = np.asarray(jax.grad(loss)(_jax(logits)))
         np.testing.assert_allclose(np.nan_to_num(grads), np.nan_to_num(logits.grad.numpy()), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_layer_norm_gives_torchs_values_and_finite_half_precision_gradients(dtype):
+    """Small activations in fp16: the backward of rsqrt(var + eps) overflowed in fp16 (NaN gradients
+    for every fp16 GPT-2 and OPT); torch accumulates in fp32, and so does the lowering."""
+    import jax
+    import jax.numpy as jnp
+
+    g = torch.Generator().manual_seed(0)
+    x = (0.02 * torch.randn(4, 6, 32, generator=g)).to(dtype).requires_grad_()
+    weight, bias = torch.randn(32, generator=g).to(dtype), torch.randn(32, generator=g).to(dtype)
+    expected = F.layer_norm(x, (32,), weight, bias)
+    expected.float().square().sum().backward()
+
+    def loss(x):
+        out, _, _ = lowerings.native_layer_norm(x, [32], _jax(weight), _jax(bias))
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    jx = jnp.asarray(x.detach().float().numpy()).astype(_jax(weight).dtype)
+    out, _, _ = lowerings.native_layer_norm(jx, [32], _jax(weight), _jax(bias))
+    grad = np.asarray(jax.grad(loss)(jx), np.float32)
+    tolerance = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
+    np.testing.assert_allclose(np.asarray(out, np.float32), expected.detach().float().numpy(), atol=tolerance,
+                               rtol=tolerance)
+    assert np.isfinite(grad).all()
+    np.testing.assert_allclose(grad, x.grad.float().numpy(), rtol=5 * tolerance, atol=5 * tolerance * np.abs(grad).max())
+
+
+@pytest.mark.slow
+def test_an_fp16_gpt2_trains_on_finite_gradients_close_to_fp32():
+    transformers = pytest.importorskip("transformers")
+    norms = {}
+    for precision in ("fp32", "fp16"):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0))
+        config = {"train_batch_size": 8, "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 0.0}}}
+        if precision == "fp16":
+            config["fp16"] = {"enabled": True, "loss_scale": 1.0}
+        engine, *_ = spmdzero.initialize(model=model, config=config)
+        ids = torch.randint(3, 96, (8, 16), generator=torch.Generator().manual_seed(1))
+        out = engine(input_ids=ids, labels=ids)
+        engine.backward(out.loss)
+        engine.step()
+        norms[precision] = engine.get_global_grad_norm()
+    assert np.isfinite(norms["fp16"]), norms
+    assert norms["fp16"] == pytest.approx(norms["fp32"], rel=0.02), norms

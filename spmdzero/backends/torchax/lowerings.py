@@ -23,6 +23,11 @@ Each replacement is installed on torchax's process-wide environment once, at the
   targets in log space, one ``jax.lax.scan`` over time, differentiated by JAX; padded or
   concatenated targets, per-row input and target lengths, torch's reductions (``mean`` divides
   each row by its target length) and ``zero_infinity``.
+* ``aten.native_layer_norm`` in fp16/bf16: torchax computes it in the input's dtype, and the
+  backward of ``rsqrt(var + eps)`` overflows fp16 for small activations (``var^-1.5`` above
+  65504): every fp16 transformers model with a LayerNorm (GPT-2, OPT) trained on NaN gradients
+  at any loss scale. torch's kernels accumulate in fp32, and so does this lowering, returning
+  the input's dtype.
 * ``aten._to_copy`` of a Python number: ``torch.vmap``'s batching rules hand torchax a scalar
   operand as a plain int (``x - 3`` inside a vmapped function), and torchax's ``_to_copy`` read
   its ``.dtype``. transformers 4.x builds every attention mask with ``torch.vmap``, and Mistral's
@@ -133,6 +138,27 @@ def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reducti
     return loss.astype(log_probs.dtype)
 
 
+def native_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """torch's layer norm over the trailing ``normalized_shape`` dims, computed in fp32 for
+    half-precision inputs: ``(output, mean, rstd)``."""
+    import jax
+    import jax.numpy as jnp
+
+    if isinstance(normalized_shape, int):
+        normalized_shape = [normalized_shape]
+    axes = tuple(range(input.ndim - len(normalized_shape), input.ndim))
+    compute = jnp.float32 if input.dtype in (jnp.float16, jnp.bfloat16) else input.dtype
+    x = input.astype(compute)
+    mean = jnp.mean(x, axis=axes, keepdims=True)
+    rstd = jax.lax.rsqrt(jnp.var(x, axis=axes, keepdims=True) + eps)
+    out = (x - mean) * rstd
+    if weight is not None:
+        out = out * weight.astype(compute)
+    if bias is not None:
+        out = out + bias.astype(compute)
+    return out.astype(input.dtype), mean.astype(input.dtype), rstd.astype(input.dtype)
+
+
 def _stop_gradient(x):
     import jax
 
@@ -188,4 +214,6 @@ def install(env) -> None:
         lower(op, _stop_gradient)
     for op in (torch.nn.functional.ctc_loss, torch.ctc_loss):
         lower(op, ctc_loss)
+    for op in (torch.ops.aten.native_layer_norm, torch.ops.aten.native_layer_norm.default):
+        lower(op, native_layer_norm)
     setattr(env, _INSTALLED, True)
