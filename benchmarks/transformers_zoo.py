@@ -6,8 +6,10 @@
     PYTHONPATH=.venv/transformers4 python benchmarks/transformers_zoo.py   # 4.57 (make setup installs it)
 
 It prints, per architecture: steps, the largest relative loss difference, the largest parameter
-difference over the tensor's scale, and the programs compiled (a training program and an update
-for four batches; more would be recompiles). A case that fails prints its error instead."""
+difference over the tensor's scale, the programs compiled (a training program and an update for
+four batches; more would be recompiles), and whether the training program runs eagerly (its
+forward reads a value on the host: ``backends/torchax/host_reads.py``). A case that fails prints
+its error instead."""
 
 from __future__ import annotations
 
@@ -26,8 +28,8 @@ import transformers_zoo as zoo  # noqa: E402
 def main() -> int:
     names = sys.argv[1:] or zoo.names()
     print(f"transformers {transformers.__version__}, {len(names)} architectures, ZeRO-2 on 8 CPU devices\n")
-    print("| architecture | steps | max rel. loss diff | max param diff | compiles | seconds |")
-    print("|---|---|---|---|---|---|")
+    print("| architecture | steps | max rel. loss diff | max param diff | compiles | eager | seconds |")
+    print("|---|---|---|---|---|---|---|")
     failed = 0
     for name in names:
         start = time.perf_counter()
@@ -35,10 +37,10 @@ def main() -> int:
             r = zoo.train_both(name)
         except Exception as err:  # a failing case is a row of the table, not the end of it
             failed += 1
-            print(f"| {name} | - | {type(err).__name__}: {str(err).splitlines()[0][:120]} | | | |", flush=True)
+            print(f"| {name} | - | {type(err).__name__}: {str(err).splitlines()[0][:120]} | | | | |", flush=True)
             continue
         print(f"| {name} | {r['steps']} | {r['loss_diff']:.1e} | {r['param_diff']:.1e} | {r['compiles']} | "
-              f"{time.perf_counter() - start:.1f} |", flush=True)
+              f"{'yes' if r['eager'] else 'no'} | {time.perf_counter() - start:.1f} |", flush=True)
     print(f"\n{len(names) - failed} of {len(names)} trained")
     return 1 if failed else 0
 
