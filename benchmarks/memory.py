@@ -12,9 +12,10 @@ optimizer step) it waits for the dispatched programs (``engine.wait()``) and sum
 that every live JAX array holds on one device, the arrays that existed before the engine
 excepted (``spmdzero.observe.reports.live_device_bytes``): the parameters, gradients, master
 weights and optimizer states, and whatever else is still alive (outputs the loop keeps, inputs,
-arrays waiting to be released). It prints per stage and precision the most of those, ZeRO's
-accounting per device (16P, 8P + 8P/N, 4P + 12P/N at stages 0, 1, 2; 2P + 14P/N for bf16 at
-stage 2, read from the engine's ``sharding_report().zero_accounting()``) and their ratio.
+arrays waiting to be released). It measures the same between each forward and its backward (a
+gradient waiting for its backward; with the loss outside, the forward's VJP and its
+activations). It prints per stage and precision the most of each, ZeRO's accounting per device (16P, 8P + 8P/N, 4P + 12P/N at stages 0, 1, 2; 2P + 14P/N for bf16 at
+stage 2, read from the engine's ``sharding_report().zero_accounting()``) and the ratios.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ def config(stage: int, precision: str) -> dict:
 
 
 def measure(stage: int, precision: str, loss_inside: bool, width: int = 512, steps: int = 4) -> dict:
-    """Train ``steps`` micro-steps; the most bytes held on one device after any step, the
-    accounting, and P."""
+    """Train ``steps`` micro-steps; the most bytes held on one device after any step and
+    between any forward and its backward, the accounting, and P."""
     import jax
     import spmdzero
     from spmdzero.observe.reports import live_device_bytes
@@ -63,13 +64,15 @@ def measure(stage: int, precision: str, loss_inside: bool, width: int = 512, ste
     net = mlp(width)
     engine, *_ = spmdzero.initialize(model=WithLoss(net) if loss_inside else net, config=config(stage, precision))
     generator = torch.Generator().manual_seed(1)
-    held = []
+    held, waiting = [], []
     for _ in range(steps):
         x, y = torch.randn(2 * N, width, generator=generator), torch.randn(2 * N, width, generator=generator)
         if loss_inside:
             loss = engine(x, y)
         else:
             loss = torch.nn.functional.mse_loss(engine(x).float(), y)
+        engine.wait()
+        waiting.append(live_device_bytes(exclude=before))
         engine.backward(loss)
         engine.step()
         engine.wait()
@@ -77,7 +80,7 @@ def measure(stage: int, precision: str, loss_inside: bool, width: int = 512, ste
     accounting = engine.sharding_report().zero_accounting()["total"]
     params = sum(p.numel() for p in net.parameters())
     del engine, loss
-    return {"held": max(held), "accounting": accounting, "P": params}
+    return {"held": max(held), "waiting": max(waiting), "accounting": accounting, "P": params}
 
 
 def main() -> None:
@@ -85,17 +88,20 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--steps", type=int, default=4, help="micro-steps per run (2 per optimizer step)")
     args = parser.parse_args()
-    rows = [("stage", "precision", "loss", "held bytes/device", "ZeRO accounting", "ratio")]
+    rows = [("stage", "precision", "loss", "held after step", "ratio", "held before backward", "ratio",
+             "ZeRO accounting")]
     params = None
     for stage, precision in CASES:
         for inside in (True, False):
             got = measure(stage, precision, inside, args.width, args.steps)
             params = got["P"]
             rows.append((str(stage), precision, "inside" if inside else "outside", f"{got['held']:,}",
-                         f"{got['accounting']:,.0f}", f"{got['held'] / got['accounting']:.3f}"))
+                         f"{got['held'] / got['accounting']:.3f}", f"{got['waiting']:,}",
+                         f"{got['waiting'] / got['accounting']:.3f}", f"{got['accounting']:,.0f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     print(f"P = {params:,} parameters, {N} devices, AdamW, 2 micro-steps per step, "
-          f"{args.steps} micro-steps; the most held after any engine.step()")
+          f"{args.steps} micro-steps; bytes per device, the most held after any engine.step() and between any "
+          "forward and its backward")
     print("| " + " | ".join(c.ljust(w) for c, w in zip(rows[0], widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in rows[1:]:

@@ -1187,6 +1187,43 @@ def test_backward_of_an_earlier_forwards_loss_takes_its_gradient():
         engine.backward(late)
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_gradient_counted_before_its_backward_is_as_deepspeeds_commit(stage):
+    """Later in an accumulation window a training forward adds its gradient to the accumulated
+    ones as it runs (no second copy of the gradients waits for the backward): trained as torch
+    commits at the backward. A forward no backward followed adds nothing (taken out again, with
+    a note, at the step); two forwards then their backwards in either order sum both; a backward
+    that scales otherwise than the forward assumed takes the gradient again."""
+    model, reference = WithLoss(tiny_mlp(seed=0)), WithLoss(tiny_mlp(seed=0))
+    engine, *_ = spmdzero.initialize(model=model, config=plain_config(2, zero_optimization={"stage": stage}))
+    optimizer = torch_optimizer(reference)
+    (x1, y1), (x2, y2), (x3, y3) = batches(3, 16)
+    engine.backward(engine(x1, y1))
+    engine.step()
+    engine(x3, y3)  # never backwarded, in training mode with grad enabled
+    engine.backward(engine(x2, y2))
+    with pytest.warns(UserWarning, match="was not passed to engine.backward"):
+        engine.step()
+    assert engine.runs["retract"] == 1
+    torch_step(reference, optimizer, reference(x1, y1) / 2, reference(x2, y2) / 2)
+    assert_as_in_torch(engine, reference)
+    engine.backward(engine(x1, y1))
+    engine.step()
+    second, third = engine(x2, y2), engine(x3, y3)
+    engine.backward(third)
+    engine.backward(second)
+    engine.step()
+    torch_step(reference, optimizer, *(reference(x, y) / 2 for x, y in ((x1, y1), (x2, y2), (x3, y3))))
+    assert_as_in_torch(engine, reference)
+    engine.backward(engine(x1, y1))
+    engine.step()
+    engine.backward(engine(x2, y2), scale_wrt_gas=False)  # the forward divided by 2
+    engine.step()
+    torch_step(reference, optimizer, reference(x1, y1) / 2, reference(x2, y2))
+    assert_as_in_torch(engine, reference)
+    assert engine.runs["retract"] == 2
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_grad_between_forward_and_backward_drops_only_what_deepspeed_drops(stage):
     """The backward after a zero_grad still makes its gradients, and the step applies them (it

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from spmdzero.backends.torchax import process_rows
+from spmdzero.backends.torchax.forward import SPECULATED
 from spmdzero.backends.torchax.release import release_in_background
 from spmdzero.backends.torchax.placement import _as_jax, _is_torchax_tensor, _jax_dtype
 
@@ -30,6 +31,10 @@ PARAMETERS_CHANGED = ("engine.backward(loss) was given the loss of a forward who
                       "checkpoint load, an edit on the host): the torchax backend takes the gradient inside the "
                       "traced forward and keeps no graph at the old values. Call backward on each loss before the "
                       "optimizer step")
+UNCONFIRMED = ("spmdzero: a training forward's loss was not passed to engine.backward: its gradient, added to the accumulated "
+               "ones when the forward ran (so that no second copy of the gradients waits for the backward), was "
+               "taken out again at the cost of one more run of its training program. Evaluate under "
+               "torch.no_grad() or engine.eval()")
 
 
 # The engine sees the host's edits of the module's parameters at the next forward (as new
@@ -79,7 +84,17 @@ class BackwardPrograms:
 
     def _commit_traced(self, forward: SimpleNamespace) -> None:
         """Commit the gradient a training forward took of the module's loss (taking it again when
-        the accumulation changed since, see ``backward``)."""
+        the accumulation changed since, see ``backward``). A gradient the forward already added
+        to the accumulation (``SPECULATED``) is confirmed, or taken out and again when the
+        backward scales the loss otherwise."""
+        if forward.pending is SPECULATED:
+            if any(f is forward for f in self._unconfirmed):
+                if forward.divisor == self._loss_divisor:
+                    self._unconfirmed = [f for f in self._unconfirmed if f is not forward]
+                    forward.pending = None
+                    return
+                self._retract(forward)
+            forward.pending = None  # dropped with the accumulation it was added to (zero_grad): taken again
         if (forward.pending is None or forward.accum_token != self._accum_token
                 or forward.divisor != self._loss_divisor):
             if forward.generation != self._generation:
@@ -89,14 +104,58 @@ class BackwardPrograms:
             if self._gradient(forward) is None:  # its buffer changes were taken by the forward itself
                 raise RuntimeError("engine.backward(loss): the module returned this loss in eval mode, but no loss "
                                    "when traced to take its gradient")
+            if forward.pending is SPECULATED:  # added to the accumulation now, by its backward
+                self._unconfirmed = [f for f in self._unconfirmed if f is not forward]
+                forward.pending = None
+                return
         self._take_accum(forward.pending)
         forward.pending = None
+
+    def _settle(self) -> None:
+        """Take out of the accumulation the gradients of training forwards whose loss no backward
+        took (``_gradient`` added them when they ran), before anything uses the accumulation as
+        committed (the update, a gradient read) or the parameters change: DeepSpeed commits a
+        gradient at the backward only. Each costs one more run of its training program; the sum
+        then differs from one that never held it by rounding only (one subtraction)."""
+        for forward in self._unconfirmed[:]:
+            warnings.warn(UNCONFIRMED, stacklevel=3)
+            self._retract(forward)
+            forward.pending = None
+
+    def _retract(self, forward: SimpleNamespace) -> None:
+        """Subtract ``forward``'s gradient (taken again by its training program, on its inputs,
+        dropout draw and loss divisor, at the parameters it saw) from the accumulation."""
+        self._unconfirmed = [f for f in self._unconfirmed if f is not forward]
+        program = self._program("train", forward.treespec, forward.static, forward.training)
+        _, _, gradients = program(self._params, forward.constants, None, forward.rng, forward.arrays,
+                                  divisor=forward.divisor)
+        self.runs["retract"] += 1
+        if self._subtract_program is None:
+            self._subtract_program = self._build_subtract()
+        self._replace_accum(self._subtract_program(self._accum, gradients))
+
+    def _build_subtract(self):
+        """``(accum, gradients) -> accum - gradients``, jitted, the accumulation donated."""
+        import jax
+
+        def subtract(accum, gradients):
+            return {n: jax.lax.with_sharding_constraint(accum[n] - g, self._grad_specs[n])
+                    for n, g in gradients.items()}
+
+        return jax.jit(subtract, donate_argnums=(0,))
 
     def _take_accum(self, accum: dict) -> None:
         # the sum this one replaces is released now (off this thread): kept a micro-step longer it
         # was a second gradient held between micro-steps (ZeRO's accounting holds one)
         release_in_background(self._accum)
         self._set_accum(accum)
+
+    def _replace_accum(self, accum: dict) -> None:
+        """The accumulation after a program that was donated the old one (or, run eagerly, read
+        it): the forwards whose gradients are in it stay unconfirmed."""
+        unconfirmed = self._unconfirmed
+        self._take_accum(accum)
+        self._unconfirmed = unconfirmed
 
     def _backward_outside(self, loss: torch.Tensor, retain_graph: bool, divide: int) -> int:
         """torch autograd from ``loss`` (scaled as DeepSpeed scales it: fp32, times fp16's loss
@@ -123,9 +182,9 @@ class BackwardPrograms:
         if record.released:
             raise RuntimeError(BACKWARD_TWICE)
         vjp = record.vjp
+        if record.generation != self._generation:  # its VJP holds the parameters it saw (forward.py, residuals)
+            raise RuntimeError(PARAMETERS_CHANGED)
         if vjp is None:  # the forward took the module's loss's gradient only: its VJP, on the same inputs
-            if record.generation != self._generation:
-                raise RuntimeError(PARAMETERS_CHANGED)
             if not record.training and record.rows is not None:
                 self._check_training_rows(record.rows)  # an eval-mode forward trains only now
             program = self._program("vjp", record.treespec, record.static, record.training, record.which)
@@ -139,7 +198,7 @@ class BackwardPrograms:
             self._backward_program = self._build_backward()
         self.runs["backward"] += 1
         grads, input_grads = self._backward_program(vjp, cts, self._accum, record.avals)
-        self._take_accum(grads)
+        self._replace_accum(grads)  # it was donated
         if state is not None:
             state.rows += record.rows or 0
             state.forwards += 1
@@ -194,7 +253,8 @@ class BackwardPrograms:
                          for n, g in grads.items()}
             return grads, input_grads
 
-        return self._host_reads.backward(backward, static_argnums=(3,))
+        # the accumulated gradients are donated: the sum replaces them
+        return self._host_reads.backward(backward, static_argnums=(3,), donate_argnums=(2,))
 
     def _laid_out_gradient(self, name: str, grad):
         """A fresh gradient laid out by the plan's gradient spec; on a mesh with two fsdp axes,
@@ -212,6 +272,8 @@ class BackwardPrograms:
 
     def _set_accum(self, accum: Optional[dict]) -> None:
         """The gradients accumulated since the last optimizer step; a new token tells the
-        forwards whose gradient was added to the old ones that it must be taken again."""
+        forwards whose gradient was added to the old ones that it must be taken again (and so
+        does dropping the forwards whose gradient was added before their backward)."""
         self._accum = accum
         self._accum_token += 1
+        self._unconfirmed = []

@@ -197,6 +197,8 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         # its inputs and the accumulation with its gradient added), until backward commits it.
         self._accum: Optional[dict] = None  # gradients committed since the last boundary (plan's grad spec)
         self._accum_token = 0  # changes with _accum (_set_accum)
+        self._unconfirmed: list = []  # forwards whose gradient _accum holds before their backward (_settle)
+        self._subtract_program = None  # built at the first such forward taken out again
         self._generation = 0  # changes with the parameters (an update, a change taken from the host)
         self._window_reduced = False  # the last backward was at a boundary (zero_grad_keeps_gradients)
         self._retired_inputs: tuple = ()  # the last update's inputs
@@ -358,11 +360,13 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
     def grad_buffers(self) -> dict[str, torch.Tensor]:
         """The gradients accumulated since the last optimizer step by parameter name, as torchax
         tensors (``accumulated_gradients`` as JAX arrays); empty between steps."""
+        self._settle()
         return {n: self._Output(a, self._env) for n, a in (self._accum or {}).items()}
 
     def accumulated_gradients(self) -> dict[str, Any]:
         """The gradients committed since the last optimizer step, by parameter name, as JAX
         arrays laid out by the plan's gradient spec; empty between steps."""
+        self._settle()
         return dict(self._accum or {})
 
     def sharding_report(self):

@@ -76,6 +76,11 @@ def _output_tensor_class():
     return Output
 
 
+# ``forward.pending`` of a training forward whose gradient was added to the accumulated ones when
+# it ran (``_gradient``): its backward confirms it, ``BackwardPrograms._settle`` takes it out again
+SPECULATED = object()
+
+
 class _NoLoss(Exception):
     """Raised while tracing a training forward whose output holds no scalar loss."""
 
@@ -225,17 +230,30 @@ class ForwardPrograms:
 
     def _gradient(self, forward: SimpleNamespace):
         """Run the training program for ``forward`` (a training forward's inputs, as it saw
-        them): its outputs and its gradient added to the gradients accumulated so far, kept in
-        ``forward.pending`` until backward commits it. Returns (outputs, changed buffers, the
-        program), or None when the module's output holds no loss."""
-        program = self._program("train" if self._accum is None else "accumulate", forward.treespec, forward.static,
+        them). Returns (outputs, changed buffers, the program), or None when the module's output
+        holds no loss.
+
+        With no gradients accumulated yet, its gradient is kept in ``forward.pending`` until
+        backward commits it. Later in the window, the accumulated gradients are donated to the
+        program and its sum replaces them at once (``forward.pending`` is ``SPECULATED``): the
+        gradient is counted before its backward, and taken out again if none comes
+        (``BackwardPrograms._settle``). Kept beside the sum until the backward, it was a second
+        copy of the gradients on every device between a forward and its backward (issue 42)."""
+        accumulate = self._accum is not None
+        program = self._program("accumulate" if accumulate else "train", forward.treespec, forward.static,
                                 forward.training)
         ran = None if program.no_loss else program(self._params, forward.constants, self._accum, forward.rng,
                                                     forward.arrays)
         if ran is None:
             return None
         self.runs["forward"] += 1
-        outputs, constants, forward.pending = ran
+        outputs, constants, gradients = ran
+        if accumulate:
+            self._replace_accum(gradients)
+            self._unconfirmed.append(forward)
+            forward.pending = SPECULATED
+        else:
+            forward.pending = gradients
         forward.accum_token, forward.divisor = self._accum_token, self._loss_divisor
         return outputs, constants, program
 
@@ -365,20 +383,35 @@ class ForwardPrograms:
                 return [outputs[i] for i in floats], (outputs, changed)
 
             _, vjp, (outputs, changed) = jax.vjp(differentiable, params, [arrays[i] for i in which], has_aux=True)
-            return outputs, changed, vjp
+            # the VJP's residuals that are parameters or buffers themselves (a matmul's weight) are
+            # not outputs: as outputs they were copies, a second copy of the weights on every device
+            # until the backward; ``call`` puts the engine's arrays back in their place
+            leaves, treedef = jax.tree_util.tree_flatten(vjp)
+            sources = {id(a): (0, n) for n, a in params.items()} | {id(a): (1, n) for n, a in constants.items()}
+            residuals[:] = [treedef, [sources.get(id(leaf)) for leaf in leaves]]
+            return outputs, changed, [leaf for leaf in leaves if id(leaf) not in sources]
 
         if kind == "vjp":
-            jitted = self._host_reads.vjp_program(program_vjp)
+            jitted = self._host_reads.program(program_vjp, kind)
+            residuals: list = []  # (the VJP's treedef, per leaf: None or where it comes from), set by each trace
 
             def call(params, constants, rng, arrays):
-                return jitted(params, constants, rng, arrays)
+                outputs, changed, computed = jitted(params, constants, rng, arrays)
+                treedef, sources = residuals
+                computed, inputs = iter(computed), (params, constants)
+                vjp = jax.tree_util.tree_unflatten(
+                    treedef, [next(computed) if s is None else inputs[s[0]][s[1]] for s in sources])
+                return outputs, changed, (host_reads.EagerVJP(vjp) if jitted.eager else vjp)
         elif kind != "forward":
-            jitted = self._host_reads.program(program_train, kind)
+            # later in the window the accumulated gradients are donated: the sum replaces them (_gradient)
+            jitted = self._host_reads.program(program_train, kind,
+                                              **({"donate_argnums": (2,)} if kind == "accumulate" else {}))
 
-            def call(params, constants, accum, rng, arrays):
+            def call(params, constants, accum, rng, arrays, divisor=None):
                 scale = None if self._loss_scale is None else self._loss_scale.scale
+                divisor = self._loss_divisor if divisor is None else divisor
                 try:
-                    return jitted(params, constants, accum, rng, arrays, scale, np.float32(self._loss_divisor))
+                    return jitted(params, constants, accum, rng, arrays, scale, np.float32(divisor))
                 except _NoLoss:
                     call.no_loss = True
                 # the failed trace's frames (JAX's among them) refer to each other and hold its inputs

@@ -180,6 +180,7 @@ class HostModule:
                 continue
             with _unwatched():
                 t = t.detach()
+            self._settle()  # at the parameters the unconfirmed forwards saw
             if name in self._params:
                 self._params[name] = self._put(t, self._param_specs[name])
                 if name in self._masters:

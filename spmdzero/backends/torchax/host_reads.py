@@ -42,7 +42,7 @@ import collections
 import contextlib
 import functools
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
@@ -98,7 +98,7 @@ def concrete_reads():
 
 
 class EagerVJP:
-    """The VJP an eager run of the VJP program returned. A jitted backward would trace it again
+    """The VJP an eager run of the VJP program returned (the engine wraps it: ``Program.eager``). A jitted backward would trace it again
     at every step (each eager ``jax.vjp`` is a new function), so its backward runs eagerly too
     (``Fallback.backward``)."""
 
@@ -115,11 +115,10 @@ class Program:
     inside another trace (``trace_step`` composing it with the update) it is always the jitted
     one, so a host read there raises JAX's error, which says the step cannot be one program."""
 
-    def __init__(self, fallback: "Fallback", fn: Callable, kind: str, on_eager: Optional[Callable] = None,
-                 **jit_kwargs):
+    def __init__(self, fallback: "Fallback", fn: Callable, kind: str, **jit_kwargs):
         import jax
 
-        self._fallback, self._fn, self._kind, self._on_eager = fallback, fn, kind, on_eager
+        self._fallback, self._fn, self._kind = fallback, fn, kind
         self.jitted = jax.jit(fn, **jit_kwargs)
         self.eager = False  # its trace met a host read: it runs eagerly
 
@@ -136,8 +135,7 @@ class Program:
         return self._eagerly(args)
 
     def _eagerly(self, args):
-        result = self._fallback.run_eagerly(self._fn, args)
-        return result if self._on_eager is None else self._on_eager(result)
+        return self._fallback.run_eagerly(self._fn, args)
 
 
 class Fallback:
@@ -150,11 +148,6 @@ class Fallback:
     def program(self, fn: Callable, kind: str, **jit_kwargs) -> Program:
         """``fn`` jitted, or eager once its trace reads a value; ``kind`` names it in the note."""
         return Program(self, fn, kind, **jit_kwargs)
-
-    def vjp_program(self, fn: Callable) -> Program:
-        """The VJP program ``(params, constants, rng, inputs) -> (outputs, changed buffers,
-        VJP)``: run eagerly, its VJP is an ``EagerVJP``, whose backward runs eagerly too."""
-        return Program(self, fn, "vjp", on_eager=lambda result: (*result[:-1], EagerVJP(result[-1])))
 
     def backward(self, fn: Callable, **jit_kwargs) -> Callable:
         """The backward program ``(vjp, ...) -> ...``: jitted for a jitted forward's VJP, eager

@@ -27,6 +27,7 @@ class UpdateProgram:
         """Apply the update at an accumulation boundary; count every call; hold the step's
         traces to the recompile guard."""
         boundary = self.is_gradient_accumulation_boundary()
+        self._settle()  # a forward that no backward followed adds nothing
         if boundary:
             if self.optimizer is None:
                 raise RuntimeError("engine.step() needs an optimizer: pass optimizer= to initialize() or add an "
@@ -76,6 +77,7 @@ class UpdateProgram:
         def update(*args):
             return (self._update if clipped else self._unclipped())(*args)
 
+        self._settle()
         if self._schedule_on_devices and not lr_kwargs:  # as the previous step left it (a load: from the host)
             self.lr_scheduler.keep_on_device(None, put=self._device_count, ops=jax_ops())
         if self._torch_optimizer:
