@@ -19,7 +19,9 @@ NOTE = "reads a tensor's value on the host"
 class HostReads(torch.nn.Module):
     """An MLP whose forward reads values on the host the ways eager torch code does: an ``if`` on
     an input and on an activation, ``.item()``, ``int()``, ``.tolist()`` and ``.cpu()`` (a log of
-    what it saw), ``nonzero`` and a boolean mask (rows chosen by value: data-dependent shapes)."""
+    what it saw), ``nonzero`` and a boolean mask (rows chosen by value: data-dependent shapes), and a
+    slice whose bound is a tensor (torchax kept the tensor in a lazy view, read outside its
+    environment: an AssertionError)."""
 
     def __init__(self, loss_inside: bool):
         super().__init__()
@@ -40,6 +42,8 @@ class HostReads(torch.nn.Module):
         keep = out[:, 0] > 0
         rows = torch.nonzero(keep).flatten()
         out = out.index_add(0, rows, out[keep] * (int(keep.sum()) / len(keep)))
+        first = (x[:, 0] > x[:, 0].min()).nonzero()[0]  # a slice bound that is a tensor (DeepSpeed-Chat's reward model)
+        out = torch.cat([out[:first], out[first:] * 0.5])
         if not self.loss_inside:
             return out
         return torch.nn.functional.mse_loss(out, y)

@@ -33,6 +33,11 @@ Each replacement is installed on torchax's process-wide environment once, at the
   its ``.dtype``. transformers 4.x builds every attention mask with ``torch.vmap``, and Mistral's
   sliding window (``q_idx - sliding_window``) stopped there. The number becomes an array of the
   asked dtype.
+* ``t[a:b]`` where a bound is a tensor (DeepSpeed-Chat's reward model, ``r[d:n]`` with ``d``
+  from ``nonzero``): torchax keeps the slice, tensor and all, in a lazy view that is read later,
+  outside its environment, where it raised an AssertionError. Here the bound is taken as an
+  int when the slice is made, as torch takes it (``operator.index``): a value read on the host,
+  so a traced program hands the forward to the eager path (``host_reads``), as any read does.
 """
 
 from __future__ import annotations
@@ -183,6 +188,32 @@ def _numbers_copy_to_arrays(env) -> None:
     env._torch_Tensor_to = to_or_number
 
 
+def _index_bounds(indexes):
+    """``indexes`` with every slice bound that is a tensor taken as an int (see the module
+    docstring); everything else as it is."""
+    import operator
+
+    def bound(b):
+        return operator.index(b) if isinstance(b, torch.Tensor) else b
+
+    def each(i):
+        return slice(bound(i.start), bound(i.stop), bound(i.step)) if isinstance(i, slice) else i
+
+    return tuple(each(i) for i in indexes) if isinstance(indexes, tuple) else each(indexes)
+
+
+def _slices_with_index_bounds(env) -> None:
+    """``env``'s ``Tensor.__getitem__`` takes tensor slice bounds as ints (``_index_bounds``)."""
+    import dataclasses
+
+    original = env._ops[torch.Tensor.__getitem__]
+
+    def getitem(self, indexes, *args, **kwargs):
+        return original.func(self, _index_bounds(indexes), *args, **kwargs)
+
+    env._ops[torch.Tensor.__getitem__] = dataclasses.replace(original, func=getitem)
+
+
 def _grouped_mm_ops() -> list:
     """The grouped matmul ops this process has: torch's, and transformers' once its MoE code is loaded."""
     ops = [getattr(torch.ops.aten, "_grouped_mm", None)]
@@ -208,6 +239,7 @@ def install(env) -> None:
         return
     attention.install(env)
     _numbers_copy_to_arrays(env)
+    _slices_with_index_bounds(env)
     for op in (torch.ops.aten.embedding, torch.ops.aten.embedding.default):
         lower(op, embedding)
     for op in (torch.ops.aten.detach, torch.ops.aten.detach.default):
