@@ -16,9 +16,8 @@ JAX differentiates the whole traced function, where torch's autograd records not
 send gradients through it. Inside ``tracing()`` every result computed with grad disabled is
 ``jax.lax.stop_gradient``-ed (``NoGradStopsGradients``); ``torch.detach`` is lowered to it too
 (``lowerings``). Not inside a custom ``torch.autograd.Function``'s forward, which torch runs
-with grad disabled too: its gradient is its ``backward``'s, and JAX, which does not call it,
-differentiates the forward instead (exact where the backward is the forward's derivative, as in
-Bloom's GeLU; a Function whose backward is not, a gradient reversal, trains on the forward's).
+with grad disabled too: its gradient is its ``backward``'s, which the trace keeps as a
+``jax.custom_vjp`` (``autograd_functions``).
 
 ``tracing()`` raises torch's own flag (``torch.compiler._is_compiling_flag``, the one dynamo
 and ``torch.export`` set) for the duration of the trace, so every library that asks the public
@@ -34,6 +33,8 @@ import contextlib
 import torch
 import torch.compiler
 from torch.utils import _pytree as torch_pytree
+
+from spmdzero.backends.torchax import autograd_functions
 
 
 class OutArgumentsCopied(torch.overrides.TorchFunctionMode):
@@ -67,13 +68,17 @@ _functions_running = [0]  # autograd Functions whose forward is running, in the 
 
 
 @contextlib.contextmanager
-def _functions_counted():
-    """``torch.autograd.Function.apply`` counted in ``_functions_running`` while the trace lasts."""
+def _functions_counted(differentiated: bool):
+    """``torch.autograd.Function.apply`` counted in ``_functions_running`` while the trace lasts;
+    ``differentiated``: a custom VJP of the Function's backward (``autograd_functions``)."""
     apply = torch.autograd.Function.__dict__["apply"]
 
     def counted(cls, *args, **kwargs):
         _functions_running[0] += 1
         try:
+            result = autograd_functions.mapped(cls, args, kwargs) if differentiated else NotImplemented
+            if result is not NotImplemented:
+                return result
             return apply.__func__(cls, *args, **kwargs)
         finally:
             _functions_running[0] -= 1
@@ -94,7 +99,7 @@ def tracing(differentiated: bool = True):
     before = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True
     try:
-        with torch.set_grad_enabled(True) if differentiated else contextlib.nullcontext(), _functions_counted(), \
+        with torch.set_grad_enabled(True) if differentiated else contextlib.nullcontext(), _functions_counted(differentiated), \
                 NoGradStopsGradients() if differentiated else contextlib.nullcontext(), OutArgumentsCopied():
             yield
     finally:
