@@ -246,6 +246,14 @@ def test_torch_accelerator_answers_as_a_host_without_an_accelerator():
     assert torch.accelerator.device_count() == 0
     assert torch.accelerator.current_device_index() == 0
     assert torch._C._get_accelerator() == torch.device("cpu")  # torch.distributed.barrier's lookup
+    # torch holds no accelerator memory here (they hit an internal assert: "Allocator for jax is not a DeviceAllocator")
+    for query in (torch.accelerator.memory_allocated, torch.accelerator.max_memory_allocated,
+                  torch.accelerator.memory_reserved, torch.accelerator.memory.max_memory_reserved):
+        assert query() == 0
+    assert torch.accelerator.memory_stats() == {}
+    torch.accelerator.empty_cache()
+    torch.accelerator.reset_peak_memory_stats()
+    torch.accelerator.synchronize()
 
 
 def test_pinning_a_tensor_leaves_it_on_the_host_unpinned():

@@ -23,7 +23,9 @@ of its host through compiled programs and torch's own tensors stay on the host: 
   (``answer_accelerator_queries``), as a CUDA build of torch does on a machine without GPUs: ``is_available()``
   False, ``device_count()`` 0, ``current_accelerator()`` the built-in name (``jax``),
   ``current_device_index()`` 0 (the process's one logical device, what ``LOCAL_RANK`` is under
-  ``spmdzero launch``). The DataLoader pins memory only where ``is_available()`` says so; for
+  ``spmdzero launch``), and its memory queries 0 bytes (``memory_allocated()``, the peaks, an
+  empty ``memory_stats()``; ``empty_cache()`` and the resets do nothing): torch holds no
+  accelerator memory here, JAX does (``spmdzero.observe.reports.live_device_bytes``); they hit an internal assert. The DataLoader pins memory only where ``is_available()`` says so; for
   ``jax`` pinning needs the C++ hooks (HF's Trainer pins by default: its first batch failed
   with "Please register PrivateUse1HooksInterface"), and pinned host memory means nothing to
   PJRT's transfers. Libraries that ask then take their CPU path, consistent with
@@ -166,13 +168,22 @@ def _unless_hooks_missing(answer):
 
 def answer_accelerator_queries() -> None:
     """``torch.accelerator`` answers as on a host without an accelerator while PrivateUse1 has no
-    hooks: not available, no devices, the current index 0. Idempotent."""
-    import torch.accelerator as accelerator
+    hooks: not available, no devices, the current index 0, no memory. Idempotent."""
+    import collections
 
-    for name, answer in (("is_available", False), ("device_count", 0), ("current_device_index", 0)):
-        query = getattr(accelerator, name)
-        if not getattr(query, "_spmdzero_without_hooks", False):
-            setattr(accelerator, name, _unless_hooks_missing(answer)(query))
+    import torch.accelerator as accelerator
+    import torch.accelerator.memory as memory
+
+    answers = [("is_available", False), ("device_count", 0), ("current_device_index", 0)]
+    answers += [(name, 0) for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
+                                       "max_memory_reserved")]
+    answers += [("memory_stats", collections.OrderedDict()), ("empty_cache", None),
+                ("reset_peak_memory_stats", None), ("reset_accumulated_memory_stats", None)]
+    for name, answer in answers:
+        for namespace in (accelerator, memory):
+            query = getattr(namespace, name, None)
+            if query is not None and not getattr(query, "_spmdzero_without_hooks", False):
+                setattr(namespace, name, _unless_hooks_missing(answer)(query))
 
 
 def pin_nothing_without_hooks() -> None:
