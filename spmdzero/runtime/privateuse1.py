@@ -24,8 +24,10 @@ of its host through compiled programs and torch's own tensors stay on the host: 
   False, ``device_count()`` 0, ``current_accelerator()`` the built-in name (``jax``),
   ``current_device_index()`` 0 (the process's one logical device, what ``LOCAL_RANK`` is under
   ``spmdzero launch``), and its memory queries 0 bytes (``memory_allocated()``, the peaks, an
-  empty ``memory_stats()``; ``empty_cache()`` and the resets do nothing): torch holds no
-  accelerator memory here, JAX does (``spmdzero.observe.reports.live_device_bytes``); they hit an internal assert. The DataLoader pins memory only where ``is_available()`` says so; for
+  empty ``memory_stats()``; ``empty_cache()`` and the resets do nothing; they hit an internal
+  assert): torch holds no accelerator memory here, JAX does
+  (``spmdzero.observe.reports.live_device_bytes``). The DataLoader pins memory only where
+  ``is_available()`` says so; for
   ``jax`` pinning needs the C++ hooks (HF's Trainer pins by default: its first batch failed
   with "Please register PrivateUse1HooksInterface"), and pinned host memory means nothing to
   PJRT's transfers. Libraries that ask then take their CPU path, consistent with
