@@ -26,6 +26,8 @@ def pytest_configure(config):
     the pytest process only (a test's subprocess that imports this module for its helpers stays
     a default process)."""
     spmdzero.runtime.start_torch_xla("the torch_xla backend's tests")
+    if config.option.durations is None:  # the slowest tests in every run's summary: the suite's time budget
+        config.option.durations = 15
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
