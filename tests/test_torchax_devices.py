@@ -254,6 +254,9 @@ def test_torch_accelerator_answers_as_a_host_without_an_accelerator():
     torch.accelerator.empty_cache()
     torch.accelerator.reset_peak_memory_stats()
     torch.accelerator.synchronize()
+    torch.accelerator.set_device_index(0)  # one process drives every device: nothing to choose
+    with torch.accelerator.device_index(0):
+        assert torch.accelerator.current_device_index() == 0
 
 
 def test_pinning_a_tensor_leaves_it_on_the_host_unpinned():

@@ -23,7 +23,8 @@ of its host through compiled programs and torch's own tensors stay on the host: 
   (``answer_accelerator_queries``), as a CUDA build of torch does on a machine without GPUs: ``is_available()``
   False, ``device_count()`` 0, ``current_accelerator()`` the built-in name (``jax``),
   ``current_device_index()`` 0 (the process's one logical device, what ``LOCAL_RANK`` is under
-  ``spmdzero launch``), and its memory queries 0 bytes (``memory_allocated()``, the peaks, an
+  ``spmdzero launch``), ``set_device_index(i)`` and ``with device_index(i):`` do nothing (one
+  process drives every device of its host), and its memory queries 0 bytes (``memory_allocated()``, the peaks, an
   empty ``memory_stats()``; ``empty_cache()`` and the resets do nothing; they hit an internal
   assert): torch holds no accelerator memory here, JAX does
   (``spmdzero.observe.reports.live_device_bytes``). The DataLoader pins memory only where
@@ -173,10 +174,13 @@ def answer_accelerator_queries() -> None:
     hooks: not available, no devices, the current index 0, no memory. Idempotent."""
     import collections
 
+    import torch
     import torch.accelerator as accelerator
     import torch.accelerator.memory as memory
 
-    answers = [("is_available", False), ("device_count", 0), ("current_device_index", 0)]
+    # set_device_index: one process drives all its devices under SPMD, so choosing one does nothing
+    answers = [("is_available", False), ("device_count", 0), ("current_device_index", 0),
+               ("set_device_index", None), ("set_device_idx", None)]
     answers += [(name, 0) for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
                                        "max_memory_reserved")]
     answers += [("memory_stats", collections.OrderedDict()), ("empty_cache", None),
@@ -186,6 +190,12 @@ def answer_accelerator_queries() -> None:
             query = getattr(namespace, name, None)
             if query is not None and not getattr(query, "_spmdzero_without_hooks", False):
                 setattr(namespace, name, _unless_hooks_missing(answer)(query))
+    # ``with torch.accelerator.device_index(i):`` exchanges the current index through these: the
+    # previous one is 0, and nothing changes
+    for name in ("_accelerator_exchangeDevice", "_accelerator_maybeExchangeDevice"):
+        query = getattr(torch._C, name, None)
+        if query is not None and not getattr(query, "_spmdzero_without_hooks", False):
+            setattr(torch._C, name, _unless_hooks_missing(0)(query))
 
 
 def pin_nothing_without_hooks() -> None:
