@@ -50,6 +50,9 @@ MOVES = {
     "'jax:0'": lambda engine, out: "jax:0",
     "get_accelerator().device_name(0)": lambda engine, out: get_accelerator().device_name(0),
     "engine.device": lambda engine, out: engine.device,
+    # without an index (torch asks a device guard for the current one: "not linked with support for jax devices")
+    "'jax'": lambda engine, out: "jax",
+    "torch.accelerator.current_accelerator()": lambda engine, out: torch.accelerator.current_accelerator(),
 }
 
 

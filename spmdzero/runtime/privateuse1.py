@@ -46,9 +46,11 @@ of its host through compiled programs and torch's own tensors stay on the host: 
 
 All of it is process-wide and acts only where torch would otherwise raise for the missing
 hooks or kernels; CPU tensors, torch_xla's ``xla`` device and a real accelerator are untouched.
-Hooks and a device guard cannot be registered from Python in torch 2.9, so an index-less
-``.to("jax")`` (which asks the guard for the current index) still fails in torch's words; the
-idioms above carry an index. With torchax's own mode active (inside a traced forward), torchax
+Hooks and a device guard cannot be registered from Python in torch 2.9: an index-less move
+(``.to("jax")``, ``.to(torch.accelerator.current_accelerator())``, ``model.to("jax")``) asks
+the guard for the current index and failed with "PyTorch is not linked with support for jax
+devices". ``index_the_moves`` retries such a move at index 0 (the process's one logical
+device); the first try costs nothing more. With torchax's own mode active (inside a traced forward), torchax
 handles ``jax`` tensors itself and none of this is reached.
 """
 
@@ -67,6 +69,7 @@ def install() -> None:
     run_device_ops_on_host()
     answer_accelerator_queries()
     pin_nothing_without_hooks()
+    index_the_moves()
 
 
 def name_the_device() -> None:
@@ -219,3 +222,40 @@ def pin_nothing_without_hooks() -> None:
 
     pin_memory._spmdzero_without_hooks = True
     torch.Tensor.pin_memory = pin_memory
+
+
+_NO_GUARD = "is not linked with support for"  # torch's words for a device type without a device guard
+
+
+def _with_index(value):
+    """``value`` with the PrivateUse1 device at index 0 where it names it without an index."""
+    import torch
+
+    name = torch._C._get_privateuse1_backend_name()
+    if isinstance(value, str) and value == name:
+        return f"{name}:0"
+    if isinstance(value, torch.device) and value.type == name and value.index is None:
+        return torch.device(name, 0)
+    return value
+
+
+def index_the_moves() -> None:
+    """``tensor.to(<the jax device without an index>)`` moves to ``jax:0`` (see the module
+    docstring); every other move, and every other error, as before. Idempotent."""
+    import torch
+
+    to = torch.Tensor.to
+    if getattr(to, "_spmdzero_without_hooks", False):
+        return
+
+    @functools.wraps(to)
+    def to_indexed(self, *args, **kwargs):
+        try:
+            return to(self, *args, **kwargs)
+        except RuntimeError as err:
+            if _NO_GUARD not in str(err) or not _privateuse1_is_torchax():
+                raise
+            return to(self, *(_with_index(a) for a in args), **{k: _with_index(v) for k, v in kwargs.items()})
+
+    to_indexed._spmdzero_without_hooks = True
+    torch.Tensor.to = to_indexed
