@@ -322,8 +322,10 @@ def test_a_lost_process_stops_the_others_with_an_error_naming_it(tmp_path):
     log = (tmp_path / "log0.txt").read_text()
     assert "DYING" in (tmp_path / "log1.txt").read_text()
     assert code != 0 and waited < 60, (code, waited, log[-3000:])
-    # JAX's coordination service names the lost process: task N is --node_rank N
-    assert "stopped sending heartbeats" in log and "task:1" in log, log[-3000:]
+    # JAX's coordination service names the lost process: task N is --node_rank N. Its words depend
+    # on where process 0 was when the heartbeats stopped (a collective, or already at the shutdown
+    # barrier on a loaded machine: "heartbeat timeout")
+    assert ("stopped sending heartbeats" in log or "heartbeat timeout" in log) and "task:1" in log, log[-3000:]
 
 
 @pytest.mark.slow
