@@ -55,15 +55,6 @@ class ZeroConfig(Section):
 
     stage: int = Field(0, ge=0, le=3)
 
-    @field_validator("stage")
-    @classmethod
-    def _no_stage3(cls, stage: int) -> int:
-        if stage == 3:
-            raise ValueError(
-                "ZeRO stage 3 (sharded parameters) is out of scope for spmdzero; use torch_xla's "
-                "FSDPv2 (torch_xla.experimental.spmd_fully_sharded_data_parallel) for it"
-            )
-        return stage
 
 
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
