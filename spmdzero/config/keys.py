@@ -13,6 +13,22 @@ OFFLOAD_REASON = ("CPU/NVMe offload is not implemented: optimizer states and par
 ZERO3_REASON = "ZeRO-3 only; DeepSpeed ignores it at stage 0-2 too (never warned)"
 
 
+def zero3_reason(name: str) -> str:
+    """Why a ZeRO-3 knob (``ZERO3_KEYS``) changes nothing at stage 3, where it is warned about:
+    the parameters are sharded by annotation and XLA gathers each where the step uses it."""
+    if "gather_16bit_weights_on_model_save" in name or "gather_fp16_weights_on_model_save" in name:
+        return ("always on: the host module holds the whole weights, so save_16bit_model and "
+                "_zero3_consolidated_16bit_state_dict write them whole")
+    if name.startswith(("zero_quantized", "zeropp", "zero_hpz", "mics")):
+        return ("ZeRO++/MiCS variants of the collectives: XLA's all-gathers and reduce-scatters run "
+                "unquantized over the whole fsdp axis")
+    if name in ("sub_group_size", "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply",
+                "leaf_module", "save_muon_momentum_buffer_in_memory"):
+        return "DeepSpeed's stage-3 runtime mechanics (hooks, sub-groups, module wrapping), which the compiled step has not"
+    return ("XLA gathers each parameter where the compiled step uses it and schedules the gathers itself: "
+            "prefetch, persistence, live-parameter and bucket limits have nothing to tune")
+
+
 # ZeRO-3 tuning knobs, by DeepSpeed's JSON names (stage3_* aliases and field names).
 ZERO3_KEYS = (
     "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
