@@ -145,12 +145,26 @@ class EngineBase:
         """The module's state dict in the model dtype (bf16/fp16 under mixed precision), written
         by process 0 with ``torch.save``. Every process must call it (the copy to the host reads
         the replicated parameters of every host)."""
-        frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-        state = {name: t.detach().cpu() for name, t in self.module.state_dict().items()
-                 if not (exclude_frozen_parameters and name in frozen)}
+        state = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             torch.save(state, os.path.join(save_dir, save_filename))
+        return True
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """DeepSpeed's whole 16-bit state dict at ZeRO-3 (the Hugging Face Trainer and accelerate
+        save a stage-3 model through it): the module's state dict in the model dtype, on the
+        host, on process 0 (empty on the others, as DeepSpeed gives it on rank 0 only). The host
+        module holds whole weights at every stage, so there is nothing to gather by hand. Every
+        process must call it."""
+        frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+        state = collections.OrderedDict((name, t.detach().cpu()) for name, t in self.module.state_dict().items()
+                                        if not (exclude_frozen_parameters and name in frozen))
+        return state if self.global_rank == 0 else collections.OrderedDict()
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """DeepSpeed's ``stage3_gather_16bit_weights_on_model_save``, always on here: the whole
+        16-bit weights can always be written (``_zero3_consolidated_16bit_state_dict``)."""
         return True
 
     def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
