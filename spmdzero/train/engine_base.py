@@ -110,8 +110,8 @@ class EngineBase:
         return self.plan.stage >= 2
 
     def zero_optimization_partition_weights(self) -> bool:
-        """False: parameters are never sharded at stages 0-2 (ZeRO-3 is out of scope)."""
-        return False
+        """Whether the devices hold the parameters sharded: at stage 3."""
+        return self.plan.stage >= 3
 
     def steps_per_print(self) -> Optional[int]:
         return self._config.steps_per_print
