@@ -88,7 +88,7 @@ def test_zero3_only_keys_are_accepted_silently_below_stage_3(name):
     assert cfg.zero_stage == 2 and not cfg.noop_keys
 
 
-@pytest.mark.parametrize("name", ZERO3_KEYS)
+@pytest.mark.parametrize("name", [k for k in ZERO3_KEYS if "weights_on_model_save" not in k])
 def test_zero3_keys_at_stage_3_are_named_as_no_ops_with_their_reason(name, monkeypatch):
     monkeypatch.setattr(spmdzero.config.load, "_warned", set())  # once per process: forget earlier tests
     with pytest.warns(UserWarning, match=f"zero_optimization.{name}: ") as caught:
@@ -96,6 +96,14 @@ def test_zero3_keys_at_stage_3_are_named_as_no_ops_with_their_reason(name, monke
     assert cfg.zero_stage == 3 and cfg.noop_keys == (f"zero_optimization.{name}",)
     reason = str(caught[0].message).split(f"zero_optimization.{name}: ")[1]
     assert "never warned" not in reason and len(reason) > 40
+
+
+@pytest.mark.parametrize("name", [k for k in ZERO3_KEYS if "weights_on_model_save" in k])
+def test_zero3s_gather_on_model_save_is_read_not_warned(name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = parse_config({**BASE, "zero_optimization": {"stage": 3, name: True}})
+    assert cfg.zero_stage == 3 and not cfg.noop_keys
 
 
 @pytest.mark.parametrize("key", REFUSED_KEYS)

@@ -13,12 +13,14 @@ OFFLOAD_REASON = ("CPU/NVMe offload is not implemented: optimizer states and par
 ZERO3_REASON = "ZeRO-3 only; DeepSpeed ignores it at stage 0-2 too (never warned)"
 
 
-def zero3_reason(name: str) -> str:
+def zero3_reason(name: str):
     """Why a ZeRO-3 knob (``ZERO3_KEYS``) changes nothing at stage 3, where it is warned about:
-    the parameters are sharded by annotation and XLA gathers each where the step uses it."""
+    the parameters are sharded by annotation and XLA gathers each where the step uses it. None
+    for the one that is read: ``stage3_gather_16bit_weights_on_model_save`` is what
+    ``engine.zero_gather_16bit_weights_on_model_save()`` answers (the Hugging Face Trainer then
+    saves whole 16-bit weights, or a checkpoint for zero_to_fp32, as with DeepSpeed)."""
     if "gather_16bit_weights_on_model_save" in name or "gather_fp16_weights_on_model_save" in name:
-        return ("always on: the host module holds the whole weights, so save_16bit_model and "
-                "_zero3_consolidated_16bit_state_dict write them whole")
+        return None
     if name.startswith(("zero_quantized", "zeropp", "zero_hpz", "mics")):
         return ("ZeRO++/MiCS variants of the collectives: XLA's all-gathers and reduce-scatters run "
                 "unquantized over the whole fsdp axis")

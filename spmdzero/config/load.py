@@ -228,7 +228,8 @@ def _classify(raw: dict, source: str) -> tuple[dict, list[str]]:
                 raise ConfigError(f"{source}: {key}={value!r} is not one of {', '.join(valid)} (any case), as "
                                   "DeepSpeed requires")
             # ZeRO-3 knobs are silent below stage 3, as DeepSpeed ignores them there
-            if (NOOP_KEYS[key] != ZERO3_REASON or stage == 3) and value != "auto" and _enabled(key, value):
+            zero3_noop = stage == 3 and zero3_reason(name) is not None
+            if (NOOP_KEYS[key] != ZERO3_REASON or zero3_noop) and value != "auto" and _enabled(key, value):
                 noop.append(key)
     return raw, noop
 

@@ -162,11 +162,6 @@ class EngineBase:
                                         if not (exclude_frozen_parameters and name in frozen))
         return state if self.global_rank == 0 else collections.OrderedDict()
 
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """DeepSpeed's ``stage3_gather_16bit_weights_on_model_save``, always on here: the whole
-        16-bit weights can always be written (``_zero3_consolidated_16bit_state_dict``)."""
-        return True
-
     def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
         return self.save_16bit_model(save_dir, save_filename)
 
@@ -281,10 +276,14 @@ class EngineBase:
         (device memory goes with the tensors), so there is nothing to release."""
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """DeepSpeed's ``stage3_gather_16bit_weights_on_model_save`` (read at ZeRO-3 only; at
-        stages 0-2 every device holds whole weights and ``save_16bit_model`` always saves)."""
+        """DeepSpeed's ``stage3_gather_16bit_weights_on_model_save``, under any of its names
+        (read by callers at ZeRO-3 only: the Hugging Face Trainer then saves whole 16-bit weights
+        through ``_zero3_consolidated_16bit_state_dict``, or else a checkpoint for zero_to_fp32;
+        ``save_16bit_model`` always saves)."""
         zero = self.config.get("zero_optimization") or {}  # the DeepSpeed dict, as DeepSpeed reads it
-        return bool(zero.get("stage3_gather_16bit_weights_on_model_save", False))
+        names = ("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+                 "gather_16bit_weights_on_model_save")
+        return any(zero.get(name) is True for name in names)
 
     def _consume_samples(self) -> int:
         """Samples this optimizer step trained on: the rows its training forwards fed, or the
