@@ -9,7 +9,6 @@ from typing import Any, Callable, Optional
 import torch
 
 from spmdzero import runtime
-from spmdzero.config.errors import ConfigError
 from spmdzero.config.schema import DeepSpeedConfig
 from spmdzero.backends.torch_xla.batches import to_device_sharded
 from spmdzero.backends.torch_xla.engine import SpmdZeroEngine
