@@ -60,11 +60,11 @@ def tokens(seed: int) -> torch.Tensor:
     return torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(seed))
 
 
-def train_gpt2(checkpointing: bool, dropout: float, scan: bool = False):
+def train_gpt2(checkpointing: bool, dropout: float, scan: bool = False, policy: str = "none"):
     config = {"train_batch_size": 8, "zero_optimization": {"stage": 2},
               "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}
     if scan:
-        config["spmd"] = {"scan_layers": True}
+        config["spmd"] = {"scan_layers": True, "remat": policy}
     engine, *_ = spmdzero.initialize(model=tiny_gpt2(checkpointing, dropout), config=config)
     losses = []
     for _ in range(STEPS):
@@ -269,3 +269,41 @@ def test_running_statistics_updated_in_a_region_are_updated_once():
         torch.testing.assert_close(runs[True][2][name], value, atol=1e-6, rtol=0)
     assert int(runs[True][2]["seq.1.num_batches_tracked"]) == STEPS
     assert remat_regions(runs[True][0].trace_step(x, y).traced) >= 1
+
+
+# ---- spmd.remat: a policy for the scanned layer stack ---------------------------------------------
+
+@pytest.mark.slow
+def test_a_remat_policy_for_the_scanned_stack_trains_as_without_and_rematerializes():
+    """``"spmd": {"scan_layers": true, "remat": ...}``: "full" and "save_matmuls" put the scan's
+    body under ``jax.checkpoint`` (one region, whatever the depth), "none" does not; with dropout
+    on, every policy trains to the same losses and parameters (a recomputed layer draws the same
+    masks)."""
+    runs = {policy: train_gpt2(False, dropout=0.1, scan=True, policy=policy)
+            for policy in ("none", "full", "save_matmuls")}
+    for policy in ("full", "save_matmuls"):
+        assert_same_training(runs["none"][1], runs[policy][1])
+    regions = {policy: remat_regions(engine.trace_step(input_ids=tokens(0), labels=tokens(0)).traced)
+               for policy, (engine, _) in runs.items()}
+    assert regions == {"none": 0, "full": 1, "save_matmuls": 1}
+
+
+@pytest.mark.parametrize("spmd, message", [
+    ({"remat": "full"}, 'remat=.full. applies to a scanned layer stack: set "scan_layers"'),
+    ({"scan_layers": True, "remat": "sometimes"}, "spmd.remat"),
+])
+def test_a_remat_policy_without_a_scanned_stack_or_unknown_names_the_key(spmd, message):
+    from spmdzero.config import parse_config
+    from spmdzero.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"train_batch_size": 8, "spmd": spmd})
+
+
+def test_a_remat_policy_on_the_torch_xla_backend_says_where_it_runs():
+    from spmdzero.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="spmd.remat='full' is implemented on the torchax backend"):
+        spmdzero.initialize(model=tiny_gpt2(False, 0.0), config={
+            "train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "spmd": {"backend": "torch_xla", "scan_layers": True, "remat": "full"}})
