@@ -3,6 +3,7 @@
 the traced programs (counted in the jaxpr) and train exactly as without, dropout included."""
 
 import functools
+import warnings
 
 import jax
 import numpy as np
@@ -19,6 +20,7 @@ import spmdzero
 from spmdzero.backends.torchax import remat
 
 from conftest import batches
+from spmdzero.compat.deepspeed import checkpointing as ds_checkpointing
 
 STEPS = 3
 
@@ -154,6 +156,8 @@ class Net(torch.nn.Module):
                 x, none, extra = block(x, scale=scale)
             elif self.how == "reentrant":
                 x, none, extra = checkpoint_bound_early(block, x, scale, use_reentrant=True)
+            elif self.how == "deepspeed":  # Megatron-style scripts: deepspeed.checkpointing.checkpoint(fn, *args)
+                x, none, extra = ds_checkpointing.checkpoint(block, x, scale)
             else:
                 bound = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False,
                                           preserve_rng_state=True)
@@ -180,10 +184,10 @@ def train_net(how, outside_loss: bool = False):
 
 @pytest.fixture(scope="module")
 def net_runs():
-    return {how: train_net(how) for how in (None, "reentrant", "non_reentrant")}
+    return {how: train_net(how) for how in (None, "reentrant", "non_reentrant", "deepspeed")}
 
 
-@pytest.mark.parametrize("how", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("how", ["reentrant", "non_reentrant", "deepspeed"])
 def test_torch_checkpoint_trains_as_without(net_runs, how):
     assert_same_training(net_runs[None][1], net_runs[how][1])
     x, y = batches(1, 16)[0]
@@ -307,3 +311,19 @@ def test_a_remat_policy_on_the_torch_xla_backend_says_where_it_runs():
         spmdzero.initialize(model=tiny_gpt2(False, 0.0), config={
             "train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
             "spmd": {"backend": "torch_xla", "scan_layers": True, "remat": "full"}})
+
+
+def test_deepspeed_checkpointings_settings_are_named_once_as_no_ops(monkeypatch):
+    """``deepspeed.checkpointing.configure``, as Megatron-style scripts call it, from the config's
+    section: each setting switched on is named with its reason, once."""
+    monkeypatch.setattr(ds_checkpointing, "_said", set())
+    config = {"activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True,
+                                           "contiguous_memory_optimization": False, "number_checkpoints": None}}
+    with pytest.warns(UserWarning) as caught:
+        ds_checkpointing.configure(None, deepspeed_config=config)
+    text = str(caught[0].message)
+    assert "partition_activations: activations are already sharded" in text and "checkpoint_in_cpu:" in text
+    assert "contiguous_checkpointing" not in text and ds_checkpointing.is_configured()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ds_checkpointing.configure(None, deepspeed_config=config)  # said once

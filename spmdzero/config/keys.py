@@ -114,9 +114,16 @@ NOOP_KEYS: dict[str, str] = {
     "autotuning": "not available",
     "timers": "steps_per_print logs samples/sec",
     "eigenvalue": "only consumed by DeepSpeed's quantizer and progressive layer drop, not available",
-    "activation_checkpointing": "configures DeepSpeed's deepspeed.checkpointing, which spmdzero does not provide; "
-                                "the engine does not checkpoint activations itself (use torch.utils.checkpoint in "
-                                "the model, or a transformers model's gradient_checkpointing_enable())",
+    # deepspeed.checkpointing.checkpoint(fn, *args) rematerializes (it is torch.utils.checkpoint); its
+    # settings are about DeepSpeed's own model parallelism and memory handling
+    "activation_checkpointing.partition_activations": "activations are already sharded with the batch; there is "
+                                                      "no model-parallel group to partition them over",
+    "activation_checkpointing.cpu_checkpointing": "checkpointed activations stay on the devices (no host offload)",
+    "activation_checkpointing.contiguous_memory_optimization": "XLA allocates the step's buffers",
+    "activation_checkpointing.number_checkpoints": "XLA allocates the step's buffers",
+    "activation_checkpointing.synchronize_checkpoint_boundary": "the step is one compiled program: there is no "
+                                                                "boundary to synchronize",
+    "activation_checkpointing.profile": "the step log times whole steps",
     "pipeline": "applies to PipelineModule only (pipeline parallelism is out of scope)",
     "compile": "spmdzero always compiles the step with XLA",
     "log_level": "spmdzero logs through the 'spmdzero' logger",
