@@ -732,7 +732,7 @@ def aot_inputs(tmp_path):
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
     return {
         "ds": _write(tmp_path / "ds.json", json.dumps(ds)),
-        "ds3": _write(tmp_path / "ds3.json", json.dumps({**ds, "zero_optimization": {"stage": 3}})),
+        "ds4": _write(tmp_path / "ds4.json", json.dumps({**ds, "zero_optimization": {"stage": 4}})),
         "syntax": _write(tmp_path / "syntax.py", "def f(:\n") + ":M",
         "missing_import": _write(tmp_path / "importerr.py", "import nosuchpackage_xyz\n") + ":M",
         "not_a_module": _write(tmp_path / "notmod.py", "def make():\n    return 3\n") + ":make",
@@ -747,7 +747,7 @@ def aot_inputs(tmp_path):
 
 
 @pytest.mark.parametrize("case, extra, message", [
-    ("ds3", [], "ZeRO stage 3"),
+    ("ds4", [], "zero_optimization.stage"),
     ("syntax", [], r"importing .*syntax.py failed: SyntaxError"),
     ("missing_import", [], r"importing .*importerr.py failed: ModuleNotFoundError: No module named 'nosuchpackage_xyz'"),
     ("not_a_module", [], r"gave a int, not a torch.nn.Module"),
@@ -761,8 +761,8 @@ def aot_inputs(tmp_path):
 def test_the_command_refuses_bad_input_with_one_line(aot_inputs, capsys, case, extra, message):
     from spmdzero.aot import command
 
-    model = aot_inputs[case] if case != "ds3" else aot_inputs["gpt2"]
-    config = aot_inputs["ds3"] if case == "ds3" else aot_inputs["ds"]
+    model = aot_inputs[case] if case != "ds4" else aot_inputs["gpt2"]
+    config = aot_inputs["ds4"] if case == "ds4" else aot_inputs["ds"]
     args = ["--topology", "v5e:2x2", "--deepspeed_config", config, "--model", model, "--stages", "2"]
     code = command.main(args + extra)
     err = capsys.readouterr().err
@@ -770,7 +770,7 @@ def test_the_command_refuses_bad_input_with_one_line(aot_inputs, capsys, case, e
     assert "Traceback" not in err and len(err.splitlines()) == 1
 
 
-@pytest.mark.parametrize("flag, value", [("--stages", "x"), ("--stages", "1,3"), ("--seq-len", "0"),
+@pytest.mark.parametrize("flag, value", [("--stages", "x"), ("--stages", "1,4"), ("--seq-len", "0"),
                                          ("--micro-batch", "-1")])
 def test_the_command_refuses_bad_numbers_as_usage_errors(aot_inputs, capsys, flag, value):
     from spmdzero.aot import command

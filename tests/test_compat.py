@@ -7,6 +7,8 @@ import inspect
 import logging
 import os
 import sys
+import subprocess
+import textwrap
 import types
 
 import pytest
@@ -16,7 +18,7 @@ import torch.distributed as dist
 import spmdzero
 from spmdzero.compat import alias
 
-from conftest import batches, tiny_mlp
+from conftest import REPO, batches, tiny_mlp
 
 
 @pytest.fixture(scope="module")
@@ -305,7 +307,62 @@ def test_zero_init_and_gathered_parameters_are_no_ops_below_stage_3(deepspeed):
     assert ZeroParamStatus.NOT_AVAILABLE.name == "NOT_AVAILABLE"
 
 
-def test_recursive_getattr_and_setattr(deepspeed):
+def test_gathered_parameters_broadcast_the_modifiers_values_to_the_other_processes(tmp_path):
+    """Two processes (gloo): rank 0 changes a parameter inside ``GatheredParameters(...,
+    modifier_rank=0)``, as Hugging Face's ZeRO-3 loading does, and rank 1 has it on exit;
+    without a modifier rank each keeps its own."""
+    script = tmp_path / "gathered.py"
+    script.write_text(textwrap.dedent("""
+        import os, torch, torch.distributed as dist, torch.multiprocessing as mp
+
+        def work(rank):
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
+            dist.init_process_group("gloo", rank=rank, world_size=2)
+            from spmdzero.compat.deepspeed.runtime.zero.partition_parameters import GatheredParameters
+            w = torch.nn.Parameter(torch.zeros(3))
+            with GatheredParameters([w], modifier_rank=0):
+                if rank == 0:
+                    with torch.no_grad():
+                        w.fill_(7.0)
+            own = torch.nn.Parameter(torch.full((2,), float(rank)))
+            with GatheredParameters(own, modifier_rank=None):
+                pass
+            with open(os.path.join(os.path.dirname(__file__), f"rank{rank}.txt"), "w") as f:
+                f.write(f"{w.tolist()} {own.tolist()}")
+            dist.destroy_process_group()
+
+        if __name__ == "__main__":
+            mp.spawn(work, nprocs=2)
+    """))
+    env = {**os.environ, "SPMDZERO_NO_RUNTIME": "1", "PYTHONPATH": REPO}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = [(tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)]
+    assert seen == ["[7.0, 7.0, 7.0] [0.0, 0.0]", "[7.0, 7.0, 7.0] [1.0, 1.0]"]
+
+
+def test_transformers_zero3_loading_and_resizing_run_on_the_compat_layer(deepspeed, tmp_path):
+    """With a ZeRO-3 config registered (``HfDeepSpeedConfig``, as ``TrainingArguments(deepspeed=
+    ...)`` registers it), ``from_pretrained`` builds under ``deepspeed.zero.Init`` and loads through
+    ``GatheredParameters`` (it used to stop at a name of DeepSpeed's the layer lacked), and
+    ``resize_token_embeddings`` keeps the old rows."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    saved = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).state_dict()
+    deepspeed.init_distributed()  # as the Trainer does: the ZeRO-3 loader asks torch.distributed its rank
+    keep = HfDeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
+    assert is_deepspeed_zero3_enabled()
+    model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+    model.resize_token_embeddings(72)
+    weight = model.get_input_embeddings().weight
+    assert weight.shape == (72, 32) and torch.equal(weight[:64], saved["transformer.wte.weight"])
+    del keep
     from deepspeed.compression.helper import recursive_getattr, recursive_setattr
 
     model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2)))

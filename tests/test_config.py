@@ -52,9 +52,10 @@ def test_wrong_type_names_the_key_and_value():
         parse_config({"gradient_clipping": "big"})
 
 
-def test_stage3_points_to_fsdpv2():
-    with pytest.raises(ConfigError, match="FSDPv2"):
-        parse_config({"zero_optimization": {"stage": 3}})
+def test_stage3_is_accepted_and_stage_4_names_the_key():
+    assert parse_config({"zero_optimization": {"stage": 3}}).zero_stage == 3
+    with pytest.raises(ConfigError, match="zero_optimization.stage"):
+        parse_config({"zero_optimization": {"stage": 4}})
 
 
 def test_noop_keys_are_accepted_with_one_warning():

@@ -23,7 +23,7 @@ ON = {
     "seq_parallel_communication_data_type": "bf16", "flops_profiler": {"enabled": True},
     "comms_logger": {"enabled": True}, "autotuning": {"enabled": True},
     "timers": {"throughput": {"enabled": True}}, "eigenvalue": {"enabled": True},
-    "activation_checkpointing": {"partition_activations": True}, "pipeline": {"stages": 2},
+    "activation_checkpointing.number_checkpoints": 4, "pipeline": {"stages": 2},
     "compile": {"deepcompile": True}, "log_level": "info", "checkpoint.tag_validation": "Fail",
     "nebula": {"enabled": True}, "datastates_ckpt": {"host_cache_size": 16},
     "zero_optimization.zenflow": {"topk_ratio": 0.1}, "amp": {"enabled": True, "opt_level": "O1"},
@@ -39,7 +39,7 @@ OFF = {
     "zero_optimization.offload_optimizer": {"device": "none"}, "zero_optimization.offload_param": {"device": "none"},
     "gradient_predivide_factor": 1.0, "flops_profiler": {"enabled": False}, "comms_logger": {"enabled": False},
     "autotuning": {"enabled": False}, "eigenvalue": {"enabled": False}, "nebula": {"enabled": False},
-    "activation_checkpointing": {"partition_activations": False, "number_checkpoints": None},
+    "activation_checkpointing.number_checkpoints": None,
     "checkpoint.tag_validation": "Warn", "amp": {"enabled": False}, "torch_autocast": {"enabled": False},
     "gradient_allreduce_op": "mean", "data_types.buffer_dtype": None, "progressive_layer_drop": {"enabled": False},
     "curriculum_learning": {"enabled": False}, "data_efficiency": {"enabled": False},
@@ -86,6 +86,24 @@ def test_zero3_only_keys_are_accepted_silently_below_stage_3(name):
         warnings.simplefilter("error")  # any warning fails the test
         cfg = parse_config({**BASE, "zero_optimization": {"stage": 2, name: True}})
     assert cfg.zero_stage == 2 and not cfg.noop_keys
+
+
+@pytest.mark.parametrize("name", [k for k in ZERO3_KEYS if "weights_on_model_save" not in k])
+def test_zero3_keys_at_stage_3_are_named_as_no_ops_with_their_reason(name, monkeypatch):
+    monkeypatch.setattr(spmdzero.config.load, "_warned", set())  # once per process: forget earlier tests
+    with pytest.warns(UserWarning, match=f"zero_optimization.{name}: ") as caught:
+        cfg = parse_config({**BASE, "zero_optimization": {"stage": 3, name: True}})
+    assert cfg.zero_stage == 3 and cfg.noop_keys == (f"zero_optimization.{name}",)
+    reason = str(caught[0].message).split(f"zero_optimization.{name}: ")[1]
+    assert "never warned" not in reason and len(reason) > 40
+
+
+@pytest.mark.parametrize("name", [k for k in ZERO3_KEYS if "weights_on_model_save" in k])
+def test_zero3s_gather_on_model_save_is_read_not_warned(name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = parse_config({**BASE, "zero_optimization": {"stage": 3, name: True}})
+    assert cfg.zero_stage == 3 and not cfg.noop_keys
 
 
 @pytest.mark.parametrize("key", REFUSED_KEYS)

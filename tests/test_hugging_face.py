@@ -32,6 +32,10 @@ CONFIG_OPTIMIZER = {**AUTO, "zero_optimization": {"stage": 2},
                     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": "auto",
                                                                  "warmup_num_steps": "auto", "warmup_type": "linear"}}}
 TRAINER_OPTIMIZER = {**AUTO, "zero_optimization": {"stage": 1}}
+# the Trainer fills ZeRO-3's bucket sizes from the model's hidden size ("auto")
+CONFIG_ZERO3 = {**CONFIG_OPTIMIZER, "zero_optimization": {
+    "stage": 3, "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+    "reduce_bucket_size": "auto", "stage3_gather_16bit_weights_on_model_save": True}}
 
 
 def _env(plain: bool, backend: str) -> dict:
@@ -88,6 +92,7 @@ def trainer_runs(request, references, tmp_path_factory):
         "config": _trainer(tmp, "config", CONFIG_OPTIMIZER, backend=backend),
         "trainer": _trainer(tmp, "trainer", TRAINER_OPTIMIZER, "--scheduler", "linear", backend=backend),
         "bf16": _trainer(tmp, "bf16", TRAINER_OPTIMIZER, "--scheduler", "linear", "--bf16", backend=backend),
+        "zero3": _trainer(tmp, "zero3", CONFIG_ZERO3, backend=backend),
         **references,
     }
     # resumed: a copy of the config run's directory without checkpoint-6, resumed from checkpoint-3
@@ -143,6 +148,15 @@ def test_checkpoint_n_resumes_as_the_uninterrupted_run(trainer_runs):
     assert resumed["steps"] == [1, 2, 3, 4, 5, 6]
     assert resumed["loss"][3:] == uninterrupted["loss"][3:]
     assert resumed["grad_norm"][3:] == uninterrupted["grad_norm"][3:]
+
+
+def test_zero_3_trains_as_stage_2_and_saves_whole_weights(trainer_runs):
+    """At ZeRO-3 the Trainer saves through ``_zero3_consolidated_16bit_state_dict`` and reloads
+    with ``from_pretrained`` under ``deepspeed.zero.Init`` (both stopped on the compat layer)."""
+    run, stage2 = trainer_runs["zero3"], trainer_runs["config"]
+    assert _close(run["loss"], stage2["loss"], 1e-6), (run["loss"], stage2["loss"])
+    assert _close(run["grad_norm"], stage2["grad_norm"], 1e-5)
+    assert run["reloaded_equal"], run["reloaded_max_diff"]
 
 
 def test_save_model_writes_what_from_pretrained_loads(trainer_runs):

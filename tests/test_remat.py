@@ -3,6 +3,7 @@
 the traced programs (counted in the jaxpr) and train exactly as without, dropout included."""
 
 import functools
+import warnings
 
 import jax
 import numpy as np
@@ -19,6 +20,7 @@ import spmdzero
 from spmdzero.backends.torchax import remat
 
 from conftest import batches
+from spmdzero.compat.deepspeed import checkpointing as ds_checkpointing
 
 STEPS = 3
 
@@ -60,11 +62,11 @@ def tokens(seed: int) -> torch.Tensor:
     return torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(seed))
 
 
-def train_gpt2(checkpointing: bool, dropout: float, scan: bool = False):
+def train_gpt2(checkpointing: bool, dropout: float, scan: bool = False, policy: str = "none"):
     config = {"train_batch_size": 8, "zero_optimization": {"stage": 2},
               "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}
     if scan:
-        config["spmd"] = {"scan_layers": True}
+        config["spmd"] = {"scan_layers": True, "remat": policy}
     engine, *_ = spmdzero.initialize(model=tiny_gpt2(checkpointing, dropout), config=config)
     losses = []
     for _ in range(STEPS):
@@ -154,6 +156,8 @@ class Net(torch.nn.Module):
                 x, none, extra = block(x, scale=scale)
             elif self.how == "reentrant":
                 x, none, extra = checkpoint_bound_early(block, x, scale, use_reentrant=True)
+            elif self.how == "deepspeed":  # Megatron-style scripts: deepspeed.checkpointing.checkpoint(fn, *args)
+                x, none, extra = ds_checkpointing.checkpoint(block, x, scale)
             else:
                 bound = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False,
                                           preserve_rng_state=True)
@@ -180,10 +184,10 @@ def train_net(how, outside_loss: bool = False):
 
 @pytest.fixture(scope="module")
 def net_runs():
-    return {how: train_net(how) for how in (None, "reentrant", "non_reentrant")}
+    return {how: train_net(how) for how in (None, "reentrant", "non_reentrant", "deepspeed")}
 
 
-@pytest.mark.parametrize("how", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("how", ["reentrant", "non_reentrant", "deepspeed"])
 def test_torch_checkpoint_trains_as_without(net_runs, how):
     assert_same_training(net_runs[None][1], net_runs[how][1])
     x, y = batches(1, 16)[0]
@@ -269,3 +273,57 @@ def test_running_statistics_updated_in_a_region_are_updated_once():
         torch.testing.assert_close(runs[True][2][name], value, atol=1e-6, rtol=0)
     assert int(runs[True][2]["seq.1.num_batches_tracked"]) == STEPS
     assert remat_regions(runs[True][0].trace_step(x, y).traced) >= 1
+
+
+# ---- spmd.remat: a policy for the scanned layer stack ---------------------------------------------
+
+@pytest.mark.slow
+def test_a_remat_policy_for_the_scanned_stack_trains_as_without_and_rematerializes():
+    """``"spmd": {"scan_layers": true, "remat": ...}``: "full" and "save_matmuls" put the scan's
+    body under ``jax.checkpoint`` (one region, whatever the depth), "none" does not; with dropout
+    on, every policy trains to the same losses and parameters (a recomputed layer draws the same
+    masks)."""
+    runs = {policy: train_gpt2(False, dropout=0.1, scan=True, policy=policy)
+            for policy in ("none", "full", "save_matmuls")}
+    for policy in ("full", "save_matmuls"):
+        assert_same_training(runs["none"][1], runs[policy][1])
+    regions = {policy: remat_regions(engine.trace_step(input_ids=tokens(0), labels=tokens(0)).traced)
+               for policy, (engine, _) in runs.items()}
+    assert regions == {"none": 0, "full": 1, "save_matmuls": 1}
+
+
+@pytest.mark.parametrize("spmd, message", [
+    ({"remat": "full"}, 'remat=.full. applies to a scanned layer stack: set "scan_layers"'),
+    ({"scan_layers": True, "remat": "sometimes"}, "spmd.remat"),
+])
+def test_a_remat_policy_without_a_scanned_stack_or_unknown_names_the_key(spmd, message):
+    from spmdzero.config import parse_config
+    from spmdzero.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"train_batch_size": 8, "spmd": spmd})
+
+
+def test_a_remat_policy_on_the_torch_xla_backend_says_where_it_runs():
+    from spmdzero.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="spmd.remat='full' is implemented on the torchax backend"):
+        spmdzero.initialize(model=tiny_gpt2(False, 0.0), config={
+            "train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "spmd": {"backend": "torch_xla", "scan_layers": True, "remat": "full"}})
+
+
+def test_deepspeed_checkpointings_settings_are_named_once_as_no_ops(monkeypatch):
+    """``deepspeed.checkpointing.configure``, as Megatron-style scripts call it, from the config's
+    section: each setting switched on is named with its reason, once."""
+    monkeypatch.setattr(ds_checkpointing, "_said", set())
+    config = {"activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True,
+                                           "contiguous_memory_optimization": False, "number_checkpoints": None}}
+    with pytest.warns(UserWarning) as caught:
+        ds_checkpointing.configure(None, deepspeed_config=config)
+    text = str(caught[0].message)
+    assert "partition_activations: activations are already sharded" in text and "checkpoint_in_cpu:" in text
+    assert "contiguous_checkpointing" not in text and ds_checkpointing.is_configured()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ds_checkpointing.configure(None, deepspeed_config=config)  # said once

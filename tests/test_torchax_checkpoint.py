@@ -207,3 +207,39 @@ def test_elastic_a_torchax_checkpoint_from_8_devices_resumes_on_4_and_back(runs,
     engine.load_checkpoint(str(tmp_path))
     assert engine.global_steps == SAVED_AT + 1
     assert train(engine, SAVED_AT + 1) == pytest.approx(runs["losses"][(SAVED_AT + 1) * GAS:], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_zero_stages_2_and_3_and_device_counts(runs, tmp_path):
+    """A stage-2 checkpoint resumes at stage 3 (parameters sharded) and the run goes on as if
+    uninterrupted; that stage-3 engine saves, zero_to_fp32 reads its whole weights, and the
+    checkpoint resumes at stage 2 on 4 devices (another process) and at stage 1 here, each
+    continuing the same run."""
+    ckpt, _ = runs["saved"]["torchax"]
+    stage3 = resume("torchax", ckpt, zero_optimization={"stage": 3})
+    assert not stage3.params()["net.0.weight"].sharding.is_fully_replicated
+    assert train(stage3, SAVED_AT, SAVED_AT + 1) == pytest.approx(
+        runs["losses"][SAVED_AT * GAS:(SAVED_AT + 1) * GAS], abs=1e-5)
+    stage3.save_checkpoint(str(tmp_path))
+    from spmdzero.compat.deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    whole = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))  # zero_to_fp32 of a stage-3 checkpoint
+    for name, value in host_params(stage3).items():
+        torch.testing.assert_close(whole[name], value, atol=0, rtol=0)
+    rest = runs["losses"][(SAVED_AT + 1) * GAS:]
+    out = run_python(f"""
+        import json, sys
+        sys.path.insert(0, "tests")
+        import spmdzero
+        from test_torchax_checkpoint import SAVED_AT, engine_for, train
+        engine = engine_for("torchax", seed=7, zero_optimization={{"stage": 2}})
+        engine.load_checkpoint({str(tmp_path)!r})
+        assert engine.mesh.devices.size == 4 and engine.global_steps == SAVED_AT + 1
+        print(json.dumps(train(engine, SAVED_AT + 1)))
+    """, env={"SPMDZERO_BACKEND": "torchax", "CPU_NUM_DEVICES": "4"})
+    assert json.loads(out.strip().splitlines()[-1]) == pytest.approx(rest, abs=1e-5)
+    stage1 = engine_for("torchax", seed=7, zero_optimization={"stage": 1})
+    stage1.load_checkpoint(str(tmp_path))
+    assert train(stage1, SAVED_AT + 1) == pytest.approx(rest, abs=1e-5)
+    for name, value in host_params(stage1).items():
+        torch.testing.assert_close(value, runs["params"][name], atol=1e-5, rtol=1e-5)

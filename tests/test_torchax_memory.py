@@ -1,7 +1,7 @@
 """ZeRO's memory on the default (torchax) backend: what every live JAX array holds on a device
 after each ``engine.step()`` (between micro-steps, and right after an optimizer step) is at most
 1.05x ZeRO's accounting (16P, 8P + 8P/N, 4P + 12P/N at stages 0, 1, 2; 2P + 14P/N for bf16 at
-stage 2), with the loss inside the module and computed outside it, accumulating 2 micro-steps
+stage 2; 16P/N at stage 3), with the loss inside the module and computed outside it, accumulating 2 micro-steps
 (issue 42), and so is what is held between a forward and its backward. Before: a replaced
 gradient sum and the update's donated gradients were held a micro-step or a window longer (1.25x
 at stage 0, 1.44x at stage 1), bf16's old parameters beside the new ones (1.6x), a forward's
@@ -54,11 +54,14 @@ def held_after_each_step(stage: int, bf16: bool, loss_inside: bool, steps: int =
 
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_inside", [True, False], ids=["loss_inside", "loss_outside"])
-@pytest.mark.parametrize("stage,bf16", [(0, False), (1, False), (2, False), (2, True)],
-                         ids=["stage0", "stage1", "stage2", "bf16_stage2"])
+@pytest.mark.parametrize("stage,bf16", [(0, False), (1, False), (2, False), (2, True), (3, False), (3, True)],
+                         ids=["stage0", "stage1", "stage2", "bf16_stage2", "stage3", "bf16_stage3"])
 def test_device_memory_within_zero_accounting(stage, bf16, loss_inside):
     held, waiting, accounting, P = held_after_each_step(stage, bf16, loss_inside)
-    analytic = 2 * P + 14 * P / N if bf16 else {0: 16 * P, 1: 8 * P + 8 * P / N, 2: 4 * P + 12 * P / N}[stage]
+    if stage == 3:
+        analytic = 16 * P / N  # every state sharded, bf16 or not (2P/N + 2P/N + 12P/N)
+    else:
+        analytic = 2 * P + 14 * P / N if bf16 else {0: 16 * P, 1: 8 * P + 8 * P / N, 2: 4 * P + 12 * P / N}[stage]
     assert abs(accounting - analytic) / analytic < 0.01  # the report's accounting is ZeRO's (+ step counters)
     ratios = [h / accounting for h in held]
     assert max(ratios) <= 1.05, ratios
@@ -67,4 +70,7 @@ def test_device_memory_within_zero_accounting(stage, bf16, loss_inside):
     # one beside the new one (+4P at stages 0 and 1); with the loss outside, the VJP holds the
     # activations, and no copy of the weights (+4P at every stage). Both were held before.
     waiting_ratios = [w / accounting for w in waiting]
-    assert max(waiting_ratios[1::2]) <= 1.05, waiting_ratios
+    if loss_inside or stage < 3:  # at stage 3 this MLP's activations are 9% of an accounting 8x smaller
+        assert max(waiting_ratios[1::2]) <= 1.05, waiting_ratios
+    else:  # a copy of the gathered weights would be 3x
+        assert max(waiting_ratios[1::2]) <= 1.2, waiting_ratios

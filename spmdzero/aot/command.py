@@ -29,9 +29,9 @@ def _stages(text: str) -> tuple[int, ...]:
     try:
         stages = tuple(int(s) for s in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected ZeRO stages such as 0,1,2, got {text!r}") from None
-    if any(s not in (0, 1, 2) for s in stages):
-        raise argparse.ArgumentTypeError(f"ZeRO stages are 0, 1 and 2 (stage 3 is out of scope), got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected ZeRO stages such as 0,1,2,3, got {text!r}") from None
+    if any(s not in (0, 1, 2, 3) for s in stages):
+        raise argparse.ArgumentTypeError(f"ZeRO stages are 0, 1, 2 and 3, got {text!r}")
     return stages
 
 
@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="PATH.py:NAME, a transformers config.json, or a directory with one (default: the "
                              "repository's examples/model.py:TinyGPT)")
-    parser.add_argument("--stages", default=(0, 1, 2), type=_stages, help="ZeRO stages, comma-separated (default 0,1,2)")
+    parser.add_argument("--stages", default=(0, 1, 2), type=_stages, help="ZeRO stages, comma-separated (default 0,1,2; 3 shards the parameters too)")
     parser.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (transformers configs)")
     parser.add_argument("--micro-batch", type=positive_int, default=None,
                         help="sequences per chip per micro-step (default: the config's)")
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     shape_only = not args.materialize
     try:
         config = for_compile(read_config_file(args.deepspeed_config), args.deepspeed_config, args.micro_batch)
-        parse_config(config, args.deepspeed_config)  # as given: a stage-3 config is refused, not compiled as 0-2
+        parse_config(config, args.deepspeed_config)  # as given: a wrong config is refused before any compile
         backend = step_backend(config)
         if backend == "torch_xla":  # traced on one CPU device per chip (or a quarter of them)
             check_traceable(args.topology)

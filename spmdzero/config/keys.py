@@ -13,6 +13,24 @@ OFFLOAD_REASON = ("CPU/NVMe offload is not implemented: optimizer states and par
 ZERO3_REASON = "ZeRO-3 only; DeepSpeed ignores it at stage 0-2 too (never warned)"
 
 
+def zero3_reason(name: str):
+    """Why a ZeRO-3 knob (``ZERO3_KEYS``) changes nothing at stage 3, where it is warned about:
+    the parameters are sharded by annotation and XLA gathers each where the step uses it. None
+    for the one that is read: ``stage3_gather_16bit_weights_on_model_save`` is what
+    ``engine.zero_gather_16bit_weights_on_model_save()`` answers (the Hugging Face Trainer then
+    saves whole 16-bit weights, or a checkpoint for zero_to_fp32, as with DeepSpeed)."""
+    if "gather_16bit_weights_on_model_save" in name or "gather_fp16_weights_on_model_save" in name:
+        return None
+    if name.startswith(("zero_quantized", "zeropp", "zero_hpz", "mics")):
+        return ("ZeRO++/MiCS variants of the collectives: XLA's all-gathers and reduce-scatters run "
+                "unquantized over the whole fsdp axis")
+    if name in ("sub_group_size", "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply",
+                "leaf_module", "save_muon_momentum_buffer_in_memory"):
+        return "DeepSpeed's stage-3 runtime mechanics (hooks, sub-groups, module wrapping), which the compiled step has not"
+    return ("XLA gathers each parameter where the compiled step uses it and schedules the gathers itself: "
+            "prefetch, persistence, live-parameter and bucket limits have nothing to tune")
+
+
 # ZeRO-3 tuning knobs, by DeepSpeed's JSON names (stage3_* aliases and field names).
 ZERO3_KEYS = (
     "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
@@ -96,9 +114,16 @@ NOOP_KEYS: dict[str, str] = {
     "autotuning": "not available",
     "timers": "steps_per_print logs samples/sec",
     "eigenvalue": "only consumed by DeepSpeed's quantizer and progressive layer drop, not available",
-    "activation_checkpointing": "configures DeepSpeed's deepspeed.checkpointing, which spmdzero does not provide; "
-                                "the engine does not checkpoint activations itself (use torch.utils.checkpoint in "
-                                "the model, or a transformers model's gradient_checkpointing_enable())",
+    # deepspeed.checkpointing.checkpoint(fn, *args) rematerializes (it is torch.utils.checkpoint); its
+    # settings are about DeepSpeed's own model parallelism and memory handling
+    "activation_checkpointing.partition_activations": "activations are already sharded with the batch; there is "
+                                                      "no model-parallel group to partition them over",
+    "activation_checkpointing.cpu_checkpointing": "checkpointed activations stay on the devices (no host offload)",
+    "activation_checkpointing.contiguous_memory_optimization": "XLA allocates the step's buffers",
+    "activation_checkpointing.number_checkpoints": "XLA allocates the step's buffers",
+    "activation_checkpointing.synchronize_checkpoint_boundary": "the step is one compiled program: there is no "
+                                                                "boundary to synchronize",
+    "activation_checkpointing.profile": "the step log times whole steps",
     "pipeline": "applies to PipelineModule only (pipeline parallelism is out of scope)",
     "compile": "spmdzero always compiles the step with XLA",
     "log_level": "spmdzero logs through the 'spmdzero' logger",

@@ -11,7 +11,7 @@ import warnings
 from typing import Any, Mapping, Optional
 from pydantic import ValidationError
 from spmdzero.config.errors import ConfigError
-from spmdzero.config.keys import NOOP_KEYS, NOOP_VALID_VALUES, OFF_VALUES, REFUSED_KEYS, ZERO3_REASON
+from spmdzero.config.keys import NOOP_KEYS, NOOP_VALID_VALUES, OFF_VALUES, REFUSED_KEYS, ZERO3_REASON, zero3_reason
 from spmdzero.config.schema import DeepSpeedConfig
 
 
@@ -216,6 +216,8 @@ def _classify(raw: dict, source: str) -> tuple[dict, list[str]]:
             if _enabled(key, value):
                 raise ConfigError(f"{source}: {key}={value!r} is not supported: {reason}")
     noop = []
+    zero = raw.get("zero_optimization")
+    stage = zero.get("stage") if isinstance(zero, dict) else None
     for key in NOOP_KEYS:
         section, _, name = key.rpartition(".")
         holder = raw.get(section) if section else raw
@@ -225,8 +227,9 @@ def _classify(raw: dict, source: str) -> tuple[dict, list[str]]:
             if valid is not None and value != "auto" and not (isinstance(value, str) and value.lower() in valid):
                 raise ConfigError(f"{source}: {key}={value!r} is not one of {', '.join(valid)} (any case), as "
                                   "DeepSpeed requires")
-            # ZeRO-3 knobs are dormant: stage 3 itself is refused, so their feature is never on
-            if NOOP_KEYS[key] != ZERO3_REASON and value != "auto" and _enabled(key, value):
+            # ZeRO-3 knobs are silent below stage 3, as DeepSpeed ignores them there
+            zero3_noop = stage == 3 and zero3_reason(name) is not None
+            if (NOOP_KEYS[key] != ZERO3_REASON or zero3_noop) and value != "auto" and _enabled(key, value):
                 noop.append(key)
     return raw, noop
 
@@ -246,7 +249,9 @@ def _warn_noop_keys(cfg: DeepSpeedConfig) -> None:
     for key in cfg.noop_keys:
         if key not in _warned:
             _warned.add(key)
-            by_reason.setdefault(NOOP_KEYS[key], []).append(key)
+            reason = NOOP_KEYS[key]
+            by_reason.setdefault(zero3_reason(key.rpartition(".")[2]) if reason == ZERO3_REASON else reason,
+                                 []).append(key)
     if by_reason:
         lines = [f"{', '.join(keys)}: {reason}" for reason, keys in by_reason.items()]
         warnings.warn("spmdzero: these DeepSpeed config keys have no effect under GSPMD (docs/config.md, "

@@ -55,15 +55,6 @@ class ZeroConfig(Section):
 
     stage: int = Field(0, ge=0, le=3)
 
-    @field_validator("stage")
-    @classmethod
-    def _no_stage3(cls, stage: int) -> int:
-        if stage == 3:
-            raise ValueError(
-                "ZeRO stage 3 (sharded parameters) is out of scope for spmdzero; use torch_xla's "
-                "FSDPv2 (torch_xla.experimental.spmd_fully_sharded_data_parallel) for it"
-            )
-        return stage
 
 
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
@@ -215,6 +206,9 @@ class SpmdConfig(Section):
     # Trace and compile the model's identical blocks once (spmdzero.backends.torch_xla.scan); "stacked": each block
     # parameter name is one parameter [layers, ...] (the step's cost then does not grow with depth).
     scan_layers: Union[bool, Literal["stacked"]] = False
+    # What the backward keeps of each scanned layer (torchax; spmdzero.backends.torchax.scan): "none" (everything
+    # JAX saves), "full" (only the layer's input: the layer is recomputed), "save_matmuls" (the matmul results).
+    remat: Literal["none", "full", "save_matmuls"] = "none"
     # "torchax" (the default): the module traced once under jax.jit through torchax
     # (spmdzero.backends.torchax.engine); "torch_xla": re-traced by torch_xla every step. Unset, it is
     # the backend whose runtime holds the process's devices (SPMDZERO_BACKEND; spmdzero.initialize).
@@ -226,6 +220,14 @@ class SpmdConfig(Section):
         if v is True or v is False or v == "stacked":
             return v
         raise ValueError('must be true, false or "stacked"')
+
+    @model_validator(mode="after")
+    def _remat_needs_a_scanned_stack(self):
+        if self.remat != "none" and not self.scan_layers:
+            raise ValueError(f'remat={self.remat!r} applies to a scanned layer stack: set "scan_layers": true (or '
+                             '"stacked") too, or checkpoint blocks in the model (torch.utils.checkpoint, '
+                             'gradient_checkpointing_enable())')
+        return self
 
 
 class DeepSpeedConfig(BaseModel):

@@ -145,7 +145,7 @@ class ShardingReport:
     def zero_accounting(self) -> dict[str, float]:
         """ZeRO's analytic per-device bytes for this stage, from the same tensors' sizes."""
         totals, n = self.totals(), self.fsdp
-        divisor = {"params": 1, "grads": n if self.stage >= 2 else 1,
+        divisor = {"params": n if self.stage >= 3 else 1, "grads": n if self.stage >= 2 else 1,
                    "optimizer states": n if self.stage >= 1 else 1, "master weights": n if self.stage >= 1 else 1}
         analytic = {k: totals[k]["stage0"] / divisor[k] for k in divisor if k in totals}
         analytic["total"] = sum(analytic.values())

@@ -193,8 +193,8 @@ def make_plan(named_shapes: Iterable[tuple[str, Sequence[int]]], mesh_shape: Map
     """``tied_embeddings``: the names of embedding tables that are also another module's weight;
     ``stacked``: the names of stacked layer parameters (dim 0 the layers); ``even``: split only
     dims that divide evenly (see the module docstring)."""
-    if stage not in (0, 1, 2):
-        raise ValueError(f"ZeRO stage must be 0, 1 or 2, got {stage!r}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
     if FSDP_AXIS not in mesh_shape:
         raise ValueError(f"mesh axes {tuple(mesh_shape)} have no {FSDP_AXIS!r} axis")
     tied_embeddings, stacked = set(tied_embeddings), set(stacked)
@@ -212,7 +212,7 @@ def make_plan(named_shapes: Iterable[tuple[str, Sequence[int]]], mesh_shape: Map
             stages = zero_spec(shape, mesh_shape, name in tied_embeddings, even)
         sharded = stages[-1] if stages else rep
         tensors.append(TensorPlan(
-            name=name, shape=shape, param=rep,
+            name=name, shape=shape, param=sharded if stage >= 3 else rep,
             grad=sharded if stage >= 2 else rep,
             optimizer_state=sharded,
             master=sharded,

@@ -98,7 +98,7 @@ class StepCapture:
         self._check()
         devices = int(self.engine.mesh.size())
         result = compile_mlir(self.mlir, f"cpu:{devices}", self.donate, timeout)
-        return CollectivesReport(devices, result["collectives"], self.gradient_bytes())
+        return CollectivesReport(devices, result["collectives"], self.gradient_bytes(), self.engine.plan.stage)
 
 
 class JaxStepCapture:
@@ -151,7 +151,7 @@ class JaxStepCapture:
         with config.use_shardy_partitioner(True):
             mlir = self.step.traced.lower(lowering_platforms=("cpu",)).as_text()
         result = compile_mlir(mlir, f"cpu:{self.devices}", (), timeout, fixed_outputs=True)
-        return CollectivesReport(self.devices, result["collectives"], self.gradient_bytes())
+        return CollectivesReport(self.devices, result["collectives"], self.gradient_bytes(), self.engine.plan.stage)
 
     def gradient_bytes(self) -> int:
         count = sum(int(np.prod(shape, dtype=np.int64)) for shape in self.step.trained.values())

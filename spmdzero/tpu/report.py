@@ -63,7 +63,7 @@ class AotReport:
 
     @property
     def traffic(self) -> "CollectivesReport":
-        return CollectivesReport(self.chips, self.collectives, self.gradient_bytes)
+        return CollectivesReport(self.chips, self.collectives, self.gradient_bytes, self.stage or 0)
 
     def roofline(self) -> dict:
         """A lower bound on the step time with compute, HBM traffic and ICI traffic fully
@@ -156,8 +156,9 @@ class AotReport:
             lines.append(f"  {kind:<19}{row['count']:>5} ops {row['tensors']:>5} tensors {_mb(row['bytes']):>14}"
                          f"  sends {_mb(traffic.traffic(kind))}/chip")
         if traffic.gradient_bytes:
-            lines.append(f"  sent per chip {_mb(traffic.total_traffic)} = {traffic.ratio:.2f} x the data-parallel "
-                         f"minimum 2(N-1)/N x P x bytes ({_mb(traffic.minimum_traffic)})")
+            lines.append(f"  sent per chip {_mb(traffic.total_traffic)} = {traffic.ratio:.2f} x the "
+                         f"{'FSDP' if traffic.stage >= 3 else 'data-parallel'} minimum {traffic.passes}(N-1)/N x P x "
+                         f"bytes ({_mb(traffic.minimum_traffic)})")
         full = self.all_reduced_gradients()
         if full:
             listed = "; ".join(f"{row['shape']} x{row['count']} ({', '.join(row['parameters'][:2])}"
@@ -187,11 +188,15 @@ def _gib(n: float) -> str:
 @dataclass(frozen=True)
 class CollectivesReport:
     """Collectives of a compiled training step, with the bytes each device sends under a ring
-    algorithm, against the data-parallel minimum 2(N-1)/N x (gradient bytes)."""
+    algorithm, against the data-parallel minimum 2(N-1)/N x (gradient bytes): a reduce-scatter
+    and an all-gather of the update's result, or an all-reduce. At ZeRO-3 the minimum is FSDP's
+    3(N-1)/N x (gradient bytes): the parameters gathered for the forward and again for the
+    backward, the gradients reduce-scattered (the update's sharded result is not gathered)."""
 
     devices: int
     collectives: dict
     gradient_bytes: int
+    stage: int = 0
 
     def traffic(self, kind: str) -> float:
         """Bytes sent per device: all-reduce 2(N-1)/N x size; reduce-scatter and all-gather
@@ -214,8 +219,13 @@ class CollectivesReport:
         return sum(self.traffic(k) for k in self.collectives)
 
     @property
+    def passes(self) -> int:
+        """The minimum's passes over the gradient bytes: 3 at ZeRO-3, else 2."""
+        return 3 if self.stage >= 3 else 2
+
+    @property
     def minimum_traffic(self) -> float:
-        return 2 * (self.devices - 1) / self.devices * self.gradient_bytes
+        return self.passes * (self.devices - 1) / self.devices * self.gradient_bytes
 
     @property
     def ratio(self) -> float:
@@ -226,7 +236,7 @@ class CollectivesReport:
         for kind, row in sorted(self.collectives.items()):
             lines.append(f"  {kind:<40}{row['count']:>4} ops {row['tensors']:>5} tensors "
                          f"{_mb(row['bytes']):>12}  sends {_mb(self.traffic(kind))}/device")
-        lines.append(f"  total sent per device {_mb(self.total_traffic)}; minimum 2(N-1)/N x gradients "
+        lines.append(f"  total sent per device {_mb(self.total_traffic)}; minimum {self.passes}(N-1)/N x gradients "
                      f"{_mb(self.minimum_traffic)} (ratio {self.ratio:.2f})")
         return "\n".join(lines)
 

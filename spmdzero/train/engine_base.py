@@ -110,8 +110,8 @@ class EngineBase:
         return self.plan.stage >= 2
 
     def zero_optimization_partition_weights(self) -> bool:
-        """False: parameters are never sharded at stages 0-2 (ZeRO-3 is out of scope)."""
-        return False
+        """Whether the devices hold the parameters sharded: at stage 3."""
+        return self.plan.stage >= 3
 
     def steps_per_print(self) -> Optional[int]:
         return self._config.steps_per_print
@@ -145,13 +145,22 @@ class EngineBase:
         """The module's state dict in the model dtype (bf16/fp16 under mixed precision), written
         by process 0 with ``torch.save``. Every process must call it (the copy to the host reads
         the replicated parameters of every host)."""
-        frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-        state = {name: t.detach().cpu() for name, t in self.module.state_dict().items()
-                 if not (exclude_frozen_parameters and name in frozen)}
+        state = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             torch.save(state, os.path.join(save_dir, save_filename))
         return True
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """DeepSpeed's whole 16-bit state dict at ZeRO-3 (the Hugging Face Trainer and accelerate
+        save a stage-3 model through it): the module's state dict in the model dtype, on the
+        host, on process 0 (empty on the others, as DeepSpeed gives it on rank 0 only). The host
+        module holds whole weights at every stage, so there is nothing to gather by hand. Every
+        process must call it."""
+        frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+        state = collections.OrderedDict((name, t.detach().cpu()) for name, t in self.module.state_dict().items()
+                                        if not (exclude_frozen_parameters and name in frozen))
+        return state if self.global_rank == 0 else collections.OrderedDict()
 
     def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
         return self.save_16bit_model(save_dir, save_filename)
@@ -267,10 +276,14 @@ class EngineBase:
         (device memory goes with the tensors), so there is nothing to release."""
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """DeepSpeed's ``stage3_gather_16bit_weights_on_model_save`` (read at ZeRO-3 only; at
-        stages 0-2 every device holds whole weights and ``save_16bit_model`` always saves)."""
+        """DeepSpeed's ``stage3_gather_16bit_weights_on_model_save``, under any of its names
+        (read by callers at ZeRO-3 only: the Hugging Face Trainer then saves whole 16-bit weights
+        through ``_zero3_consolidated_16bit_state_dict``, or else a checkpoint for zero_to_fp32;
+        ``save_16bit_model`` always saves)."""
         zero = self.config.get("zero_optimization") or {}  # the DeepSpeed dict, as DeepSpeed reads it
-        return bool(zero.get("stage3_gather_16bit_weights_on_model_save", False))
+        names = ("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+                 "gather_16bit_weights_on_model_save")
+        return any(zero.get(name) is True for name in names)
 
     def _consume_samples(self) -> int:
         """Samples this optimizer step trained on: the rows its training forwards fed, or the

@@ -42,6 +42,10 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh: Any = None, optimi
     shape = mesh_shape(mesh)
     process_index, process_count = runtime.hosts()
     module = move_in_place(model, runtime.device())
+    if cfg.spmd.remat != "none":
+        raise ConfigError(f"spmd.remat={cfg.spmd.remat!r} is implemented on the torchax backend (a jax.checkpoint "
+                         "policy for the scanned layers); on spmd.backend='torch_xla' checkpoint the blocks in the "
+                         "model (torch.utils.checkpoint, gradient_checkpointing_enable()) or drop the key")
     if cfg.spmd.scan_layers:
         if model_parameters is not None and not isinstance(model_parameters, (list, tuple)):
             model_parameters = list(model_parameters)  # a generator over the module, before stacking

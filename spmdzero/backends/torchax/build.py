@@ -105,7 +105,8 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
         if model_parameters is not None and not isinstance(model_parameters, (list, tuple)):
             model_parameters = list(model_parameters)  # a generator over the module, before stacking
         # the client's per-layer parameters become the stacked ones
-        model_parameters = restack_client(model_parameters, optimizer, apply_scan_layers(model, cfg.spmd.scan_layers))
+        model_parameters = restack_client(model_parameters, optimizer, apply_scan_layers(model, cfg.spmd.scan_layers,
+                                                                                        cfg.spmd.remat))
     members = {id(p) for p in model.parameters()}
 
     def prepare_optimizer(optimizer) -> None:

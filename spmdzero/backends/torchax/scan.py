@@ -32,6 +32,16 @@ each layer's activations over the batch in the backward loop instead of reducing
 gradients. With the layouts inside, both partitioners compile each trip to a reduction of its
 layer's gradient into the sharded ``[layers, ...]`` accumulator (XLA:CPU: an all-reduce that
 the device's slice reads; libtpu: a reduce-scatter; tests/test_scan.py).
+
+Rematerialization (``"spmd": {"remat": ...}``): what the backward loop keeps of each layer from
+the forward loop. ``"none"``: whatever JAX saves (every intermediate the backward needs, per
+layer: the activations of the whole stack at once). ``"full"``: the layer's inputs only; the
+backward runs each layer's forward again (one more forward's compute, activations of one layer
+at a time). ``"save_matmuls"``: the results of the matmuls that carry no batch dim in their
+contraction (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``, MaxText's
+``minimal``-like choice): the elementwise ops are recomputed, the expensive ones kept. The
+values are the same under every policy (the dropout key is part of the layer's carry, so a
+recomputed layer draws the same masks).
 """
 
 from __future__ import annotations
@@ -45,15 +55,34 @@ from spmdzero.train.scan_layers import (ScannedLayers, block_template, check_blo
                                         join_arguments, scanned_stacks, split_arguments)
 
 
-def apply_scan_layers(module: torch.nn.Module, mode: bool | str) -> dict:
+REMAT_POLICIES = ("none", "full", "save_matmuls")
+
+
+def apply_scan_layers(module: torch.nn.Module, mode: bool | str, remat: str = "none") -> dict:
     """``spmdzero.train.scan_layers.apply_scan_layers`` with ``jax.lax.scan`` as the loop; the
     block's template is made now, from the host module (in the traced program its tensors are
-    torchax tensors, which a deep copy would trace). Returns {per-layer parameter: (stacked
-    name, stacked parameter, layer)}, empty unless stacked."""
+    torchax tensors, which a deep copy would trace); ``remat``: the layers' rematerialization
+    (see the module docstring). Returns {per-layer parameter: (stacked name, stacked parameter,
+    layer)}, empty unless stacked."""
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"spmd.remat={remat!r}: one of {', '.join(REMAT_POLICIES)}")
     stacked_from = scan_layers.apply_scan_layers(module, mode, _JaxLoop)
     for _, stack in scanned_stacks(module):
-        stack.__dict__.setdefault("_scan_fns", {})["template"] = block_template(stack)
+        fns = stack.__dict__.setdefault("_scan_fns", {})
+        fns["template"], fns["remat"] = block_template(stack), remat
     return stacked_from
+
+
+def _rematerialized(one_layer, policy: str):
+    """``one_layer`` under ``jax.checkpoint`` with ``policy`` (see the module docstring)."""
+    import jax
+
+    if policy == "none":
+        return one_layer
+    saveable = (jax.checkpoint_policies.nothing_saveable if policy == "full"
+                else jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    # inside a scan nothing can be merged across the loop's iterations: no barrier needed
+    return jax.checkpoint(one_layer, policy=saveable, prevent_cse=False)
 
 
 def lay_out_gradients(module: torch.nn.Module, mesh, plan) -> None:
@@ -134,6 +163,7 @@ class _JaxLoop:
             return (env.t2j_iso(check_block_output(template, out)), key), None
 
         # length: a block with no parameters or buffers gives the loop nothing to count
-        (out, _), _ = jax.lax.scan(one_layer, (env.t2j_iso(hidden), env.get_and_rotate_prng_key()), weights,
+        body = _rematerialized(one_layer, cache.get("remat", "none"))
+        (out, _), _ = jax.lax.scan(body, (env.t2j_iso(hidden), env.get_and_rotate_prng_key()), weights,
                                    length=len(blocks))
         return env.j2t_iso(out)

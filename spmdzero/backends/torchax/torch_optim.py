@@ -40,7 +40,7 @@ class UntraceableStep(RuntimeError):
         import jax
 
         name = type(optimizer).__name__
-        why = (f"its step reads a tensor's value on the host (.item()), which a compiled program cannot stop for"
+        why = ("its step reads a tensor's value on the host (.item()), which a compiled program cannot stop for"
                if isinstance(err, jax.errors.ConcretizationTypeError) else
                f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
         super().__init__(f"spmd.backend='torchax' runs {name}.step() inside the compiled update, and it cannot be "

@@ -18,6 +18,7 @@ from .accelerator import get_accelerator
 from .comm import init_distributed
 from .comm.comm import TORCH_DISTRIBUTED_DEFAULT_PORT
 from .runtime import zero
+from . import checkpointing  # noqa: F401  (deepspeed.checkpointing, DeepSpeed's alias of the runtime module)
 from .runtime.engine import DeepSpeedEngine
 from .utils import log_dist, logger
 

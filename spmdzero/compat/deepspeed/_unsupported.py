@@ -1,4 +1,4 @@
-"""DeepSpeed features outside spmdzero (ZeRO-1/2 data parallelism under GSPMD), by module.
+"""DeepSpeed features outside spmdzero (ZeRO data parallelism under GSPMD), by module.
 
 Importing one of these names through the ``deepspeed`` alias raises
 ``UnsupportedFeatureError``: an ImportError (so ``try: import ... except ImportError``
@@ -16,7 +16,8 @@ UNSUPPORTED = {
     "deepspeed.ops.sparse_attention": "sparse attention kernels",
     "deepspeed.ops.transformer": "DeepSpeed's CUDA transformer kernels",
     "deepspeed.sequence": "sequence parallelism (Ulysses)",
-    "deepspeed.runtime.zero.stage3": "ZeRO stage 3",
+    "deepspeed.runtime.zero.stage3": "DeepSpeed's hand-partitioned ZeRO-3 optimizer (spmdzero's stage 3 is a "
+                                     "sharding layout of its engine: \"zero_optimization\": {\"stage\": 3})",
     "deepspeed.runtime.hybrid_engine": "the hybrid (RLHF) engine",
 }
 
@@ -29,7 +30,7 @@ def check_supported(fullname: str) -> None:
     for prefix, feature in UNSUPPORTED.items():
         if fullname == prefix or fullname.startswith(prefix + "."):
             raise UnsupportedFeatureError(
-                f"{fullname}: {feature} is not supported by spmdzero, which runs DeepSpeed's ZeRO-1/2 data "
+                f"{fullname}: {feature} is not supported by spmdzero, which runs DeepSpeed's ZeRO data "
                 "parallelism under GSPMD (see docs/migrating.md)", name=fullname)
 
 

@@ -1,16 +1,33 @@
 """``deepspeed.runtime.zero.partition_parameters``.
 
-ZeRO-3 partitions parameters and gathers them on demand; spmdzero does ZeRO-1/2, where
-parameters stay replicated (whole on every device), so ``Init`` partitions nothing and
-``GatheredParameters`` has nothing to gather. Both are context managers that do nothing,
-which is exactly DeepSpeed's behaviour for unpartitioned parameters. Parameters carry no
-``ds_id``/``ds_status``: code that checks them (as DeepSpeed-Chat does) takes its
-non-ZeRO-3 path.
+DeepSpeed's ZeRO-3 partitions each parameter by hand and gathers it on demand. spmdzero's ZeRO-3
+shards parameters by annotation on the devices, while the host module the script holds keeps
+whole parameters at every stage (``engine.module``). So ``Init`` has nothing to partition (a model
+built inside it is built on the host, and ``initialize`` places it sharded, never whole on a
+device) and ``GatheredParameters`` has nothing to gather: edits made inside reach the devices at
+the next forward, as any edit of the host's parameters does. With ``modifier_rank`` (Hugging
+Face's ``from_pretrained`` under ZeRO-3 loads the weights on rank 0 only), the modifier's values
+are broadcast to the other processes on exit, as DeepSpeed does. Parameters carry no
+``ds_id``/``ds_status``: code that checks them (as DeepSpeed-Chat does) takes its non-ZeRO-3
+path.
 """
 
 from __future__ import annotations
 
 from enum import Enum
+
+import torch
+
+from spmdzero.compat.deepspeed.accelerator import get_accelerator  # noqa: F401  (transformers reads it here)
+
+# torch's constructors, as DeepSpeed keeps them before its Init wraps them (transformers reads
+# ``_orig_torch_arange`` to leave ``arange`` unwrapped; Init wraps nothing here)
+_orig_torch_tensor = torch.tensor
+_orig_torch_empty = torch.empty
+_orig_torch_zeros = torch.zeros
+_orig_torch_ones = torch.ones
+_orig_torch_full = torch.full
+_orig_torch_arange = torch.arange
 
 
 class ZeroParamType(Enum):
@@ -41,18 +58,35 @@ class Init:
         return False
 
 
+def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype=None, target_device=None):
+    """DeepSpeed's Init wraps torch's constructors with this to build on its device and dtype;
+    Init wraps nothing here, so the constructor is returned as it is (transformers swaps this
+    function around ``from_pretrained`` under ZeRO-3)."""
+    return fn
+
+
 class GatheredParameters:
-    """``with deepspeed.zero.GatheredParameters(params, modifier_rank=0)``: parameters are
-    already whole on every device, and changes made inside are kept (on every process, as
-    the code inside runs on every process)."""
+    """``with deepspeed.zero.GatheredParameters(params, modifier_rank=0)``: the host's
+    parameters are whole already, and changes made inside are kept. With ``modifier_rank``
+    and several processes, that process's values are broadcast to the others on exit (code
+    inside often changes them on rank 0 only, as Hugging Face's ZeRO-3 loading does)."""
 
     def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
-        self.params = params
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self.params = [p for p in (params or []) if isinstance(p, torch.Tensor)]
+        self.modifier_rank = modifier_rank if enabled else None
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
+        import torch.distributed as dist
+
+        if exc_type is None and self.modifier_rank is not None and dist.is_initialized() and dist.get_world_size() > 1:
+            with torch.no_grad():
+                for p in self.params:
+                    dist.broadcast(p.data, src=self.modifier_rank)
         return False
 
 

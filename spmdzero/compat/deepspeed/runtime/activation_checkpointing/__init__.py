@@ -1,0 +1,3 @@
+"""``deepspeed.runtime.activation_checkpointing`` (also ``deepspeed.checkpointing``)."""
+
+from . import checkpointing  # noqa: F401
