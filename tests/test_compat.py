@@ -347,14 +347,19 @@ def test_transformers_zero3_loading_and_resizing_run_on_the_compat_layer(deepspe
     ``GatheredParameters`` (it used to stop at a name of DeepSpeed's the layer lacked), and
     ``resize_token_embeddings`` keeps the old rows."""
     transformers = pytest.importorskip("transformers")
-    from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+    from accelerate.utils.deepspeed import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import (is_deepspeed_zero3_enabled, set_hf_deepspeed_config,
+                                                     unset_hf_deepspeed_config)
 
     config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
     torch.manual_seed(0)
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
     saved = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).state_dict()
     deepspeed.init_distributed()  # as the Trainer does: the ZeRO-3 loader asks torch.distributed its rank
+    # what TrainingArguments(deepspeed=...) registers (transformers' own class derives from this one
+    # only if DeepSpeed was importable when transformers first loaded, which depends on test order)
     keep = HfDeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
+    set_hf_deepspeed_config(keep)
     assert is_deepspeed_zero3_enabled()
     model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
     for name, value in model.state_dict().items():
@@ -362,6 +367,7 @@ def test_transformers_zero3_loading_and_resizing_run_on_the_compat_layer(deepspe
     model.resize_token_embeddings(72)
     weight = model.get_input_embeddings().weight
     assert weight.shape == (72, 32) and torch.equal(weight[:64], saved["transformer.wte.weight"])
+    unset_hf_deepspeed_config()
     del keep
     from deepspeed.compression.helper import recursive_getattr, recursive_setattr
 

@@ -112,7 +112,7 @@ def test_batch_is_split_across_every_data_parallel_axis():
 
 def test_plan_rejects_bad_stage_and_mesh_without_fsdp():
     with pytest.raises(ValueError, match="stage"):
-        make_plan(SHAPES, {"fsdp": 8}, 3)
+        make_plan(SHAPES, {"fsdp": 8}, 4)
     with pytest.raises(ValueError, match="fsdp"):
         make_plan(SHAPES, {"data": 8}, 1)
 
