@@ -1,6 +1,10 @@
 """Record DeepSpeed's own ZeRO run of the shared training case (the test oracle).
 
-    DS_ACCELERATOR=cpu torchrun --nproc_per_node=4 tests/oracle/deepspeed_training.py OUT.json [bf16 [CKPT_DIR]]
+    DS_ACCELERATOR=cpu [ZERO_STAGE=3] torchrun --nproc_per_node=4 tests/oracle/deepspeed_training.py OUT.json [bf16 [CKPT_DIR]]
+
+ZERO_STAGE (default 2) is written into the case's config. At stage 3 DeepSpeed partitions the
+module's parameters, so the final ones are read whole under ``deepspeed.zero.GatheredParameters``:
+the module's own dtype (bf16 in bf16 runs, as stage 2's ``engine.module`` holds), not the fp32 masters.
 
 With CKPT_DIR, DeepSpeed also saves a checkpoint there after SAVE_AFTER micro-steps (a
 boundary), so the recorded losses after it are DeepSpeed's continuation from that checkpoint.
@@ -29,6 +33,8 @@ def main(out_path: str, precision: str = "fp32", ckpt_dir: str = "") -> None:
     rank = dist.get_rank()
     model = make_model()
     config = CONFIG_BF16 if precision == "bf16" else CONFIG
+    config = {**config, "zero_optimization": {**config["zero_optimization"],
+                                              "stage": int(os.environ.get("ZERO_STAGE", "2"))}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     losses, lrs = [], []
     for step, (x, y) in enumerate(global_micro_batches()):
@@ -43,7 +49,8 @@ def main(out_path: str, precision: str = "fp32", ckpt_dir: str = "") -> None:
         dist.all_reduce(mean)
         losses.append(mean.item() / dist.get_world_size())
         lrs.append(engine.get_lr()[0])
-    params = {n: p.detach().float().tolist() for n, p in engine.module.named_parameters()}
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):  # a no-op below stage 3
+        params = {n: p.detach().float().tolist() for n, p in engine.module.named_parameters()}
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"deepspeed_version": deepspeed.__version__, "config": config, "losses": losses, "lrs": lrs,
