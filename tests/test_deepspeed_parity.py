@@ -119,3 +119,13 @@ def test_deepspeed_checkpoint_import_continues_as_deepspeed_did(precision, route
     assert ours["client"] == {"epoch": 1}
     assert ours["counters"] == [6, 96, 12, 0]
     assert_matches_deepspeed(ours, ds, start, precision)
+
+
+def test_a_deepspeed_zero3_checkpoint_is_named_as_such_with_the_way_to_its_weights(tmp_path):
+    """Not read yet (each parameter split on its own over per-rank files): said, not "not a
+    DeepSpeed checkpoint"."""
+    from spmdzero.io.checkpoint_format import CheckpointError
+    from spmdzero.io.deepspeed_import import import_deepspeed
+
+    with pytest.raises(CheckpointError, match="is a DeepSpeed ZeRO-3 checkpoint .*zero_to_fp32.py"):
+        import_deepspeed(str(FIXTURES / "deepspeed_zero3_fp32_ckpt"), str(tmp_path / "out"))

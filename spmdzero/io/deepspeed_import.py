@@ -83,6 +83,19 @@ def is_deepspeed_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MODEL_FILE))
 
 
+ZERO3_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+
+
+def refuse_deepspeed_zero3(path: str) -> None:
+    """A DeepSpeed ZeRO-3 checkpoint (per-rank model files, each parameter split on its own) is
+    not read yet: said as such, with the way to its weights, rather than "not a checkpoint"."""
+    if os.path.isfile(os.path.join(path, ZERO3_MODEL_FILE)) and not os.path.isfile(os.path.join(path, MODEL_FILE)):
+        raise CheckpointError(
+            f"{path!r} is a DeepSpeed ZeRO-3 checkpoint ({ZERO3_MODEL_FILE}, ...): spmdzero reads DeepSpeed's "
+            "ZeRO-1/2 checkpoints only. Convert its weights with DeepSpeed's zero_to_fp32.py (written beside it) and "
+            "load them into the model before initialize (the optimizer state starts anew)")
+
+
 def read_deepspeed_checkpoint(path: str) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors by spmdzero checkpoint key, host state in spmdzero's meta layout)."""
     try:
@@ -162,6 +175,7 @@ def import_deepspeed(ds_dir: str, out_dir: str, tag: Optional[str] = None) -> st
     from torch.distributed.checkpoint.api import CheckpointException
 
     tag, path = tagged_path(ds_dir, tag, "DeepSpeed checkpoint")
+    refuse_deepspeed_zero3(path)
     if not is_deepspeed_checkpoint(path):
         raise CheckpointError(f"{path!r} is not a DeepSpeed checkpoint (no {MODEL_FILE})")
     tensors, host = read_deepspeed_checkpoint(path)
