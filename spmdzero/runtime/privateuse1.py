@@ -205,23 +205,7 @@ def pin_nothing_without_hooks() -> None:
     """``tensor.pin_memory()`` returns the tensor unpinned where pinning needs the missing hooks
     (a script's own ``batch.pin_memory()``, as DeepSpeed's ``get_accelerator().pin_memory`` does
     here); it raised "Please register PrivateUse1HooksInterface". Idempotent."""
-    import torch
-
-    pin = torch.Tensor.pin_memory
-    if getattr(pin, "_spmdzero_without_hooks", False):
-        return
-
-    @functools.wraps(pin)
-    def pin_memory(self, *args, **kwargs):
-        try:
-            return pin(self, *args, **kwargs)
-        except RuntimeError as err:
-            if _MISSING_HOOKS not in str(err):
-                raise
-            return self
-
-    pin_memory._spmdzero_without_hooks = True
-    torch.Tensor.pin_memory = pin_memory
+    _instead_of_torchs_error("pin_memory", _MISSING_HOOKS, lambda pin, tensor, *args, **kwargs: tensor)
 
 
 _NO_GUARD = "is not linked with support for"  # torch's words for a device type without a device guard
@@ -242,20 +226,30 @@ def _with_index(value):
 def index_the_moves() -> None:
     """``tensor.to(<the jax device without an index>)`` moves to ``jax:0`` (see the module
     docstring); every other move, and every other error, as before. Idempotent."""
+    def indexed(to, tensor, *args, **kwargs):
+        return to(tensor, *(_with_index(a) for a in args), **{k: _with_index(v) for k, v in kwargs.items()})
+
+    _instead_of_torchs_error("to", _NO_GUARD, indexed)
+
+
+def _instead_of_torchs_error(name: str, words: str, instead) -> None:
+    """``torch.Tensor.<name>`` answers ``instead(original, tensor, *args, **kwargs)`` where torch's
+    own raises a RuntimeError saying ``words`` and PrivateUse1 is torchax's; as before otherwise
+    (the first try costs nothing more). Idempotent."""
     import torch
 
-    to = torch.Tensor.to
-    if getattr(to, "_spmdzero_without_hooks", False):
+    original = getattr(torch.Tensor, name)
+    if getattr(original, "_spmdzero_without_hooks", False):
         return
 
-    @functools.wraps(to)
-    def to_indexed(self, *args, **kwargs):
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
         try:
-            return to(self, *args, **kwargs)
+            return original(self, *args, **kwargs)
         except RuntimeError as err:
-            if _NO_GUARD not in str(err) or not _privateuse1_is_torchax():
+            if words not in str(err) or not _privateuse1_is_torchax():
                 raise
-            return to(self, *(_with_index(a) for a in args), **{k: _with_index(v) for k, v in kwargs.items()})
+            return instead(original, self, *args, **kwargs)
 
-    to_indexed._spmdzero_without_hooks = True
-    torch.Tensor.to = to_indexed
+    method._spmdzero_without_hooks = True
+    setattr(torch.Tensor, name, method)
