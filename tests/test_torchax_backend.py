@@ -198,6 +198,24 @@ def test_a_loss_outside_the_module_is_as_torchs_whatever_it_is_made_of():
         engine.backward(torch.nn.functional.mse_loss(logits, y1))
 
 
+def test_a_loss_outside_the_module_on_sequence_lengths_that_come_back_trains_as_torch():
+    """Lengths 4, 6, then 4 again (TRL's SFTTrainer pads each batch to its longest row and
+    computes the loss from per-token outputs): the third forward reuses the first one's compiled
+    program, and its backward takes the VJP of that length, not of the length traced last
+    (it was handed the 6-long VJP: "unexpected JAX type ... for argument to vjp function")."""
+    model, reference = MaybeLoss(tiny_mlp(seed=0)), MaybeLoss(tiny_mlp(seed=0))
+    engine, *_ = spmdzero.initialize(model=model, config=plain_config())
+    optimizer = torch_optimizer(reference)
+    g = torch.Generator().manual_seed(3)
+    for length in (4, 6, 4, 6):
+        x, y = torch.randn(16, length, 16, generator=g), torch.randn(16, length, 8, generator=g)
+        engine.backward(torch.nn.functional.mse_loss(engine(x)["logits"], y))
+        engine.step()
+        torch_step(reference, optimizer, torch.nn.functional.mse_loss(reference(x)["logits"], y))
+        assert_as_in_torch(engine, reference)
+    assert engine.traces["vjp_forward"] == 2
+
+
 class MaybeLoss(torch.nn.Module):
     """Logits, and their loss when given targets (as Hugging Face models with and without labels)."""
 

@@ -107,6 +107,12 @@ def _hashable(static: tuple) -> tuple:
     except TypeError:
         return tuple((i, repr(v)) for i, v in static)
 
+
+def _signature(arrays) -> tuple:
+    """The inputs' shapes and dtypes, as jit tells its traces apart (concrete arrays or tracers)."""
+    return tuple((tuple(a.shape), str(a.dtype)) for a in arrays)
+
+
 def _host_tensors_as_constants(fn, output):
     """``fn(output)`` traced, its host tensors (a target the loss function closes over) taken
     as constants of the program: torchax refuses math between its tensors and host ones. A move
@@ -388,16 +394,19 @@ class ForwardPrograms:
             # until the backward; ``call`` puts the engine's arrays back in their place
             leaves, treedef = jax.tree_util.tree_flatten(vjp)
             sources = {id(a): (0, n) for n, a in params.items()} | {id(a): (1, n) for n, a in constants.items()}
-            residuals[:] = [treedef, [sources.get(id(leaf)) for leaf in leaves]]
+            residuals[_signature(arrays)] = (treedef, [sources.get(id(leaf)) for leaf in leaves])
             return outputs, changed, [leaf for leaf in leaves if id(leaf) not in sources]
 
         if kind == "vjp":
             jitted = self._host_reads.program(program_vjp, kind)
-            residuals: list = []  # (the VJP's treedef, per leaf: None or where it comes from), set by each trace
+            # per input signature: (the VJP's treedef, per leaf: None or where it comes from), set by
+            # its trace. The treedef holds the output shapes the VJP takes cotangents of, so a batch of
+            # a length traced before (jit's cache, no new trace) needs that trace's, not the last one's
+            residuals: dict = {}
 
             def call(params, constants, rng, arrays):
                 outputs, changed, computed = jitted(params, constants, rng, arrays)
-                treedef, sources = residuals
+                treedef, sources = residuals[_signature(arrays)]
                 computed, inputs = iter(computed), (params, constants)
                 vjp = jax.tree_util.tree_unflatten(
                     treedef, [next(computed) if s is None else inputs[s[0]][s[1]] for s in sources])
