@@ -16,7 +16,9 @@ flags) as it is. ``ctx.needs_input_grad`` says which inputs are floating tensors
 
 Not mapped (called as before, their forward differentiated): a Function called with keyword
 arguments, with no tensor argument, outside a differentiated trace (an evaluation program, the
-host), and one whose forward returns something other than tensors and plain values.
+host), under a ``torch.func`` transform (transformers 4.x builds its masks under ``torch.vmap``,
+indexing through torch's own ``ModIndex`` Function), torch's own Functions (exact derivatives),
+and one whose forward returns something other than tensors and plain values.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.utils.checkpoint
 from torch.utils import _pytree as torch_pytree
 
 
@@ -169,8 +170,11 @@ def _has_setup_context(function: type) -> bool:
 def mapped(function: type, args: tuple, kwargs: dict):
     """``function.apply(*args)`` as a custom VJP, or ``NotImplemented`` where it is not mapped (see
     the module docstring)."""
-    if kwargs or not torch.is_grad_enabled() or function is torch.utils.checkpoint.CheckpointFunction:
-        return NotImplemented  # torch's reentrant checkpoint is remat's (a region, not a VJP)
+    if kwargs or not torch.is_grad_enabled() or function.__module__.startswith("torch."):
+        # torch's own Functions are exact derivatives (and its reentrant checkpoint is remat's region)
+        return NotImplemented
+    if torch._C._are_functorch_transforms_active():  # under torch.vmap (transformers 4.x's masks): its tensors
+        return NotImplemented
     traced = [a for a in args if _is_traced_tensor(a)]
     if not traced:
         return NotImplemented
