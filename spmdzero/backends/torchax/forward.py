@@ -320,12 +320,26 @@ class ForwardPrograms:
                                   if not isinstance(v, torch.Tensor)]]
             return [env.t2j_iso(t) for t in leaves if isinstance(t, torch.Tensor)]
 
-        def run(params, constants, rng, arrays, differentiated: bool = True):
+        def gathered(params: dict) -> dict:
+            """ZeRO-3: each sharded parameter gathered whole where the module reads it, as FSDP
+            does (its gradient's transpose is then the reduce-scatter). Left to itself, the SPMD
+            partitioner kept weights sharded and moved the activations instead (tensor-parallel
+            style): a 2-layer GPT-2 sent 2.26x FSDP's minimum on v5e:2x2, 1.07x with this. Not in
+            the VJP program (a loss outside the module): there the gathered weights would be
+            residuals held until the backward, a whole copy of the parameters (2.1x the stage-3
+            accounting in tests/test_torchax_memory.py); regathering them in the backward
+            (a remat of the gathers) is still to do."""
+            if self.plan.stage < 3:
+                return params
+            return {n: jax.lax.with_sharding_constraint(p, self._replicated) if n in self._param_specs else p
+                    for n, p in params.items()}
+
+        def run(params, constants, rng, arrays, differentiated: bool = True, gather: bool = True):
             leaves = list(arrays)
             for i, value in static:
                 leaves.insert(i, value)
             inputs, kwargs = torch_pytree.tree_unflatten(leaves, treespec)
-            tensors = env.j2t_iso({**frozen.held(params, frozen_now), **constants})
+            tensors = env.j2t_iso({**frozen.held(gathered(params) if gather else params, frozen_now), **constants})
             inputs, kwargs = env.j2t_iso((inputs, kwargs))
             # functional_call puts the host tensors back when it returns, except under a submodule
             # registered twice (``self.alias = self.shared``): there the traced ones stayed. Put back here.
@@ -383,7 +397,7 @@ class ForwardPrograms:
                 placed = list(arrays)
                 for i, array in zip(which, chosen):
                     placed[i] = array
-                output, changed = run(params, constants, rng, placed)
+                output, changed = run(params, constants, rng, placed, gather=False)
                 outputs = flatten_output(output)
                 floats[:] = [i for i, o in enumerate(outputs) if jax.numpy.issubdtype(o.dtype, jax.numpy.inexact)]
                 return [outputs[i] for i in floats], (outputs, changed)
