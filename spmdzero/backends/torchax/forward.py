@@ -28,6 +28,7 @@ from spmdzero.backends.torchax import process_rows
 from spmdzero.backends.torchax import trace_view
 from spmdzero.backends.torchax import remat
 from spmdzero.backends.torchax import cross_entropy
+from spmdzero.train.scan_layers import scanned_parameters
 from spmdzero.backends.torchax.placement import INT64_TRUNCATED, _as_dicts, _is_torchax_tensor, _jax_dtype
 
 
@@ -320,6 +321,8 @@ class ForwardPrograms:
                                   if not isinstance(v, torch.Tensor)]]
             return [env.t2j_iso(t) for t in leaves if isinstance(t, torch.Tensor)]
 
+        scanned = scanned_parameters(module)
+
         def gathered(params: dict) -> dict:
             """ZeRO-3: each sharded parameter gathered whole where the module reads it, as FSDP
             does (its gradient's transpose is then the reduce-scatter). Left to itself, the SPMD
@@ -328,11 +331,14 @@ class ForwardPrograms:
             the VJP program (a loss outside the module): there the gathered weights would be
             residuals held until the backward, a whole copy of the parameters (2.1x the stage-3
             accounting in tests/test_torchax_memory.py); regathering them in the backward
-            (a remat of the gathers) is still to do."""
+            (a remat of the gathers) is still to do, and so is a gather per layer inside a
+            ``scan_layers`` loop."""
             if self.plan.stage < 3:
                 return params
-            return {n: jax.lax.with_sharding_constraint(p, self._replicated) if n in self._param_specs else p
-                    for n, p in params.items()}
+            # a scanned stack's weights are not gathered all at once ahead of the loop (the whole
+            # stack's, every layer, whole on every device): the loop takes them as laid out
+            return {n: jax.lax.with_sharding_constraint(p, self._replicated)
+                    if n in self._param_specs and n not in scanned else p for n, p in params.items()}
 
         def run(params, constants, rng, arrays, differentiated: bool = True, gather: bool = True):
             leaves = list(arrays)
