@@ -90,8 +90,7 @@ class BackwardPrograms:
         if forward.pending is SPECULATED:
             if any(f is forward for f in self._unconfirmed):
                 if forward.divisor == self._loss_divisor:
-                    self._unconfirmed = [f for f in self._unconfirmed if f is not forward]
-                    forward.pending = None
+                    self._confirm(forward)
                     return
                 self._retract(forward)
             forward.pending = None  # dropped with the accumulation it was added to (zero_grad): taken again
@@ -105,8 +104,7 @@ class BackwardPrograms:
                 raise RuntimeError("engine.backward(loss): the module returned this loss in eval mode, but no loss "
                                    "when traced to take its gradient")
             if forward.pending is SPECULATED:  # added to the accumulation now, by its backward
-                self._unconfirmed = [f for f in self._unconfirmed if f is not forward]
-                forward.pending = None
+                self._confirm(forward)
                 return
         self._take_accum(forward.pending)
         forward.pending = None
@@ -120,12 +118,16 @@ class BackwardPrograms:
         for forward in self._unconfirmed[:]:
             warnings.warn(UNCONFIRMED, stacklevel=3)
             self._retract(forward)
-            forward.pending = None
+
+    def _confirm(self, forward: SimpleNamespace) -> None:
+        """``forward``'s gradient, already in the accumulation, is committed by its backward."""
+        self._unconfirmed = [f for f in self._unconfirmed if f is not forward]
+        forward.pending = None
 
     def _retract(self, forward: SimpleNamespace) -> None:
         """Subtract ``forward``'s gradient (taken again by its training program, on its inputs,
         dropout draw and loss divisor, at the parameters it saw) from the accumulation."""
-        self._unconfirmed = [f for f in self._unconfirmed if f is not forward]
+        self._confirm(forward)  # no longer in it
         program = self._program("train", forward.treespec, forward.static, forward.training)
         _, _, gradients = program(self._params, forward.constants, None, forward.rng, forward.arrays,
                                   divisor=forward.divisor)
