@@ -209,6 +209,10 @@ class SpmdConfig(Section):
     # What the backward keeps of each scanned layer (torchax; spmdzero.backends.torchax.scan): "none" (everything
     # JAX saves), "full" (only the layer's input: the layer is recomputed), "save_matmuls" (the matmul results).
     remat: Literal["none", "full", "save_matmuls"] = "none"
+    # Which kernel F.scaled_dot_product_attention runs (torchax; spmdzero.backends.torchax.attention): "auto"
+    # (Pallas's flash kernel on TPU, the exact XLA path elsewhere), "flash" (the kernel everywhere: off TPU in
+    # Pallas's interpreter, to check it) or "exact" (the XLA path, which holds the [L, S] scores).
+    attention: Literal["auto", "flash", "exact"] = "auto"
     # "torchax" (the default): the module traced once under jax.jit through torchax
     # (spmdzero.backends.torchax.engine); "torch_xla": re-traced by torch_xla every step. Unset, it is
     # the backend whose runtime holds the process's devices (SPMDZERO_BACKEND; spmdzero.initialize).

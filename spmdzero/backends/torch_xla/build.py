@@ -46,6 +46,11 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh: Any = None, optimi
         raise ConfigError(f"spmd.remat={cfg.spmd.remat!r} is implemented on the torchax backend (a jax.checkpoint "
                          "policy for the scanned layers); on spmd.backend='torch_xla' checkpoint the blocks in the "
                          "model (torch.utils.checkpoint, gradient_checkpointing_enable()) or drop the key")
+    if cfg.spmd.attention == "flash":
+        raise ConfigError("spmd.attention='flash' is implemented on the torchax backend (Pallas's flash kernel for "
+                          "F.scaled_dot_product_attention); on spmd.backend='torch_xla', SDPA is torch_xla's own "
+                          "lowering: drop the key, or call torch_xla.experimental.custom_kernel.flash_attention "
+                          "in the model")
     if cfg.spmd.scan_layers:
         if model_parameters is not None and not isinstance(model_parameters, (list, tuple)):
             model_parameters = list(model_parameters)  # a generator over the module, before stacking

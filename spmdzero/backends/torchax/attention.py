@@ -14,16 +14,77 @@ an additive float mask, ``enable_gqa``'s repeated key/value heads, and dropout o
 transformers' eager path builds, is not -inf and gives torch's uniform weights, as in torch.
 
 The softmax runs in float32 for half-precision inputs, as torch's CPU kernels accumulate.
-This still materializes the ``[L, S]`` scores; issue 43 brings kernels that do not.
+This path holds the ``[L, S]`` scores. While an engine traces its step (``choosing``), a call
+the flash kernel covers goes to Pallas's kernel instead (``flash_attention.py``): by default on
+TPU (``"spmd": {"attention": "auto"}``), everywhere with ``"flash"``. A call it does not cover
+stays here, and the engine says why once (``AttentionChoice``); ``spmdzero aot`` reports both.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 
+from spmdzero.backends.torchax import flash_attention
+
 _INSTALLED = "_spmdzero_exact_sdpa"
+
+
+@dataclass
+class AttentionChoice:
+    """One engine's attention: the kernel it asked for (``spmd.attention``, resolved for the
+    platform) and what its traces ran, call by call."""
+
+    kernel: str  # "flash" or "exact"
+    mesh: Any = None
+    batch_axes: tuple = ()
+    batch_devices: int = 1
+    interpret: bool = False  # the flash kernel in Pallas's interpreter (off TPU)
+    calls: collections.Counter = field(default_factory=collections.Counter)  # "flash"/"exact" -> traced calls
+    reasons: dict = field(default_factory=dict)  # why a call took the exact path -> calls
+
+    @classmethod
+    def resolve(cls, setting: str, platform: str, **where) -> "AttentionChoice":
+        """``spmd.attention`` on ``platform`` ("tpu" for ``spmdzero aot``'s shape-only steps)."""
+        kernel = "flash" if setting == "flash" or (setting == "auto" and platform == "tpu") else "exact"
+        return cls(kernel, interpret=kernel == "flash" and platform != "tpu", **where)
+
+    def fell_back(self, reason: str) -> None:
+        if reason not in self.reasons:
+            warnings.warn(f"spmdzero: scaled_dot_product_attention takes the exact XLA path, which holds the "
+                          f"[L, S] scores, instead of the flash kernel: {reason}", stacklevel=2)
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+
+    def describe(self) -> str:
+        """One line for reports: which kernel ran how often, and why not the flash kernel."""
+        if not self.calls:
+            return "no scaled_dot_product_attention call in the step"
+        ran = ", ".join(f"{'Pallas flash kernel' if k == 'flash' else 'exact XLA (holds [L, S] scores)'} x{n}"
+                        for k, n in sorted(self.calls.items()))
+        why = "; ".join(self.reasons) if self.reasons else ("spmd.attention asks for the exact path"
+                                                            if self.kernel == "exact" and self.calls["exact"]
+                                                            else "")
+        return ran + (f" ({why})" if why else "")
+
+
+_choice: Optional[AttentionChoice] = None
+
+
+@contextlib.contextmanager
+def choosing(choice: AttentionChoice):
+    """SDPA calls traced inside take ``choice``'s kernel and count in it."""
+    global _choice
+    previous, _choice = _choice, choice
+    try:
+        yield
+    finally:
+        _choice = previous
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -32,11 +93,21 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     import jax
     import jax.numpy as jnp
 
+    choice = _choice
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    if choice is not None and choice.kernel == "flash":
+        reason = flash_attention.unsupported(query, key, value, attn_mask, dropout_p, choice.batch_devices)
+        if reason is None:
+            choice.calls["flash"] += 1
+            return flash_attention.attend(query, key, value, attn_mask, is_causal, scale, choice.mesh,
+                                          choice.batch_axes, choice.interpret)
+        choice.fell_back(reason)
+    if choice is not None:
+        choice.calls["exact"] += 1
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         repeat = query.shape[-3] // key.shape[-3]
         key, value = jnp.repeat(key, repeat, axis=-3), jnp.repeat(value, repeat, axis=-3)
     length, source = query.shape[-2], key.shape[-2]
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     compute = jnp.float32 if query.dtype in (jnp.bfloat16, jnp.float16) else query.dtype
     scores = jnp.einsum("...le,...se->...ls", query, key, preferred_element_type=compute) * scale
     if is_causal:

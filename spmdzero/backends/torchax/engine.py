@@ -60,6 +60,7 @@ import warnings
 from types import SimpleNamespace
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from spmdzero.sharding.batch import BatchSizes
@@ -76,9 +77,9 @@ from spmdzero.train.build import move_in_place
 from spmdzero.backends.torchax import host_reads
 from spmdzero.backends.torchax import host_tensors
 from spmdzero.backends.torchax.mesh import jax_devices, mesh_devices
-from spmdzero.sharding.mesh import resolve_hybrid_shape
+from spmdzero.sharding.mesh import data_parallel_axes, resolve_hybrid_shape
 from spmdzero.backends.torchax import torch_optim
-from spmdzero.backends.torchax import lowerings
+from spmdzero.backends.torchax import attention, lowerings
 from spmdzero.backends.torchax.release import drain
 from spmdzero.backends.torchax.forward import _output_tensor_class
 from spmdzero.backends.torchax.host_module import (_refuse_optimizer_state, _sync_before_state_dict,
@@ -151,6 +152,11 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
             devices, tuple(mesh_shape))
         spec = lambda s: NamedSharding(self.mesh, PartitionSpec(*s))  # noqa: E731
         self._sharding = spec
+        # which kernel SDPA runs in the traced step (spmd.attention; a shape-only step is a TPU's)
+        axes = data_parallel_axes(mesh_shape)
+        self.attention = attention.AttentionChoice.resolve(
+            cfg.spmd.attention, "tpu" if shape_only else self.mesh.devices.flat[0].platform, mesh=self.mesh,
+            batch_axes=axes, batch_devices=int(np.prod([mesh_shape[a] for a in axes])))
         self._replicated = spec(())
 
         # Trainable parameters by plan name; frozen ones and buffers are inputs that are not trained.

@@ -19,6 +19,7 @@ import torch
 from torch.utils import _pytree as torch_pytree
 
 from spmdzero.train.data import model_pad_id
+from spmdzero.backends.torchax import attention
 from spmdzero.backends.torchax import batchnorm
 from spmdzero.backends.torchax import frozen
 from spmdzero.backends.torchax import host_reads
@@ -353,6 +354,7 @@ class ForwardPrograms:
             try:
                 with env, env.override_property(prng=jax.random.fold_in(*rng)), trace_view.tracing(differentiated), \
                         remat.rematerializing(env, tensors.values()), cross_entropy.fused(env), \
+                        attention.choosing(self.attention), \
                         batchnorm.updating_running_statistics(batch_norms):
                     output = torch.func.functional_call(module, tensors, inputs, kwargs)
             finally:
