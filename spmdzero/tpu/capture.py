@@ -101,6 +101,32 @@ class StepCapture:
         return CollectivesReport(devices, result["collectives"], self.gradient_bytes(), self.engine.plan.stage)
 
 
+# The newest Mosaic IR (a Pallas kernel's serialized form) libtpu 0.0.21 reads: it refuses
+# JAX 0.7.1's default, 8 ("Unsupported version: expected <= 7 but got 8").
+LIBTPU_MOSAIC_IR_VERSION = 7
+
+
+@contextlib.contextmanager
+def _mosaic_for_libtpu():
+    """Pallas kernels (the flash attention) serialized for the pinned libtpu. On a TPU VM JAX
+    picks the version from the runtime's build date (``tpu_custom_call.get_ir_version``); a
+    lowering for TPU on a machine without one has no date and takes JAX's newest. Version 7 is
+    what JAX itself emits in forward-compatibility mode."""
+    from jax._src import tpu_custom_call
+
+    newest = tpu_custom_call.get_ir_version
+
+    def version(ctx):
+        chosen = newest(ctx)
+        return LIBTPU_MOSAIC_IR_VERSION if chosen is None else min(chosen, LIBTPU_MOSAIC_IR_VERSION)
+
+    tpu_custom_call.get_ir_version = version
+    try:
+        yield
+    finally:
+        tpu_custom_call.get_ir_version = newest
+
+
 class JaxStepCapture:
     """One step of a torchax engine (``spmd.backend: "torchax"``) as StableHLO: the engine's
     training and update programs composed into one ``jax.jit`` function and traced
@@ -124,7 +150,7 @@ class JaxStepCapture:
         # JAX's default partitioner, Shardy, as the engine runs on a TPU VM (SPMDZERO_BACKEND=
         # torchax): a process where torch_xla used JAX has it switched off for good (torch_xla's
         # jax_workarounds.maybe_get_jax), and would lower GSPMD's annotations instead.
-        with config.use_shardy_partitioner(True):
+        with config.use_shardy_partitioner(True), _mosaic_for_libtpu():
             self.mlir: str = traced_step.traced.lower(lowering_platforms=("tpu",)).as_text()
         self.donate: list[tuple[int, int]] = []  # in the module already
 
@@ -141,7 +167,7 @@ class JaxStepCapture:
         result = compile_mlir(self.mlir, topology, (), timeout, fixed_outputs=True)
         return AotReport(stage=self.engine.plan.stage, gradient_bytes=self.gradient_bytes(),
                          micro_batch=self.step.micro_batch, gradient_names=self.gradient_names(),
-                         backend=self.backend, **result)
+                         backend=self.backend, attention=self.engine.attention.describe(), **result)
 
     def collectives_report(self, timeout: int = 1800) -> CollectivesReport:
         """The collectives of this step compiled for XLA:CPU on the engine's devices (lowered for

@@ -36,6 +36,7 @@ class AotReport:
     cost_per_step: Optional[dict] = None  # ``cost`` with loop bodies counted per trip (tpu.compile.per_step_cost)
     cost_per_step_error: Optional[str] = None  # why there is none for a looped program
     backend: Optional[str] = None  # whose step was compiled: "torch_xla" or "torchax" (spmd.backend)
+    attention: Optional[str] = None  # which kernel SDPA ran, and why not the flash one (torchax: AttentionChoice)
 
     @property
     def chip(self) -> ChipSpec:
@@ -114,7 +115,8 @@ class AotReport:
                "collectives": self.collectives, "cost": self.cost, "cost_per_step": self.cost_per_step,
                "gradient_bytes": self.gradient_bytes,
                "model_flops": self.model_flops, "loops": self.loops, "roofline": self.roofline(),
-               "all_reduced_gradients": self.all_reduced_gradients(), "libtpu_args": self.libtpu_args}
+               "all_reduced_gradients": self.all_reduced_gradients(), "libtpu_args": self.libtpu_args,
+               "attention": self.attention}
         if self.memory is not None:
             out["traffic"] = {"sent_per_chip": traffic.total_traffic, "minimum": traffic.minimum_traffic,
                               "ratio": traffic.ratio}
@@ -136,6 +138,8 @@ class AotReport:
         lines = [f"{head}: compiled in {self.compile_seconds:.1f} s"]
         if self.libtpu_args is not None:
             lines.append(f"  libtpu flags: {self.libtpu_args or '(none)'}")
+        if self.attention is not None:
+            lines.append(f"  attention: {self.attention}")
         if self.memory is None:
             lines.append(f"  the compiler ran out of HBM: needs {_gib(self.total_bytes)} per chip of "
                          f"{_gib(self.out_of_memory.get('capacity', self.chip.hbm_bytes))} usable: {self.verdict()}")

@@ -1,0 +1,162 @@
+"""SDPA through Pallas's flash kernel (spmdzero.backends.torchax.flash_attention): values and
+gradients against torch's own SDPA, run here in Pallas's interpreter on the 8 CPU devices (the
+same kernel, blocks and arithmetic the TPU runs), under the step's shard_map over the batch; the
+calls it does not cover take the exact path and say why once; a model trains on it as on torch."""
+
+import copy
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from jax.sharding import Mesh
+
+import spmdzero
+from spmdzero.backends.torchax import attention
+
+BATCH, HEADS, LENGTH, DIM = 8, 4, 128, 32
+
+
+def choice(kernel="flash"):
+    mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+    return attention.AttentionChoice(kernel, mesh=mesh, batch_axes=("fsdp",), batch_devices=8,
+                                     interpret=kernel == "flash")
+
+
+def key_padding() -> np.ndarray:
+    """Left padding of several lengths; row 3 all padding, row 5 one padded key."""
+    valid = np.ones((BATCH, LENGTH), bool)
+    for row, padded in ((0, 10), (1, 127), (3, LENGTH), (5, 1), (6, 64)):
+        valid[row, :padded] = False
+    return valid
+
+
+CASES = {  # name: (is_causal, mask builder, kv heads)
+    "causal": (True, None, HEADS),
+    "full": (False, None, HEADS),
+    "causal, key padding": (True, lambda v: v[:, None, None, :], HEADS),
+    "key padding": (False, lambda v: v[:, None, None, :], HEADS),
+    "causal, key padding, GQA": (True, lambda v: v[:, None, None, :], 2),
+    "key padding as [S] rows": (False, lambda v: v[:, None, :][:, :, None, :], 1),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_kernel_gives_torchs_values_and_gradients(case):
+    is_causal, mask_of, kv_heads = CASES[case]
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((BATCH, HEADS, LENGTH, DIM), np.float32)
+    k, v = (rng.standard_normal((BATCH, kv_heads, LENGTH, DIM), np.float32) for _ in range(2))
+    weights = rng.standard_normal((BATCH, HEADS, LENGTH, DIM), np.float32)
+    mask = None if mask_of is None else mask_of(key_padding())
+    gqa = kv_heads != HEADS
+
+    chosen = choice()
+
+    def ours(q, k, v):
+        with attention.choosing(chosen):
+            out = attention.scaled_dot_product_attention(q, k, v, None if mask is None else jnp.asarray(mask),
+                                                         is_causal=is_causal, enable_gqa=gqa)
+        return jnp.sum(out * weights), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    assert chosen.calls == {"flash": 1} and not chosen.reasons
+
+    tq, tk, tv = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
+    expected = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=None if mask is None else torch.tensor(mask),
+                                              is_causal=is_causal, enable_gqa=gqa)
+    (expected * torch.tensor(weights)).sum().backward()
+    np.testing.assert_allclose(np.asarray(out), expected.detach().numpy(), rtol=0, atol=2e-6)
+    for got, want in zip(grads, (tq.grad, tk.grad, tv.grad)):
+        np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=2e-6, atol=2e-5)
+    if mask is not None:  # rows that see no key are torch's zeros, and so are their gradients
+        assert np.all(np.asarray(out)[3] == 0) and np.all(np.asarray(grads[0])[3] == 0)
+
+
+@pytest.mark.parametrize("what, call, reason", [
+    ("a dense mask", dict(attn_mask=np.tril(np.ones((LENGTH, LENGTH), bool))), "a boolean attn_mask of shape"),
+    ("an additive mask", dict(attn_mask=np.zeros((BATCH, 1, 1, LENGTH), np.float32)), "additive float32"),
+    ("dropout", dict(dropout_p=0.1), "dropout on the attention weights"),
+    ("a length off the block", dict(length=100), "not a multiple of the kernel's 128-row block"),
+    ("a batch off the devices", dict(batch=4), "does not divide over the 8 data-parallel devices"),
+])
+def test_what_the_kernel_does_not_cover_takes_the_exact_path_and_says_why_once(what, call, reason):
+    batch, length = call.pop("batch", BATCH), call.pop("length", LENGTH)
+    q = jnp.ones((batch, HEADS, length, DIM), jnp.float32)
+    chosen = choice()
+
+    class Env:  # dropout's key, as torchax's environment hands it
+        @staticmethod
+        def get_and_rotate_prng_key():
+            return jax.random.key(0)
+
+    with attention.choosing(chosen), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            attention.scaled_dot_product_attention(q, q, q, **{**call, "attn_mask": call.get("attn_mask")},
+                                                   env=Env)
+    assert chosen.calls == {"exact": 2}
+    said = [str(w.message) for w in caught if "exact XLA path" in str(w.message)]
+    assert len(said) == 1 and reason in said[0], said
+    assert reason in chosen.describe()
+
+
+def test_a_model_trains_on_the_kernel_as_on_torch():
+    """Grouped-query causal attention with a key-padding mask, ZeRO-2, 3 SGD steps against torch."""
+
+    class Attention(torch.nn.Module):
+        def __init__(self, width=32, heads=4, kv_heads=2):
+            super().__init__()
+            self.heads, self.kv_heads, self.dim = heads, kv_heads, width // heads
+            self.q, self.o = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+            self.k, self.v = (torch.nn.Linear(width, kv_heads * self.dim) for _ in range(2))
+
+        def forward(self, x, valid, target):
+            b, n, _ = x.shape
+            q = self.q(x).view(b, n, self.heads, self.dim).transpose(1, 2)
+            k, v = (p(x).view(b, n, self.kv_heads, self.dim).transpose(1, 2) for p in (self.k, self.v))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], is_causal=True,
+                                               enable_gqa=True)
+            return ((self.o(y.transpose(1, 2).reshape(b, n, -1)) - target) ** 2).mean()
+
+    torch.manual_seed(0)
+    model = Attention()
+    reference = copy.deepcopy(model)
+    engine, *_ = spmdzero.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "spmd": {"attention": "flash"}})
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, target, valid = torch.randn(8, LENGTH, 32), torch.randn(8, LENGTH, 32), torch.tensor(key_padding())
+    for _ in range(3):
+        loss = engine(x, valid, target)
+        engine.backward(loss)
+        engine.step()
+        optimizer.zero_grad()
+        expected = reference(x, valid, target)
+        expected.backward()
+        optimizer.step()
+        assert abs(loss.item() - expected.item()) <= 1e-6
+    for (name, got), want in zip(engine.module.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(got.detach().cpu(), want.detach(), atol=1e-6, rtol=0, msg=name)
+    assert engine.attention.describe() == "Pallas flash kernel x1"
+
+
+def test_auto_is_the_exact_path_off_tpu_and_the_kernel_on_it():
+    assert attention.AttentionChoice.resolve("auto", "cpu").kernel == "exact"
+    on_tpu = attention.AttentionChoice.resolve("auto", "tpu")
+    assert on_tpu.kernel == "flash" and not on_tpu.interpret
+    forced = attention.AttentionChoice.resolve("flash", "cpu")
+    assert forced.kernel == "flash" and forced.interpret
+    assert attention.AttentionChoice.resolve("exact", "tpu").kernel == "exact"
+
+
+def test_the_flash_kernel_on_the_torch_xla_backend_says_where_it_runs():
+    from spmdzero.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="spmd.attention='flash' is implemented on the torchax backend"):
+        spmdzero.initialize(model=torch.nn.Linear(4, 4), config={
+            "train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "spmd": {"backend": "torch_xla", "attention": "flash"}})
