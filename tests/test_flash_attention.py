@@ -160,3 +160,37 @@ def test_the_flash_kernel_on_the_torch_xla_backend_says_where_it_runs():
         spmdzero.initialize(model=torch.nn.Linear(4, 4), config={
             "train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
             "spmd": {"backend": "torch_xla", "attention": "flash"}})
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["packed ids", "key padding"])
+def test_a_transformers_decoder_trains_on_the_kernel_as_on_torch(padded):
+    """Llama (grouped-query) from its config: transformers' dense causal mask reaches the kernel as
+    its structure (hf_masks): packed-sequence ids without an attention_mask, key padding with one."""
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).train()
+    reference = copy.deepcopy(model)
+    engine, *_ = spmdzero.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "spmd": {"attention": "flash"}})
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ids, mask = torch.randint(0, 256, (8, LENGTH)), torch.ones(8, LENGTH, dtype=torch.long)
+    mask[0, :30] = mask[2, :100] = 0
+    batch = {"input_ids": ids, "labels": ids.masked_fill(mask == 0, -100)} | ({"attention_mask": mask} if padded
+                                                                           else {})
+    for _ in range(2):
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        optimizer.zero_grad()
+        expected = reference(**batch).loss
+        expected.backward()
+        optimizer.step()
+        assert abs(loss.item() - expected.item()) <= 1e-6
+    for (name, got), want in zip(engine.module.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(got.detach().cpu(), want.detach(), atol=1e-6, rtol=0, msg=name)
+    assert engine.attention.describe() == "Pallas flash kernel x2"  # both layers, no exact path

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from typing import Any, Optional
 
 import torch
 
-from spmdzero.backends.torchax import flash_attention
+from spmdzero.backends.torchax import flash_attention, hf_masks
 
 _INSTALLED = "_spmdzero_exact_sdpa"
 
@@ -77,14 +78,35 @@ _choice: Optional[AttentionChoice] = None
 
 
 @contextlib.contextmanager
-def choosing(choice: AttentionChoice):
-    """SDPA calls traced inside take ``choice``'s kernel and count in it."""
+def choosing(choice: AttentionChoice, env=None):
+    """SDPA calls traced inside (in ``env``) take ``choice``'s kernel and count in it; with the
+    flash kernel, so do transformers' causal masks (``hf_masks``)."""
     global _choice
     previous, _choice = _choice, choice
     try:
-        yield
+        if choice.kernel == "flash" and env is not None:
+            with hf_masks.structured(functools.partial(_transformers_kernel, choice, env)):
+                yield
+        else:
+            yield
     finally:
         _choice = previous
+
+
+def _transformers_kernel(choice: AttentionChoice, env, module, query, key, value, structure, dropout, scaling):
+    """transformers' attention on the flash kernel, for a mask ``hf_masks`` knows the structure
+    of; None (transformers' own path) where the kernel does not cover the call."""
+    q, k, v = env.t2j_iso((query, key, value))
+    reason = flash_attention.unsupported(q, k, v, None, dropout, choice.batch_devices)
+    if reason is not None:
+        choice.fell_back(reason)
+        return None
+    choice.calls["flash"] += 1
+    padding, segments = env.t2j_iso((structure.key_padding, structure.segments))
+    out = flash_attention.attend(q, k, v, structure.causal, 1.0 / math.sqrt(q.shape[-1]) if scaling is None
+                                 else scaling, choice.mesh, choice.batch_axes, choice.interpret,
+                                 key_valid=None if padding is None else padding.astype(bool), segments=segments)
+    return env.j2t_iso(out)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -99,8 +121,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         reason = flash_attention.unsupported(query, key, value, attn_mask, dropout_p, choice.batch_devices)
         if reason is None:
             choice.calls["flash"] += 1
-            return flash_attention.attend(query, key, value, attn_mask, is_causal, scale, choice.mesh,
-                                          choice.batch_axes, choice.interpret)
+            valid = None if attn_mask is None else flash_attention.key_padding(attn_mask, query.shape[0],
+                                                                                key.shape[-2])
+            return flash_attention.attend(query, key, value, is_causal, scale, choice.mesh, choice.batch_axes,
+                                          choice.interpret, key_valid=valid)
         choice.fell_back(reason)
     if choice is not None:
         choice.calls["exact"] += 1

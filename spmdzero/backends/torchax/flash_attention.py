@@ -14,8 +14,10 @@ added. The kernel takes what it covers and nothing else (``unsupported`` names t
 * ``is_causal`` (torch's top-left aligned ``tril``) or no causal mask;
 * no ``attn_mask``, or a boolean key-padding mask (one row of keys per batch element, broadcast
   over heads and queries: ``mask[:, None, None, :]``), which becomes the kernel's segment ids
-  (queries 1, keys 1 where attended, 0 where padded). Query rows that see no key at all are
+  (queries 0, keys 0 where attended, -1 where padded). Query rows that see no key at all are
   zeros, as in torch (the kernel's masked rows would average the padding);
+* transformers' causal masks, handed over as their structure (``hf_masks.py``): causality, key
+  padding, and packed-sequence ids (the kernel's segment ids as they are);
 * grouped-query attention (``enable_gqa``, fewer key/value heads): their heads are repeated;
 * sequence lengths that are a multiple of the kernel's 128-row block, and head dims up to 128
   or multiples of it;
@@ -58,11 +60,6 @@ def unsupported(query, key, value, attn_mask, dropout_p: float, batch_devices: i
                 "attention dropout to 0 (attn_pdrop, attention_dropout, ...) to use it")
     if value.shape[-1] != dim:
         return f"a value head dim ({value.shape[-1]}) other than the query's ({dim})"
-    if attn_mask is not None and key_padding(attn_mask, batch, source) is None:
-        kind = "boolean" if str(attn_mask.dtype) == "bool" else f"additive {attn_mask.dtype}"
-        return (f"a {kind} attn_mask of shape {tuple(attn_mask.shape)}: the kernel masks by causality and key "
-                "padding (segment ids) only, not by a dense [L, S] mask. transformers builds such a mask for "
-                "any batch that carries an attention_mask")
     for name, n in (("query", length), ("key", source)):
         if n % BLOCK:
             return (f"a {name} length of {n}, not a multiple of the kernel's {BLOCK}-row block: pad the "
@@ -71,12 +68,18 @@ def unsupported(query, key, value, attn_mask, dropout_p: float, batch_devices: i
         return f"a head dim of {dim}: the kernel takes head dims up to {BLOCK}, or multiples of it"
     if batch % batch_devices:
         return f"a batch of {batch} rows, which does not divide over the {batch_devices} data-parallel devices"
+    if attn_mask is not None and key_padding(attn_mask, batch, source) is None:
+        kind = "boolean" if str(attn_mask.dtype) == "bool" else f"additive {attn_mask.dtype}"
+        return (f"a {kind} attn_mask of shape {tuple(attn_mask.shape)}: the kernel masks by causality, key "
+                "padding and packed-sequence ids (segment ids) only, not by a dense [L, S] mask")
     return None
 
 
-def attend(query, key, value, attn_mask, is_causal: bool, scale: float, mesh, batch_axes: tuple,
-           interpret: bool):
-    """The kernel's SDPA (``unsupported`` said yes): ``[b, h, L, E]`` in and out."""
+def attend(query, key, value, is_causal: bool, scale: float, mesh, batch_axes: tuple, interpret: bool,
+           key_valid=None, segments=None):
+    """The kernel's SDPA (``unsupported`` said yes): ``[b, h, L, E]`` in and out. ``key_valid``:
+    ``[b, S]`` booleans (key padding); ``segments``: ``[b, L]`` ids of packed sequences (queries
+    and keys of one length), a query attending only keys of its own id."""
     import jax
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.tpu import flash_attention as pallas
@@ -87,25 +90,29 @@ def attend(query, key, value, attn_mask, is_causal: bool, scale: float, mesh, ba
     if key.shape[-3] != heads:
         repeat = heads // key.shape[-3]
         key, value = jnp.repeat(key, repeat, axis=-3), jnp.repeat(value, repeat, axis=-3)
-    valid = None if attn_mask is None else key_padding(attn_mask, batch, source)
-    blocks = pallas.BlockSizes.get_default(batch, heads, length, source, query.shape[-1])  # BLOCK everywhere
+    blocks = pallas.BlockSizes.get_default(batch, heads, length, source, query.shape[-1])
+    ids = None
+    if segments is not None or key_valid is not None:
+        q_ids = (jnp.zeros((batch, length), jnp.int32) if segments is None
+                 else jnp.broadcast_to(segments, (batch, length)).astype(jnp.int32))
+        kv_ids = q_ids if segments is not None else jnp.zeros((batch, source), jnp.int32)
+        if key_valid is not None:  # a padded key's id is -1, which no query has
+            kv_ids = jnp.where(key_valid, kv_ids, -1)
+        ids = (q_ids, kv_ids)
 
-    def local(q, k, v, *keys):
-        segments = None
-        if keys:
-            rows = keys[0].shape[0]
-            segments = pallas.SegmentIds(q=jnp.ones((rows, length), jnp.int32), kv=keys[0].astype(jnp.int32))
-        return pallas.flash_attention(q, k, v, segment_ids=segments, causal=is_causal, sm_scale=scale,
+    def local(q, k, v, *ids):
+        segment_ids = pallas.SegmentIds(q=ids[0], kv=ids[1]) if ids else None
+        return pallas.flash_attention(q, k, v, segment_ids=segment_ids, causal=is_causal, sm_scale=scale,
                                       block_sizes=blocks)
 
     rows = PartitionSpec(batch_axes)
-    arrays = (query, key, value) + (() if valid is None else (valid,))
+    arrays = (query, key, value) + (ids or ())
     out = jax.shard_map(_interpreted(local) if interpret else local, mesh=mesh,
                         in_specs=(rows,) * len(arrays), out_specs=rows, check_vma=False)(*arrays)
-    if valid is not None:
+    if key_valid is not None:
         # query rows that see no key: torch's zeros (the kernel averaged the masked keys)
-        seen = (jnp.cumsum(valid, axis=-1)[:, jnp.minimum(jnp.arange(length), source - 1)] > 0 if is_causal
-                else jnp.broadcast_to(jnp.any(valid, axis=-1, keepdims=True), (batch, length)))
+        seen = (jnp.cumsum(key_valid, axis=-1)[:, jnp.minimum(jnp.arange(length), source - 1)] > 0 if is_causal
+                else jnp.broadcast_to(jnp.any(key_valid, axis=-1, keepdims=True), (batch, length)))
         out = jnp.where(seen[:, None, :, None], out, jnp.zeros((), out.dtype))
     return out
 
