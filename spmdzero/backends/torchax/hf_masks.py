@@ -13,8 +13,9 @@ transformers' ``"sdpa"`` mask function and ``"sdpa"`` attention function:
 
 * the mask is still built as transformers builds it, and the structure it came from is attached
   to it (``_spmdzero_flash``): only a mask made by ``causal_mask_function``, alone or with
-  packed-sequence ids (``and_masks`` and ``packed_sequence_mask_function`` are wrapped to
-  remember their parts), with queries and keys of one length and no offset or window;
+  packed-sequence ids (``and_masks``, ``packed_sequence_mask_function`` and 5.x's
+  ``remap_positions_for_packed_sequence`` are wrapped to remember their parts), with queries and
+  keys of one length and no offset or window;
 * the attention function sends a mask carrying that structure to the kernel; the dense mask is
   then unused and XLA drops it. Any other mask (sliding windows, offsets, a mask the model
   changed on the way, whose attribute is then gone) takes transformers' own path unchanged.
@@ -45,7 +46,7 @@ def structured(call_kernel):
         yield
         return
     saved = dict(and_masks=masking.and_masks, packed=masking.packed_sequence_mask_function, mask=masks["sdpa"],
-                 attention=functions["sdpa"])
+                 attention=functions["sdpa"], remap=getattr(masking, "remap_positions_for_packed_sequence", None))
 
     def and_masks(*parts):
         combined = saved["and_masks"](*parts)
@@ -56,6 +57,12 @@ def structured(call_kernel):
         inner = saved["packed"](ids)
         inner._spmdzero_segments = ids
         return inner
+
+    def remap_positions_for_packed_sequence(function, position_ids):
+        # 5.x: causality by position within each packed sequence, which is by index there
+        remapped = saved["remap"](function, position_ids)
+        remapped._spmdzero_remapped = function
+        return remapped
 
     def sdpa_mask(*args, **kwargs):
         mask = saved["mask"](*args, **kwargs)
@@ -75,11 +82,15 @@ def structured(call_kernel):
                                   is_causal=is_causal, **kwargs)
 
     masking.and_masks, masking.packed_sequence_mask_function = and_masks, packed_sequence_mask_function
+    if saved["remap"] is not None:
+        masking.remap_positions_for_packed_sequence = remap_positions_for_packed_sequence
     masks["sdpa"], functions["sdpa"] = sdpa_mask, sdpa_attention
     try:
         yield
     finally:
         masking.and_masks, masking.packed_sequence_mask_function = saved["and_masks"], saved["packed"]
+        if saved["remap"] is not None:
+            masking.remap_positions_for_packed_sequence = saved["remap"]
         masks["sdpa"], functions["sdpa"] = saved["mask"], saved["attention"]
 
 
@@ -88,13 +99,17 @@ def _structure(masking, kwargs: dict):
     transformers' signatures: 5.x gives ``q_length``/``q_offset``, 4.x ``cache_position``."""
     function = kwargs.get("mask_function", masking.causal_mask_function)
     parts = getattr(function, "_spmdzero_parts", (function,))
-    if parts[0] is not masking.causal_mask_function or len(parts) > 2:
+    if len(parts) > 2:
         return None
     segments = None
     if len(parts) == 2:
         segments = getattr(parts[1], "_spmdzero_segments", None)
         if segments is None:
             return None
+    # by position ids within packed sequences (5.x): by index there, packed ids being given
+    causal = getattr(parts[0], "_spmdzero_remapped", None) if segments is not None else None
+    if (causal or parts[0]) is not masking.causal_mask_function:
+        return None
     cache_position = kwargs.get("cache_position")
     q_length = kwargs.get("q_length", None if cache_position is None else cache_position.shape[0])
     kv_length = kwargs.get("kv_length")
@@ -106,3 +121,13 @@ def _structure(masking, kwargs: dict):
     if padding is not None and (padding.dim() != 2 or padding.shape[-1] != kv_length):
         return None
     return SimpleNamespace(causal=True, segments=segments, key_padding=padding)
+
+
+def carried(originals: list, views: list) -> list:
+    """``views`` (a ``scan_layers`` loop's own tensors for ``originals``, the layer's arguments)
+    with the structure a mask carried outside the loop: the loop body's mask is a new tensor."""
+    for original, view in zip(originals, views):
+        structure = getattr(original, _TAG, None)
+        if structure is not None:
+            setattr(view, _TAG, structure)
+    return views

@@ -50,6 +50,8 @@ import functools
 
 import torch
 
+from spmdzero.backends.torchax import hf_masks
+
 from spmdzero.train import scan_layers
 from spmdzero.train.scan_layers import (ScannedLayers, block_template, check_block_output, gradient_layouts,
                                         join_arguments, scanned_stacks, split_arguments)
@@ -156,7 +158,7 @@ class _JaxLoop:
             # the layer's dropout draws from the carried key; the environment's own key is
             # back when the block returns (override_property restores it)
             with env.override_property(prng=key):
-                args, kwargs = join_arguments(spec, static, env.j2t_iso(shared))
+                args, kwargs = join_arguments(spec, static, hf_masks.carried(tensors, env.j2t_iso(shared)))
                 out = torch.func.functional_call(template, env.j2t_iso(layer), (env.j2t_iso(hidden), *args), kwargs,
                                                  strict=True)
                 key = env.prng_key
