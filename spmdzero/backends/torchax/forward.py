@@ -29,6 +29,7 @@ from spmdzero.backends.torchax import process_rows
 from spmdzero.backends.torchax import trace_view
 from spmdzero.backends.torchax import remat
 from spmdzero.backends.torchax import cross_entropy
+from spmdzero.backends.torchax import zero3_gather
 from spmdzero.train.scan_layers import scanned_parameters
 from spmdzero.backends.torchax.placement import INT64_TRUNCATED, _as_dicts, _is_torchax_tensor, _jax_dtype
 
@@ -332,13 +333,14 @@ class ForwardPrograms:
             the VJP program (a loss outside the module): there the gathered weights would be
             residuals held until the backward, a whole copy of the parameters (2.1x the stage-3
             accounting in tests/test_torchax_memory.py); regathering them in the backward
-            (a remat of the gathers) is still to do, and so is a gather per layer inside a
-            ``scan_layers`` loop."""
+            (a remat of the gathers) is still to do. A ``scan_layers`` loop gathers each layer's
+            own (``scan.py``)."""
             if self.plan.stage < 3:
                 return params
             # a scanned stack's weights are not gathered all at once ahead of the loop (the whole
             # stack's, every layer, whole on every device): the loop takes them as laid out
-            return {n: jax.lax.with_sharding_constraint(p, self._replicated)
+            return {n: zero3_gather.gathered(tuple(self._sharding(s) for s in zero3_gather.layouts(
+                        self.plan[n].grad_layouts)))(p)
                     if n in self._param_specs and n not in scanned else p for n, p in params.items()}
 
         def run(params, constants, rng, arrays, differentiated: bool = True, gather: bool = True):
