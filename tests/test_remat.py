@@ -62,8 +62,8 @@ def tokens(seed: int) -> torch.Tensor:
     return torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(seed))
 
 
-def train_gpt2(checkpointing: bool, dropout: float, scan: bool = False, policy: str = "none"):
-    config = {"train_batch_size": 8, "zero_optimization": {"stage": 2},
+def train_gpt2(checkpointing: bool, dropout: float, scan: bool = False, policy: str = "none", stage: int = 2):
+    config = {"train_batch_size": 8, "zero_optimization": {"stage": stage},
               "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}
     if scan:
         config["spmd"] = {"scan_layers": True, "remat": policy}
@@ -290,6 +290,18 @@ def test_a_remat_policy_for_the_scanned_stack_trains_as_without_and_rematerializ
     regions = {policy: remat_regions(engine.trace_step(input_ids=tokens(0), labels=tokens(0)).traced)
                for policy, (engine, _) in runs.items()}
     assert regions == {"none": 0, "full": 1, "save_matmuls": 1}
+
+
+@pytest.mark.slow
+def test_zero_3_scanned_layers_gather_each_layer_and_train_as_zero_2():
+    """At stage 3 each trip of the loop gathers its layer's weights, which the backward never gets
+    saved (under "none" too: the body is then one remat region that saves all but them); the
+    training is stage 2's, dropout included."""
+    zero_2 = train_gpt2(False, dropout=0.1, scan=True)
+    for policy in ("none", "full"):
+        engine, run = train_gpt2(False, dropout=0.1, scan=True, policy=policy, stage=3)
+        assert_same_training(zero_2[1], run)
+        assert remat_regions(engine.trace_step(input_ids=tokens(0), labels=tokens(0)).traced) == 1
 
 
 @pytest.mark.parametrize("spmd, message", [
