@@ -329,12 +329,12 @@ class ForwardPrograms:
             """ZeRO-3: each sharded parameter gathered whole where the module reads it, as FSDP
             does (its gradient's transpose is then the reduce-scatter). Left to itself, the SPMD
             partitioner kept weights sharded and moved the activations instead (tensor-parallel
-            style): a 2-layer GPT-2 sent 2.26x FSDP's minimum on v5e:2x2, 1.07x with this. Not in
-            the VJP program (a loss outside the module): there the gathered weights would be
-            residuals held until the backward, a whole copy of the parameters (2.1x the stage-3
-            accounting in tests/test_torchax_memory.py); regathering them in the backward
-            (a remat of the gathers) is still to do. A ``scan_layers`` loop gathers each layer's
-            own (``scan.py``)."""
+            style): a 2-layer GPT-2 sent 2.26x FSDP's minimum on v5e:2x2, 1.07x with this. The VJP
+            program (a loss outside the module) must not keep them as residuals until its
+            backward, a whole copy of the parameters (2.1x the stage-3 accounting in
+            tests/test_torchax_memory.py): its forward is checkpointed to save everything but the
+            gathered weights (``GATHERED``), which the backward gathers again. A ``scan_layers``
+            loop gathers each layer's own (``scan.py``)."""
             if self.plan.stage < 3:
                 return params
             # a scanned stack's weights are not gathered all at once ahead of the loop (the whole
@@ -343,12 +343,12 @@ class ForwardPrograms:
                         self.plan[n].grad_layouts)))(p)
                     if n in self._param_specs and n not in scanned else p for n, p in params.items()}
 
-        def run(params, constants, rng, arrays, differentiated: bool = True, gather: bool = True):
+        def run(params, constants, rng, arrays, differentiated: bool = True):
             leaves = list(arrays)
             for i, value in static:
                 leaves.insert(i, value)
             inputs, kwargs = torch_pytree.tree_unflatten(leaves, treespec)
-            tensors = env.j2t_iso({**frozen.held(gathered(params) if gather else params, frozen_now), **constants})
+            tensors = env.j2t_iso({**frozen.held(gathered(params), frozen_now), **constants})
             inputs, kwargs = env.j2t_iso((inputs, kwargs))
             # functional_call puts the host tensors back when it returns, except under a submodule
             # registered twice (``self.alias = self.shared``): there the traced ones stayed. Put back here.
@@ -407,10 +407,13 @@ class ForwardPrograms:
                 placed = list(arrays)
                 for i, array in zip(which, chosen):
                     placed[i] = array
-                output, changed = run(params, constants, rng, placed, gather=False)
+                output, changed = run(params, constants, rng, placed)
                 outputs = flatten_output(output)
                 floats[:] = [i for i, o in enumerate(outputs) if jax.numpy.issubdtype(o.dtype, jax.numpy.inexact)]
                 return [outputs[i] for i in floats], (outputs, changed)
+
+            if self.plan.stage >= 3:  # ZeRO-3's gathered weights are gathered again in the backward
+                differentiable = jax.checkpoint(differentiable, policy=zero3_gather.not_saving_gathered_weights)
 
             _, vjp, (outputs, changed) = jax.vjp(differentiable, params, [arrays[i] for i in which], has_aux=True)
             # the VJP's residuals that are parameters or buffers themselves (a matmul's weight) are

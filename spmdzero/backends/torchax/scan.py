@@ -90,7 +90,7 @@ def _rematerialized(one_layer, policy: str, gathers: bool = False):
 
     if policy == "none" and not gathers:
         return one_layer
-    saveable = {"none": jax.checkpoint_policies.save_anything_except_these_names(zero3_gather.GATHERED),
+    saveable = {"none": zero3_gather.not_saving_gathered_weights,
                 "full": jax.checkpoint_policies.nothing_saveable,
                 "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[policy]
     # inside a scan nothing can be merged across the loop's iterations: no barrier needed
@@ -146,7 +146,6 @@ class _JaxLoop:
     def __call__(self, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         import jax
         import torchax
-        from jax.ad_checkpoint import checkpoint_name
         from torchax import tensor as ttensor
 
         stack = self.stack
@@ -173,8 +172,8 @@ class _JaxLoop:
             hidden, key = carry
             layer = {name: _gradient_layout(layouts[name])(w) if name in layouts else w for name, w in layer.items()}
             if gather:
-                layer = {name: checkpoint_name(zero3_gather.gathered(gather[name])(w), zero3_gather.GATHERED)
-                         if name in gather else w for name, w in layer.items()}
+                layer = {name: zero3_gather.gathered(gather[name])(w) if name in gather else w
+                         for name, w in layer.items()}
             # the layer's dropout draws from the carried key; the environment's own key is
             # back when the block returns (override_property restores it)
             with env.override_property(prng=key):

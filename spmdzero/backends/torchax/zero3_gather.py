@@ -19,6 +19,23 @@ from __future__ import annotations
 import functools
 
 GATHERED = "spmdzero_gathered_weight"  # the name a gathered weight carries (jax.ad_checkpoint.checkpoint_name)
+# ops that only lay a value out again: saving their results would save a gathered weight under
+# another layout (torchax's F.linear multiplies by ``weight.T``)
+_LAYOUT_OPS = frozenset({"transpose", "reshape", "convert_element_type", "broadcast_in_dim", "squeeze",
+                         "expand_dims", "copy", "copy_p"})
+
+
+def not_saving_gathered_weights(prim, *_, **params) -> bool:
+    """A ``jax.checkpoint`` policy: save every value the backward needs but the gathered weights,
+    under any layout (``GATHERED``, and what layout ops make of anything: cheap to redo, and a
+    transposed weight is still the whole weight). The backward gathers the weights again."""
+    if prim.name == "name":
+        return params.get("name") != GATHERED
+    if prim.name == "custom_vjp_call":  # ``gathered`` itself, seen from outside
+        call = params.get("call_jaxpr")
+        return not any(eqn.primitive.name == "name" and eqn.params.get("name") == GATHERED
+                       for eqn in getattr(getattr(call, "jaxpr", call), "eqns", ()))
+    return prim.name not in _LAYOUT_OPS
 
 
 def layouts(grad_layouts: tuple) -> tuple:
@@ -31,14 +48,15 @@ def layouts(grad_layouts: tuple) -> tuple:
 @functools.lru_cache(maxsize=None)
 def gathered(shardings: tuple):
     """An identity whose output is laid out as ``shardings`` in turn (``NamedSharding``s, the
-    last replicated) and whose cotangent is passed on as it comes."""
+    last replicated), named ``GATHERED``, and whose cotangent is passed on as it comes."""
     import jax
+    from jax.ad_checkpoint import checkpoint_name
 
     @jax.custom_vjp
     def gather(weight):
         for sharding in shardings:
             weight = jax.lax.with_sharding_constraint(weight, sharding)
-        return weight
+        return checkpoint_name(weight, GATHERED)
 
     def forward(weight):
         return gather(weight), None
