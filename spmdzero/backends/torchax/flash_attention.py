@@ -1,10 +1,12 @@
-"""SDPA through Pallas's TPU flash-attention kernel, inside the sharded step.
+"""SDPA through Pallas's TPU flash-attention kernel (splash attention), inside the sharded step.
 
 Why: the exact lowering (``attention.py``) holds the ``[batch, heads, L, S]`` scores, and on a
 TPU they dominate a step's memory and HBM traffic (a 124M GPT-2 at 1k tokens: 4.8 GiB of
-temporaries; Llama-70B at 4k: 320 GiB per chip). JAX ships a flash kernel
-(``jax.experimental.pallas.ops.tpu.flash_attention``) that streams keys in blocks and keeps only
-``[L]`` statistics, forward and backward (its own ``custom_vjp``).
+temporaries; Llama-70B at 4k: 320 GiB per chip). JAX ships flash-attention kernels that stream
+keys in tiles and keep only ``[L]`` statistics, forward and backward (their own ``custom_vjp``).
+Of the two, ``splash_attention`` (the one MaxText runs) is used: its fused backward and compact
+statistics move less through HBM than ``flash_attention``'s (GPT-2 124M at 1k tokens on v5e:2x2:
+a roofline MFU of 45% against 41%).
 
 A Pallas call is opaque to the SPMD partitioner: left in the global program it would be run on
 gathered inputs. It therefore runs under ``jax.shard_map`` over the batch, split as the step's
@@ -24,15 +26,17 @@ added. The kernel takes what it covers and nothing else (``unsupported`` names t
 * no dropout on the weights: the kernel has none.
 
 Off TPU (``spmd.attention: "flash"`` on CPU, for checking), the same kernel runs in Pallas's
-HLO interpreter: the same blocks and arithmetic as XLA ops, slow but exact to the kernel.
+HLO interpreter (``interpret=True``): the same tiles and arithmetic as XLA ops, slow but exact to
+the kernel.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 from typing import Optional
 
-BLOCK = 128  # the kernel's tile along both sequences (BlockSizes.get_default), and its least
+BLOCK = 128  # the kernel's least tile along both sequences
+TILES = (1024, 512, 256, BLOCK)  # the tiles tried, largest first (``_tile``)
 
 
 def key_padding(attn_mask, batch: int, source: int):
@@ -82,7 +86,7 @@ def attend(query, key, value, is_causal: bool, scale: float, mesh, batch_axes: t
     and keys of one length), a query attending only keys of its own id."""
     import jax
     import jax.numpy as jnp
-    from jax.experimental.pallas.ops.tpu import flash_attention as pallas
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.sharding import PartitionSpec
 
     batch, heads, length, _ = query.shape
@@ -90,7 +94,7 @@ def attend(query, key, value, is_causal: bool, scale: float, mesh, batch_axes: t
     if key.shape[-3] != heads:
         repeat = heads // key.shape[-3]
         key, value = jnp.repeat(key, repeat, axis=-3), jnp.repeat(value, repeat, axis=-3)
-    blocks = pallas.BlockSizes.get_default(batch, heads, length, source, query.shape[-1])
+    kernel = _kernel(heads, length, source, is_causal, interpret)
     ids = None
     if segments is not None or key_valid is not None:
         q_ids = (jnp.zeros((batch, length), jnp.int32) if segments is None
@@ -101,14 +105,17 @@ def attend(query, key, value, is_causal: bool, scale: float, mesh, batch_axes: t
         ids = (q_ids, kv_ids)
 
     def local(q, k, v, *ids):
-        segment_ids = pallas.SegmentIds(q=ids[0], kv=ids[1]) if ids else None
-        return pallas.flash_attention(q, k, v, segment_ids=segment_ids, causal=is_causal, sm_scale=scale,
-                                      block_sizes=blocks)
+        # the kernel takes one batch row (``[heads, length, dim]``) and unscaled scores
+        q = (q * scale).astype(q.dtype)
+        if not ids:
+            return jax.vmap(kernel)(q, k, v)
+        return jax.vmap(lambda q, k, v, qi, ki: kernel(q, k, v, segment_ids=splash.SegmentIds(q=qi, kv=ki)))(
+            q, k, v, *ids)
 
     rows = PartitionSpec(batch_axes)
     arrays = (query, key, value) + (ids or ())
-    out = jax.shard_map(_interpreted(local) if interpret else local, mesh=mesh,
-                        in_specs=(rows,) * len(arrays), out_specs=rows, check_vma=False)(*arrays)
+    out = jax.shard_map(local, mesh=mesh, in_specs=(rows,) * len(arrays), out_specs=rows,
+                        check_vma=False)(*arrays)
     if key_valid is not None:
         # query rows that see no key: torch's zeros (the kernel averaged the masked keys)
         seen = (jnp.cumsum(key_valid, axis=-1)[:, jnp.minimum(jnp.arange(length), source - 1)] > 0 if is_causal
@@ -117,35 +124,25 @@ def attend(query, key, value, is_causal: bool, scale: float, mesh, batch_axes: t
     return out
 
 
-def _interpreted(kernel):
-    """``kernel`` with each of its Pallas calls in Pallas's HLO interpreter (``interpret=True``,
-    which the kernel's entry point does not expose). Its backward's calls are traced only when
-    the step's gradient is taken, after the forward's trace: the interpreter is switched on
-    around the forward and the backward each, through a ``custom_vjp`` of the kernel's own VJP."""
+@functools.lru_cache(maxsize=64)
+def _kernel(heads: int, length: int, source: int, is_causal: bool, interpret: bool):
+    """Splash attention for one batch row: causal or full over ``[length, source]`` for every
+    head, tiles of ``_tile`` rows, its fused backward (one kernel for dq, dk and dv)."""
     import jax
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-    @contextlib.contextmanager
-    def interpreter():
-        from jax._src import config
+    one = masks.CausalMask((length, source)) if is_causal else masks.FullMask((length, source))
+    q_tile, k_tile = _tile(length), _tile(source)
+    tiles = splash.BlockSizes(block_q=q_tile, block_kv=k_tile, block_kv_compute=k_tile, block_q_dkv=q_tile,
+                              block_kv_dkv=k_tile, block_kv_dkv_compute=k_tile, use_fused_bwd_kernel=True)
+    with jax.ensure_compile_time_eval():  # its mask tables are constants, made once, not in a trace
+        return splash.make_splash_mha(masks.MultiHeadMask([one] * heads), block_sizes=tiles, head_shards=1,
+                                      q_seq_shards=1, interpret=interpret)
 
-        previous = config.pallas_tpu_interpret_mode_context_manager.swap_local(True)
-        try:
-            yield
-        finally:
-            config.pallas_tpu_interpret_mode_context_manager.set_local(previous)
 
-    @jax.custom_vjp
-    def call(*args):
-        with interpreter():
-            return kernel(*args)
-
-    def forward(*args):
-        with interpreter():
-            return jax.vjp(kernel, *args)
-
-    def backward(vjp, cotangent):
-        with interpreter():
-            return vjp(cotangent)
-
-    call.defvjp(forward, backward)
-    return call
+def _tile(length: int) -> int:
+    """The kernel's tile along a sequence: the largest of ``TILES`` that divides it. Larger tiles
+    read each key and query fewer times: GPT-2 124M at 1k tokens (v5e:2x2, bf16, ZeRO-2, no
+    dropout) has a roofline MFU of 44% with 256-row tiles, 45% with 1024."""
+    return next(t for t in TILES if length % t == 0)
