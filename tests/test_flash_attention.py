@@ -141,7 +141,7 @@ def test_a_model_trains_on_the_kernel_as_on_torch():
         assert abs(loss.item() - expected.item()) <= 1e-6
     for (name, got), want in zip(engine.module.named_parameters(), reference.parameters()):
         torch.testing.assert_close(got.detach().cpu(), want.detach(), atol=1e-6, rtol=0, msg=name)
-    assert engine.attention.describe() == "Pallas flash kernel x1"
+    assert engine.attention_kernels.describe() == "Pallas flash kernel x1"
 
 
 def test_auto_is_the_exact_path_off_tpu_and_the_kernel_on_it():
@@ -193,4 +193,4 @@ def test_a_transformers_decoder_trains_on_the_kernel_as_on_torch(padded):
         assert abs(loss.item() - expected.item()) <= 1e-6
     for (name, got), want in zip(engine.module.named_parameters(), reference.parameters()):
         torch.testing.assert_close(got.detach().cpu(), want.detach(), atol=1e-6, rtol=0, msg=name)
-    assert engine.attention.describe() == "Pallas flash kernel x2"  # both layers, no exact path
+    assert engine.attention_kernels.describe() == "Pallas flash kernel x2"  # both layers, no exact path

@@ -154,7 +154,7 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         self._sharding = spec
         # which kernel SDPA runs in the traced step (spmd.attention; a shape-only step is a TPU's)
         axes = data_parallel_axes(mesh_shape)
-        self.attention = attention.AttentionChoice.resolve(
+        self.attention_kernels = attention.AttentionChoice.resolve(
             cfg.spmd.attention, "tpu" if shape_only else self.mesh.devices.flat[0].platform, mesh=self.mesh,
             batch_axes=axes, batch_devices=int(np.prod([mesh_shape[a] for a in axes])))
         self._replicated = spec(())

@@ -356,7 +356,7 @@ class ForwardPrograms:
             try:
                 with env, env.override_property(prng=jax.random.fold_in(*rng)), trace_view.tracing(differentiated), \
                         remat.rematerializing(env, tensors.values()), cross_entropy.fused(env), \
-                        attention.choosing(self.attention, env), \
+                        attention.choosing(self.attention_kernels, env), \
                         batchnorm.updating_running_statistics(batch_norms):
                     output = torch.func.functional_call(module, tensors, inputs, kwargs)
             finally:
