@@ -237,7 +237,13 @@ class EngineBase:
           fp32 buffers (``update_hp_grads``): the engine's zero_grad keeps them, the
           optimizer's (``clear_hp_grads``) drops them;
         * stage 0: in ``p.grad`` until the step (runtime/engine.py, ``allreduce_gradients``
-          reduces them in place): dropped."""
+          reduces them in place): dropped.
+
+        ZeRO-3 keeps them as ZeRO-2 here. DeepSpeed's stage-3 ``optimizer.zero_grad()``
+        (runtime/zero/stage3.py) differs in one case: it resets ``micro_step_id``, so the next
+        backward copies its gradient into the partitions instead of adding it, dropping the
+        window's earlier micro-batches then (a step with no backward in between still applies
+        them). Not reproduced: the engine's ``zero_grad()`` keeps them there too."""
         stage = self.plan.stage
         if stage >= 2:
             return True
