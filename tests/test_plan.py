@@ -54,11 +54,14 @@ def test_even_plans_split_only_dims_that_divide():
 
 def test_two_fsdp_axes_split_rows_then_the_last_dim_in_two_gradient_stages():
     """libtpu reduce-scatters over 16 chips only one mesh axis at a time: the gradient is
-    constrained to the row split over ``fsdp`` first, then to both."""
+    constrained to the row split over ``fsdp`` first, then to both; a tall tensor's to the
+    last dim's split over ``fsdp_inner`` first (libtpu all-reduced a tall gradient's rows)."""
     assert zero_spec((64, 256), SPLIT) == (("fsdp", None), ("fsdp", "fsdp_inner"))
-    assert zero_spec((1000, 64), SPLIT) == (("fsdp", None), ("fsdp", "fsdp_inner"))
+    assert zero_spec((256, 256), SPLIT) == (("fsdp", None), ("fsdp", "fsdp_inner"))
+    assert zero_spec((1000, 64), SPLIT) == ((None, "fsdp_inner"), ("fsdp", "fsdp_inner"))
     # the outer axis takes the largest dim but the last: the inner one keeps it
-    assert zero_spec((3, 512, 64), SPLIT) == ((None, "fsdp", None), (None, "fsdp", "fsdp_inner"))
+    assert zero_spec((3, 512, 64), SPLIT) == ((None, None, "fsdp_inner"), (None, "fsdp", "fsdp_inner"))
+    assert zero_spec((3, 64, 512), SPLIT) == ((None, "fsdp", None), (None, "fsdp", "fsdp_inner"))
     plan = make_plan(SHAPES, SPLIT, 2)
     assert plan["proj.weight"].grad_stages == (("fsdp", None), ("fsdp", "fsdp_inner"))
     assert plan["proj.weight"].shard_dims == (0, 1)
