@@ -261,10 +261,10 @@ class BackwardPrograms:
     def _laid_out_gradient(self, name: str, grad):
         """A fresh gradient laid out by the plan's gradient spec; on a mesh with two fsdp axes,
         through the plan's stages in turn (``TensorPlan.grad_stages``: rows over ``fsdp``, then
-        columns over ``fsdp_inner``; a tall tensor's columns first), as the torch_xla engine lays it out. libtpu 0.0.21 does not
-        reduce-scatter a gradient 16 ways in one go: straight to its final spec, every block
-        matrix of a GPT-2 was all-reduced in full on v5e:4x4 (1.53 x the data-parallel minimum
-        against 1.17, ``spmdzero aot``). With one stage the gradient goes straight to its spec,
+        columns over ``fsdp_inner``; a tall tensor's columns first), as the torch_xla engine
+        lays it out. libtpu 0.0.21 does not reduce-scatter a gradient 16 ways in one go:
+        straight to its final spec, every block matrix of a GPT-2 was all-reduced in full on
+        v5e:4x4 (1.53 x the data-parallel minimum against 1.17, ``spmdzero aot``). With one stage the gradient goes straight to its spec,
         which libtpu reduce-scatters (a replicated pin first, as the torch_xla engine has it,
         all-reduced a position table that this reduce-scatters on v5e:2x2)."""
         jax = self._jax
