@@ -16,6 +16,12 @@ def test_sixteen_or_more_fsdp_devices_get_a_second_fsdp_axis():
     assert resolve_mesh_shape(None, 8) == {"fsdp": 8}
     assert resolve_mesh_shape(None, 16) == {"fsdp": 8, "fsdp_inner": 2}
     assert shape({"mesh": {"data": 2}}, 32) == {"data": 2, "fsdp": 8, "fsdp_inner": 2}
+    # from 128 fsdp devices an inner axis of 8 (measured on v5p:4x4x8, spmdzero/sharding/mesh.py)
+    assert resolve_mesh_shape(None, 128) == {"fsdp": 16, "fsdp_inner": 8}
+    assert resolve_mesh_shape(None, 256) == {"fsdp": 32, "fsdp_inner": 8}
+    assert shape({"mesh": {"data": 2}}, 256) == {"data": 2, "fsdp": 16, "fsdp_inner": 8}
+    assert resolve_mesh_shape(None, 64) == {"fsdp": 32, "fsdp_inner": 2}
+    assert resolve_mesh_shape(None, 132) == {"fsdp": 66, "fsdp_inner": 2}  # 8 does not divide 132
     assert shape({"mesh": {"data": 2}}, 16) == {"data": 2, "fsdp": 8}  # 8 fsdp devices: one axis
 
 

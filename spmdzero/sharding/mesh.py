@@ -5,7 +5,7 @@ the batch is split across every data-parallel axis. Their product is DeepSpeed's
 in the batch arithmetic.
 
 On 16 or more ``fsdp`` devices the ``fsdp`` dimension is factored into two mesh axes,
-``fsdp`` (outer) x ``fsdp_inner`` (2 by default, ``spmd.mesh.fsdp_inner``): libtpu 0.0.21
+``fsdp`` (outer) x ``fsdp_inner`` (2 by default, 8 from 128 devices, ``spmd.mesh.fsdp_inner``): libtpu 0.0.21
 turns a reduce-scatter over 16 or more chips of a v5e:4x4 or larger slice into an all-reduce
 and a slice, but keeps two reduce-scatters over the two axes in turn (the plan splits a
 matrix's rows over ``fsdp`` and its columns over ``fsdp_inner``; docs/tpu.md). The
@@ -33,9 +33,11 @@ FSDP_AXES = (FSDP_AXIS, FSDP_INNER_AXIS)
 DATA_PARALLEL_AXES = (DATA_AXIS, FSDP_AXIS, FSDP_INNER_AXIS)
 
 
-# From this many fsdp devices on, "auto" factors out an inner axis of this size: libtpu
-# reduce-scatters over 4 chips (v5e:2x2) as they are, and over 16 only one axis at a time.
-AUTO_SPLIT_FROM, AUTO_INNER = 16, 2
+# "auto": from this many fsdp devices on (the first that applies and divides them), an inner
+# axis of this size. libtpu reduce-scatters over 4 chips (v5e:2x2) as they are, and over 16
+# only one axis at a time. At 128 (v5p:4x4x8, spmdzero aot, traffic over the minimum, inner
+# 2 -> 8): Llama-2-70B ZeRO-3 1.09 -> 1.02, Llama-2-7B ZeRO-3 1.07 -> 1.00, ZeRO-2 1.62 -> 1.52.
+AUTO_INNER = ((128, 8), (16, 2))
 
 
 def resolve_mesh_shape(mesh_config: MeshConfig | None, num_devices: int) -> dict[str, int]:
@@ -61,11 +63,11 @@ def resolve_mesh_shape(mesh_config: MeshConfig | None, num_devices: int) -> dict
 
 def split_fsdp(shape: dict[str, int], inner: int | str) -> dict[str, int]:
     """``shape`` with its ``fsdp`` size factored into ``fsdp x fsdp_inner``; ``inner`` is
-    ``spmd.mesh.fsdp_inner``: a size, 1 for one axis, or "auto" (``AUTO_INNER`` from
-    ``AUTO_SPLIT_FROM`` fsdp devices on, when it divides them)."""
+    ``spmd.mesh.fsdp_inner``: a size, 1 for one axis, or "auto" (``AUTO_INNER``: 2 from 16
+    fsdp devices on, 8 from 128, when it divides them)."""
     fsdp = shape[FSDP_AXIS]
     if inner == "auto":
-        inner = AUTO_INNER if fsdp >= AUTO_SPLIT_FROM and fsdp % AUTO_INNER == 0 else 1
+        inner = next((size for start, size in AUTO_INNER if fsdp >= start and fsdp % size == 0), 1)
     if fsdp % inner or inner >= fsdp:
         raise ConfigError(f"spmd.mesh.fsdp_inner: {inner} must divide the fsdp size {fsdp} and be "
                           f"smaller than it (1 keeps a single fsdp axis)")
