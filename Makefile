@@ -49,7 +49,7 @@ PYTEST_ON_TORCH_XLA := SPMDZERO_BACKEND=torch_xla $(PYTEST) -k "not torchax"
 test: setup  ## the full suite (what CI runs): the layers contract, every test, the zoo on transformers 4.57, then ON_TORCH_XLA_TOO on torch_xla
 	$(VENV)/bin/lint-imports
 	$(PYTEST)
-	PYTHONPATH=$(TRANSFORMERS_4) $(PYTEST) tests/test_transformers_zoo.py
+	PYTHONPATH=$(TRANSFORMERS_4) $(PYTEST) --dist load tests/test_transformers_zoo.py  # one file, no shared fixtures: its tests split
 	$(PYTEST_ON_TORCH_XLA) $(ON_TORCH_XLA_TOO)
 
 test-torch-xla: setup  ## every test that names no backend, on torch_xla (about 16 minutes; not in CI)
