@@ -69,6 +69,18 @@ def test_two_fsdp_axes_split_rows_then_the_last_dim_in_two_gradient_stages():
     assert make_plan(SHAPES, SPLIT, 1)["proj.weight"].optimizer_state == ("fsdp", "fsdp_inner")
 
 
+def test_a_sharded_value_is_gathered_one_fsdp_axis_at_a_time():
+    """``gather_layouts``: the ZeRO stages backwards, then replicated, at every stage from 1
+    (stages 1-2 gather the updated parameters so; libtpu all-reduced a gather over both axes)."""
+    for stage in (1, 2, 3):
+        plan = make_plan([("proj.weight", (64, 256)), ("up.weight", (512, 256)), ("proj.bias", (64,))], SPLIT, stage)
+        assert plan["proj.weight"].zero_stages == (("fsdp", None), ("fsdp", "fsdp_inner"))
+        assert plan["proj.weight"].gather_layouts == (("fsdp", None), (None, None))
+        assert plan["up.weight"].gather_layouts == ((None, "fsdp_inner"), (None, None))  # tall: inner first
+        assert plan["proj.bias"].gather_layouts == ((None,),)  # one stage: straight to replicated
+    assert make_plan([("w", (64, 256))], SPLIT, 0)["w"].gather_layouts == ((None, None),)
+
+
 def test_two_fsdp_axes_split_a_tied_table_by_columns_over_both_in_one_stage():
     plan = make_plan(SHAPES, SPLIT, 2, tied_embeddings=["embed.weight"])
     assert plan["embed.weight"].grad_stages == ((None, ("fsdp", "fsdp_inner")),)

@@ -36,7 +36,7 @@ DATA_PARALLEL_AXES = (DATA_AXIS, FSDP_AXIS, FSDP_INNER_AXIS)
 # "auto": from this many fsdp devices on (the first that applies and divides them), an inner
 # axis of this size. libtpu reduce-scatters over 4 chips (v5e:2x2) as they are, and over 16
 # only one axis at a time. At 128 (v5p:4x4x8, spmdzero aot, traffic over the minimum, inner
-# 2 -> 8): Llama-2-70B ZeRO-3 1.09 -> 1.02, Llama-2-7B ZeRO-3 1.07 -> 1.00, ZeRO-2 1.62 -> 1.52.
+# 2 -> 8): Llama-2-70B ZeRO-3 1.09 -> 1.02, Llama-2-7B ZeRO-3 1.07 -> 1.00, ZeRO-2 1.12 -> 1.02.
 AUTO_INNER = ((128, 8), (16, 2))
 
 

@@ -69,6 +69,16 @@ class TensorPlan:
     # () when the gradient stays replicated.
     grad_stages: tuple[PartitionSpec, ...] = ()
     stacked: bool = False  # dim 0 is the layer dim of a scanned stack (never split)
+    # The ZeRO spec's stages at any stage from 1 (``grad_stages`` holds them from stage 2 only)
+    zero_stages: tuple[PartitionSpec, ...] = ()
+
+    @property
+    def gather_layouts(self) -> tuple[PartitionSpec, ...]:
+        """The layouts a sharded value of this tensor passes through to become whole, the last
+        being replicated: the ZeRO spec's stages backwards, one fsdp axis at a time. Gathered
+        over ``fsdp x fsdp_inner`` at once, libtpu 0.0.21 all-reduces instead (ZeRO-3's weights,
+        and at stages 1-2 the parameters after the update; docs/tpu.md)."""
+        return tuple(reversed(self.zero_stages[:-1])) + (replicated(len(self.shape)),)
 
     @property
     def grad_layouts(self) -> tuple[PartitionSpec, ...]:
@@ -231,5 +241,6 @@ def make_plan(named_shapes: Iterable[tuple[str, Sequence[int]]], mesh_shape: Map
             tied_embedding=name in tied_embeddings,
             grad_stages=stages if stage >= 2 else (),
             stacked=name in stacked,
+            zero_stages=stages,
         ))
     return ShardingPlan(stage, tuple(mesh_shape.items()), tuple(tensors))
