@@ -719,6 +719,21 @@ def test_gradient_checkpointing_cuts_the_temporaries(tmp_path):
     assert temps[True] <= 0.4 * temps[False], temps
 
 
+def _bf16_report(tmp_path, model: dict, topology: str, stage: int) -> dict:
+    """``spmdzero aot --json``'s report for a transformers config (``model``), bf16 AdamW at
+    ``stage``, micro-batch 1 of 256 tokens, in a fresh process."""
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+    json.dump(model, open(tmp_path / "config.json", "w"))
+    json.dump(config, open(tmp_path / "ds.json", "w"))
+    out = run_python(f"""
+        import spmdzero_cli
+        spmdzero_cli.main(["aot", "--topology", {topology!r}, "--deepspeed_config", {str(tmp_path / 'ds.json')!r},
+                           "--model", {str(tmp_path)!r}, "--stages", "{stage}", "--seq-len", "256", "--json"])
+    """)
+    return json.loads(out[out.index("{"):])["reports"][0]
+
+
 @pytest.mark.slow
 def test_stage_2_on_128_chips_all_gathers_the_parameters_one_axis_at_a_time(tmp_path):
     """On v5p:4x4x8 (fsdp 16 x fsdp_inner 8) the updated parameters are gathered from their
@@ -728,16 +743,7 @@ def test_stage_2_on_128_chips_all_gathers_the_parameters_one_axis_at_a_time(tmp_
     model = {"model_type": "llama", "vocab_size": 2048, "hidden_size": 1024, "intermediate_size": 2048,
              "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 8,
              "max_position_embeddings": 256, "tie_word_embeddings": False}
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
-    json.dump(model, open(tmp_path / "config.json", "w"))
-    json.dump(config, open(tmp_path / "ds.json", "w"))
-    out = run_python(f"""
-        import spmdzero_cli
-        spmdzero_cli.main(["aot", "--topology", "v5p:4x4x8", "--deepspeed_config", {str(tmp_path / 'ds.json')!r},
-                           "--model", {str(tmp_path)!r}, "--stages", "2", "--seq-len", "256", "--json"])
-    """)
-    report = json.loads(out[out.index("{"):])["reports"][0]
+    report = _bf16_report(tmp_path, model, "v5p:4x4x8", stage=2)
     params = report["gradient_bytes"]  # bf16: the parameters' bytes too
     gathered = report["collectives"].get("all-gather", {}).get("bytes", 0)
     assert 0.95 * params <= gathered <= 1.2 * params, (gathered, params)
@@ -753,16 +759,7 @@ def test_stage_3_gathers_the_weights_as_fsdp_within_its_traffic_minimum(tmp_path
     its attention is Pallas's flash kernel, which the TPU compiler takes and the report names."""
     model = {"model_type": "gpt2", "n_layer": 2, "n_embd": 256, "n_head": 4, "vocab_size": 4096, "n_positions": 256,
              "attn_pdrop": 0.0}
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
-    json.dump(model, open(tmp_path / "config.json", "w"))
-    json.dump(config, open(tmp_path / "ds.json", "w"))
-    out = run_python(f"""
-        import spmdzero_cli
-        spmdzero_cli.main(["aot", "--topology", "v5e:2x2", "--deepspeed_config", {str(tmp_path / 'ds.json')!r},
-                           "--model", {str(tmp_path)!r}, "--stages", "3", "--seq-len", "256", "--json"])
-    """)
-    report = json.loads(out[out.index("{"):])["reports"][0]
+    report = _bf16_report(tmp_path, model, "v5e:2x2", stage=3)
     assert report["backend"] == "torchax" and report["stage"] == 3 and report["fits"]
     assert "all-gather" in report["collectives"]
     assert report["traffic"]["ratio"] <= 1.1, report["traffic"]
