@@ -230,19 +230,21 @@ def test_two_d_mesh_shards_states_on_fsdp_and_batch_on_both(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("stage", [1, 2])
-def test_two_fsdp_axes_train_exactly_like_one(stage, backend):
+@pytest.mark.parametrize("stage,bf16", [(1, False), (2, False), (2, True)])
+def test_two_fsdp_axes_train_exactly_like_one(stage, bf16, backend):
     """The 16-chip layout (``fsdp x fsdp_inner``, two gradient stages) forced onto 8 devices:
-    the same losses and parameters as the one-axis mesh, states tiled over both axes."""
+    the same losses and parameters as the one-axis mesh, states tiled over both axes. Under
+    bf16 the parameters are the fp32 masters' casts, gathered one fsdp axis at a time."""
     model, data = tiny_mlp(), batches(4, MICRO_PER_DEVICE * N)
     runs = {}
+    extra = {"bf16": {"enabled": True}} if bf16 else {}
     for inner in (1, 2):
         engine, *_ = spmdzero.initialize(model=copy.deepcopy(model),
-                                         config=config(stage, backend, spmd={"mesh": {"fsdp_inner": inner}}))
+                                         config=config(stage, backend, spmd={"mesh": {"fsdp_inner": inner}}, **extra))
         runs[inner] = engine_run(engine, data)
     assert dict(engine.plan.mesh_shape) == {"data": 1, "fsdp": 4, "fsdp_inner": 2}
     assert engine.dp_world_size == 8 and engine.plan["0.weight"].optimizer_state == ("fsdp", "fsdp_inner")
-    if backend == "torch_xla":
+    if backend == "torch_xla" and not bf16:  # under bf16 the states are the masters'
         state = engine.optimizer.state[engine.module[0].weight]["exp_avg"]
         assert sharding_spec(state).startswith("{devices=[4,2]")
         assert sharding_spec(engine.optimizer.state[engine.module[0].bias]["exp_avg"]).startswith("{devices=[8]")
