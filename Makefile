@@ -47,10 +47,15 @@ PYTEST := $(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 PYTEST_ON_TORCH_XLA := SPMDZERO_BACKEND=torch_xla $(PYTEST) -k "not torchax"
 
+# The three pytest runs of `make test` share one JAX compilation cache (tests/conftest.py), made
+# empty for the run and removed after it. The zoo's file has no shared fixtures: with workers,
+# its tests split one by one (--dist load).
 test: setup  ## the full suite (what CI runs): the layers contract, every test, the zoo on transformers 4.57, then ON_TORCH_XLA_TOO on torch_xla
 	$(VENV)/bin/lint-imports
-	$(PYTEST)
-	PYTHONPATH=$(TRANSFORMERS_4) $(PYTEST) --dist load tests/test_transformers_zoo.py  # one file, no shared fixtures: its tests split
+	cache=$$(mktemp -d -t spmdzero-tests-jax-cache-XXXXXX) && trap 'rm -rf "$$cache"' EXIT && \
+	export SPMDZERO_TEST_COMPILE_CACHE="$$cache" && \
+	$(PYTEST) && \
+	PYTHONPATH=$(TRANSFORMERS_4) $(PYTEST) --dist load tests/test_transformers_zoo.py && \
 	$(PYTEST_ON_TORCH_XLA) $(ON_TORCH_XLA_TOO)
 
 test-torch-xla: setup  ## every test that names no backend, on torch_xla (about 16 minutes; not in CI)

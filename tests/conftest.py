@@ -3,11 +3,14 @@ backend's runtime); torch_xla's runtime is started beside it at once, before any
 backward (spmdzero.runtime.process), so that both backends' engines run in this one process.
 Tests needing another device count run in a subprocess (``run_python``)."""
 
+import atexit
 import contextlib
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -17,6 +20,21 @@ import torch
 # /tmp/libtpu_lockfile; without this, a compile fails ("libtpu is in use by another process")
 # whenever any other process on the machine (another test run, a notebook) holds it.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+# JAX's persistent compilation cache, empty when the run starts and shared with the
+# subprocesses its tests start (they inherit the variables): the suite builds the same small
+# programs over and over, in engine after engine and process after process, and a program is
+# compiled once per run (tests/test_torchax_backend.py: 96 s -> 82 s). Every program, however
+# quick to compile (JAX's defaults skip them all on CPU). JAX's cache only: torch_xla's counts
+# no compile on a hit, and its tests count compiles. `make test` names one directory for its
+# three pytest runs (SPMDZERO_TEST_COMPILE_CACHE); else each session makes and removes its own.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _compile_cache = os.environ.get("SPMDZERO_TEST_COMPILE_CACHE")
+    if not _compile_cache:
+        _compile_cache = tempfile.mkdtemp(prefix="spmdzero-tests-jax-cache-")
+        atexit.register(shutil.rmtree, _compile_cache, ignore_errors=True)
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=_compile_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
 
 import spmdzero  # noqa: E402,F401  (starts the runtime before any test creates tensors)
 
