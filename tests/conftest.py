@@ -24,7 +24,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # JAX's persistent compilation cache, empty when the run starts and shared with the
 # subprocesses its tests start (they inherit the variables): the suite builds the same small
 # programs over and over, in engine after engine and process after process, and a program is
-# compiled once per run (tests/test_torchax_backend.py: 96 s -> 82 s). Every program, however
+# compiled once per run (tests/test_torchax_backend.py: 106 s -> 96 s, paired runs). Every program, however
 # quick to compile (JAX's defaults skip them all on CPU). JAX's cache only: torch_xla's counts
 # no compile on a hit, and its tests count compiles. `make test` names one directory for its
 # three pytest runs (SPMDZERO_TEST_COMPILE_CACHE); else each session makes and removes its own.
