@@ -21,13 +21,14 @@ import torch
 # whenever any other process on the machine (another test run, a notebook) holds it.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-# JAX's persistent compilation cache, empty when the run starts and shared with the
-# subprocesses its tests start (they inherit the variables): the suite builds the same small
-# programs over and over, in engine after engine and process after process, and a program is
-# compiled once per run (tests/test_torchax_backend.py: 106 s -> 96 s, paired runs). Every program, however
-# quick to compile (JAX's defaults skip them all on CPU). JAX's cache only: torch_xla's counts
-# no compile on a hit, and its tests count compiles. `make test` names one directory for its
-# three pytest runs (SPMDZERO_TEST_COMPILE_CACHE); else each session makes and removes its own.
+# JAX's persistent compilation cache, empty when the run starts: the suite builds the same small
+# programs over and over, in engine after engine and process after process, and each is compiled
+# once per run (tests/test_torchax_backend.py: 106 s -> 96 s, paired runs). The settings are
+# those of `spmd.compile_cache_dir` (spmdzero.runtime.jax_runtime.enable_compile_cache: every
+# program, however quick to compile), set as environment variables so that the subprocesses the
+# tests start inherit them. JAX's cache only: torch_xla's counts no compile on a hit, and its
+# tests count compiles. `make test` names one directory for its three pytest runs
+# (SPMDZERO_TEST_COMPILE_CACHE); else each session makes and removes its own.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _compile_cache = os.environ.get("SPMDZERO_TEST_COMPILE_CACHE")
     if not _compile_cache:
