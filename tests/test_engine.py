@@ -253,6 +253,23 @@ def test_two_fsdp_axes_train_exactly_like_one(stage, bf16, backend):
         torch.testing.assert_close(runs[2][1][name], p, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("spec", [(None, None), ("fsdp", None), (None, "fsdp_inner"), ("fsdp", "fsdp_inner"),
+                                  (("fsdp", "fsdp_inner"), None), ("fsdp_inner", "data"), (("data", "fsdp"), "fsdp_inner")])
+def test_sharding_text_is_what_torch_xla_reads_back(spec):
+    """The HLO sharding text that the fused update lays out its inner values with is the layout
+    ``mark_sharding`` gives a tensor, on a mesh whose device ids are not in order."""
+    from jax._src.lib import xla_client
+
+    from spmdzero.backends.torch_xla.annotate import shard, sharding_text
+
+    mesh = xs.Mesh(np.array([3, 1, 0, 2, 7, 5, 4, 6]), (2, 2, 2), ("data", "fsdp", "fsdp_inner"))
+    t = torch.zeros(4, 6, device=torch_xla.device())
+    shard(t, mesh, spec)
+    ours, theirs = (xla_client.HloSharding.from_string(text) for text in (sharding_text(mesh, spec), sharding_spec(t)))
+    assert ours == theirs, (str(ours), str(theirs))
+    assert ours.tile_assignment_devices() == theirs.tile_assignment_devices()
+
+
 def test_user_mesh_and_client_optimizer():
     mesh = xs.Mesh(np.arange(N), (4, 2), ("data", "fsdp"))
     model = tiny_mlp()

@@ -36,7 +36,7 @@ import torch
 from spmdzero import runtime
 from spmdzero.backends.torch_xla import fused
 from spmdzero.backends.torch_xla import COMPILE_BACKEND
-from spmdzero.backends.torch_xla.annotate import constrain, shard
+from spmdzero.backends.torch_xla.annotate import constrain, shard, sharding_text
 from spmdzero.backends.torch_xla.checkpoint import XlaStateShards
 from spmdzero.sharding.batch import BatchSizes
 from spmdzero.config.schema import DeepSpeedConfig
@@ -399,7 +399,7 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         donate = self._capture is None and not self._is_compiled
         self.optimizer.optimizer.step(grads={s.target: g for s, g in zip(self._slots, grads)},
                                       grad_scale=scale.multiplier, skip=scale.skip, donate=donate,
-                                      group_update=fused.update)
+                                      group_update=functools.partial(fused.update, gather=self._gather_text))
         return self.optimizer.optimizer.laid_out
 
     def _keep_step_state_on_device(self) -> None:
@@ -682,6 +682,17 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         for spec in planned.gather_layouts[:-1]:
             value = constrain(value, self.mesh, spec)
         return value
+
+    def _gather_text(self, target: torch.Tensor) -> tuple[str, ...]:
+        """For the fused update (``fused.update``'s ``gather``): the layouts, as HLO sharding text,
+        that an updated parameter passes through between its state's layout and its own
+        (``TensorPlan.gather_layouts``, less the last): one fsdp axis at a time on two fsdp axes,
+        none on one. (A master's layout is its state's: its cast is gathered by
+        ``_gathered_in_stages``.)"""
+        planned = self.plan.get(self._target_names.get(target, ""))
+        if planned is None or self.plan.stage >= 3 or len(planned.zero_stages) < 2:
+            return ()
+        return tuple(sharding_text(self.mesh, spec) for spec in planned.gather_layouts[:-1])
 
     def _annotate_updated(self, laid_out: set[int]) -> None:
         """``lay_out_state`` for what an update changed, less the targets (by id) whose new values

@@ -22,7 +22,7 @@ What stays per tensor is kept to a few C++ calls of about a microsecond each:
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensor
@@ -43,11 +43,16 @@ def applies(params: list[torch.Tensor], state) -> bool:
 
 def update(optimizer, params: list[torch.Tensor], grads: list[torch.Tensor], hp: dict[str, torch.Tensor],
            group: dict, grad_scale: torch.Tensor | None = None, skip: torch.Tensor | None = None,
-           donate: bool = False) -> Optional[bool]:
+           donate: bool = False, gather: Optional[Callable[[torch.Tensor], tuple[str, ...]]] = None) -> Optional[bool]:
     """Apply ``optim.update.update_group`` (the optimizer's math) to the whole group as one graph op, in place
     (``swap_in``, ``donate`` as there). Returns None, doing nothing, for a group the op does
     not apply to (see ``applies``); else whether the results carry their targets' shardings
-    (set inside the op), in which case the caller need not annotate them."""
+    (set inside the op), in which case the caller need not annotate them.
+
+    ``gather(param)``: the layouts (HLO sharding text) a new parameter passes through between
+    its state's layout and its own, one fsdp axis at a time (``TensorPlan.gather_layouts``);
+    asked once per lowering. Gathered over two fsdp axes at once, libtpu 0.0.21 all-reduces the
+    updated parameters at 128 chips instead of all-gathering them (docs/tpu.md)."""
     states = [optimizer.state[p] for p in params]
     keys, hp_keys = tuple(states[0]), tuple(hp)
     extras = tuple(name for name, t in (("grad_scale", grad_scale), ("skip", skip)) if t is not None)
@@ -81,6 +86,8 @@ def update(optimizer, params: list[torch.Tensor], grads: list[torch.Tensor], hp:
         n = len(params)
         layouts = _shardings(targets)
         inner = _shard_layouts(layouts, params, states, keys)
+        stages = tuple(() if layout is None or gather is None else tuple(gather(p))
+                       for p, layout in zip(params, inner))
 
         def group_update(args, ops):
             tail, grads, mine = args[:len(head)], args[len(head):len(head) + n], args[len(head) + n:][::-1]
@@ -90,16 +97,24 @@ def update(optimizer, params: list[torch.Tensor], grads: list[torch.Tensor], hp:
             states = [dict(zip(keys, mine[n + i * k:n + (i + 1) * k])) for i in range(n)]
             scale = GradScale(None, extra.get("grad_scale"), extra.get("skip"))
             new_params, new_states = update_group(optimizer, params, grads, states, hp, static, scale, ops)
-            new_params = [p if layout is None else ops.layout(p, layout) for p, layout in zip(new_params, inner)]
+            new_params = [p if layout is None else _through(ops, p, (layout,) + through)
+                          for p, layout, through in zip(new_params, inner, stages)]
             return new_params + [state[name] for state in new_states for name in keys]  # in the order of targets
 
-        plan = plans[slot] = (identity, _computation(key, group_update, flat, layouts), layouts is not None,
-                              donors(targets))
+        plan = plans[slot] = (identity, _computation(key + (stages,), group_update, flat, layouts),
+                              layouts is not None, donors(targets))
     _, computation, laid_out, donated = plan
     if computation is None:
         return None
     swap_in(targets, _run(computation, flat), donated if donate else None)
     return laid_out
+
+
+def _through(ops, value, layouts: tuple[str, ...]):
+    """``value`` laid out as each of ``layouts`` in turn."""
+    for layout in layouts:
+        value = ops.layout(value, layout)
+    return value
 
 
 def _shard_layouts(layouts: Optional[list[str]], params: list[torch.Tensor], states: list[dict],
