@@ -141,7 +141,9 @@ def test_zero2_reduce_scatters_the_weight_gradients(compiled):
         assert stage2["reduce-scatter"]["sent"] == pytest.approx(15 / 16 * 4 * got["blocks"], rel=0.01)
         # all-reduced: the tied table and small tensors; no token rows are all-gathered
         assert table <= stage2["all-reduce"]["bytes"] < table + 0.05 * 4 * got["P"]
-        assert stage2["all-gather"]["bytes"] == pytest.approx(4 * got["P"], rel=0.02)
+        # the parameters gathered one fsdp axis at a time (fsdp_inner's 2, then fsdp's 8): more
+        # gathered bytes than the parameters' (the first stage's outputs too), the minimum sent
+        assert stage2["all-gather"]["sent"] == pytest.approx(15 / 16 * 4 * got["P"], rel=0.02)
         return
     # the reduce-scatters' shards add up to every weight matrix, the tied embedding included
     assert stage2["reduce-scatter"]["bytes"] * n == pytest.approx(matrices, rel=0.02)
@@ -152,7 +154,8 @@ def test_zero2_reduce_scatters_the_weight_gradients(compiled):
 @pytest.mark.slow
 def test_zero2_traffic_is_near_the_data_parallel_minimum(compiled):
     topology, got = compiled
-    assert got["2"]["collectives"]["all-gather"]["bytes"] == pytest.approx(4 * got["P"], rel=0.02)
+    n = TOPOLOGIES[topology]  # every parameter all-gathered once, in one stage or two: (n - 1) / n of them sent
+    assert got["2"]["collectives"]["all-gather"]["sent"] == pytest.approx((n - 1) / n * 4 * got["P"], rel=0.02)
     if topology in TWO_AXES:  # the tied table's all-reduce (1/4 of the parameters here): 1.14
         assert got["2"]["ratio"] <= 1.15
         return
