@@ -37,9 +37,9 @@ ON_TORCH_XLA_TOO := tests/test_checkpoint.py tests/test_checkpoint_faults.py tes
                     tests/test_checkpoint_sharing.py tests/test_batch_rule.py tests/test_hostile_inputs.py \
                     tests/test_monitor.py
 
-# pytest's worker processes (pytest-xdist), each with its own 8 CPU devices. TEST_WORKERS=2 runs
-# the main suite in 24 minutes where one process takes 36 on a 2-core machine (a whole file to a
-# worker, so a module's compiled engines are built once), but 16 virtual devices on 2 cores can
+# pytest's worker processes (pytest-xdist), each with its own 8 CPU devices. TEST_WORKERS=2 ran
+# the main suite in 24 minutes where one process took 36 on a 2-core machine (a whole file to a
+# worker, so a module's compiled engines are built once; one process now takes 31-33), but 16 virtual devices on 2 cores can
 # abort XLA:CPU (one worker died in a zoo test in 1 of 4 full runs). So the default is 0: pytest's
 # own process, as on a TPU VM, where one process owns the chips.
 TEST_WORKERS ?= 0
