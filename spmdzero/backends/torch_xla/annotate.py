@@ -7,6 +7,7 @@ because an executed graph's outputs otherwise take whatever sharding GSPMD chose
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from spmdzero.sharding.plan import PartitionSpec
@@ -34,12 +35,10 @@ def constrain(t: torch.Tensor, mesh, spec: PartitionSpec) -> torch.Tensor:
 
 def sharding_text(mesh, spec: PartitionSpec) -> str:
     """``spec`` on ``mesh`` as HLO sharding text, the form ``_get_xla_sharding_spec`` reads back
-    from a tensor that ``shard`` laid out so (tests/test_torch_xla_fused.py checks the two agree).
+    from a tensor that ``shard`` laid out so (tests/test_engine.py checks the two agree).
     An op embedded in torch_xla's graph (``fused``) lays out its inner values with this text:
     torch_xla's ``OpSharding`` has no way to print itself, and a tensor to mark and read back
     would have to be made on the devices."""
-    import numpy as np
-
     names, sizes = tuple(mesh.axis_names), dict(zip(mesh.axis_names, mesh.mesh_shape))
     per_dim = [() if axes is None else (axes,) if isinstance(axes, str) else tuple(axes) for axes in spec]
     used = [axis for axes in per_dim for axis in axes]
