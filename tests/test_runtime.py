@@ -108,3 +108,63 @@ def test_xla_compiler_warnings_show_only_when_asked_for(level, shown):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert ("GSPMD sharding propagation is going to be deprecated" in proc.stderr) == shown, proc.stderr[-2000:]
+
+
+# Programs with collectives dispatched back to back, no host read between them: XLA:CPU's client
+# pool must hold more than one thread a device (spmdzero.runtime.devices.size_cpu_thread_pool).
+# With the pool XLA sizes by default, each of these aborted the process on a 2-core host
+# ("Termination timeout for `all gather RendezvousKey{...}`").
+BACK_TO_BACK = {
+    "torchax": """
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        mesh = Mesh(np.array(jax.devices()), ("x",))
+        rows, whole = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
+        x = jax.device_put(jnp.ones((8 * 64, 256)), rows)
+        @jax.jit
+        def step(a):
+            for _ in range(6):
+                a = jax.lax.with_sharding_constraint(a, whole)
+                a = jnp.tanh(a @ a[:256].T[:, :256] * 0.01)
+                a = jax.lax.with_sharding_constraint(a, rows)
+            return a
+        for _ in range(300):
+            x = step(x)
+        x.block_until_ready()
+        devices = len(jax.devices())
+    """,
+    "torch_xla": """
+        import numpy as np, torch, torch_xla.core.xla_model as xm, torch_xla.distributed.spmd as xs
+        from spmdzero import runtime
+        devices = runtime.device_count()
+        mesh = xs.Mesh(np.arange(devices), (devices,), ("x",))
+        x = torch.ones(devices * 64, 256, device=xm.xla_device()); xs.mark_sharding(x, mesh, ("x", None))
+        for _ in range(200):
+            for _ in range(4):
+                x = torch.tanh(x @ x[:256].T[:, :256] * 0.01)
+                xs.mark_sharding(x, mesh, (None, None)); x = x + 1; xs.mark_sharding(x, mesh, ("x", None))
+            xm.mark_step()
+        xm.wait_device_ops()
+    """,
+}
+
+
+@pytest.mark.parametrize("backend", ["torchax", "torch_xla"])
+def test_sharded_programs_back_to_back_never_stall_in_xla_cpus_collectives(backend):
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    from conftest import LAUNCHER_VARIABLES, REPO
+
+    # NPROC unset, as in a user's shell: spmdzero sizes the pool itself
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and k != "NPROC"}
+    env.update(SPMDZERO_BACKEND=backend, CPU_NUM_DEVICES="8", PJRT_DEVICE="CPU")
+    source = "import os, spmdzero\n" + textwrap.dedent(BACK_TO_BACK[backend]) + \
+        "\nprint('devices', devices, 'threads', os.environ.get('NPROC') or len(os.sched_getaffinity(0)))"
+    proc = subprocess.run([sys.executable, "-c", source], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    words = proc.stdout.split()
+    assert words[:2] == ["devices", "8"] and int(words[3]) >= 16, proc.stdout

@@ -25,7 +25,7 @@ import os
 import sys
 from collections.abc import Mapping
 from typing import Optional
-from spmdzero.runtime.devices import EnvironmentSettingError, _select_device_type, cpu_device_count
+from spmdzero.runtime.devices import EnvironmentSettingError, _select_device_type, cpu_device_count, size_cpu_thread_pool
 
 VARIABLE = "SPMDZERO_BACKEND"
 CHOICES = ("torch_xla", "torchax")
@@ -220,6 +220,7 @@ def configure() -> None:
         return  # JAX ran before `import spmdzero`; devices() checks what it took
     device_type = _device_type()
     if device_type == "CPU":
+        size_cpu_thread_pool(_cpu_count())
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", _cpu_count())
     elif device_type == "TPU":
@@ -293,6 +294,7 @@ def cpu_devices(count: int) -> list:
             jax.extend.backend.clear_backends()
             reseed = env
     if not xla_bridge.backends_are_initialized():
+        size_cpu_thread_pool(count)
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", count)
     found = jax.devices("cpu")

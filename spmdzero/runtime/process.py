@@ -24,7 +24,7 @@ on CPU, one process. On a TPU the chips are JAX's, and the error says to set the
 
 from __future__ import annotations
 import os
-from spmdzero.runtime.devices import _select_device_type, cpu_device_count
+from spmdzero.runtime.devices import _select_device_type, cpu_device_count, size_cpu_thread_pool
 from spmdzero.runtime import jax_runtime, libtpu_flags
 from spmdzero.runtime import privateuse1
 
@@ -81,6 +81,7 @@ def bootstrap() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # (see start), for a bootstrap without start
     if device_type == "CPU":
         os.environ["CPU_NUM_DEVICES"] = str(cpu_device_count())  # checked: torch_xla reads "x" as no device
+        size_cpu_thread_pool(cpu_device_count())
     elif device_type == "TPU":  # the compiler flags spmdzero aot compiles with, before libtpu loads
 
         libtpu_flags.apply()

@@ -17,6 +17,7 @@ import sys
 import time
 
 from spmdzero.runtime import libtpu_flags
+from spmdzero.runtime.devices import size_cpu_thread_pool
 from spmdzero.tpu.collectives import largest_all_reduces, loop_trip_counts, summarize_collectives, trip_count
 from spmdzero.tpu.chips import known_topologies
 from spmdzero.observe.hlo import computation_blocks, split_computations
@@ -26,6 +27,7 @@ LIBTPU_HINT = "install it with: pip install 'spmdzero[aot]' (libtpu==0.0.21, the
 
 def _cpu_devices(count: int) -> list:
     os.environ["JAX_PLATFORMS"] = "cpu"  # never probe for a TPU here
+    size_cpu_thread_pool(count)
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}")
     import jax
 
