@@ -37,12 +37,12 @@ ON_TORCH_XLA_TOO := tests/test_checkpoint.py tests/test_checkpoint_faults.py tes
                     tests/test_checkpoint_sharing.py tests/test_batch_rule.py tests/test_hostile_inputs.py \
                     tests/test_monitor.py
 
-# pytest's worker processes (pytest-xdist), each with its own 8 CPU devices. TEST_WORKERS=2 ran
-# the main suite in 24 minutes where one process took 36 on a 2-core machine (a whole file to a
-# worker, so a module's compiled engines are built once; one process now takes 31-33), but 16 virtual devices on 2 cores can
-# abort XLA:CPU (one worker died in a zoo test in 1 of 4 full runs). So the default is 0: pytest's
-# own process, as on a TPU VM, where one process owns the chips.
-TEST_WORKERS ?= 0
+# pytest's worker processes (pytest-xdist), each with its own 8 CPU devices, a whole file to a
+# worker (a module's compiled engines are built once): two where the devices are CPU devices,
+# none (pytest's own process) on a TPU VM, whose chips serve one process. Two workers once
+# aborted XLA:CPU when its thread pool was one thread a device; spmdzero now gives it two
+# (docs/troubleshooting.md). TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= $(if $(shell grep -lsx 0x1ae0 /sys/bus/pci/devices/*/vendor),0,2)
 PYTEST := $(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 PYTEST_ON_TORCH_XLA := SPMDZERO_BACKEND=torch_xla $(PYTEST) -k "not torchax"
