@@ -183,3 +183,20 @@ def test_deepspeed_globals_are_only_stand_ins():
     raw = b"\x80\x02cdeepspeed.runtime.utils\nsystem\nX\x07\x00\x00\x00touch x\x85R."
     obj = _PICKLE.Unpickler(io.BytesIO(raw)).load()
     assert type(obj).__name__ == "system" and obj.args == ("touch x",)
+
+
+def test_zero3s_tensor_rebuild_makes_only_tensors_from_allowed_globals():
+    """DeepSpeed's ZeRO-3 files rebuild their partitions through torch's ``_rebuild_from_type_v2``:
+    the rebuild it names is still checked against the allowlist, and what it makes must be a tensor."""
+    import io
+
+    from spmdzero.io.deepspeed_import import _PICKLE
+    from spmdzero.io.safe_pickle import RefusedGlobal
+
+    head = b"\x80\x02ctorch._tensor\n_rebuild_from_type_v2\n("
+    # rebuild = posix.system, args ("touch x",): refused at the global
+    with pytest.raises(RefusedGlobal, match="posix.system"):
+        _PICKLE.Unpickler(io.BytesIO(head + b"cposix\nsystem\nctorch\nTensor\nX\x07\x00\x00\x00touch x\x85}tR.")).load()
+    # rebuild = builtins.set (allowed as a container), args (): not a tensor
+    with pytest.raises(RefusedGlobal, match="non-tensor"):
+        _PICKLE.Unpickler(io.BytesIO(head + b"cbuiltins\nset\nctorch\nTensor\n)}tR.")).load()

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     merge.add_argument("--tag", default=None, help="checkpoint tag (default: the one in 'latest')")
     merge.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     merge.add_argument("--safetensors", action="store_true", help="write safetensors instead of torch.save")
-    importer = ckpt.add_parser("import-deepspeed", help="convert a DeepSpeed ZeRO-1/2 checkpoint")
+    importer = ckpt.add_parser("import-deepspeed", help="convert a DeepSpeed ZeRO-1, 2 or 3 checkpoint")
     importer.add_argument("ds_dir")
     importer.add_argument("out")
     importer.add_argument("--tag", default=None, help="checkpoint tag (default: the one in 'latest')")

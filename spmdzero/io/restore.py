@@ -40,7 +40,7 @@ from spmdzero.io.checkpoint_format import (CheckpointError, LATEST_FILE, META_FI
                                            checkpointed, non_persistent_buffers, tensor_index)
 from spmdzero.io.checkpoint_dir import reading
 from spmdzero.io.read import _dcp_failure, locate, open_state, read_client_state, read_meta, resolve_tag
-from spmdzero.io.deepspeed_import import is_deepspeed_checkpoint, read_deepspeed_checkpoint, refuse_deepspeed_zero3
+from spmdzero.io.deepspeed_import import is_deepspeed_checkpoint, read_deepspeed_checkpoint
 
 
 
@@ -70,7 +70,6 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
         # if the load fails or the checkpoint has none for a tensor (saved before its first step).
         created = engine.placeholder_optimizer_state() if full_state else []
         try:
-            refuse_deepspeed_zero3(path)
             if is_deepspeed_checkpoint(path):
                 tensors, meta = read_deepspeed_checkpoint(path)
                 _check_optimizer(engine, meta, path, full_state)
