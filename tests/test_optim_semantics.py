@@ -235,7 +235,7 @@ def torch_window(data, used):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("stage,kept", [(0, [1]), (1, [1]), (2, [0, 1])])
+@pytest.mark.parametrize("stage,kept", [(0, [1]), (1, [1]), (2, [0, 1]), (3, [0, 1])])
 def test_zero_grad_between_micro_steps_follows_deepspeed_stage_by_stage(stage, kept, backend):
     """backward, step, zero_grad per micro-step, two micro-steps a window. DeepSpeed keeps a
     ZeRO-2 window's gradients in the optimizer's partitions (stage_1_and_2.py:
@@ -264,6 +264,43 @@ def test_zero_grad_after_the_boundarys_backward_keeps_the_reduced_gradients(stag
     micro(engine, *data[1])
     (engine if zero_grad == "engine" else engine.optimizer).zero_grad()
     engine.step()
+    assert_params_close(engine_params(engine), torch_window(data, [0, 1]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("where", ["before the forward", "between forward and backward"])
+def test_zero3s_optimizer_zero_grad_lets_the_next_backward_replace_the_window(where, backend):
+    """DeepSpeed's stage-3 optimizer.zero_grad() resets micro_step_id (stage3.py), and a backward
+    at micro-step 0 copies its gradient into the partitions: the window's earlier micro-batches
+    are dropped by that backward, wherever the zero_grad came before it."""
+    data = batches(2, ROWS)
+    engine = engine_for(3, backend=backend, gradient_accumulation_steps=2)
+    micro(engine, *data[0])
+    engine.step()
+    if where == "before the forward":
+        engine.optimizer.zero_grad()
+        micro(engine, *data[1])
+    else:
+        loss = mse(engine(data[1][0]), data[1][1].to(engine.device))
+        engine.optimizer.zero_grad()
+        engine.backward(loss)
+    engine.step()
+    assert engine.global_steps == 1
+    assert_params_close(engine_params(engine), torch_window(data, [1]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero3s_optimizer_zero_grad_with_no_backward_after_it_drops_nothing(backend):
+    """The replacement happens at the next backward: a step right after the zero_grad still
+    applies the whole window, as DeepSpeed's partitions still hold it."""
+    data = batches(2, ROWS)
+    engine = engine_for(3, backend=backend, gradient_accumulation_steps=2)
+    micro(engine, *data[0])
+    engine.step()
+    micro(engine, *data[1])
+    engine.optimizer.zero_grad()
+    engine.step()
+    assert engine.global_steps == 1
     assert_params_close(engine_params(engine), torch_window(data, [0, 1]))
 
 

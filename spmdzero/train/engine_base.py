@@ -239,11 +239,8 @@ class EngineBase:
         * stage 0: in ``p.grad`` until the step (runtime/engine.py, ``allreduce_gradients``
           reduces them in place): dropped.
 
-        ZeRO-3 keeps them as ZeRO-2 here. DeepSpeed's stage-3 ``optimizer.zero_grad()``
-        (runtime/zero/stage3.py) differs in one case: it resets ``micro_step_id``, so the next
-        backward copies its gradient into the partitions instead of adding it, dropping the
-        window's earlier micro-batches then (a step with no backward in between still applies
-        them). Not reproduced: the engine's ``zero_grad()`` keeps them there too."""
+        ZeRO-3 keeps them as ZeRO-2 here; its ``optimizer.zero_grad()`` drops them later, at
+        the next backward (``zero_grad_overwrites_next_backward``)."""
         stage = self.plan.stage
         if stage >= 2:
             return True
@@ -252,6 +249,15 @@ class EngineBase:
         if self.precision.param_dtype == torch.bfloat16 and self.precision.grad_accum_dtype == torch.float32:
             return not by_optimizer
         return reduced
+
+    def zero_grad_overwrites_next_backward(self, by_optimizer: bool) -> bool:
+        """Whether DeepSpeed's ZeRO ``optimizer.zero_grad()`` makes the next backward replace the
+        gradients accumulated since the last optimizer step rather than add to them. At stage 3
+        it does (DeepSpeed 0.19.8, runtime/zero/stage3.py): it resets ``micro_step_id``, and a
+        backward at micro-step 0 copies its gradient into the partitions. So the window's earlier
+        micro-batches are dropped by that backward, not by the zero_grad: a step with no backward
+        in between still applies them. Its ``engine.zero_grad()`` only clears ``param.grad``."""
+        return by_optimizer and self.plan.stage >= 3
 
     # ---- shared by every backend ----------------------------------------------------------
     def get_lr(self) -> list[float]:

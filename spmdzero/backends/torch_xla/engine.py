@@ -133,6 +133,7 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         self._window_loss: Optional[torch.Tensor] = None
         self._step_loss: Optional[torch.Tensor] = None
         self._backward_since_step = False  # an optimizer step needs gradients from a backward since the last one
+        self._overwrite_at_backward = False  # zero_grad_overwrites_next_backward
         # the last backward was at an accumulation boundary: the window's gradients are complete,
         # and DeepSpeed has reduced them into its ZeRO optimizer (see zero_grad_keeps_gradients)
         self._window_reduced = False
@@ -205,6 +206,8 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         accumulate into the ZeRO buffers. Returns the gas-scaled loss, as DeepSpeed does."""
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"engine.backward expects the loss tensor, got {type(loss).__name__}")
+        if self._overwrite_at_backward:  # DeepSpeed's stage-3 optimizer.zero_grad() came since the last one
+            self._drop_gradients()
         self._last_loss = loss.detach()
         self._backward_since_step = True
         gas = self.gradient_accumulation_steps()
@@ -292,6 +295,7 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
             raise RuntimeError(no_gradients(call, "the last optimizer step (or since a checkpoint load, or a "
                                                   "zero_grad() that dropped the gradients)"))
         self._backward_since_step = False
+        self._overwrite_at_backward = False
 
     def _end_step(self, boundary: bool) -> None:
         """End the trace: execute the step's graph, and hold it to the recompile guard."""
@@ -727,7 +731,9 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
     def _zero_grad(self, by_optimizer: bool) -> None:
         for slot in self._slots:
             slot.param.grad = None
-        if not self.zero_grad_keeps_gradients(by_optimizer, self._window_reduced):
+        if self.zero_grad_overwrites_next_backward(by_optimizer):
+            self._overwrite_at_backward = self._backward_since_step  # the next backward drops them
+        elif not self.zero_grad_keeps_gradients(by_optimizer, self._window_reduced):
             self._drop_gradients()
 
     def _drop_gradients(self) -> None:
@@ -738,6 +744,7 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
             slot.grad = None
         self._backward_since_step = False
         self._window_reduced = False
+        self._overwrite_at_backward = False
 
     # ---- checkpoints (spmdzero.checkpoint) ------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's)

@@ -63,6 +63,9 @@ class BackwardPrograms:
         if forward is _COMMITTED:
             raise RuntimeError(BACKWARD_TWICE)
         gas = self.gradient_accumulation_steps()
+        if self._overwrite_at_backward:  # DeepSpeed's stage-3 optimizer.zero_grad() came since the last one
+            release_in_background(self._accum)
+            self._set_accum(None)  # this forward's gradient, if already added, is taken again
         if forward is None:
             if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
                 raise RuntimeError(NOT_FROM_ENGINE)
@@ -279,3 +282,5 @@ class BackwardPrograms:
         self._accum = accum
         self._accum_token += 1
         self._unconfirmed = []
+        if accum is None:  # a step, a drop or a load: no gradients left for a backward to replace
+            self._overwrite_at_backward = False

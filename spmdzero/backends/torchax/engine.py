@@ -207,6 +207,7 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         self._subtract_program = None  # built at the first such forward taken out again
         self._generation = 0  # changes with the parameters (an update, a change taken from the host)
         self._window_reduced = False  # the last backward was at a boundary (zero_grad_keeps_gradients)
+        self._overwrite_at_backward = False  # zero_grad_overwrites_next_backward
         self._retired_inputs: tuple = ()  # the last update's inputs
         self._last_loss = None
         self._loss_divisor = float(self.gradient_accumulation_steps())  # what the training program divides the loss by

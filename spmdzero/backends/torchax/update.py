@@ -218,7 +218,9 @@ class UpdateProgram:
         self._zero_grad(by_optimizer=False)
 
     def _zero_grad(self, by_optimizer: bool) -> None:
-        if self._accum is not None and not self.zero_grad_keeps_gradients(by_optimizer, self._window_reduced):
+        if self._accum is not None and self.zero_grad_overwrites_next_backward(by_optimizer):
+            self._overwrite_at_backward = True  # the next backward drops them (backward.py)
+        elif self._accum is not None and not self.zero_grad_keeps_gradients(by_optimizer, self._window_reduced):
             release_in_background(self._accum)
             self._set_accum(None)
             self._window_reduced = False
