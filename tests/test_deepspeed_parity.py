@@ -175,16 +175,21 @@ def test_a_deepspeed_zero3_checkpoint_missing_a_rank_is_refused_naming_it(tmp_pa
 
 def test_a_deepspeed_zero3_checkpoint_with_a_frozen_parameter_and_padded_slices_loads_exactly():
     """DeepSpeed's ZeRO-3 layout beyond the shared case (tests/oracle/deepspeed_zero3_layout.py):
-    sizes 4 ranks do not divide (each parameter's last slice padded) and a frozen bias, saved as
-    fragments in the per-rank model files. The engine gets DeepSpeed's gathered parameters
-    exactly, moments for the trainable ones only, and trains on."""
+    sizes 4 ranks do not divide (each parameter's last slice padded), a frozen bias, saved as
+    fragments in the per-rank model files, and two param groups (weight decay on the weights
+    only). The engine gets DeepSpeed's gathered parameters exactly, moments for the trainable
+    ones only, and trains on."""
     ds = json.loads((FIXTURES / "deepspeed_zero3_layout.json").read_text())
     source = str(FIXTURES / "deepspeed_zero3_layout_ckpt")
     out = run_python(f"""
         import json, torch, spmdzero
         model = torch.nn.Sequential(torch.nn.Linear(8, 30), torch.nn.Tanh(), torch.nn.Linear(30, 5))
         model.get_parameter("0.bias").requires_grad_(False)
-        engine, *_ = spmdzero.initialize(model=model, config={{**{ds["config"]!r}, "zero_optimization": {{"stage": 3}}}})
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # the oracle's groups
+        groups = [{{"params": [p for n, p in trainable if n.endswith("weight")], "weight_decay": 0.1}},
+                  {{"params": [p for n, p in trainable if not n.endswith("weight")], "weight_decay": 0.0}}]
+        engine, *_ = spmdzero.initialize(model=model, model_parameters=groups,
+                                         config={{**{ds["config"]!r}, "zero_optimization": {{"stage": 3}}}})
         engine.load_checkpoint({source!r})
         loaded = {{n: p.detach().float().cpu().tolist() for n, p in engine.module.named_parameters()}}
         loss = engine(torch.randn(8, 8)).pow(2).mean(); engine.backward(loss); engine.step()

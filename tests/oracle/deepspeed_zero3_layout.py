@@ -1,6 +1,7 @@
 """Record a DeepSpeed ZeRO-3 checkpoint whose layout the shared case does not reach: a frozen
-parameter (saved as per-rank fragments in the model files) and sizes that 4 ranks do not divide
-(each parameter's last slice padded), beside the parameters DeepSpeed gathers whole from it.
+parameter (saved as per-rank fragments in the model files), sizes that 4 ranks do not divide
+(each parameter's last slice padded) and two param groups (weights with weight decay, biases
+without, as the HF Trainer makes them), beside the parameters DeepSpeed gathers whole from it.
 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node=4 tests/oracle/deepspeed_zero3_layout.py OUT.json CKPT_DIR
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
           "steps_per_print": 1000, "zero_optimization": {"stage": 3},
           "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.0}}}
+WEIGHT_DECAY = 0.1  # the weights' group
 FROZEN = "0.bias"
 
 
@@ -30,11 +32,16 @@ def make_model() -> torch.nn.Module:
     return model
 
 
+def param_groups(model: torch.nn.Module) -> list[dict]:
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [{"params": [p for n, p in trainable if n.endswith("weight")], "weight_decay": WEIGHT_DECAY},
+            {"params": [p for n, p in trainable if not n.endswith("weight")], "weight_decay": 0.0}]
+
+
 def main(out_path: str, ckpt_dir: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     model = make_model()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                      config=CONFIG)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=CONFIG)
     g = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(4):
         x, y = torch.randn(2, 8, generator=g), torch.randn(2, 5, generator=g)
