@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from jax.sharding import Mesh
 
 import spmdzero
-from spmdzero.backends.torchax import attention
+from spmdzero.backends.torchax import attention, flash_dropout
 
 BATCH, HEADS, LENGTH, DIM = 8, 4, 128, 32
 
@@ -79,7 +79,7 @@ def test_the_kernel_gives_torchs_values_and_gradients(case):
 @pytest.mark.parametrize("what, call, reason", [
     ("a dense mask", dict(attn_mask=np.tril(np.ones((LENGTH, LENGTH), bool))), "a boolean attn_mask of shape"),
     ("an additive mask", dict(attn_mask=np.zeros((BATCH, 1, 1, LENGTH), np.float32)), "additive float32"),
-    ("dropout", dict(dropout_p=0.1), "dropout on the attention weights"),
+    ("dropout of 1", dict(dropout_p=1.0), "dropout_p=1.0, which drops every weight"),
     ("a length off the block", dict(length=100), "not a multiple of the kernel's 128-row block"),
     ("a batch off the devices", dict(batch=4), "does not divide over the 8 data-parallel devices"),
 ])
@@ -194,3 +194,115 @@ def test_a_transformers_decoder_trains_on_the_kernel_as_on_torch(padded):
     for (name, got), want in zip(engine.module.named_parameters(), reference.parameters()):
         torch.testing.assert_close(got.detach().cpu(), want.detach(), atol=1e-6, rtol=0, msg=name)
     assert engine.attention_kernels.describe() == "Pallas flash kernel x2"  # both layers, no exact path
+
+
+# ---- dropout on the weights: spmdzero's own kernel (flash_dropout.py) ----------------------------
+
+RATE = 0.2
+
+
+class DropoutEnv:
+    """The trace's dropout key, as torchax's environment hands it out."""
+
+    def __init__(self, seed=0):
+        self.key = jax.random.key(seed)
+
+    def get_and_rotate_prng_key(self):
+        return self.key
+
+
+def _dropout_call(chosen, q, k, v, mask, is_causal, gqa, env):
+    with attention.choosing(chosen):
+        return attention.scaled_dot_product_attention(q, k, v, None if mask is None else jnp.asarray(mask),
+                                                      dropout_p=RATE, is_causal=is_causal, enable_gqa=gqa, env=env)
+
+
+@pytest.mark.parametrize("case", ["causal", "full", "causal, key padding", "causal, key padding, GQA"])
+def test_the_dropout_kernel_gives_torchs_values_and_gradients_for_its_mask(case):
+    """torch's SDPA math with the kernel's own mask (``keep_mask``, the same hash in XLA), kept
+    weights scaled by 1/(1-p) as torch's dropout: values and gradients, fp32."""
+    is_causal, mask_of, kv_heads = CASES[case]
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((BATCH, HEADS, LENGTH, DIM), np.float32)
+    k, v = (rng.standard_normal((BATCH, kv_heads, LENGTH, DIM), np.float32) for _ in range(2))
+    weights = rng.standard_normal((BATCH, HEADS, LENGTH, DIM), np.float32)
+    mask = None if mask_of is None else mask_of(key_padding())
+    gqa, env, chosen = kv_heads != HEADS, DropoutEnv(), choice()
+
+    def ours(q, k, v):
+        out = _dropout_call(chosen, q, k, v, mask, is_causal, gqa, env)
+        return jnp.sum(out * weights), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    assert chosen.calls == {"flash-dropout": 1} and not chosen.reasons
+    keep = np.asarray(flash_dropout.keep_mask(flash_dropout.row_seeds(env.key, (BATCH, HEADS)), LENGTH, LENGTH, RATE))
+    assert abs(keep.mean() - (1 - RATE)) < 0.005  # 524,288 draws: the standard deviation is 0.0006
+
+    tq, tk, tv = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
+    rk, rv = (t.repeat_interleave(HEADS // kv_heads, dim=1) for t in (tk, tv))
+    scores = tq @ rk.transpose(-1, -2) / DIM ** 0.5
+    allowed = torch.ones(LENGTH, LENGTH, dtype=torch.bool)
+    if is_causal:
+        allowed = allowed.tril()
+    if mask is not None:
+        allowed = allowed & torch.tensor(mask)
+    dead = ~allowed.expand_as(scores).any(-1, keepdim=True)  # torch's zeros for rows that see no key
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")).masked_fill(dead, 0.0), -1).masked_fill(dead, 0)
+    expected = (probs * torch.tensor(keep) / (1 - RATE)) @ rv
+    (expected * torch.tensor(weights)).sum().backward()
+    np.testing.assert_allclose(np.asarray(out), expected.detach().numpy(), rtol=0, atol=2e-6)
+    for got, want in zip(grads, (tq.grad, tk.grad, tv.grad)):
+        np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=2e-6, atol=2e-5)
+
+
+def test_the_dropout_masks_are_the_exact_paths_and_do_not_depend_on_the_chip_count():
+    """The exact path draws the kernel's masks (the same hash), so either path drops the same
+    weights; one seed per batch row and head, split with the rows: 8 chips or 2 give the same
+    values. Rows and heads draw different masks, and another key draws others."""
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((BATCH, HEADS, LENGTH, DIM), np.float32) for _ in range(3))
+    two = attention.AttentionChoice("flash", mesh=Mesh(np.array(jax.devices()[:2]), ("fsdp",)),
+                                    batch_axes=("fsdp",), batch_devices=2, interpret=True)
+    outs = {name: np.asarray(jax.jit(lambda q, k, v, c=c, e=e: _dropout_call(c, q, k, v, None, True, False, e))(q, k, v))
+            for name, c, e in (("8 chips", choice(), DropoutEnv()), ("2 chips", two, DropoutEnv()),
+                               ("exact", choice("exact"), DropoutEnv()), ("another key", choice(), DropoutEnv(1)))}
+    np.testing.assert_allclose(outs["2 chips"], outs["8 chips"], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(outs["exact"], outs["8 chips"], rtol=0, atol=2e-6)
+    assert np.abs(outs["another key"] - outs["8 chips"]).max() > 0.1
+    keep = np.asarray(flash_dropout.keep_mask(flash_dropout.row_seeds(jax.random.key(0), (BATCH, HEADS)),
+                                              LENGTH, LENGTH, RATE))
+    agree = (keep[0, 0] == keep[0, 1]).mean(), (keep[0, 0] == keep[1, 0]).mean()
+    independent = RATE ** 2 + (1 - RATE) ** 2  # 0.68 for two independent masks
+    assert all(abs(a - independent) < 0.01 for a in agree), agree
+
+
+def test_a_transformers_gpt2_trains_with_attention_dropout_on_the_kernel_as_on_the_exact_path():
+    """GPT-2 from its config with attention dropout 0.1 (its stock rate; the other dropouts off,
+    as torch would draw them otherwise): ZeRO-2, 3 steps on the kernel and on the exact path, which
+    drops the same weights. Losses and parameters agree; the report names the kernel."""
+    import transformers
+
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=LENGTH,
+                                     attn_pdrop=0.1, resid_pdrop=0.0, embd_pdrop=0.0)
+    config._attn_implementation = "sdpa"
+    ids = torch.randint(0, 256, (8, LENGTH), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for kernel in ("flash", "exact"):
+        torch.manual_seed(0)
+        engine, *_ = spmdzero.initialize(model=transformers.GPT2LMHeadModel(config).train(), config={
+            "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "spmd": {"attention": kernel}})
+        losses = []
+        for _ in range(3):
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        runs[kernel] = (losses, {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()},
+                        engine.attention_kernels.describe())
+    (flash, flash_params, said), (exact, exact_params, _) = runs["flash"], runs["exact"]
+    assert said == "Pallas flash kernel with dropout x2", said
+    np.testing.assert_allclose(flash, exact, rtol=0, atol=2e-6)
+    for name, want in exact_params.items():
+        torch.testing.assert_close(flash_params[name], want, atol=2e-6, rtol=0, msg=name)
+    assert flash[-1] < flash[0]

@@ -10,7 +10,8 @@ lowering: a row that is -inf everywhere takes scores of 0 before the softmax (so
 gradient is finite too) and weights of 0 after it. Everything else is torch's arithmetic: the
 default scale 1/sqrt(E), ``is_causal``'s lower-triangular mask, a bool mask (True: attend) or
 an additive float mask, ``enable_gqa``'s repeated key/value heads, and dropout on the weights
-(drawn from the trace's key, as torchax's other dropout). A mask of the dtype's minimum, as
+(from the trace's key, as torchax's other dropout, by the flash kernel's hash: both paths drop
+the same weights, ``flash_dropout.py``). A mask of the dtype's minimum, as
 transformers' eager path builds, is not -inf and gives torch's uniform weights, as in torch.
 
 The softmax runs in float32 for half-precision inputs, as torch's CPU kernels accumulate.
@@ -32,7 +33,7 @@ from typing import Any, Optional
 
 import torch
 
-from spmdzero.backends.torchax import flash_attention, hf_masks
+from spmdzero.backends.torchax import flash_attention, flash_dropout, hf_masks
 
 _INSTALLED = "_spmdzero_exact_sdpa"
 
@@ -66,14 +67,15 @@ class AttentionChoice:
         """One line for reports: which kernel ran how often, and why not the flash kernel."""
         if not self.calls:
             return "no scaled_dot_product_attention call in the step"
-        ran = ", ".join(f"{'Pallas flash kernel' if k == 'flash' else 'exact XLA (holds [L, S] scores)'} x{n}"
-                        for k, n in sorted(self.calls.items()))
+        ran = ", ".join(f"{_KERNEL_NAMES[k]} x{n}" for k, n in sorted(self.calls.items()))
         why = "; ".join(self.reasons) if self.reasons else ("spmd.attention asks for the exact path"
                                                             if self.kernel == "exact" and self.calls["exact"]
                                                             else "")
         return ran + (f" ({why})" if why else "")
 
 
+_KERNEL_NAMES = {"flash": "Pallas flash kernel", "flash-dropout": "Pallas flash kernel with dropout",
+                 "exact": "exact XLA (holds [L, S] scores)"}
 _choice: Optional[AttentionChoice] = None
 
 
@@ -101,12 +103,20 @@ def _transformers_kernel(choice: AttentionChoice, env, module, query, key, value
     if reason is not None:
         choice.fell_back(reason)
         return None
-    choice.calls["flash"] += 1
     padding, segments = env.t2j_iso((structure.key_padding, structure.segments))
     out = flash_attention.attend(q, k, v, structure.causal, 1.0 / math.sqrt(q.shape[-1]) if scaling is None
                                  else scaling, choice.mesh, choice.batch_axes, choice.interpret,
-                                 key_valid=None if padding is None else padding.astype(bool), segments=segments)
+                                 key_valid=None if padding is None else padding.astype(bool), segments=segments,
+                                 **_dropout(choice, dropout, env))
     return env.j2t_iso(out)
+
+
+def _dropout(choice: AttentionChoice, rate, env) -> dict:
+    """Count a kernel call (with or without dropout: two kernels) and give ``attend`` its dropout:
+    the rate and a key from the trace's, as the exact path's dropout draws."""
+    rate = float(rate or 0.0)
+    choice.calls["flash-dropout" if rate > 0.0 else "flash"] += 1
+    return {"dropout": rate, "dropout_key": env.get_and_rotate_prng_key()} if rate > 0.0 else {}
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -120,11 +130,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if choice is not None and choice.kernel == "flash":
         reason = flash_attention.unsupported(query, key, value, attn_mask, dropout_p, choice.batch_devices)
         if reason is None:
-            choice.calls["flash"] += 1
             valid = None if attn_mask is None else flash_attention.key_padding(attn_mask, query.shape[0],
                                                                                 key.shape[-2])
             return flash_attention.attend(query, key, value, is_causal, scale, choice.mesh, choice.batch_axes,
-                                          choice.interpret, key_valid=valid)
+                                          choice.interpret, key_valid=valid, **_dropout(choice, dropout_p, env))
         choice.fell_back(reason)
     if choice is not None:
         choice.calls["exact"] += 1
@@ -145,8 +154,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     dead = jnp.all(scores == -jnp.inf, axis=-1, keepdims=True)
     weights = jax.nn.softmax(jnp.where(dead, 0.0, scores), axis=-1)
     weights = jnp.where(dead, 0.0, weights)
-    if dropout_p > 0.0:
-        keep = jax.random.bernoulli(env.get_and_rotate_prng_key(), 1.0 - dropout_p, weights.shape)
+    if dropout_p > 0.0:  # the flash kernel's masks, drawn by the same hash: either path drops the same weights
+        seeds = flash_dropout.row_seeds(env.get_and_rotate_prng_key(), weights.shape[:-2])
+        keep = flash_dropout.keep_mask(seeds, length, source, dropout_p)
         weights = jnp.where(keep, weights / (1.0 - dropout_p), 0.0)
     return jnp.einsum("...ls,...se->...le", weights.astype(value.dtype), value)
 

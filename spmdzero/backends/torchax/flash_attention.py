@@ -23,7 +23,9 @@ added. The kernel takes what it covers and nothing else (``unsupported`` names t
 * grouped-query attention (``enable_gqa``, fewer key/value heads): their heads are repeated;
 * sequence lengths that are a multiple of the kernel's 128-row block, and head dims up to 128
   or multiples of it;
-* no dropout on the weights: the kernel has none.
+* dropout on the weights: splash attention has none, so such a call runs spmdzero's own kernel
+  (``flash_dropout.py``), which draws the mask from a hash inside its tiles, with the same masks
+  and tiles as here.
 
 Off TPU (``spmd.attention: "flash"`` on CPU, for checking), the same kernel runs in Pallas's
 HLO interpreter (``interpret=True``): the same tiles and arithmetic as XLA ops, slow but exact to
@@ -34,6 +36,8 @@ from __future__ import annotations
 
 import functools
 from typing import Optional
+
+from spmdzero.backends.torchax import flash_dropout
 
 BLOCK = 128  # the kernel's least tile along both sequences
 TILES = (1024, 512, 256, BLOCK)  # the tiles tried, largest first (``_tile``)
@@ -59,9 +63,8 @@ def unsupported(query, key, value, attn_mask, dropout_p: float, batch_devices: i
                 "(the layout of transformers' attention)")
     batch, heads, length, dim = query.shape
     source = key.shape[-2]
-    if dropout_p > 0.0:
-        return (f"dropout on the attention weights (dropout_p={dropout_p}): the kernel has none; set the model's "
-                "attention dropout to 0 (attn_pdrop, attention_dropout, ...) to use it")
+    if dropout_p >= 1.0:
+        return f"dropout_p={dropout_p}, which drops every weight"
     if value.shape[-1] != dim:
         return f"a value head dim ({value.shape[-1]}) other than the query's ({dim})"
     for name, n in (("query", length), ("key", source)):
@@ -80,10 +83,11 @@ def unsupported(query, key, value, attn_mask, dropout_p: float, batch_devices: i
 
 
 def attend(query, key, value, is_causal: bool, scale: float, mesh, batch_axes: tuple, interpret: bool,
-           key_valid=None, segments=None):
+           key_valid=None, segments=None, dropout: float = 0.0, dropout_key=None):
     """The kernel's SDPA (``unsupported`` said yes): ``[b, h, L, E]`` in and out. ``key_valid``:
     ``[b, S]`` booleans (key padding); ``segments``: ``[b, L]`` ids of packed sequences (queries
-    and keys of one length), a query attending only keys of its own id."""
+    and keys of one length), a query attending only keys of its own id; ``dropout`` > 0: that
+    rate of the weights dropped, by masks drawn from ``dropout_key`` (``flash_dropout.py``)."""
     import jax
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
@@ -94,7 +98,6 @@ def attend(query, key, value, is_causal: bool, scale: float, mesh, batch_axes: t
     if key.shape[-3] != heads:
         repeat = heads // key.shape[-3]
         key, value = jnp.repeat(key, repeat, axis=-3), jnp.repeat(value, repeat, axis=-3)
-    kernel = _kernel(heads, length, source, is_causal, interpret)
     ids = None
     if segments is not None or key_valid is not None:
         q_ids = (jnp.zeros((batch, length), jnp.int32) if segments is None
@@ -104,16 +107,26 @@ def attend(query, key, value, is_causal: bool, scale: float, mesh, batch_axes: t
             kv_ids = jnp.where(key_valid, kv_ids, -1)
         ids = (q_ids, kv_ids)
 
-    def local(q, k, v, *ids):
-        # the kernel takes one batch row (``[heads, length, dim]``) and unscaled scores
-        q = (q * scale).astype(q.dtype)
-        if not ids:
-            return jax.vmap(kernel)(q, k, v)
-        return jax.vmap(lambda q, k, v, qi, ki: kernel(q, k, v, segment_ids=splash.SegmentIds(q=qi, kv=ki)))(
-            q, k, v, *ids)
+    if dropout > 0.0:
+        # one seed per batch row and head, split with the rows: the masks do not depend on the chips
+        seeds = flash_dropout.row_seeds(dropout_key, (batch, heads))
+
+        def local(q, k, v, seeds, *ids):
+            return flash_dropout.attend((q * scale).astype(q.dtype), k, v, seeds, is_causal, dropout, interpret, *ids)
+    else:
+        kernel = _kernel(heads, length, source, is_causal, interpret)
+        seeds = None
+
+        def local(q, k, v, *ids):
+            # the kernel takes one batch row (``[heads, length, dim]``) and unscaled scores
+            q = (q * scale).astype(q.dtype)
+            if not ids:
+                return jax.vmap(kernel)(q, k, v)
+            return jax.vmap(lambda q, k, v, qi, ki: kernel(q, k, v, segment_ids=splash.SegmentIds(q=qi, kv=ki)))(
+                q, k, v, *ids)
 
     rows = PartitionSpec(batch_axes)
-    arrays = (query, key, value) + (ids or ())
+    arrays = (query, key, value) + (() if seeds is None else (seeds,)) + (ids or ())
     out = jax.shard_map(local, mesh=mesh, in_specs=(rows,) * len(arrays), out_specs=rows,
                         check_vma=False)(*arrays)
     if key_valid is not None:
