@@ -79,29 +79,25 @@ def keep_mask(seeds, length: int, source: int, rate: float):
     return _keep(seeds[..., None, None], rows, cols, source, rate)
 
 
-def _scores_mask(q_block, k_block, block_q, block_k, causal, q_ids, kv_ids):
-    """Which scores of the tile at (``q_block``, ``k_block``) are attended; None: all."""
+def _positions(q_block, k_block, block_q, block_k, transposed: bool):
+    """The query and key positions of a tile's scores, ``[bq, bk]`` (``transposed``: ``[bk, bq]``)."""
     import jax
     import jax.numpy as jnp
 
-    mask = None
-    if causal:
-        rows = q_block * block_q + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
-        cols = k_block * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
-        mask = rows >= cols
-    if q_ids is not None:
-        same = q_ids == kv_ids  # [bq, 1] against [1, bk]
+    shape, q_dim = ((block_k, block_q), 1) if transposed else ((block_q, block_k), 0)
+    rows = q_block * block_q + jax.lax.broadcasted_iota(jnp.int32, shape, q_dim)
+    cols = k_block * block_k + jax.lax.broadcasted_iota(jnp.int32, shape, 1 - q_dim)
+    return rows, cols
+
+
+def _attended(rows, cols, causal, ids):
+    """Which scores at query positions ``rows`` and key positions ``cols`` are attended; None:
+    all. ``ids``: the tile's query and key segment ids, laid out to broadcast against them."""
+    mask = rows >= cols if causal else None
+    if ids is not None:
+        same = ids[0] == ids[1]
         mask = same if mask is None else mask & same
     return mask
-
-
-def _tile_keep(seed, q_block, k_block, block_q, block_k, source, rate):
-    import jax
-    import jax.numpy as jnp
-
-    rows = q_block * block_q + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
-    cols = k_block * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
-    return _keep(seed, rows, cols, source, rate)
 
 
 def _visible(q_block, k_block, block_q, block_k, causal):
@@ -110,13 +106,24 @@ def _visible(q_block, k_block, block_q, block_k, causal):
 
 
 def _ids(refs, has_ids):
-    if not has_ids:
-        return None, None
-    q_ref, kv_ref = refs
-    return q_ref[...], kv_ref[...]  # [bq, 1], [1, bk]
+    return (refs[0][...], refs[1][...]) if has_ids else None
+
+
+def _as_row(column, size: int):
+    """``[n, 1]`` as ``[1, n]`` by a masked sum over the diagonal (ops every Mosaic version lowers)."""
+    import jax
+    import jax.numpy as jnp
+
+    diagonal = (jax.lax.broadcasted_iota(jnp.int32, (size, size), 0)
+                == jax.lax.broadcasted_iota(jnp.int32, (size, size), 1))
+    return jnp.sum(jnp.where(diagonal, column, 0.0), axis=0, keepdims=True)
 
 
 def _forward_kernel(seeds_ref, q_ref, k_ref, v_ref, *rest, causal, rate, block_q, block_k, source, has_ids):
+    """One (row, head, query tile): stream the key tiles, keep the running max ``m`` and sum
+    ``l`` (before dropout: dropout scales what is kept, not the softmax's denominator) and the
+    dropped weights times V; at the last key tile write O and the log-sum-exp, as a row (a
+    ``[bq, 1]`` column in HBM is padded to 128 lanes: 128 times the bytes)."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -134,17 +141,17 @@ def _forward_kernel(seeds_ref, q_ref, k_ref, v_ref, *rest, causal, rate, block_q
     def _():
         q, k, v = q_ref[...], k_ref[...], v_ref[...]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        q_ids, kv_ids = _ids(ids, has_ids)
-        mask = _scores_mask(qi, ki, block_q, block_k, causal, q_ids, kv_ids)
+        rows, cols = _positions(qi, ki, block_q, block_k, transposed=False)
+        mask = _attended(rows, cols, causal, _ids(ids, has_ids))
         if mask is not None:
             s = jnp.where(mask, s, _NEG)
         m_prev = m_sc[...]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         p = jnp.exp(s - m_new)
         alpha = jnp.exp(m_prev - m_new)
-        l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)  # the sum before dropout
+        l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
         if rate:
-            p = jnp.where(_tile_keep(seeds_ref[b, h], qi, ki, block_q, block_k, source, rate), p, 0.0)
+            p = jnp.where(_keep(seeds_ref[b, h], rows, cols, source, rate), p, 0.0)
         acc_sc[...] = alpha * acc_sc[...] + jax.lax.dot_general(
             p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         m_sc[...] = m_new
@@ -153,37 +160,35 @@ def _forward_kernel(seeds_ref, q_ref, k_ref, v_ref, *rest, causal, rate, block_q
     def _():
         l = l_sc[...]
         o_ref[...] = (acc_sc[...] * (1.0 / ((1.0 - rate) * l))).astype(o_ref.dtype)
-        lse_ref[...] = m_sc[...] + jnp.log(l)
+        lse_ref[...] = _as_row(m_sc[...] + jnp.log(l), block_q)
 
 
-def _weights(seeds_ref, ids, q, k, lse, b, h, qi, ki, causal, rate, block_q, block_k, source, has_ids):
-    """A tile's softmax weights recomputed from the saved log-sum-exp, and its dropout mask."""
+def _tile_grads(seeds_ref, ids, q, k, v, do, lse, delta, b, h, qi, ki, causal, rate, block_q, block_k, source,
+                has_ids):
+    """A tile's dropped weights and score gradients, transposed (``[bk, bq]``: the log-sum-exp
+    and delta are rows): the weights recomputed from the log-sum-exp, dP through dropout, then
+    dS = P * (dP - delta), delta = rowsum(dO * O)."""
     import jax
     import jax.numpy as jnp
 
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    q_ids, kv_ids = _ids(ids, has_ids)
-    mask = _scores_mask(qi, ki, block_q, block_k, causal, q_ids, kv_ids)
+    s = jax.lax.dot_general(k, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    rows, cols = _positions(qi, ki, block_q, block_k, transposed=True)
+    mask = _attended(rows, cols, causal, _ids(ids, has_ids))
     if mask is not None:
         s = jnp.where(mask, s, _NEG)
     p = jnp.exp(s - lse)
-    keep = _tile_keep(seeds_ref[b, h], qi, ki, block_q, block_k, source, rate) if rate else None
-    return p, keep
-
-
-def _score_grads(p, keep, do, v, delta, rate):
-    """dS of a tile: the weights' gradient through dropout, then through the softmax."""
-    import jax
-    import jax.numpy as jnp
-
-    dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    dp = jax.lax.dot_general(v, do, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    dropped = p
     if rate:
+        keep = _keep(seeds_ref[b, h], rows, cols, source, rate)
+        dropped = jnp.where(keep, p, 0.0) * (1.0 / (1.0 - rate))
         dp = jnp.where(keep, dp, 0.0) * (1.0 / (1.0 - rate))
-    return p * (dp - delta)
+    return dropped, p * (dp - delta)
 
 
 def _dkv_kernel(seeds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, causal, rate, block_q,
                 block_k, source, has_ids):
+    """One (row, head, key tile): stream the query tiles; dV += P_dropped^T dO, dK += dS^T Q."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -198,14 +203,12 @@ def _dkv_kernel(seeds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *res
 
     @pl.when(_visible(qi, ki, block_q, block_k, causal))
     def _():
-        q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-        p, keep = _weights(seeds_ref, ids, q, k, lse_ref[...], b, h, qi, ki, causal, rate, block_q, block_k,
-                           source, has_ids)
-        dropped = p if not rate else jnp.where(keep, p, 0.0) * (1.0 / (1.0 - rate))
-        dv_sc[...] += jax.lax.dot_general(dropped.astype(do.dtype), do, (((0,), (0,)), ((), ())),
+        q, do = q_ref[...], do_ref[...]
+        dropped, ds = _tile_grads(seeds_ref, ids, q, k_ref[...], v_ref[...], do, lse_ref[...], delta_ref[...],
+                                  b, h, qi, ki, causal, rate, block_q, block_k, source, has_ids)
+        dv_sc[...] += jax.lax.dot_general(dropped.astype(do.dtype), do, (((1,), (0,)), ((), ())),
                                           preferred_element_type=jnp.float32)
-        ds = _score_grads(p, keep, do, v, delta_ref[...], rate)
-        dk_sc[...] += jax.lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
+        dk_sc[...] += jax.lax.dot_general(ds.astype(q.dtype), q, (((1,), (0,)), ((), ())),
                                           preferred_element_type=jnp.float32)
 
     @pl.when(qi == pl.num_programs(3) - 1)
@@ -216,6 +219,7 @@ def _dkv_kernel(seeds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *res
 
 def _dq_kernel(seeds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, causal, rate, block_q,
                block_k, source, has_ids):
+    """One (row, head, query tile): stream the key tiles; dQ += dS K."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -229,11 +233,10 @@ def _dq_kernel(seeds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest
 
     @pl.when(_visible(qi, ki, block_q, block_k, causal))
     def _():
-        q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-        p, keep = _weights(seeds_ref, ids, q, k, lse_ref[...], b, h, qi, ki, causal, rate, block_q, block_k,
-                           source, has_ids)
-        ds = _score_grads(p, keep, do, v, delta_ref[...], rate)
-        dq_sc[...] += jax.lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
+        k = k_ref[...]
+        _, ds = _tile_grads(seeds_ref, ids, q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...],
+                            b, h, qi, ki, causal, rate, block_q, block_k, source, has_ids)
+        dq_sc[...] += jax.lax.dot_general(ds.astype(k.dtype), k, (((0,), (0,)), ((), ())),
                                           preferred_element_type=jnp.float32)
 
     @pl.when(ki == pl.num_programs(3) - 1)
@@ -241,21 +244,24 @@ def _dq_kernel(seeds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest
         dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
 
 
-def _specs(batch, heads, length, source, dim, block_q, block_k, q_major: bool, has_ids: bool):
-    """BlockSpecs of q, k, v-like inputs and the ids, for a grid (b, h, outer, inner) whose outer
-    axis walks query tiles (``q_major``) or key tiles."""
+def _specs(dim, block_q, block_k, q_major: bool, has_ids: bool, transposed: bool):
+    """BlockSpecs of the q-like and k-like inputs, the per-query rows (log-sum-exp, delta:
+    ``[b, h, 1, L]``) and the segment ids, for a grid (b, h, outer, inner) whose outer axis
+    walks query tiles (``q_major``) or key tiles. The ids come as a query column and a key row
+    (``[b, L, 1]``, ``[b, 1, S]``), or ``transposed`` as a query row and a key column."""
     from jax.experimental import pallas as pl
 
-    def qk(b, h, i, j, seeds):
-        return (i, j) if q_major else (j, i)
+    def tiles(i, j):
+        return (i, j) if q_major else (j, i)  # (query tile, key tile)
 
-    q_spec = pl.BlockSpec((None, None, block_q, dim), lambda b, h, i, j, s: (b, h, qk(b, h, i, j, s)[0], 0))
-    k_spec = pl.BlockSpec((None, None, block_k, dim), lambda b, h, i, j, s: (b, h, qk(b, h, i, j, s)[1], 0))
-    row_spec = pl.BlockSpec((None, None, block_q, 1), lambda b, h, i, j, s: (b, h, qk(b, h, i, j, s)[0], 0))
+    q_spec = pl.BlockSpec((None, None, block_q, dim), lambda b, h, i, j, s: (b, h, tiles(i, j)[0], 0))
+    k_spec = pl.BlockSpec((None, None, block_k, dim), lambda b, h, i, j, s: (b, h, tiles(i, j)[1], 0))
+    row_spec = pl.BlockSpec((None, None, 1, block_q), lambda b, h, i, j, s: (b, h, 0, tiles(i, j)[0]))
     ids = []
     if has_ids:
-        ids = [pl.BlockSpec((None, block_q, 1), lambda b, h, i, j, s: (b, qk(b, h, i, j, s)[0], 0)),
-               pl.BlockSpec((None, 1, block_k), lambda b, h, i, j, s: (b, 0, qk(b, h, i, j, s)[1]))]
+        column = lambda block, which: pl.BlockSpec((None, block, 1), lambda b, h, i, j, s: (b, tiles(i, j)[which], 0))
+        row = lambda block, which: pl.BlockSpec((None, 1, block), lambda b, h, i, j, s: (b, 0, tiles(i, j)[which]))
+        ids = [row(block_q, 0), column(block_k, 1)] if transposed else [column(block_q, 0), row(block_k, 1)]
     return q_spec, k_spec, row_spec, ids
 
 
@@ -296,7 +302,8 @@ def _calls(shape: tuple, source: int, dtype, causal: bool, rate: float, has_ids:
     parallel = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
     f32 = jnp.float32
 
-    q_spec, k_spec, row_spec, ids = _specs(batch, heads, length, source, dim, block_q, block_k, True, has_ids)
+    q_spec, k_spec, row_spec, ids = _specs(dim, block_q, block_k, True, has_ids, transposed=False)
+    rows_shape = jax.ShapeDtypeStruct((batch, heads, 1, length), f32)
     forward = pl.pallas_call(
         functools.partial(_forward_kernel, **static),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -304,10 +311,11 @@ def _calls(shape: tuple, source: int, dtype, causal: bool, rate: float, has_ids:
             in_specs=[q_spec, k_spec, k_spec, *ids], out_specs=[q_spec, row_spec],
             scratch_shapes=[pltpu.VMEM((block_q, 1), f32), pltpu.VMEM((block_q, 1), f32),
                             pltpu.VMEM((block_q, dim), f32)]),
-        out_shape=[jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct((batch, heads, length, 1), f32)],
+        out_shape=[jax.ShapeDtypeStruct(shape, dtype), rows_shape],
         compiler_params=parallel, interpret=interpret, name="spmdzero_flash_dropout_fwd",
         cost_estimate=cost["fwd"])
 
+    q_spec, k_spec, row_spec, ids = _specs(dim, block_q, block_k, True, has_ids, transposed=True)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, **static),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -318,7 +326,7 @@ def _calls(shape: tuple, source: int, dtype, causal: bool, rate: float, has_ids:
         compiler_params=parallel, interpret=interpret, name="spmdzero_flash_dropout_dq",
         cost_estimate=cost["dq"])
 
-    q_spec, k_spec, row_spec, ids = _specs(batch, heads, length, source, dim, block_q, block_k, False, has_ids)
+    q_spec, k_spec, row_spec, ids = _specs(dim, block_q, block_k, False, has_ids, transposed=True)
     kv_shape = (batch, heads, source, dim)
     dkv = pl.pallas_call(
         functools.partial(_dkv_kernel, **static),
@@ -341,14 +349,16 @@ def attend(q, k, v, seeds, causal: bool, rate: float, interpret: bool, q_ids=Non
     has_ids = q_ids is not None
     run = _differentiable(tuple(q.shape), k.shape[-2], jnp.dtype(q.dtype), bool(causal), float(rate), has_ids,
                           bool(interpret))
-    ids = (q_ids[:, :, None], kv_ids[:, None, :]) if has_ids else ()
+    # the forward's tiles take the query ids as a column and the key ids as a row; the backward's
+    # (transposed) the other way round
+    ids = (q_ids[:, :, None], kv_ids[:, None, :], q_ids[:, None, :], kv_ids[:, :, None]) if has_ids else ()
     return run(q, k, v, seeds, *ids)
 
 
 @functools.lru_cache(maxsize=64)
 def _differentiable(shape: tuple, source: int, dtype, causal: bool, rate: float, has_ids: bool, interpret: bool):
     """``(q, k, v, seeds, *ids) -> out`` with the kernels' backward (no gradient for the seeds
-    and ids)."""
+    and ids). The log-sum-exp and delta are ``[b, h, 1, L]`` rows."""
     import jax
     import jax.numpy as jnp
 
@@ -356,18 +366,18 @@ def _differentiable(shape: tuple, source: int, dtype, causal: bool, rate: float,
 
     @jax.custom_vjp
     def run(q, k, v, seeds, *ids):
-        return forward(seeds, q, k, v, *ids)[0]
+        return forward(seeds, q, k, v, *ids[:2])[0]
 
     def run_forward(q, k, v, seeds, *ids):
-        out, lse = forward(seeds, q, k, v, *ids)
+        out, lse = forward(seeds, q, k, v, *ids[:2])
         return out, (q, k, v, seeds, ids, out, lse)
 
     def run_backward(saved, do):
         q, k, v, seeds, ids, out, lse = saved
-        delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+        delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)[:, :, None, :]
         do = do.astype(q.dtype)
-        dq = dq_call(seeds, q, k, v, do, lse, delta, *ids)
-        dk, dv = dkv_call(seeds, q, k, v, do, lse, delta, *ids)
+        dq = dq_call(seeds, q, k, v, do, lse, delta, *ids[2:])
+        dk, dv = dkv_call(seeds, q, k, v, do, lse, delta, *ids[2:])
         return (dq, dk, dv, None) + (None,) * len(ids)
 
     run.defvjp(run_forward, run_backward)
