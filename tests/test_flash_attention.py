@@ -44,14 +44,19 @@ CASES = {  # name: (is_causal, mask builder, kv heads)
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_the_kernel_gives_torchs_values_and_gradients(case):
+def case_inputs(case: str, seed: int):
+    """A case's causality, random q, k, v and output weights, mask (or None) and kv heads."""
     is_causal, mask_of, kv_heads = CASES[case]
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     q = rng.standard_normal((BATCH, HEADS, LENGTH, DIM), np.float32)
     k, v = (rng.standard_normal((BATCH, kv_heads, LENGTH, DIM), np.float32) for _ in range(2))
     weights = rng.standard_normal((BATCH, HEADS, LENGTH, DIM), np.float32)
-    mask = None if mask_of is None else mask_of(key_padding())
+    return is_causal, q, k, v, weights, None if mask_of is None else mask_of(key_padding()), kv_heads
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_kernel_gives_torchs_values_and_gradients(case):
+    is_causal, q, k, v, weights, mask, kv_heads = case_inputs(case, seed=0)
     gqa = kv_heads != HEADS
 
     chosen = choice()
@@ -221,12 +226,7 @@ def _dropout_call(chosen, q, k, v, mask, is_causal, gqa, env):
 def test_the_dropout_kernel_gives_torchs_values_and_gradients_for_its_mask(case):
     """torch's SDPA math with the kernel's own mask (``keep_mask``, the same hash in XLA), kept
     weights scaled by 1/(1-p) as torch's dropout: values and gradients, fp32."""
-    is_causal, mask_of, kv_heads = CASES[case]
-    rng = np.random.default_rng(1)
-    q = rng.standard_normal((BATCH, HEADS, LENGTH, DIM), np.float32)
-    k, v = (rng.standard_normal((BATCH, kv_heads, LENGTH, DIM), np.float32) for _ in range(2))
-    weights = rng.standard_normal((BATCH, HEADS, LENGTH, DIM), np.float32)
-    mask = None if mask_of is None else mask_of(key_padding())
+    is_causal, q, k, v, weights, mask, kv_heads = case_inputs(case, seed=1)
     gqa, env, chosen = kv_heads != HEADS, DropoutEnv(), choice()
 
     def ours(q, k, v):

@@ -27,12 +27,14 @@ FLAGS: dict[str, str] = {
     # -> reduce-scatter 110 MiB; `spmdzero aot`, GPT-2 124M ZeRO-2: 1.17x -> 1.02x). The test
     # model's programs on v5e:2x2 and v5e:4x4 compile the same with or without it (docs/tpu.md).
     "xla_tpu_use_minor_sharding_for_major_trivial_input": "true",
-    # A random tensor sharded over the chips (dropout's bits: u32[global batch, heads, seq, seq]
-    # for attention dropout) is by default generated whole on every chip and sliced, so every
-    # chip holds the global batch's bits: 3 GiB per chip for GPT-2 124M on v5e:4x4 (4 x 1024
-    # tokens per chip; 0.75 GiB on v5e:2x2), 16 x more on v5e-256. With this flag each chip
-    # draws only its shard, from the key offset by its partition id: the masks then depend on
-    # the chip count (the same seed on the same topology draws the same ones).
+    # A random tensor sharded over the chips (dropout's bits: u32[global batch, seq, width] for
+    # a residual dropout) is by default generated whole on every chip and sliced, so every chip
+    # holds the global batch's bits. Measured when attention dropout still drew its
+    # u32[global batch, heads, seq, seq] this way (it now hashes positions: flash_dropout.py):
+    # 3 GiB per chip for GPT-2 124M on v5e:4x4 (4 x 1024 tokens per chip), 16 x more on
+    # v5e-256. With this flag each chip draws only its shard, from the key offset by its
+    # partition id: those masks then depend on the chip count (the same seed on the same
+    # topology draws the same ones).
     "xla_tpu_spmd_rng_bit_generator_unsafe": "true",
 }
 
