@@ -276,25 +276,54 @@ def test_the_dropout_masks_are_the_exact_paths_and_do_not_depend_on_the_chip_cou
     assert all(abs(a - independent) < 0.01 for a in agree), agree
 
 
-def test_a_transformers_gpt2_trains_with_attention_dropout_on_the_kernel_as_on_the_exact_path():
-    """GPT-2 from its config with attention dropout 0.1 (its stock rate; the other dropouts off,
-    as torch would draw them otherwise): ZeRO-2, 3 steps on the kernel and on the exact path, which
-    drops the same weights. Losses and parameters agree; the report names the kernel."""
+def _gpt2(**dropout):
     import transformers
 
-    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=LENGTH,
-                                     attn_pdrop=0.1, resid_pdrop=0.0, embd_pdrop=0.0)
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=LENGTH, **dropout)
     config._attn_implementation = "sdpa"
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _bert(**dropout):
+    import transformers
+
+    config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                     vocab_size=256, max_position_embeddings=LENGTH, **dropout)
+    config._attn_implementation = "sdpa"
+    return transformers.BertForMaskedLM(config)
+
+
+def _padded_batch():
+    """Token ids with left padding in one row and right padding in another, labels ignoring it."""
     ids = torch.randint(0, 256, (8, LENGTH), generator=torch.Generator().manual_seed(0))
-    runs = {}
+    mask = torch.ones(8, LENGTH, dtype=torch.long)
+    mask[1, :20] = mask[3, 100:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+needs_transformers_5 = pytest.mark.skipif(
+    int(__import__("transformers").__version__.split(".")[0]) < 5,
+    reason="transformers 4.x's encoders build a dense mask (modeling_attn_mask_utils), which takes the exact path")
+
+
+@pytest.mark.parametrize("model", [
+    pytest.param(lambda: _gpt2(attn_pdrop=0.1, resid_pdrop=0.0, embd_pdrop=0.0), id="gpt2"),
+    pytest.param(lambda: _bert(attention_probs_dropout_prob=0.1, hidden_dropout_prob=0.0), id="bert",
+                 marks=needs_transformers_5)])
+def test_a_transformers_model_trains_with_attention_dropout_on_the_kernel_as_on_the_exact_path(model):
+    """GPT-2 (causal) and BERT (bidirectional) from their configs with attention dropout 0.1
+    (their stock rate; the other dropouts off, as torch would draw them otherwise), on a padded
+    batch: ZeRO-2, 3 steps on the kernel and on the exact path, which drops the same weights.
+    Losses and parameters agree; the report names the kernel."""
+    batch, runs = _padded_batch(), {}
     for kernel in ("flash", "exact"):
         torch.manual_seed(0)
-        engine, *_ = spmdzero.initialize(model=transformers.GPT2LMHeadModel(config).train(), config={
+        engine, *_ = spmdzero.initialize(model=model().train(), config={
             "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
             "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "spmd": {"attention": kernel}})
         losses = []
         for _ in range(3):
-            loss = engine(input_ids=ids, labels=ids).loss
+            loss = engine(**batch).loss
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
@@ -306,3 +335,29 @@ def test_a_transformers_gpt2_trains_with_attention_dropout_on_the_kernel_as_on_t
     for name, want in exact_params.items():
         torch.testing.assert_close(flash_params[name], want, atol=2e-6, rtol=0, msg=name)
     assert flash[-1] < flash[0]
+
+
+@needs_transformers_5
+def test_a_transformers_encoder_trains_on_the_kernel_as_on_torch():
+    """BERT from its config, no dropout, a padded batch: transformers 5.x's bidirectional mask
+    reaches the kernel as key padding (hf_masks), and 2 SGD steps match torch's."""
+    torch.manual_seed(0)
+    model = _bert(attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0).train()
+    reference = copy.deepcopy(model)
+    engine, *_ = spmdzero.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "spmd": {"attention": "flash"}})
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    batch = _padded_batch()
+    for _ in range(2):
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        optimizer.zero_grad()
+        expected = reference(**batch).loss
+        expected.backward()
+        optimizer.step()
+        assert abs(loss.item() - expected.item()) <= 1e-6
+    for (name, got), want in zip(engine.module.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(got.detach().cpu(), want.detach(), atol=1e-6, rtol=0, msg=name)
+    assert engine.attention_kernels.describe() == "Pallas flash kernel x2"

@@ -1,18 +1,21 @@
-"""transformers' causal masks handed to the flash kernel as what they are: causality, key
-padding, packed-sequence ids.
+"""transformers' causal and bidirectional masks handed to the flash kernel as what they are:
+causality, key padding, packed-sequence ids.
 
 Why: inside a trace transformers cannot read a mask's values, so it never skips the mask: a
 decoder's SDPA gets a dense ``[batch, 1, L, S]`` boolean mask (Llama at 4k tokens, 16 rows: 256
 MiB of mask, and the exact path's 4 GiB of scores per head group). The mask is always one of a few
 structures, built in ``masking_utils.create_causal_mask``: causal; causal and the batch's 2D
 ``attention_mask`` (key padding); causal and packed-sequence ids (from ``position_ids``, which
-Llama-style models always pass). The flash kernel takes each of these as segment ids.
+Llama-style models always pass). 5.x's encoders (BERT) build theirs in
+``create_bidirectional_mask``: key padding alone. The flash kernel takes each of these as
+segment ids.
 
 While a step that runs the flash kernel is traced (``attention.choosing``), this module wraps
 transformers' ``"sdpa"`` mask function and ``"sdpa"`` attention function:
 
 * the mask is still built as transformers builds it, and the structure it came from is attached
-  to it (``_spmdzero_flash``): only a mask made by ``causal_mask_function``, alone or with
+  to it (``_spmdzero_flash``): only a mask made by ``bidirectional_mask_function`` alone, or by
+  ``causal_mask_function``, alone or with
   packed-sequence ids (``and_masks``, ``packed_sequence_mask_function`` and 5.x's
   ``remap_positions_for_packed_sequence`` are wrapped to remember their parts), with queries and
   keys of one length and no offset or window;
@@ -107,8 +110,12 @@ def _structure(masking, kwargs: dict):
         if segments is None:
             return None
     # by position ids within packed sequences (5.x): by index there, packed ids being given
-    causal = getattr(parts[0], "_spmdzero_remapped", None) if segments is not None else None
-    if (causal or parts[0]) is not masking.causal_mask_function:
+    base = (getattr(parts[0], "_spmdzero_remapped", None) if segments is not None else None) or parts[0]
+    if base is masking.causal_mask_function:
+        causal = True
+    elif base is getattr(masking, "bidirectional_mask_function", None) and segments is None:
+        causal = False  # 5.x's encoders (BERT, RoBERTa, ...): key padding at most
+    else:
         return None
     cache_position = kwargs.get("cache_position")
     q_length = kwargs.get("q_length", None if cache_position is None else cache_position.shape[0])
@@ -120,7 +127,7 @@ def _structure(masking, kwargs: dict):
     padding = kwargs.get("attention_mask")
     if padding is not None and (padding.dim() != 2 or padding.shape[-1] != kv_length):
         return None
-    return SimpleNamespace(causal=True, segments=segments, key_padding=padding)
+    return SimpleNamespace(causal=causal, segments=segments, key_padding=padding)
 
 
 def carried(originals: list, views: list) -> list:
