@@ -74,3 +74,54 @@ def test_cross_entropy_trains_as_torchax_lowers_it(case, monkeypatch):
     np.testing.assert_allclose(losses, expected, rtol=1e-6, atol=1e-6)
     for name, value in expected_params.items():
         torch.testing.assert_close(params[name], value, atol=1e-6, rtol=1e-5)
+
+
+class HalfHead(Head):
+    """A bf16 model whose loss upcasts its logits and flattens them, as transformers' causal-LM
+    loss does (``logits.float()``, then ``.view(-1, vocab)``)."""
+
+    def forward(self, x, labels):
+        logits = self.net(x).view(4, 4, 50).float()
+        return F.cross_entropy(logits.view(-1, 50), labels, **self.kwargs)
+
+
+def test_upcast_logits_go_in_as_their_half_precision_values_and_train_the_same(monkeypatch):
+    """The fused loss takes the bf16 logits an fp32 upcast came from (through the reshapes
+    after it): no fp32 copy of them is made. Losses and parameters are those of the same loss
+    on the upcast copy to bf16's precision: an upcast is exact and the loss's arithmetic is fp32
+    either way, but on the copy XLA folds the upcast into the head's matmul (an fp32 result,
+    never rounded to bf16 as torch rounds it), so the two differ in the logits' last bits."""
+    seen = []
+    real = cross_entropy._loss
+
+    def loss_of(ignore_index):
+        fused = real(ignore_index)
+
+        def call(x, labels):
+            seen.append(str(x.dtype))
+            return fused(x, labels)
+
+        return call
+
+    def run():
+        engine, *_ = spmdzero.initialize(model=HalfHead({"ignore_index": IGNORED}, upcast=True), config={
+            "train_batch_size": 16, "bf16": {"enabled": True}, "optimizer": {"type": "SGD", "params": {"lr": 0.05}}})
+        losses = []
+        for step in range(STEPS):
+            loss = engine(*data(step))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        assert loss.dtype == torch.float32  # the loss of fp32 logits, as before
+        return losses, {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()}
+
+    monkeypatch.setattr(cross_entropy, "_loss", loss_of)
+    losses, params = run()
+    assert seen == ["bfloat16"], seen  # traced once, on the bf16 logits
+    seen.clear()
+    monkeypatch.setattr(cross_entropy._Upcasts, "source", lambda self, value: None)
+    expected, expected_params = run()
+    assert seen == ["float32"], seen
+    np.testing.assert_allclose(losses, expected, rtol=1e-4, atol=0)
+    for name, value in expected_params.items():
+        torch.testing.assert_close(params[name], value, atol=4e-3, rtol=0)
