@@ -15,6 +15,12 @@ elementwise pass (torch's own formula for the gradient). While the engine traces
 ``fused()`` has torchax run it for the common call: 2-D ``[N, C]`` logits, class-index targets,
 no class weights and no label smoothing, any ``ignore_index`` and reduction (``mean`` divides by
 the rows not ignored, as torch does). Any other call takes torchax's own lowering.
+
+transformers upcasts bf16 logits to fp32 before its loss (``logits.float()``), and the backward
+kept that fp32 copy: 823 MB for GPT-2 124M at 4 x 1024 tokens per chip, 2.5 GB for a
+152k-token vocabulary at 4k tokens. ``fused()`` also records which traced values are such an
+upcast (through the reshapes after it), and the loss takes the bf16 values instead: the same
+fp32 arithmetic, and no fp32 copy.
 """
 
 from __future__ import annotations
