@@ -179,14 +179,21 @@ def test_a_transformers_decoder_trains_on_the_kernel_as_on_torch(padded):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).train()
     reference = copy.deepcopy(model)
-    engine, *_ = spmdzero.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
-        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "spmd": {"attention": "flash"}})
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     ids, mask = torch.randint(0, 256, (8, LENGTH)), torch.ones(8, LENGTH, dtype=torch.long)
     mask[0, :30] = mask[2, :100] = 0
     batch = {"input_ids": ids, "labels": ids.masked_fill(mask == 0, -100)} | ({"attention_mask": mask} if padded
                                                                            else {})
+    engine = _trains_on_the_kernel_as_torch(model, reference, batch)
+    assert engine.attention_kernels.describe() == "Pallas flash kernel x2"  # both layers, no exact path
+
+
+def _trains_on_the_kernel_as_torch(model, reference, batch):
+    """2 SGD steps of ``model`` on the flash kernel (ZeRO-2) and of ``reference`` in torch: the
+    same losses and parameters, to 1e-6. Returns the engine."""
+    engine, *_ = spmdzero.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "spmd": {"attention": "flash"}})
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     for _ in range(2):
         loss = engine(**batch).loss
         engine.backward(loss)
@@ -198,7 +205,7 @@ def test_a_transformers_decoder_trains_on_the_kernel_as_on_torch(padded):
         assert abs(loss.item() - expected.item()) <= 1e-6
     for (name, got), want in zip(engine.module.named_parameters(), reference.parameters()):
         torch.testing.assert_close(got.detach().cpu(), want.detach(), atol=1e-6, rtol=0, msg=name)
-    assert engine.attention_kernels.describe() == "Pallas flash kernel x2"  # both layers, no exact path
+    return engine
 
 
 # ---- dropout on the weights: spmdzero's own kernel (flash_dropout.py) ----------------------------
@@ -344,20 +351,5 @@ def test_a_transformers_encoder_trains_on_the_kernel_as_on_torch():
     torch.manual_seed(0)
     model = _bert(attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0).train()
     reference = copy.deepcopy(model)
-    engine, *_ = spmdzero.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
-        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "spmd": {"attention": "flash"}})
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    batch = _padded_batch()
-    for _ in range(2):
-        loss = engine(**batch).loss
-        engine.backward(loss)
-        engine.step()
-        optimizer.zero_grad()
-        expected = reference(**batch).loss
-        expected.backward()
-        optimizer.step()
-        assert abs(loss.item() - expected.item()) <= 1e-6
-    for (name, got), want in zip(engine.module.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(got.detach().cpu(), want.detach(), atol=1e-6, rtol=0, msg=name)
+    engine = _trains_on_the_kernel_as_torch(model, reference, _padded_batch())
     assert engine.attention_kernels.describe() == "Pallas flash kernel x2"

@@ -44,15 +44,18 @@ CASES = {"mean": ({"ignore_index": IGNORED}, True), "sum": ({"ignore_index": IGN
          "smoothing": ({"ignore_index": IGNORED, "label_smoothing": 0.1}, False)}
 
 
-def train(kwargs: dict):
-    engine, *_ = spmdzero.initialize(model=Head(kwargs, upcast=True), config={
-        "train_batch_size": 16, "optimizer": {"type": "SGD", "params": {"lr": 0.05}}})
+def train(kwargs: dict, model=Head, **config):
+    """STEPS SGD steps of ``model(kwargs)``: the losses (asserted fp32, as torch's loss of fp32
+    logits) and the parameters."""
+    engine, *_ = spmdzero.initialize(model=model(kwargs, upcast=True), config={
+        "train_batch_size": 16, "optimizer": {"type": "SGD", "params": {"lr": 0.05}}, **config})
     losses = []
     for step in range(STEPS):
         loss = engine(*data(step))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    assert loss.dtype == torch.float32
     return losses, {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()}
 
 
@@ -104,16 +107,7 @@ def test_upcast_logits_go_in_as_their_half_precision_values_and_train_the_same(m
         return call
 
     def run():
-        engine, *_ = spmdzero.initialize(model=HalfHead({"ignore_index": IGNORED}, upcast=True), config={
-            "train_batch_size": 16, "bf16": {"enabled": True}, "optimizer": {"type": "SGD", "params": {"lr": 0.05}}})
-        losses = []
-        for step in range(STEPS):
-            loss = engine(*data(step))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        assert loss.dtype == torch.float32  # the loss of fp32 logits, as before
-        return losses, {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()}
+        return train({"ignore_index": IGNORED}, HalfHead, bf16={"enabled": True})
 
     monkeypatch.setattr(cross_entropy, "_loss", loss_of)
     losses, params = run()
