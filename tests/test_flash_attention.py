@@ -353,3 +353,27 @@ def test_a_transformers_encoder_trains_on_the_kernel_as_on_torch():
     reference = copy.deepcopy(model)
     engine = _trains_on_the_kernel_as_torch(model, reference, _padded_batch())
     assert engine.attention_kernels.describe() == "Pallas flash kernel x2"
+
+
+@pytest.mark.skipif(int(__import__("transformers").__version__.split(".")[0]) < 5,
+                    reason="transformers 4.x's GPT2Block returns a tuple, which spmd.scan_layers refuses")
+def test_the_dropout_kernel_in_a_scanned_rematerialized_stage_3_step_drops_what_the_exact_path_drops():
+    """GPT-2 with attention dropout under ``scan_layers: "stacked"``, ``remat: "full"`` and ZeRO-3
+    (the layer loop's body calls the kernel once, and its backward recomputes the forward): 2 AdamW
+    steps on a padded batch give the exact path's losses."""
+    batch, losses = _padded_batch(), {}
+    for kernel in ("flash", "exact"):
+        torch.manual_seed(0)
+        engine, *_ = spmdzero.initialize(model=_gpt2(attn_pdrop=0.1, resid_pdrop=0.0, embd_pdrop=0.0).train(), config={
+            "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "zero_optimization": {"stage": 3},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "spmd": {"attention": kernel, "scan_layers": "stacked", "remat": "full"}})
+        losses[kernel] = []
+        for _ in range(2):
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            engine.step()
+            losses[kernel].append(loss.item())
+        if kernel == "flash":
+            assert engine.attention_kernels.describe() == "Pallas flash kernel with dropout x1"  # the loop body
+    np.testing.assert_allclose(losses["flash"], losses["exact"], rtol=0, atol=2e-6)
