@@ -355,8 +355,6 @@ def test_a_transformers_encoder_trains_on_the_kernel_as_on_torch():
     assert engine.attention_kernels.describe() == "Pallas flash kernel x2"
 
 
-@pytest.mark.skipif(int(__import__("transformers").__version__.split(".")[0]) < 5,
-                    reason="transformers 4.x's GPT2Block returns a tuple, which spmd.scan_layers refuses")
 def test_the_dropout_kernel_in_a_scanned_rematerialized_stage_3_step_drops_what_the_exact_path_drops():
     """GPT-2 with attention dropout under ``scan_layers: "stacked"``, ``remat: "full"`` and ZeRO-3
     (the layer loop's body calls the kernel once, and its backward recomputes the forward): 2 AdamW

@@ -825,3 +825,59 @@ def test_a_model_without_identical_blocks_is_refused_alike_on_both_backends():
         messages.append(str(refused.value))
     assert messages[0] == messages[1]
     assert "spmd.scan_layers: Sequential has no nn.ModuleList of two or more identical blocks" in messages[0]
+
+
+class _TupleBlock(torch.nn.Module):
+    """A block returning ``(hidden,)`` and Nones, as transformers 4.x's GPT-2, OPT, Phi and
+    GPT-NeoX blocks do; ``extra``: something else after it (attention weights)."""
+
+    def __init__(self, extra: bool = False):
+        super().__init__()
+        self.linear, self.extra = torch.nn.Linear(16, 16), extra
+
+    def forward(self, x):
+        y = x + torch.tanh(self.linear(x))
+        return (y, y.sum()) if self.extra else (y, None)
+
+
+class _TupleModel(torch.nn.Module):
+    def __init__(self, extra: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(_TupleBlock(extra) for _ in range(3))
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            outputs = block(x)
+            x = outputs[0]  # as transformers 4.x's models take it
+        return ((self.head(x) - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("backend", ["torchax", "torch_xla"])
+def test_blocks_returning_a_tuple_of_the_hidden_state_and_nones_scan(backend):
+    """transformers 4.x's GPT-2 blocks return ``(hidden_states,)``: the loop hands its result
+    back in that form, and training matches the unscanned loop's (3 SGD steps). A block that
+    returns more than the hidden state is refused by name."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+    y = torch.randn(8, 1, generator=torch.Generator().manual_seed(3))
+    runs = {}
+    for scan in (False, True):
+        engine, *_ = spmdzero.initialize(model=_TupleModel(), config={
+            "train_batch_size": 8, "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "spmd": {"backend": backend, "scan_layers": scan}})
+        losses = []
+        for _ in range(3):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        runs[scan] = losses, {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()}
+    assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-6)
+    for name, value in runs[False][1].items():
+        torch.testing.assert_close(runs[True][1][name], value, rtol=1e-5, atol=1e-6)
+    engine, *_ = spmdzero.initialize(model=_TupleModel(extra=True), config={
+        "train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "spmd": {"backend": backend, "scan_layers": True}})
+    with pytest.raises(TypeError, match=r"_TupleBlock returns tuple with more than the hidden state"):
+        engine.backward(engine(x, y))

@@ -383,8 +383,18 @@ def block_template(stack: ScannedLayers) -> torch.nn.Module:
     return template
 
 
-def check_block_output(block: torch.nn.Module, out) -> torch.Tensor:
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"spmd.scan_layers: {type(block).__name__} returns {type(out).__name__}; scanned blocks "
-                        "must return the hidden state tensor")
-    return out
+def block_output(block: torch.nn.Module, out) -> tuple[torch.Tensor, Callable]:
+    """A block's hidden state, and how to hand the loop's result back in the block's own form:
+    the tensor itself, or a tuple (list) of it and Nones. transformers 4.x's GPT-2, OPT, Phi and
+    GPT-NeoX blocks return ``(hidden_states,)``, and their model takes ``outputs[0]``. Anything
+    else leaving a block (attention weights, a KV cache) cannot leave the loop."""
+    if isinstance(out, torch.Tensor):
+        return out, lambda hidden: hidden
+    if (isinstance(out, (tuple, list)) and not hasattr(out, "_fields") and out and isinstance(out[0], torch.Tensor)
+            and all(item is None for item in out[1:])):
+        kind, extra = type(out), len(out) - 1
+        return out[0], lambda hidden: kind((hidden,) + (None,) * extra)
+    raise TypeError(f"spmd.scan_layers: {type(block).__name__} returns {type(out).__name__}"
+                    f"{' with more than the hidden state' if isinstance(out, (tuple, list)) else ''}; scanned "
+                    "blocks must return the hidden state tensor, or a tuple of it and Nones (turn "
+                    "output_attentions and use_cache off in training)")

@@ -46,7 +46,7 @@ import torch
 from spmdzero.config.errors import ConfigError
 from spmdzero.backends.torch_xla.annotate import constrain
 from spmdzero.train import scan_layers
-from spmdzero.train.scan_layers import (ScannedLayers, block_template, check_block_output, find_layer_stack,
+from spmdzero.train.scan_layers import (ScannedLayers, block_template, block_output, find_layer_stack,
                                         gradient_layouts, join_arguments, scanned_stacks, split_arguments)
 
 
@@ -118,7 +118,7 @@ class _ScanCall:
         with functorch_config.patch(recompute_views=True):
             out, _ = scan(fn, hidden, (weights, shared), is_fn_pure=True,
                           partition_fn=min_cut_rematerialization_partition)
-        return out
+        return fn.rebuild(out)
 
 
 def _replicated_inputs(weights: dict, mesh) -> dict:
@@ -152,8 +152,10 @@ def _layer_fn(stack: ScannedLayers, spec, static: tuple):
         args, kwargs = join_arguments(spec, static, shared)
         with _FloatMaskDropout():
             out = torch.func.functional_call(template, weights, (carry, *args), kwargs, strict=True)
-        return check_block_output(template, out), None
+        hidden, one_layer.rebuild = block_output(template, out)
+        return hidden, None
 
+    one_layer.rebuild = None  # how the block hands its output back (block_output), set by the trace
     cache[key] = one_layer
     return one_layer
 

@@ -59,7 +59,7 @@ import torch
 from spmdzero.backends.torchax import hf_masks, zero3_gather
 
 from spmdzero.train import scan_layers
-from spmdzero.train.scan_layers import (ScannedLayers, block_template, check_block_output, gradient_layouts,
+from spmdzero.train.scan_layers import (ScannedLayers, block_output, block_template, gradient_layouts,
                                         join_arguments, scanned_stacks, split_arguments)
 
 
@@ -153,9 +153,10 @@ class _JaxLoop:
         if not isinstance(hidden, ttensor.Tensor):
             # the host module called in training outside the engine's programs: nothing is
             # traced there, so the blocks run one by one, as unscanned
+            rebuild = None
             for block in blocks:
-                hidden = block(hidden, *args, **kwargs)
-            return hidden
+                hidden, rebuild = block_output(block, block(hidden, *args, **kwargs))
+            return rebuild(hidden)
         env = torchax.default_env()
         spec, static, tensors = split_arguments(blocks[0], args, kwargs)
         cache = stack.__dict__.setdefault("_scan_fns", {})
@@ -167,6 +168,7 @@ class _JaxLoop:
         _, layouts = stack.gradient_layouts or (None, {})
 
         gather = cache.get("gather")
+        form: list = []  # how the block hands its output back (block_output), found while tracing
 
         def one_layer(carry, layer):
             hidden, key = carry
@@ -181,10 +183,12 @@ class _JaxLoop:
                 out = torch.func.functional_call(template, env.j2t_iso(layer), (env.j2t_iso(hidden), *args), kwargs,
                                                  strict=True)
                 key = env.prng_key
-            return (env.t2j_iso(check_block_output(template, out)), key), None
+            hidden, rebuild = block_output(template, out)
+            form[:] = [rebuild]
+            return (env.t2j_iso(hidden), key), None
 
         # length: a block with no parameters or buffers gives the loop nothing to count
         body = _rematerialized(one_layer, cache.get("remat", "none"), gathers=bool(gather))
         (out, _), _ = jax.lax.scan(body, (env.t2j_iso(hidden), env.get_and_rotate_prng_key()), weights,
                                    length=len(blocks))
-        return env.j2t_iso(out)
+        return form[0](env.j2t_iso(out))
