@@ -73,6 +73,22 @@ def test_torch_device_0_is_the_outputs_device(engine_and_output):
     assert engine.local_rank == 0 and engine.device == torch.device("cpu")
 
 
+def test_outputs_print_and_format_as_torch_tensors(engine_and_output):
+    """``f"loss {loss:.4f}"`` raised TypeError (torchax's tensor has no ``__format__``), and
+    ``print(loss)`` or DeepSpeed-Chat's ``f"loss = {loss}"`` printed
+    "Tensor(<class 'jaxlib._jax.ArrayImpl'> 6.93)". A one-number output formats as its number,
+    as torch's does, and an output prints as torch prints a tensor, with its device."""
+    engine, out = engine_and_output
+    total = out.sum()
+    assert f"{total:.3f}" == f"{total.item():.3f}" and f"{total}" == str(total.item())
+    assert "%.2f" % total == "%.2f" % total.item()
+    row = out[0, :3]
+    assert repr(row) == str(row) == repr(torch.tensor(row.tolist()))[:-1] + ", device='jax:0')"
+    assert repr(row.to(torch.bfloat16)).endswith("dtype=torch.bfloat16, device='jax:0')")
+    with pytest.raises(TypeError):  # as torch: a format spec for a one-number tensor only
+        f"{row:.3f}"
+
+
 def test_a_move_keeps_its_gradient_on_the_host():
     y = torch.ones(3, requires_grad=True)
     (y.to(0) * torch.arange(3.0)).sum().backward()

@@ -43,6 +43,7 @@ def _output_tensor_class():
     import jax
     import torchax
     from torchax import tensor as ttensor
+    from torchax.ops import mappings as torch_mappings
 
     env = torchax.default_env()
 
@@ -75,6 +76,27 @@ def _output_tensor_class():
         @data.setter
         def data(self, other):
             ttensor.Tensor.data.fset(self, other)
+
+        def __format__(self, spec: str) -> str:
+            # torch formats a one-number tensor as the number (``f"loss {loss:.4f}"``, DeepSpeed-Chat's
+            # ``f"loss = {loss}"``): a host read the script asks for, as ``loss.item()`` is. torchax
+            # printed its own repr, and a format spec raised TypeError
+            if self.dim() == 0:
+                return self.item().__format__(spec)
+            return object.__format__(self, spec)
+
+        def __repr__(self, *, tensor_contents=None) -> str:
+            # as torch prints a tensor, with the outputs' device: "tensor(2.4690, device='jax:0')"
+            try:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # only printed
+                    host = repr(torch_mappings.j2t(self._elem, use_dlpack=False))
+            except Exception:  # values spread over other processes: torchax's own form
+                return ttensor.Tensor.__str__(self)
+            grad = ", requires_grad=True" if self.requires_grad else ""
+            return f"{host[:-1]}, device='{self.device}'{grad})"
+
+        __str__ = __repr__
 
     return Output
 
