@@ -295,3 +295,50 @@ def test_an_fp16_gpt2_trains_on_finite_gradients_close_to_fp32():
         norms[precision] = engine.get_global_grad_norm()
     assert np.isfinite(norms["fp16"]), norms
     assert norms["fp16"] == pytest.approx(norms["fp32"], rel=0.02), norms
+
+
+class _Dropped(torch.nn.Module):
+    """``dropout(x * w)`` summed with fixed weights ``c``: the gradient of ``w`` is
+    ``sum_rows(c * x * kept / (1 - p))``, read from the same mask as the output's zeros."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.linspace(0.5, 1.5, 96))
+        self.dropout = torch.nn.Dropout(p)
+
+    def forward(self, x, c):
+        out = self.dropout(x * self.w)
+        return out, (out * c).sum()
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_dropout_draws_a_hash_mask_that_its_backward_draws_again(stage):
+    """nn.Dropout on this backend (``backends/torchax/dropout.py``): a fraction p of the values
+    dropped, the others scaled by 1/(1 - p), and the gradient taken through the forward's own
+    mask, which the backward draws again from its seed (with another mask, the gradient would
+    not match the output's zeros). A second call draws another mask."""
+    from spmdzero.backends.torchax import dropout
+
+    p = 0.3
+    env = torchax.default_env()
+    lowerings.install(env)
+    assert env._ops[F.dropout].func is dropout.functional_dropout
+    torch.manual_seed(0)
+    model = _Dropped(p)
+    w = model.w.detach().clone()
+    engine, *_ = spmdzero.initialize(model=model, config={
+        "train_batch_size": 64, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "SGD", "params": {"lr": 1.0}}})
+    g = torch.Generator().manual_seed(1)
+    x, c = torch.randn(64, 96, generator=g) + 3.0, torch.randn(64, 96, generator=g)  # x * w is never 0
+    out, loss = engine(x, c)
+    engine.backward(loss)
+    engine.step()
+    out = np.asarray(on_host(out.detach()))
+    kept = out != 0
+    assert abs(kept.mean() - (1 - p)) < 0.02, kept.mean()
+    np.testing.assert_allclose(out[kept], ((x * w).numpy() / (1 - p))[kept], rtol=1e-6)
+    grad = (c.numpy() * x.numpy() * kept / (1 - p)).sum(0)
+    np.testing.assert_allclose(on_host(engine.module.w).numpy(), w.numpy() - grad, rtol=1e-5, atol=1e-4)
+    again, _ = engine(x, c)
+    assert ((np.asarray(on_host(again.detach())) != 0) != kept).mean() > 0.2  # a fresh mask: about 2p(1-p) differ

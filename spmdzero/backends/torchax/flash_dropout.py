@@ -79,6 +79,22 @@ def keep_mask(seeds, length: int, source: int, rate: float):
     return _keep(seeds[..., None, None], rows, cols, source, rate)
 
 
+def keep_elements(seed, shape: tuple, rate: float):
+    """The same hash over every element of an array of ``shape``, by its flat index (int32,
+    wrapping): the mask of torch's elementwise dropout (``dropout.py``), one ``seed`` (int32) for
+    the whole array, so that it does not depend on how the array is split over chips."""
+    import jax
+    import jax.numpy as jnp
+
+    index = jnp.zeros(shape, jnp.int32)
+    stride = 1
+    for dim in reversed(range(len(shape))):
+        index = index + jax.lax.broadcasted_iota(jnp.int32, shape, dim) * stride
+        stride = (stride * shape[dim]) % (1 << 32)
+        stride = stride - (1 << 32) if stride >= (1 << 31) else stride
+    return jax.lax.shift_right_logical(_mix(index ^ seed), 1) >= _threshold(rate)
+
+
 def _positions(q_block, k_block, block_q, block_k, transposed: bool):
     """The query and key positions of a tile's scores, ``[bq, bk]`` (``transposed``: ``[bk, bq]``)."""
     import jax

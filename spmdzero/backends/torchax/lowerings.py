@@ -38,6 +38,10 @@ Each replacement is installed on torchax's process-wide environment once, at the
   outside its environment, where it raised an AssertionError. Here the bound is taken as an
   int when the slice is made, as torch takes it (``operator.index``): a value read on the host,
   so a traced program hands the forward to the eager path (``host_reads``), as any read does.
+
+One replacement gives other random values, not other semantics: ``F.dropout`` and
+``torch.dropout`` (``nn.Dropout``) draw their mask from a hash that the backward draws again, instead of JAX's
+threefry bits kept in memory for the backward (``dropout``).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from __future__ import annotations
 import torch
 
 from spmdzero.backends.torchax import attention
+from spmdzero.backends.torchax import dropout
 
 _INSTALLED = "_spmdzero_lowerings"
 
@@ -248,4 +253,7 @@ def install(env) -> None:
         lower(op, ctc_loss)
     for op in (torch.ops.aten.native_layer_norm, torch.ops.aten.native_layer_norm.default):
         lower(op, native_layer_norm)
+    for op, fn in ((torch.nn.functional.dropout, dropout.functional_dropout), (torch.dropout, dropout.torch_dropout)):
+        env._ops[op] = ops_registry.Operator(op, fn, is_jax_function=False, is_user_defined=True, needs_env=True,
+                                             is_view_op=False)
     setattr(env, _INSTALLED, True)
