@@ -103,3 +103,66 @@ def test_a_custom_function_trains_on_its_own_backward(loss_inside):
     with torch.no_grad():  # an evaluation program calls the Functions as they are
         out = engine(x, y) if loss_inside else engine(x)
     assert torch.isfinite(torch.as_tensor(out.detach().cpu())).all()
+
+
+class Projected(torch.autograd.Function):
+    """TRL's ``ChunkedLogProbFunction`` in small: ``None`` among the outputs and among the saved
+    tensors (a missing bias), a boolean output, ``torch.mm(..., out=)`` into a preallocated
+    buffer, and a backward that accumulates into slices with ``addmm_`` (twice the derivative of
+    ``h``, so that its own backward shows)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias):
+        out = torch.empty(h.shape[0], weight.shape[0], device=h.device, dtype=h.dtype)
+        torch.mm(h, weight.t(), out=out)
+        ctx.save_for_backward(h, weight, bias)
+        return out, None, out > 0
+
+    @staticmethod
+    def backward(ctx, g, _none, _mask):
+        h, weight, bias = ctx.saved_tensors
+        assert bias is None
+        half = h.shape[0] // 2
+        grad_h = torch.zeros(h.shape, device=h.device, dtype=torch.float32)
+        grad_h[:half].addmm_(g[:half], weight)
+        grad_h[half:].addmm_(g[half:], weight)
+        grad_weight = torch.empty(weight.shape, device=weight.device, dtype=weight.dtype)
+        torch.mm(g.t(), h, out=grad_weight)
+        return 2 * grad_h, grad_weight, None
+
+
+class ProjectedNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(8, 16)
+        self.head = torch.nn.Parameter(torch.randn(6, 16) * 0.3)
+
+    def forward(self, x):
+        out, nothing, positive = Projected.apply(torch.tanh(self.a(x)), self.head, None)
+        assert nothing is None and positive.dtype == torch.bool
+        return out.square().mean() + positive.float().mean() * 0.0
+
+
+def test_a_function_returning_and_saving_none_with_out_arguments_trains_on_its_backward():
+    """It stopped with StopIteration (a ``None`` output taken for a traced one), then with
+    "_aten_mm() got an unexpected keyword argument 'out'" and "aten::addmm_ has no lowering" in
+    the backward, which JAX runs after the trace."""
+    model = ProjectedNet()
+    reference = copy.deepcopy(model)
+    engine, *_ = spmdzero.initialize(model=model, config={
+        "train_batch_size": 16, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randn(16, 8, generator=g)
+        loss, ref_loss = engine(x), reference(x)
+        engine.backward(loss)
+        engine.step()
+        ref_loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    for (name, ours), theirs in zip(engine.module.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.detach().cpu(), theirs.detach(), rtol=1e-5, atol=1e-6, msg=name)

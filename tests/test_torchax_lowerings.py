@@ -342,3 +342,49 @@ def test_dropout_draws_a_hash_mask_that_its_backward_draws_again(stage):
     np.testing.assert_allclose(on_host(engine.module.w).numpy(), w.numpy() - grad, rtol=1e-5, atol=1e-4)
     again, _ = engine(x, c)
     assert ((np.asarray(on_host(again.detach())) != 0) != kept).mean() > 0.2  # a fresh mask: about 2p(1-p) differ
+
+
+class _InPlace(torch.nn.Module):
+    """In-place ops torchax 0.0.13 lowers only out of place: ``exp_``, ``neg_``, ``clamp_max_``,
+    and ``addmm_`` into a slice (TRL's chunked log-probabilities backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.weight = torch.nn.Parameter(torch.randn(4, 4) * 0.3)
+
+    def forward(self, x):
+        h = self.linear(x).mul(0.5)
+        h.exp_()
+        a = h + 0.0  # exp_'s backward reads its output: the other writes go into a copy
+        a[2:].addmm_(x[2:], self.weight)
+        a.neg_().clamp_max_(-0.2)
+        return a.square().mean()
+
+
+def test_in_place_ops_torchax_lowers_only_out_of_place_train_as_in_torch():
+    from spmdzero.backends.torchax import lowerings
+
+    env = torchax.default_env()
+    lowerings.install(env)
+    with env:
+        x = torch.ones(3, 2, device="jax")
+        x[1:].addmm_(torch.ones(2, 2, device="jax"), torch.ones(2, 2, device="jax"))  # "aten::addmm_ has no lowering"
+        assert x.tolist() == [[1.0, 1.0], [3.0, 3.0], [3.0, 3.0]]
+    torch.manual_seed(0)
+    model = _InPlace()
+    reference = copy.deepcopy(model)
+    engine, *_ = spmdzero.initialize(model=model, config={"train_batch_size": 8, "gradient_clipping": 0.0,
+                                                          "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(2):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        expected = reference(x)
+        expected.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+    np.testing.assert_allclose(on_host(engine.module.weight).numpy(), reference.weight.detach().numpy(), atol=1e-6)

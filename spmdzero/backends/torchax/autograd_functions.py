@@ -29,6 +29,13 @@ import numpy as np
 import torch
 from torch.utils import _pytree as torch_pytree
 
+from spmdzero.backends.torchax.out_arguments import OutArgumentsCopied
+
+# Where a flattened output or ctx value was a traced tensor (its array travels through JAX). Not
+# None: a Function may return None among its outputs (TRL's ChunkedLogProbFunction returns the
+# statistics it was not asked for as None) or save one (a missing bias), and those stay None.
+_TRACED = object()
+
 
 class Context:
     """The ``ctx`` a Function's forward and backward see: torch's ``FunctionCtx`` API, kept in
@@ -103,7 +110,7 @@ def apply_as_custom_vjp(function: type, args: tuple, env) -> Any:
         leaves, spec = torch_pytree.tree_flatten(output)
         if not all(_is_traced_tensor(v) or isinstance(v, (int, float, bool, str, type(None))) for v in leaves):
             raise _NotMapped
-        static["output"] = (spec, [None if _is_traced_tensor(v) else v for v in leaves])
+        static["output"] = (spec, [_TRACED if _is_traced_tensor(v) else v for v in leaves])
         return [env.t2j_iso(v) for v in leaves if _is_traced_tensor(v)], ctx
 
     @jax.custom_vjp
@@ -116,7 +123,7 @@ def apply_as_custom_vjp(function: type, args: tuple, env) -> Any:
         carried["__saved__"] = ctx.saved_tensors
         leaves, spec = torch_pytree.tree_flatten(carried)
         traced = [env.t2j_iso(v) for v in leaves if _is_traced_tensor(v)]
-        static["ctx"] = (spec, [None if _is_traced_tensor(v) else v for v in leaves], ctx.needs_input_grad,
+        static["ctx"] = (spec, [_TRACED if _is_traced_tensor(v) else v for v in leaves], ctx.needs_input_grad,
                          ctx.materialize_grads)
         static["avals"] = [(p.shape, p.dtype) for p in primals]
         return outputs, traced
@@ -125,17 +132,19 @@ def apply_as_custom_vjp(function: type, args: tuple, env) -> Any:
         avals = static["avals"]
         spec, plain, needs, materialize = static["ctx"]
         traced = iter(as_tensors(traced))
-        carried = torch_pytree.tree_unflatten([next(traced) if v is None else v for v in plain], spec)
+        carried = torch_pytree.tree_unflatten([next(traced) if v is _TRACED else v for v in plain], spec)
         ctx = Context(needs)
         ctx.materialize_grads = materialize
         ctx.saved_tensors = tuple(carried.pop("__saved__"))
         for k, v in carried.items():
             setattr(ctx, k, v)
-        # JAX runs this after the forward's trace, outside the environment the module ran in
-        with env:
+        # JAX runs this after the forward's trace, outside the environment the module ran in and
+        # outside ``trace_view.tracing``: its ``out=`` arguments are copied into here (TRL's backward
+        # calls ``torch.mm(..., out=buffer)``)
+        with env, OutArgumentsCopied():
             # one gradient per output, as torch gives them: None for a plain value or an integer tensor
             cotangents = iter(cotangents)
-            given = [next(cotangents) if v is None else None for v in static["output"][1]]
+            given = [next(cotangents) if v is _TRACED else None for v in static["output"][1]]
             grads = function.backward(ctx, *[None if c is None or not _is_float(c) else tensor.Tensor(c, env)
                                              for c in given])
             grads = grads if isinstance(grads, tuple) else (grads,)
@@ -154,7 +163,7 @@ def apply_as_custom_vjp(function: type, args: tuple, env) -> Any:
     call.defvjp(call_forward, call_backward)
     outputs = iter(as_tensors(call(*arrays)))
     spec, plain = static["output"]
-    return torch_pytree.tree_unflatten([next(outputs) if v is None else v for v in plain], spec)
+    return torch_pytree.tree_unflatten([next(outputs) if v is _TRACED else v for v in plain], spec)
 
 
 class _NotMapped(Exception):

@@ -39,6 +39,11 @@ Each replacement is installed on torchax's process-wide environment once, at the
   int when the slice is made, as torch takes it (``operator.index``): a value read on the host,
   so a traced program hands the forward to the eager path (``host_reads``), as any read does.
 
+In-place ops that torchax 0.0.13 lowers only out of place (``x.exp_()``, ``neg_``, ``abs_``,
+``clamp_max_``, ``addmm_`` on a slice, as TRL's chunked log-probabilities backward calls it:
+"Operator with name aten::addmm_ has no lowering") run as torchax runs ``add_``: the functional
+op, then the result written into the tensor or view (``_inplace_from_functional``).
+
 One replacement gives other random values, not other semantics: ``F.dropout`` and
 ``torch.dropout`` (``nn.Dropout``) draw their mask from a hash that the backward draws again, instead of JAX's
 threefry bits kept in memory for the backward (``dropout``).
@@ -227,6 +232,38 @@ def _grouped_mm_ops() -> list:
     return [op for op in ops if op is not None]
 
 
+# in-place ops that are not their functional op written back: a new shape or strides (``t_``,
+# ``as_strided_``), or the arguments in another order (``polygamma_(self, n)``, ``polygamma(n, self)``)
+_NOT_FUNCTIONAL_THEN_WRITTEN = {"t_", "as_strided_", "polygamma_"}
+
+
+def _inplace_from_functional(env) -> None:
+    """Every aten in-place op (``name_``) that torchax cannot run, neither by a lowering nor by a
+    decomposition, while it runs the functional ``name``: torchax's ``InplaceOp`` of it."""
+    from torchax.ops import op_base, ops_registry
+    from torchax.tensor import OperatorNotFound
+
+    def runs(packet) -> bool:  # any of its overloads
+        for overload in packet.overloads():
+            try:
+                env._get_op_or_decomp(getattr(packet, overload))
+                return True
+            except OperatorNotFound:
+                pass
+        return False
+
+    names = {schema.name[len("aten::"):] for schema in torch._C._jit_get_all_schemas()}
+    names -= _NOT_FUNCTIONAL_THEN_WRITTEN
+    for name in sorted(names):
+        if not name.endswith("_") or name.startswith("_") or ":" in name or name[:-1] not in names:
+            continue
+        inplace, functional = getattr(torch.ops.aten, name, None), getattr(torch.ops.aten, name[:-1], None)
+        if inplace is None or functional is None or runs(inplace) or not runs(functional):
+            continue
+        env._ops[inplace] = ops_registry.Operator(inplace, op_base.InplaceOp(functional), is_jax_function=False,
+                                                  is_user_defined=True, needs_env=False, is_view_op=True)
+
+
 def install(env) -> None:
     """Install every replacement on ``env``. Idempotent; called at every engine, since a model
     built since the last one may have brought an op (transformers' grouped_mm)."""
@@ -253,6 +290,7 @@ def install(env) -> None:
         lower(op, ctc_loss)
     for op in (torch.ops.aten.native_layer_norm, torch.ops.aten.native_layer_norm.default):
         lower(op, native_layer_norm)
+    _inplace_from_functional(env)
     for op, fn in ((torch.nn.functional.dropout, dropout.functional_dropout), (torch.dropout, dropout.torch_dropout)):
         env._ops[op] = ops_registry.Operator(op, fn, is_jax_function=False, is_user_defined=True, needs_env=True,
                                              is_view_op=False)

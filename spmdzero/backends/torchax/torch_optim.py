@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from spmdzero.backends.torchax.trace_view import OutArgumentsCopied
+from spmdzero.backends.torchax.out_arguments import OutArgumentsCopied
 
 
 class UntraceableStep(RuntimeError):

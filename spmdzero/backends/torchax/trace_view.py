@@ -9,7 +9,7 @@ times slower (``host_reads``): stock models that ``torch.compile`` compiles woul
 compiled step for a read they skip under a compiler.
 
 torchax's ops take no ``out=`` argument (``torch.mm(a, b, out=c)``, which TRL and optimizers call):
-inside ``tracing()`` and ``OutArgumentsCopied`` such a call is ``c.copy_(torch.mm(a, b))``.
+inside ``tracing()`` such a call is ``c.copy_(torch.mm(a, b))`` (``out_arguments``).
 
 JAX differentiates the whole traced function, where torch's autograd records nothing under
 ``torch.no_grad()``: a forward that computes a scale, a routing weight or a target there would
@@ -35,18 +35,7 @@ import torch.compiler
 from torch.utils import _pytree as torch_pytree
 
 from spmdzero.backends.torchax import autograd_functions
-
-
-class OutArgumentsCopied(torch.overrides.TorchFunctionMode):
-    """``torch.maximum(a, b, out=c)`` as ``c.copy_(torch.maximum(a, b))``."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        out = kwargs.pop("out", None)
-        if not isinstance(out, torch.Tensor):
-            return func(*args, **({**kwargs, "out": out} if out is not None else kwargs))
-        out.copy_(func(*args, **kwargs))
-        return out
+from spmdzero.backends.torchax.out_arguments import OutArgumentsCopied
 
 
 class NoGradStopsGradients(torch.overrides.TorchFunctionMode):
