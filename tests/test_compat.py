@@ -538,3 +538,14 @@ def test_the_deepspeed_logger_writes_to_the_stdout_of_the_moment(deepspeed, monk
     monkeypatch.setattr(sys, "stdout", second)
     logger.info("two")
     assert second.getvalue().rstrip().endswith("two")
+
+
+def test_every_tensor_reads_as_available_and_none_as_partitioned(deepspeed):
+    """TRL's ``maybe_gather_lm_head_ctx`` reads ``p.ds_status`` under ZeRO-3 unchecked
+    ("'Tensor' object has no attribute 'ds_status'", on the traced values of the LM head too);
+    DeepSpeed-Chat and transformers ask ``hasattr(p, "ds_id")``, which must stay False."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    for t in (torch.nn.Parameter(torch.ones(2)), torch.ones(2), tiny_mlp().weight if hasattr(tiny_mlp(), "weight")
+              else next(tiny_mlp().parameters())):
+        assert t.ds_status == ZeroParamStatus.AVAILABLE and not hasattr(t, "ds_id")

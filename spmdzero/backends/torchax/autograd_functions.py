@@ -23,6 +23,7 @@ and one whose forward returns something other than tensors and plain values.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -101,7 +102,13 @@ def apply_as_custom_vjp(function: type, args: tuple, env) -> Any:
         for i, t in zip(positions, as_tensors(primals)):
             inputs[i] = t
         ctx = Context(tuple(i in positions and _is_float(primals[positions.index(i)]) for i in range(len(args))))
-        with torch.no_grad():  # as torch runs a Function's forward
+        # JAX may trace this rule outside the module's environment (a backward program's VJP at
+        # ZeRO-3 did, for TRL's SFT loss): torchax's mode, and out= arguments, as in the trace
+        outside = contextlib.ExitStack()
+        if not getattr(env, "enabled", True):
+            outside.enter_context(env)
+            outside.enter_context(OutArgumentsCopied())
+        with outside, torch.no_grad():  # as torch runs a Function's forward
             if setup:
                 output = function.forward(*inputs)
                 function.setup_context(ctx, tuple(inputs), output)

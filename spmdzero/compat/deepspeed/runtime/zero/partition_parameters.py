@@ -8,8 +8,8 @@ device) and ``GatheredParameters`` has nothing to gather: edits made inside reac
 the next forward, as any edit of the host's parameters does. With ``modifier_rank`` (Hugging
 Face's ``from_pretrained`` under ZeRO-3 loads the weights on rank 0 only), the modifier's values
 are broadcast to the other processes on exit, as DeepSpeed does. Parameters carry no
-``ds_id``/``ds_status``: code that checks them (as DeepSpeed-Chat does) takes its non-ZeRO-3
-path.
+``ds_id``: code that checks it (as DeepSpeed-Chat does) takes its non-ZeRO-3 path; every
+tensor's ``ds_status`` reads AVAILABLE (TRL reads it unchecked).
 """
 
 from __future__ import annotations
@@ -40,6 +40,15 @@ class ZeroParamStatus(Enum):
     AVAILABLE = 1
     NOT_AVAILABLE = 2
     INFLIGHT = 3
+
+
+# Every tensor answers DeepSpeed's status question with AVAILABLE: the parameters a script holds
+# are whole at every stage, and so are the traced values a forward sees. TRL reads ``p.ds_status``
+# of the LM head under ZeRO-3 without checking for it (``maybe_gather_lm_head_ctx``), which raised
+# AttributeError. No ``ds_id``: code that asks whether a parameter is partitioned
+# (``hasattr(p, "ds_id")``, DeepSpeed-Chat, transformers) still hears no.
+if not hasattr(torch.Tensor, "ds_status"):
+    torch.Tensor.ds_status = ZeroParamStatus.AVAILABLE
 
 
 class Init:
