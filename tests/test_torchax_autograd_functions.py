@@ -74,23 +74,18 @@ class Net(torch.nn.Module):
         return torch.nn.functional.mse_loss(out, y) if self.loss_inside else out
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("loss_inside", [True, False], ids=["loss_inside", "loss_outside"])
-def test_a_custom_function_trains_on_its_own_backward(loss_inside):
-    model = Net(loss_inside)
+def _trains_as_torch(model, losses, steps: int):
+    """``model`` trained by the engine (ZeRO-2) and by torch, SGD, on ``losses(module, x, y)``:
+    the losses agree at every step and the parameters at the end; returns the engine."""
     reference = copy.deepcopy(model)
     engine, *_ = spmdzero.initialize(model=model, config={
         "train_batch_size": 16, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
-    for _ in range(3):
+    for _ in range(steps):
         x, y = torch.randn(16, 8, generator=g) * 2, torch.randn(16, 4, generator=g)
-        if loss_inside:
-            loss, ref_loss = engine(x, y), reference(x, y)
-        else:
-            loss = torch.nn.functional.mse_loss(engine(x), y)
-            ref_loss = torch.nn.functional.mse_loss(reference(x), y)
+        loss, ref_loss = losses(engine, x, y), losses(reference, x, y)
         engine.backward(loss)
         engine.step()
         ref_loss.backward()
@@ -99,6 +94,16 @@ def test_a_custom_function_trains_on_its_own_backward(loss_inside):
         assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
     for (name, ours), theirs in zip(engine.module.named_parameters(), reference.parameters()):
         torch.testing.assert_close(ours.detach().cpu(), theirs.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    return engine
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_inside", [True, False], ids=["loss_inside", "loss_outside"])
+def test_a_custom_function_trains_on_its_own_backward(loss_inside):
+    losses = ((lambda module, x, y: module(x, y)) if loss_inside else
+              (lambda module, x, y: torch.nn.functional.mse_loss(module(x), y)))
+    engine = _trains_as_torch(Net(loss_inside), losses, steps=3)
+    x, y = torch.randn(16, 8) * 2, torch.randn(16, 4)
     engine.eval()
     with torch.no_grad():  # an evaluation program calls the Functions as they are
         out = engine(x, y) if loss_inside else engine(x)
@@ -148,21 +153,4 @@ def test_a_function_returning_and_saving_none_with_out_arguments_trains_on_its_b
     """It stopped with StopIteration (a ``None`` output taken for a traced one), then with
     "_aten_mm() got an unexpected keyword argument 'out'" and "aten::addmm_ has no lowering" in
     the backward, which JAX runs after the trace."""
-    model = ProjectedNet()
-    reference = copy.deepcopy(model)
-    engine, *_ = spmdzero.initialize(model=model, config={
-        "train_batch_size": 16, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
-        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(2):
-        x = torch.randn(16, 8, generator=g)
-        loss, ref_loss = engine(x), reference(x)
-        engine.backward(loss)
-        engine.step()
-        ref_loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
-    for (name, ours), theirs in zip(engine.module.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(ours.detach().cpu(), theirs.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    _trains_as_torch(ProjectedNet(), lambda module, x, y: module(x), steps=2)

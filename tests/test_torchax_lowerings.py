@@ -161,16 +161,15 @@ class _OutArgument(torch.nn.Module):
         return self.head(x @ self.weight * scale.sigmoid()).square().mean()
 
 
-@pytest.mark.slow
-def test_an_out_argument_in_a_forward_is_written_as_torch_writes_it():
-    torch.manual_seed(0)
-    model = _OutArgument()
+def _trains_as_torch(model, steps: int):
+    """``model`` (a loss of ``x [8, 4]``) trained by the engine and by torch, SGD: the losses
+    agree at every step; returns the engine and the reference."""
     reference = copy.deepcopy(model)
     engine, *_ = spmdzero.initialize(model=model, config={"train_batch_size": 8, "gradient_clipping": 0.0,
                                                           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for step in range(3):
-        x = torch.randn(8, 4)
+    for step in range(steps):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
         loss = engine(x)
         engine.backward(loss)
         engine.step()
@@ -179,6 +178,13 @@ def test_an_out_argument_in_a_forward_is_written_as_torch_writes_it():
         optimizer.step()
         optimizer.zero_grad()
         assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+    return engine, reference
+
+
+@pytest.mark.slow
+def test_an_out_argument_in_a_forward_is_written_as_torch_writes_it():
+    torch.manual_seed(0)
+    _trains_as_torch(_OutArgument(), steps=3)
 
 
 class _Detached(torch.nn.Module):
@@ -372,19 +378,5 @@ def test_in_place_ops_torchax_lowers_only_out_of_place_train_as_in_torch():
         x[1:].addmm_(torch.ones(2, 2, device="jax"), torch.ones(2, 2, device="jax"))  # "aten::addmm_ has no lowering"
         assert x.tolist() == [[1.0, 1.0], [3.0, 3.0], [3.0, 3.0]]
     torch.manual_seed(0)
-    model = _InPlace()
-    reference = copy.deepcopy(model)
-    engine, *_ = spmdzero.initialize(model=model, config={"train_batch_size": 8, "gradient_clipping": 0.0,
-                                                          "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for step in range(2):
-        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
-        loss = engine(x)
-        engine.backward(loss)
-        engine.step()
-        expected = reference(x)
-        expected.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+    engine, reference = _trains_as_torch(_InPlace(), steps=2)
     np.testing.assert_allclose(on_host(engine.module.weight).numpy(), reference.weight.detach().numpy(), atol=1e-6)
