@@ -50,9 +50,9 @@ def _env(plain: bool, backend: str) -> dict:
     return env
 
 
-def _run(script: str, *args: str, launch: bool, cwd, backend: str = "torch_xla") -> str:
-    head = ([sys.executable, "-c", "import sys, spmdzero_cli; sys.exit(spmdzero_cli.main())", "launch"] if launch
-            else [sys.executable])
+def _run(script: str, *args: str, launch: bool, cwd, backend: str = "torch_xla", launch_args=()) -> str:
+    head = ([sys.executable, "-c", "import sys, spmdzero_cli; sys.exit(spmdzero_cli.main())", "launch",
+             *launch_args] if launch else [sys.executable])
     proc = subprocess.run([*head, script, *args], cwd=cwd, env=_env(not launch, backend), capture_output=True,
                           text=True, timeout=600)
     if proc.returncode != 0:
@@ -165,14 +165,24 @@ def test_save_model_writes_what_from_pretrained_loads(trainer_runs):
 
 
 @pytest.mark.parametrize("backend,plugin", [("torch_xla", "hf_ds_config"), ("torch_xla", "arguments"),
-                                            ("torchax", "hf_ds_config")])
+                                            ("torchax", "hf_ds_config"), ("torchax", "environment")])
 def test_an_accelerate_loop_with_a_deepspeed_plugin_trains_as_plain_torch(backend, plugin, tmp_path):
+    """"environment": ``Accelerator()`` with no plugin, configured as ``accelerate launch
+    --config_file accelerate.yaml`` configures it, here by ``spmdzero launch --config_file``."""
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1,
                                   "gradient_clipping": 0.5, "zero_optimization": {"stage": 2}}))
+    launch_args = ()
+    if plugin == "environment":
+        (tmp_path / "accelerate.yaml").write_text(
+            "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_processes: 8\n"
+            "deepspeed_config:\n  deepspeed_config_file: ds.json\n  zero3_init_flag: false\n")
+        launch_args = ("--config_file", "accelerate.yaml")
     _run(LOOP, "--plugin", "none", "--results", str(tmp_path / "ref.json"), launch=False, cwd=tmp_path)
     out = _run(LOOP, "--plugin", plugin, "--config", str(config), "--results", str(tmp_path / "run.json"),
-               launch=True, cwd=tmp_path, backend=backend)
+               launch=True, cwd=tmp_path, backend=backend, launch_args=launch_args)
+    if plugin == "environment":  # one process per host drives every chip
+        assert "ignoring num_processes=8" in out, out[-2000:]
     assert f"distributed_type DistributedType.DEEPSPEED engine spmdzero.backends.{backend}.engine" in out
     run, reference = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("run", "ref"))
     assert len(run["loss"]) == 8

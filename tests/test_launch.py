@@ -252,3 +252,52 @@ def test_a_bad_device_environment_is_one_line_from_the_console_entry_point(tmp_p
         err = [line for line in proc.stderr.splitlines() if line.startswith("spmdzero launch:")]
         assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(err) == 1 and message in err[0], \
             proc.stderr[-3000:]
+
+
+def test_an_accelerate_config_becomes_the_environment_accelerate_launch_exports(tmp_path, monkeypatch):
+    """``spmdzero launch --config_file accelerate.yaml``: the variables accelerate's launcher
+    sets for a DeepSpeed run (``Accelerator()`` reads them), the multi-host keys as launch's
+    own flags, and the GPU-picking keys named."""
+    from spmdzero.cli.accelerate_config import read_accelerate_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ds.json").write_text("{}")
+    (tmp_path / "a.yaml").write_text(
+        "distributed_type: DEEPSPEED\nmixed_precision: BF16\nnum_processes: 16\nnum_machines: 2\nmachine_rank: 1\n"
+        "main_process_ip: 10.0.0.2\nmain_process_port: 29600\ndeepspeed_config:\n  deepspeed_config_file: ds.json\n"
+        "  zero3_init_flag: true\n  zero3_save_16bit_model: true\n  deepspeed_multinode_launcher: standard\n")
+    launch = read_accelerate_config("a.yaml")
+    assert launch.env == {
+        "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds.json",
+        "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true", "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "true",
+        "ACCELERATE_MIXED_PRECISION": "bf16",
+        "ACCELERATE_CONFIG_DS_FIELDS": "deepspeed_config_file,zero3_init_flag,zero3_save_16bit_model,"
+                                       "deepspeed_multinode_launcher,mixed_precision"}
+    assert launch.hosts == {"num_nodes": 2, "node_rank": 1, "master_addr": "10.0.0.2", "master_port": 29600}
+    assert launch.ignored == ["deepspeed_config.deepspeed_multinode_launcher=standard", "num_processes=16"]
+    (tmp_path / "b.json").write_text('{"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 2, '
+                                     '"gradient_clipping": 1.0, "offload_optimizer_device": "CPU"}}')
+    launch = read_accelerate_config("b.json")
+    assert (launch.env["ACCELERATE_DEEPSPEED_ZERO_STAGE"], launch.env["ACCELERATE_GRADIENT_CLIPPING"],
+            launch.env["ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"], launch.env["ACCELERATE_MIXED_PRECISION"],
+            launch.hosts) == ("2", "1.0", "cpu", "no", {})
+
+
+@pytest.mark.parametrize("text,message", [
+    (None, "--config_file missing.yaml: cannot read it"),
+    ("distributed_type: MULTI_GPU\n", "distributed_type is 'MULTI_GPU'; spmdzero launch runs DeepSpeed configs"),
+    ("distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: nowhere.json\n",
+     "deepspeed_config.deepspeed_config_file 'nowhere.json' is not a file"),
+    ("distributed_type: DEEPSPEED\nnum_machines: two\n", "num_machines must be a whole number, got 'two'"),
+    ("- a list\n", "an accelerate config is a mapping of settings, got list"),
+])
+def test_a_bad_accelerate_config_is_one_line_naming_the_file_and_key(tmp_path, capsys, monkeypatch, text, message):
+    from spmdzero.cli.launch import main
+
+    monkeypatch.chdir(tmp_path)
+    name = "missing.yaml" if text is None else "a.yaml"
+    if text is not None:
+        (tmp_path / name).write_text(text)
+    assert main(["--config_file", name, "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"spmdzero launch: --config_file {name}: ") and message in err and err.count("\n") == 1

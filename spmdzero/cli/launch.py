@@ -28,6 +28,8 @@ import runpy
 import sys
 from typing import Optional
 
+from spmdzero.cli.accelerate_config import read_accelerate_config
+
 DEFAULT_PORT = 29500
 
 # DeepSpeed launcher options that select GPUs, nodes or a remote launcher: under
@@ -89,6 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--spmd", default=None, metavar="JSON",
                         help='spmdzero settings for the script\'s deepspeed.initialize, merged under its config\'s '
                              '"spmd" section, e.g. \'{"pad_to_multiple_of": 64}\' (see docs/config.md)')
+    parser.add_argument("--config_file", default=None, metavar="ACCELERATE_CONFIG",
+                        help="an accelerate config (YAML or JSON) with distributed_type: DEEPSPEED, as `accelerate "
+                             "launch --config_file` takes: its DeepSpeed settings reach the script's Accelerator()")
     parser.add_argument("--no_python", action="store_true", help=argparse.SUPPRESS)
     for name, kind in _IGNORED.items():
         parser.add_argument(name, *filter(None, [_SHORT.get(name)]), type=kind, default=None, help=argparse.SUPPRESS)
@@ -188,6 +193,17 @@ def main(argv: Optional[list[str]] = None) -> int:
               file=sys.stderr)
         return 2
     ignored = _ignored_options(args)
+    if args.config_file is not None:
+        try:
+            accelerate = read_accelerate_config(args.config_file)
+        except ValueError as err:
+            print(f"spmdzero launch: {err}", file=sys.stderr)
+            return 2
+        os.environ.update(accelerate.env)  # as accelerate's launcher exports them, over the environment
+        for flag, value in accelerate.hosts.items():  # the command line's own flags win
+            if getattr(args, flag) is None:
+                setattr(args, flag, value)
+        ignored += accelerate.ignored
     if ignored:
         print(f"spmdzero launch: ignoring {', '.join(ignored)}: one process per host drives every local device; "
               "on a pod, run this same command on every host", file=sys.stderr)

@@ -1,4 +1,5 @@
 """An accelerate training loop as users write it: ``Accelerator(deepspeed_plugin=...)``,
+or ``Accelerator()`` configured by ``accelerate launch --config_file``'s environment,
 ``accelerator.prepare``, the loss computed outside the model, ``accelerator.backward``.
 Runs unchanged under ``spmdzero launch``; with ``--plugin none`` it is the plain-PyTorch
 reference on the CPU. Writes the losses and the final weights to ``--results`` (JSON)."""
@@ -10,7 +11,7 @@ import torch
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--local_rank", type=int, default=-1)  # DeepSpeed's launcher passes it
-parser.add_argument("--plugin", choices=["none", "hf_ds_config", "arguments"], required=True)
+parser.add_argument("--plugin", choices=["none", "hf_ds_config", "arguments", "environment"], required=True)
 parser.add_argument("--config", default=None)
 parser.add_argument("--results", required=True)
 args = parser.parse_args()
@@ -40,8 +41,10 @@ else:
 
     if args.plugin == "hf_ds_config":
         plugin = DeepSpeedPlugin(hf_ds_config=args.config)
-    else:
+    elif args.plugin == "arguments":
         plugin = DeepSpeedPlugin(zero_stage=2, gradient_accumulation_steps=1, gradient_clipping=0.5)
+    else:  # "environment": what `accelerate launch --config_file` exports (ACCELERATE_USE_DEEPSPEED, ...)
+        plugin = None
     accelerator = Accelerator(deepspeed_plugin=plugin)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     for x, y in loader:
