@@ -4,6 +4,7 @@ the ``deepspeed`` alias and behaves as DeepSpeed's does (or as a documented no-o
 import argparse
 import importlib
 import inspect
+import itertools
 import logging
 import os
 import sys
@@ -549,3 +550,42 @@ def test_every_tensor_reads_as_available_and_none_as_partitioned(deepspeed):
     for t in (torch.nn.Parameter(torch.ones(2)), torch.ones(2), tiny_mlp().weight if hasattr(tiny_mlp(), "weight")
               else next(tiny_mlp().parameters())):
         assert t.ds_status == ZeroParamStatus.AVAILABLE and not hasattr(t, "ds_id")
+
+
+def _trls_generation_hooks(engine) -> None:
+    """What TRL's ``unwrap_model_for_generation`` does to a ZeRO-3 engine around generation
+    (``trl.models.utils.remove_hooks`` and ``add_hooks``, 1.16), written out."""
+    offload = (engine.optimizer.parameter_offload if hasattr(engine.optimizer, "parameter_offload")
+               else engine.optimizer)
+    for param in [p for _, p in itertools.chain(offload.module.named_parameters(recurse=True),
+                                                offload.module.ds_external_parameters())]:
+        param.ds_active_sub_modules.clear()
+    for hook in offload.forward_hooks + offload.backward_hooks:
+        hook.remove()
+    offload.forward_hooks, offload.backward_hooks = [], []
+    offload._register_deepspeed_module(offload.module)
+
+
+def test_trls_zero_3_generation_hooks_find_deepspeeds_names_and_training_goes_on(deepspeed):
+    """TRL's GRPO generates with the unwrapped model at ZeRO-3 between two hook calls that reach
+    DeepSpeed's stage-3 optimizer (``'AdamW' object has no attribute 'module'``). Here there are
+    no hooks to remove, and the engine trains on as before."""
+    data = batches(3, 8)
+    runs = {}
+    for stage, hooks in ((3, True), (3, False), (2, False)):
+        torch.manual_seed(0)
+        engine, *_ = deepspeed.initialize(model=tiny_mlp(), config={
+            "train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+        assert hasattr(engine.optimizer, "parameter_offload") == (stage == 3)
+        losses = []
+        for x, y in data:
+            if hooks:
+                _trls_generation_hooks(engine)
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        runs[stage, hooks] = losses
+    assert runs[3, True] == runs[3, False]
+    assert runs[3, True] == pytest.approx(runs[2, False], rel=1e-6)

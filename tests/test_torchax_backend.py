@@ -1532,3 +1532,23 @@ def test_without_torch_xla_installed_the_default_backend_trains_and_the_extra_is
     assert out["torch_xla_config"] == ("spmd.backend='torch_xla' needs torch_xla, which is not installed: pip "
                                        "install 'spmdzero[torch_xla]' (torch_xla==2.9.0), or use "
                                        "spmd.backend='torchax' (the default)")
+
+
+def test_a_loss_outside_the_module_whose_backward_makes_tensors_trains_as_torch():
+    """``clamp``'s gradient is ``where(in_range, grad, zeros({}, grad.options()))``: made from the
+    outputs' options, that zero was a meta tensor ("Cannot copy out of meta tensor; no data!",
+    TRL's GRPO loss, which clamps its probability ratio). It is made in JAX
+    (``autograd_factories``), and the gradients are torch's."""
+    model, reference = MaybeLoss(tiny_mlp(seed=0)), MaybeLoss(tiny_mlp(seed=0))
+    engine, *_ = spmdzero.initialize(model=model, config=plain_config())
+    optimizer = torch_optimizer(reference)
+
+    def clipped(module, x, y):
+        ratio = torch.exp(module(x)["logits"] - y)
+        return -torch.min(ratio, torch.clamp(ratio, 0.8, 1.2)).mean()
+
+    for x, y in batches(2, 16):
+        engine.backward(clipped(engine, x, y))
+        engine.step()
+        torch_step(reference, optimizer, clipped(reference, x, y))
+        assert_as_in_torch(engine, reference)

@@ -13,6 +13,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from spmdzero.backends.torchax import autograd_factories
 from spmdzero.backends.torchax import process_rows
 from spmdzero.backends.torchax.forward import SPECULATED
 from spmdzero.backends.torchax.release import release_in_background
@@ -173,7 +174,8 @@ class BackwardPrograms:
             scaled = scaled / divide
         state = self._backward_state = SimpleNamespace(retain=retain_graph, rows=0, forwards=0)
         try:
-            torch.autograd.backward(scaled, retain_graph=retain_graph)
+            with autograd_factories.made_in_jax(lambda host: self._Output(self._env.t2j_copy(host), self._env)):
+                torch.autograd.backward(scaled, retain_graph=retain_graph)
         finally:
             self._backward_state = None
         if not state.forwards:

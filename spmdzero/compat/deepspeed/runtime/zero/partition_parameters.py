@@ -9,7 +9,8 @@ the next forward, as any edit of the host's parameters does. With ``modifier_ran
 Face's ``from_pretrained`` under ZeRO-3 loads the weights on rank 0 only), the modifier's values
 are broadcast to the other processes on exit, as DeepSpeed does. Parameters carry no
 ``ds_id``: code that checks it (as DeepSpeed-Chat does) takes its non-ZeRO-3 path; every
-tensor's ``ds_status`` reads AVAILABLE (TRL reads it unchecked).
+tensor's ``ds_status`` reads AVAILABLE and its ``ds_active_sub_modules`` is empty, and every
+module's ``ds_external_parameters()`` is empty (TRL reads them unchecked).
 """
 
 from __future__ import annotations
@@ -49,6 +50,13 @@ class ZeroParamStatus(Enum):
 # (``hasattr(p, "ds_id")``, DeepSpeed-Chat, transformers) still hears no.
 if not hasattr(torch.Tensor, "ds_status"):
     torch.Tensor.ds_status = ZeroParamStatus.AVAILABLE
+# TRL clears each parameter's ``ds_active_sub_modules`` and reads the module's
+# ``ds_external_parameters()`` around generation at ZeRO-3 (``remove_hooks``): no submodule holds
+# a parameter gathered here, and no module reaches another's parameters through DeepSpeed.
+if not hasattr(torch.Tensor, "ds_active_sub_modules"):
+    torch.Tensor.ds_active_sub_modules = property(lambda self: set())
+if not hasattr(torch.nn.Module, "ds_external_parameters"):
+    torch.nn.Module.ds_external_parameters = lambda self: iter(())
 
 
 class Init:
