@@ -23,6 +23,7 @@ executes them (a checkpoint load, a shape-only engine).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Callable, Iterable
 
 import torch
@@ -434,22 +435,6 @@ def drop_state(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor])
         optimizer.state.pop(p, None)
 
 
-class ParameterOffload:
-    """DeepSpeed's ZeRO-3 ``optimizer.parameter_offload`` (``DeepSpeedZeRoOffload``), as
-    integrations reach it: TRL removes its forward and backward hooks before it generates with the
-    unwrapped model and registers the module again after (``unwrap_model_for_generation``, GRPO).
-    spmdzero's ZeRO-3 installs no hooks, since the compiler gathers each parameter where the
-    step uses it: the lists are empty and registering does nothing."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
-        self.forward_hooks: list = []
-        self.backward_hooks: list = []
-
-    def _register_deepspeed_module(self, module: torch.nn.Module, count=None) -> None:
-        """Nothing to register: no hooks gather or release parameters here."""
-
-
 class ZeroOptimizer:
     """``engine.optimizer``, DeepSpeed's ZeRO optimizer face: the base optimizer's
     ``param_groups`` and ``state`` (its params are the fp32 master weights under mixed
@@ -471,13 +456,12 @@ class ZeroOptimizer:
     cur_scale = loss_scale
 
     @property
-    def parameter_offload(self) -> ParameterOffload:
-        """At ZeRO-3 only, as DeepSpeed's stage-3 optimizer has it (``hasattr`` answers no at
-        stages 0-2, where integrations then take their other path)."""
+    def parameter_offload(self) -> SimpleNamespace:
+        """DeepSpeed's ZeRO-3 hook holder (stage 3 only), which TRL empties around generation: none here."""
         if self._engine.zero_optimization_stage() != 3:
-            raise AttributeError("parameter_offload: DeepSpeed's ZeRO-3 optimizers have it, this engine runs stage "
-                                 f"{self._engine.zero_optimization_stage()}")
-        return ParameterOffload(self._engine.module)
+            raise AttributeError("parameter_offload: DeepSpeed's ZeRO-3 optimizers have it, not stages 0-2")
+        return SimpleNamespace(module=self._engine.module, forward_hooks=[], backward_hooks=[],
+                               _register_deepspeed_module=lambda module, count=None: None)
 
     def refresh_fp32_params(self) -> None:
         """DeepSpeed's: after the module's weights were changed by hand, make the fp32 master
