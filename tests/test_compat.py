@@ -566,7 +566,8 @@ def _trls_generation_hooks(engine) -> None:
     offload._register_deepspeed_module(offload.module)
 
 
-def test_trls_zero_3_generation_hooks_find_deepspeeds_names_and_training_goes_on(deepspeed):
+@pytest.mark.parametrize("backend", ["torchax", "torch_xla"])
+def test_trls_zero_3_generation_hooks_find_deepspeeds_names_and_training_goes_on(deepspeed, backend):
     """TRL's GRPO generates with the unwrapped model at ZeRO-3 between two hook calls that reach
     DeepSpeed's stage-3 optimizer (``'AdamW' object has no attribute 'module'``). Here there are
     no hooks to remove, and the engine trains on as before."""
@@ -576,13 +577,14 @@ def test_trls_zero_3_generation_hooks_find_deepspeeds_names_and_training_goes_on
         torch.manual_seed(0)
         engine, *_ = deepspeed.initialize(model=tiny_mlp(), config={
             "train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": stage},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "spmd": {"backend": backend}})
         assert hasattr(engine.optimizer, "parameter_offload") == (stage == 3)
         losses = []
         for x, y in data:
             if hooks:
                 _trls_generation_hooks(engine)
-            loss = torch.nn.functional.mse_loss(engine(x), y)
+            out = engine(x)
+            loss = torch.nn.functional.mse_loss(out, y.to(out.device))
             engine.backward(loss)
             engine.step()
             losses.append(float(loss))
