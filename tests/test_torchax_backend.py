@@ -1552,3 +1552,57 @@ def test_a_loss_outside_the_module_whose_backward_makes_tensors_trains_as_torch(
         engine.step()
         torch_step(reference, optimizer, clipped(reference, x, y))
         assert_as_in_torch(engine, reference)
+
+
+class Critic(torch.nn.Module):
+    """DeepSpeed-Chat's critic, in small: a value head, and ``forward_value``, which the PPO step
+    calls through the engine (``critic_engine.forward_value(seq, mask)``) and trains from with
+    ``critic_engine.backward``; its end scores read where each row's padding starts
+    (``.nonzero()``, ``.item()``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = tiny_mlp(seed=0, d_out=1)
+        self.checkpointing = False
+
+    def forward(self, x):
+        return self.net(x).squeeze(-1)
+
+    def forward_value(self, x, ids=None, return_value_only=False):
+        values = self(x)
+        if return_value_only:
+            return values
+        ends = [(row == 0).nonzero()[0].item() if (row == 0).any() else len(row) for row in ids]
+        return {"values": values, "end_scores": torch.stack([values[i] * e for i, e in enumerate(ends)])}
+
+    def gradient_checkpointing_enable(self):
+        self.checkpointing = True
+        return "configured"
+
+
+def test_a_method_of_the_models_class_called_through_the_engine_trains_as_torch():
+    """``engine.forward_value(...)`` runs in a program of its own and its loss trains through
+    ``engine.backward`` (it ran on the host module, and backward refused the loss); with host
+    reads it runs eagerly; a method called without a tensor configures the host module."""
+    model, reference = Critic(), Critic()
+    engine, *_ = spmdzero.initialize(model=model, config=plain_config())
+    optimizer = torch_optimizer(reference)
+    assert engine.gradient_checkpointing_enable() == "configured" and model.checkpointing
+
+    def value_loss(critic, x, y):
+        values = critic.forward_value(x, return_value_only=True)
+        return ((values - y[:, 0]) ** 2).mean()
+
+    for step, (x, y) in enumerate(batches(3, 16)):
+        engine.backward(value_loss(engine, x, y))
+        engine.step()
+        torch_step(reference, optimizer, value_loss(reference, x, y))
+        assert_as_in_torch(engine, reference)
+        if step == 0:
+            traces = dict(engine.traces)
+    assert dict(engine.traces) == traces  # compiled once
+    ids = torch.tensor([[3, 0, 0, 0], [5, 6, 7, 0], [1, 2, 3, 4]] * 4 + [[2, 0, 0, 0]] * 4)
+    engine.eval(), reference.eval()
+    with torch.no_grad():
+        got, want = engine.forward_value(batches(1, 16)[0][0], ids=ids), reference.forward_value(batches(1, 16)[0][0], ids=ids)
+    torch.testing.assert_close(torch.as_tensor(np.asarray(got["end_scores"])), want["end_scores"], atol=1e-6, rtol=0)

@@ -132,7 +132,7 @@ class BackwardPrograms:
         """Subtract ``forward``'s gradient (taken again by its training program, on its inputs,
         dropout draw and loss divisor, at the parameters it saw) from the accumulation."""
         self._confirm(forward)  # no longer in it
-        program = self._program("train", forward.treespec, forward.static, forward.training)
+        program = self._program("train", forward.treespec, forward.static, forward.training, method=forward.method)
         _, _, gradients = program(self._params, forward.constants, None, forward.rng, forward.arrays,
                                   divisor=forward.divisor)
         self.runs["retract"] += 1
@@ -194,7 +194,8 @@ class BackwardPrograms:
         if vjp is None:  # the forward took the module's loss's gradient only: its VJP, on the same inputs
             if not record.training and record.rows is not None:
                 self._check_training_rows(record.rows)  # an eval-mode forward trains only now
-            program = self._program("vjp", record.treespec, record.static, record.training, record.which)
+            program = self._program("vjp", record.treespec, record.static, record.training, record.which,
+                                    record.method)
             _, _, vjp = program(self._params, record.constants, record.rng, record.arrays)
         state = self._backward_state
         cts = tuple(None if cotangents[i] is None else _as_jax(cotangents[i], self._env) for i in record.floats)

@@ -28,6 +28,7 @@ from spmdzero.backends.torchax.outside_loss import tie
 from spmdzero.backends.torchax import process_rows
 from spmdzero.backends.torchax import trace_view
 from spmdzero.backends.torchax import remat
+from spmdzero.backends.torchax import script_methods
 from spmdzero.backends.torchax import cross_entropy
 from spmdzero.backends.torchax import zero3_gather
 from spmdzero.train.scan_layers import scanned_parameters
@@ -189,7 +190,9 @@ class ForwardPrograms:
             "Compute it with tensor ops (torch.where, masks of fixed shape) to compile it, or use "
             f"spmd.backend='torch_xla', which cuts the step in two at the read. JAX said: {found}")
 
-    def _forward(self, inputs: tuple, kwargs: dict):
+    def _forward(self, inputs: tuple, kwargs: dict, method: str = "forward"):
+        """The module's ``method`` (its ``forward``, or another method a script calls through the
+        engine, ``script_methods``) on these inputs, in a program of its own."""
         leaves, treespec, static, layout, arrays, rng, rows = self._placed(inputs, kwargs)
         training = self._module.training
         grad_enabled = torch.is_grad_enabled()
@@ -201,7 +204,7 @@ class ForwardPrograms:
                                   training=training, constants=self._constants, generation=self._generation,
                                   pending=None, accum_token=None, divisor=None, engine=self, which=which,
                                   inputs=[tensors[i] for i in which], dims=[layout.dim_of(tensors[i]) for i in which],
-                                  vjp=None, released=False)
+                                  vjp=None, released=False, method=method)
         if training and grad_enabled:
             if rows is not None:
                 self._check_training_rows(rows)
@@ -215,12 +218,12 @@ class ForwardPrograms:
                 return result
             # the output holds no loss (found while tracing), or inputs want their gradients: the
             # VJP program, whose backward engine.backward runs from the loss the script computes
-            program = self._program("vjp", treespec, static, training, which)
+            program = self._program("vjp", treespec, static, training, which, method)
             self.runs["forward"] += 1
             outputs, constants, forward.vjp = program(self._params, self._constants, rng, arrays)
             self._take_constants(constants)
             return self._outputs(outputs, program, forward)
-        program = self._program("forward", treespec, static, training)
+        program = self._program("forward", treespec, static, training, method=method)
         self.runs["forward"] += 1
         outputs, constants = program(self._params, self._constants, rng, arrays)
         self._take_constants(constants)
@@ -272,7 +275,7 @@ class ForwardPrograms:
         copy of the gradients on every device between a forward and its backward (issue 42)."""
         accumulate = self._accum is not None
         program = self._program("accumulate" if accumulate else "train", forward.treespec, forward.static,
-                                forward.training)
+                                forward.training, method=forward.method)
         ran = None if program.no_loss else program(self._params, forward.constants, self._accum, forward.rng,
                                                     forward.arrays)
         if ran is None:
@@ -312,15 +315,17 @@ class ForwardPrograms:
             leaves.insert(i, value)
         return torch_pytree.tree_unflatten(leaves, spec)
 
-    def _program(self, kind: str, treespec, static: tuple, training: bool, which: tuple = ()):
+    def _program(self, kind: str, treespec, static: tuple, training: bool, which: tuple = (),
+                 method: str = "forward"):
         """The jitted program for ``kind``, these inputs' structure and the module's mode (traced
-        in it: dropout on or off); ``which``: the inputs the VJP program differentiates."""
-        key = (kind, training, treespec, _hashable(static), which, self._frozen)
+        in it: dropout on or off); ``which``: the inputs the VJP program differentiates;
+        ``method``: the module's method it runs."""
+        key = (kind, training, treespec, _hashable(static), which, self._frozen, method)
         if key not in self._programs:
-            self._programs[key] = self._build_forward(kind, treespec, static, which)
+            self._programs[key] = self._build_forward(kind, treespec, static, which, method)
         return self._programs[key]
 
-    def _build_forward(self, kind: str, treespec, static: tuple, which: tuple = ()):
+    def _build_forward(self, kind: str, treespec, static: tuple, which: tuple = (), method: str = "forward"):
         """A jitted run of the module for one input structure: ``kind`` "forward":
         ``(params, constants, rng, inputs) -> (outputs, changed buffers)``; "train" (the first
         micro-step) and "accumulate" (later ones): ``(params, constants, accum, rng, inputs) ->
@@ -331,6 +336,7 @@ class ForwardPrograms:
         import jax
 
         env, module, names, policy = self._env, self._module, set(self._names), self.precision
+        entry = script_methods.entry(module, method)  # what functional_call runs: the module, or its method
         frozen_now = self._frozen  # part of the program's key (_program)
         out_spec: list = []  # (treespec, [(index, non-tensor leaf)]), filled while tracing
         batch_norms = [bn for _, bn in batchnorm.tracked(module)]  # their running statistics are updated in training
@@ -380,7 +386,7 @@ class ForwardPrograms:
                         remat.rematerializing(env, tensors.values()), cross_entropy.fused(env), \
                         attention.choosing(self.attention_kernels, env), \
                         batchnorm.updating_running_statistics(batch_norms):
-                    output = torch.func.functional_call(module, tensors, inputs, kwargs)
+                    output = torch.func.functional_call(entry, script_methods.keyed(entry, tensors), inputs, kwargs)
             finally:
                 for m, params, buffers in held:
                     m._parameters.update(params)

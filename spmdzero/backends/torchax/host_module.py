@@ -15,6 +15,7 @@ import torch
 from torch.utils import _pytree as torch_pytree
 
 from spmdzero.backends.torchax import frozen
+from spmdzero.backends.torchax import script_methods
 
 # The torch_xla engine's public names this engine lacks (tests/test_torchax_backend.py checks
 # the list against both classes): asking for one says which backend has it.
@@ -213,6 +214,13 @@ class HostModule:
         if through_data:
             self._touched.add(id(param))
 
+    def _script_method(self, name: str, *args, **kwargs):
+        """``engine.<name>(...)``: with a tensor, the method in a program of its own, as the
+        engine's forward; without one, on the host module."""
+        if script_methods.computes(args, kwargs):
+            return self._forward(args, kwargs, method=name)
+        return getattr(self.module, name)(*args, **kwargs)
+
     def train(self, mode: bool = True) -> "HostModule":
         self._module.train(mode)
         return self
@@ -243,9 +251,12 @@ class HostModule:
         return {"module": self._module}
 
     def __getattr__(self, name: str):
-        """Attributes the engine lacks come from the module, as in DeepSpeed."""
+        """Attributes the engine lacks come from the module, as in DeepSpeed; a method of the
+        model's own classes computes on the devices (``script_methods``)."""
         if name.startswith("_"):
             raise AttributeError(name)
+        if script_methods.routed(self._module, name):
+            return functools.partial(self._script_method, name)
         try:
             return getattr(self.module, name)
         except AttributeError:
