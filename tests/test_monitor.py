@@ -41,7 +41,16 @@ def test_guard_is_quiet_on_a_normal_run_and_warns_once_on_a_shape_change():
     fired = [w for w in caught if "recompiled after warm-up" in str(w.message)]
     assert len(fired) == 1 and "global step 7" in str(fired[0].message)
     assert "input shapes changed: [(16, 11)] -> [(8, 11)]" in str(fired[0].message)
+    assert "a last, smaller batch? DataLoader(..., drop_last=True)" in str(fired[0].message)
     assert engine.recompile_guard.recompiles >= 1
+
+
+def test_the_guard_tells_a_new_batch_size_from_new_sequence_lengths():
+    from spmdzero.observe.monitor import _only_rows_changed
+
+    assert _only_rows_changed(((16, 11), (16,)), ((8, 11), (8,)))
+    assert not _only_rows_changed(((16, 18), (16, 18)), ((16, 15), (16, 15)))  # a seq2seq collator's padding
+    assert not _only_rows_changed(((16, 11),), ((16, 11), (16,)))
 
 
 class ReadsBack(torch.nn.Module):

@@ -320,3 +320,37 @@ def test_xla_devices_and_the_host_are_untouched():
     assert y.to(xla).device.type == "xla" and torch.zeros(2, device=xla).device.type == "xla"
     assert torch.equal(y.to(xla).cpu(), y)
     assert y.to("cpu") is y and torch.zeros(2).device.type == "cpu"
+
+
+def _writes_through_views(out: torch.Tensor) -> dict:
+    """Post-processing that writes through views, as DeepSpeed-Chat's PPO step does: torch's
+    answers on a host tensor, the backend's on an output."""
+    rewards = -0.1 * (out - out * 0.5)
+    ends = [3, 4, 5, 6, 2, 3, 4, 5]
+    for j in range(ROWS):
+        rewards[j, 1:ends[j]][-1] += 10.0  # a slice of a slice, then one element of it
+    values = out.detach()[:, :-1]  # detach shares the values, as a slice does
+    for i in range(ROWS):
+        values[i, ends[i]:] = 0
+    first, second = out.clone().split(4, dim=1)
+    second.t()[0].mul_(3)  # through a transpose of a split
+    base = out.clone()
+    row = base[2]
+    base[2, 0] = 7.0  # the root changes: the view made before sees it
+    return {"rewards": rewards, "values": values, "out": out, "split": torch.cat([first, second], 1),
+            "row": row.clone(), "base": base}
+
+
+def test_writes_through_views_of_the_outputs_reach_them_as_in_torch(engine_and_output):
+    """Slices, ``detach`` and ``split`` of an output alias it: a write through one reaches the
+    output, and a write to the output shows in its views (they were copies: DeepSpeed-Chat's
+    rewards never got their reward)."""
+    engine, _ = engine_and_output
+    x = torch.randn(ROWS, 16, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = engine(x)
+    host = torch.tensor(out.tolist())
+    got, want = _writes_through_views(out), _writes_through_views(host.clone())
+    for name in want:
+        torch.testing.assert_close(torch.as_tensor(got[name].tolist()), want[name], atol=1e-6, rtol=0,
+                                   msg=lambda m, name=name: f"{name}: {m}")

@@ -138,9 +138,11 @@ class RecompileGuard:
         self.recompiles += compiled
         where = "an optimizer (boundary) step" if boundary else "a gradient-accumulation micro-step"
         if previous is not None and previous != input_shapes:
-            cause = (f"The forward's input shapes changed: {list(previous)} -> {list(input_shapes)}. Variable "
-                     "sequence lengths? Set \"spmd\": {\"pad_to_multiple_of\": 64} in the config to pad dict "
-                     "inputs (input_ids, attention_mask, labels, ...) to a few shapes (docs/config.md).")
+            cause = f"The forward's input shapes changed: {list(previous)} -> {list(input_shapes)}. " + (
+                "Only the rows changed: a last, smaller batch? DataLoader(..., drop_last=True) keeps every "
+                "batch whole; otherwise each new batch size compiles once." if _only_rows_changed(previous, input_shapes)
+                else "Variable sequence lengths? Set \"spmd\": {\"pad_to_multiple_of\": 64} in the config to pad "
+                "dict inputs (input_ids, attention_mask, labels, ...) to a few shapes (docs/config.md).")
         elif evaluated:
             cause = ("An evaluation forward (engine.eval() or torch.no_grad()) ran since the last step: if its "
                      "results were not read before training went on, its pending graph ran together with this "
@@ -156,6 +158,12 @@ class RecompileGuard:
             self._warned = True
             warnings.warn(f"spmdzero: {message} (warned once; set spmd.max_recompiles to make it an error)",
                           stacklevel=3)
+
+
+def _only_rows_changed(previous: tuple, current: tuple) -> bool:
+    """Every input kept its shape but for its first dimension (the batch's rows)."""
+    return len(previous) == len(current) and all(
+        len(a) == len(b) and len(a) > 0 and tuple(a[1:]) == tuple(b[1:]) for a, b in zip(previous, current))
 
 
 class Timers:

@@ -28,12 +28,16 @@ from spmdzero.backends.torchax.outside_loss import tie
 from spmdzero.backends.torchax import process_rows
 from spmdzero.backends.torchax import trace_view
 from spmdzero.backends.torchax import remat
+from spmdzero.backends.torchax import output_views
 from spmdzero.backends.torchax import script_methods
 from spmdzero.backends.torchax import cross_entropy
 from spmdzero.backends.torchax import zero3_gather
 from spmdzero.train.scan_layers import scanned_parameters
 from spmdzero.backends.torchax.placement import INT64_TRUNCATED, _as_dicts, _is_torchax_tensor, _jax_dtype
 
+
+
+_VALUE = "_spmdzero_value"  # where an output keeps its JAX array (``Output._elem``)
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,10 +67,43 @@ def _output_tensor_class():
                 result = func(*args, **kwargs)
             if written is not None:
                 written(args, kwargs)
-            return torch_pytree.tree_map_only(ttensor.Tensor, lambda t: Output(t._elem, env), result)
+            # an in-place op returns the tensor it wrote (``y = x.add_(1)`` is ``x``)
+            result = torch_pytree.tree_map_only(
+                ttensor.Tensor, lambda t: t if isinstance(t, Output) else Output(t._elem, env), result)
+            if output_views.is_view(func) and isinstance(args[0], Output):
+                views = result if isinstance(result, (list, tuple)) else [result]
+                for index, view in enumerate(views):
+                    output_views.record(view, args[0], (func, args[1:], kwargs or {},
+                                                        index if view is not result else None))
+            return result
+
+        # the value, kept in the instance's dict: a view's is its root's replayed when the root
+        # changed, and a write to a view reaches its root (``output_views``)
+        @property
+        def _elem(self):
+            state = self.__dict__
+            root = state.get(output_views.ROOT)
+            if root is not None and state[output_views.SEEN] != output_views.version(root):
+                state[_VALUE] = output_views.replay(state[output_views.CHAIN], root._elem, env)
+                state[output_views.SEEN] = output_views.version(root)
+            return state[_VALUE]
+
+        @_elem.setter
+        def _elem(self, value):
+            state = self.__dict__
+            state[_VALUE] = value
+            root = state.get(output_views.ROOT)
+            if root is None:
+                state[output_views.VERSION] = state.get(output_views.VERSION, 0) + 1
+            else:
+                root._elem = output_views.scatter(root._elem, state[output_views.CHAIN], value, env)
+                state[output_views.SEEN] = output_views.version(root)
 
         def detach(self):
-            return Output(jax.lax.stop_gradient(self._elem), env)
+            # shares the values, as torch's detach: a write to either shows in the other
+            detached = Output(jax.lax.stop_gradient(self._elem), env)
+            output_views.record(detached, self, (torch.ops.aten.alias.default, (), {}, None))
+            return detached
 
         @property
         def data(self):
