@@ -81,7 +81,7 @@ from spmdzero.sharding.mesh import data_parallel_axes, resolve_hybrid_shape
 from spmdzero.backends.torchax import torch_optim
 from spmdzero.backends.torchax import attention, lowerings
 from spmdzero.backends.torchax.release import drain
-from spmdzero.backends.torchax.forward import _output_tensor_class
+from spmdzero.backends.torchax.output_tensor import output_tensor_class
 from spmdzero.backends.torchax.host_module import (_refuse_optimizer_state, _sync_before_state_dict,
                                                    _watch_parameters, _zero_grad_through_engine)
 from spmdzero.backends.torchax.placement import _as_jax, _broadcast_from_first_process
@@ -130,7 +130,7 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         self._env = torchax.default_env()
         lowerings.install(self._env)  # torch's values where torchax's lowerings differ (masked rows, padding_idx)
         host_tensors.name_devices_by_type(self._env)  # x.to(0) in a traced forward
-        self._Output = _output_tensor_class()
+        self._Output = output_tensor_class()
         self._module = module
         self.basic_optimizer = optimizer
         # DeepSpeed's ZeRO optimizer face, as the torch_xla engine's; None without an optimizer (a model

@@ -2,14 +2,12 @@
 program per input structure and mode. In training, the fused program also takes the gradient of
 the loss the module returns (``jax.grad``) and adds it to the accumulated gradients; for a loss
 computed outside the module, the VJP program returns the outputs with their VJP, tied into
-torch autograd (``outside_loss``). Outputs come back as torchax tensors. A mixin of
+torch autograd (``outside_loss``). Outputs come back as torchax tensors (``output_tensor``). A mixin of
 ``TorchaxEngine``."""
 
 from __future__ import annotations
 
-import functools
 import gc
-import warnings
 from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Optional
@@ -23,120 +21,15 @@ from spmdzero.backends.torchax import attention
 from spmdzero.backends.torchax import batchnorm
 from spmdzero.backends.torchax import frozen
 from spmdzero.backends.torchax import host_reads
-from spmdzero.backends.torchax import host_tensors
 from spmdzero.backends.torchax.outside_loss import tie
 from spmdzero.backends.torchax import process_rows
 from spmdzero.backends.torchax import trace_view
 from spmdzero.backends.torchax import remat
-from spmdzero.backends.torchax import output_views
 from spmdzero.backends.torchax import script_methods
 from spmdzero.backends.torchax import cross_entropy
 from spmdzero.backends.torchax import zero3_gather
 from spmdzero.train.scan_layers import scanned_parameters
-from spmdzero.backends.torchax.placement import INT64_TRUNCATED, _as_dicts, _is_torchax_tensor, _jax_dtype
-
-
-
-_VALUE = "_spmdzero_value"  # where an output keeps its JAX array (``Output._elem``)
-
-
-@functools.lru_cache(maxsize=None)
-def _output_tensor_class():
-    """torchax tensors whose torch ops run in the torchax environment, whoever calls them, so
-    the outputs a training loop reads (``loss.item()``, ``logits.argmax(-1)``, ``loss * 2``)
-    work outside it; their results are such tensors too."""
-    import jax
-    import torchax
-    from torchax import tensor as ttensor
-    from torchax.ops import mappings as torch_mappings
-
-    env = torchax.default_env()
-
-    class Output(ttensor.Tensor):
-        @classmethod
-        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-            written = host_tensors.write_back(func, args, kwargs or {})  # `total += loss`: into a host tensor
-            # host tensors mixed in (a target on the CPU) are copied to JAX, as the module's inputs
-            args, kwargs = torch_pytree.tree_map_only(
-                torch.Tensor, lambda t: t if isinstance(t, ttensor.Tensor) else ttensor.Tensor(env.t2j_copy(t), env),
-                (args, kwargs or {}))
-            with env, warnings.catch_warnings():
-                # torch's int64 (labels, argmax) is int32 under JAX without x64, as torchax intends:
-                # JAX's warning at each such op is noise in a loop (cifar's accuracy count printed it)
-                warnings.filterwarnings("ignore", INT64_TRUNCATED, UserWarning)
-                result = func(*args, **kwargs)
-            if written is not None:
-                written(args, kwargs)
-            # an in-place op returns the tensor it wrote (``y = x.add_(1)`` is ``x``)
-            result = torch_pytree.tree_map_only(
-                ttensor.Tensor, lambda t: t if isinstance(t, Output) else Output(t._elem, env), result)
-            if output_views.is_view(func) and isinstance(args[0], Output):
-                views = result if isinstance(result, (list, tuple)) else [result]
-                for index, view in enumerate(views):
-                    output_views.record(view, args[0], (func, args[1:], kwargs or {},
-                                                        index if view is not result else None))
-            return result
-
-        # the value, kept in the instance's dict: a view's is its root's replayed when the root
-        # changed, and a write to a view reaches its root (``output_views``)
-        @property
-        def _elem(self):
-            state = self.__dict__
-            root = state.get(output_views.ROOT)
-            if root is not None and state[output_views.SEEN] != output_views.version(root):
-                state[_VALUE] = output_views.replay(state[output_views.CHAIN], root._elem, env)
-                state[output_views.SEEN] = output_views.version(root)
-            return state[_VALUE]
-
-        @_elem.setter
-        def _elem(self, value):
-            state = self.__dict__
-            state[_VALUE] = value
-            root = state.get(output_views.ROOT)
-            if root is None:
-                state[output_views.VERSION] = state.get(output_views.VERSION, 0) + 1
-            else:
-                root._elem = output_views.scatter(root._elem, state[output_views.CHAIN], value, env)
-                state[output_views.SEEN] = output_views.version(root)
-
-        def detach(self):
-            # shares the values, as torch's detach: a write to either shows in the other
-            detached = Output(jax.lax.stop_gradient(self._elem), env)
-            output_views.record(detached, self, (torch.ops.aten.alias.default, (), {}, None))
-            return detached
-
-        @property
-        def data(self):
-            # torchax logs "In-place to .data modifications still results a copy" at each read; a
-            # loop reads outputs.data (cifar's torch.max(outputs.data, 1)): a detached view, as torch's
-            return self.detach()
-
-        @data.setter
-        def data(self, other):
-            ttensor.Tensor.data.fset(self, other)
-
-        def __format__(self, spec: str) -> str:
-            # torch formats a one-number tensor as the number (``f"loss {loss:.4f}"``, DeepSpeed-Chat's
-            # ``f"loss = {loss}"``): a host read the script asks for, as ``loss.item()`` is. torchax
-            # printed its own repr, and a format spec raised TypeError
-            if self.dim() == 0:
-                return self.item().__format__(spec)
-            return object.__format__(self, spec)
-
-        def __repr__(self, *, tensor_contents=None) -> str:
-            # as torch prints a tensor, with the outputs' device: "tensor(2.4690, device='jax:0')"
-            try:
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # only printed
-                    host = repr(torch_mappings.j2t(self._elem, use_dlpack=False))
-            except Exception:  # values spread over other processes: torchax's own form
-                return ttensor.Tensor.__str__(self)
-            grad = ", requires_grad=True" if self.requires_grad else ""
-            return f"{host[:-1]}, device='{self.device}'{grad})"
-
-        __str__ = __repr__
-
-    return Output
+from spmdzero.backends.torchax.placement import _as_dicts, _is_torchax_tensor, _jax_dtype
 
 
 # ``forward.pending`` of a training forward whose gradient was added to the accumulated ones when
