@@ -1,6 +1,8 @@
 """spmd.backend='torchax': the same results as the torch_xla engine, the plan's layouts on the JAX
 arrays, one trace per program, and clear refusals."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -1579,6 +1581,10 @@ class Critic(torch.nn.Module):
         self.checkpointing = True
         return "configured"
 
+    def set_bias(self, value):
+        with torch.no_grad():
+            self.net[-1].bias.copy_(value)
+
 
 def test_a_method_of_the_models_class_called_through_the_engine_trains_as_torch():
     """``engine.forward_value(...)`` runs in a program of its own and its loss trains through
@@ -1601,6 +1607,11 @@ def test_a_method_of_the_models_class_called_through_the_engine_trains_as_torch(
         if step == 0:
             traces = dict(engine.traces)
     assert dict(engine.traces) == traces  # compiled once
+    with warnings.catch_warnings():  # its argument, taken for a batch of 1 row the first time
+        warnings.simplefilter("ignore")
+        engine.set_bias(torch.full((1,), 0.25))  # kept: it ran on the host
+    reference.set_bias(torch.full((1,), 0.25))
+    assert_as_in_torch(engine, reference)
     ids = torch.tensor([[3, 0, 0, 0], [5, 6, 7, 0], [1, 2, 3, 4]] * 4 + [[2, 0, 0, 0]] * 4)
     engine.eval(), reference.eval()
     with torch.no_grad():

@@ -216,9 +216,15 @@ class HostModule:
 
     def _script_method(self, name: str, *args, **kwargs):
         """``engine.<name>(...)``: with a tensor, the method in a program of its own, as the
-        engine's forward; without one, on the host module."""
-        if script_methods.computes(args, kwargs):
-            return self._forward(args, kwargs, method=name)
+        engine's forward; without one, on the host module. A method whose program returns no
+        tensor was called for what it does to the module (``set_scale(t)``), which a program
+        would not keep: it runs on the host module, then and from then on."""
+        configures = self.__dict__.setdefault("_configuring_methods", set())
+        if name not in configures and script_methods.computes(args, kwargs):
+            result = self._forward(args, kwargs, method=name)
+            if script_methods.computes((result,), {}):
+                return result
+            configures.add(name)
         return getattr(self.module, name)(*args, **kwargs)
 
     def train(self, mode: bool = True) -> "HostModule":

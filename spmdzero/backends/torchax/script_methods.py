@@ -13,7 +13,8 @@ Chat's ``RewardModel.forward_value``), called with at least one tensor. The meth
 ``nn.Module`` and of the libraries a model is built on (transformers' ``generate``,
 ``resize_token_embeddings``, ``gradient_checkpointing_enable``, PEFT's) act on the host module
 as before, and so does a method called without a tensor (``critic.gradient_checkpointing_enable()``
-defined by the script): it configures the module rather than computes with it. A method that
+defined by the script): it configures the module rather than computes with it, and so does one
+whose program returns no tensor, which then runs on the host module. A method that
 reads values on the host (``.nonzero()``, ``.item()``) runs eagerly, as such a ``forward`` does
 (``host_reads``).
 """
