@@ -591,3 +591,49 @@ def test_trls_zero_3_generation_hooks_find_deepspeeds_names_and_training_goes_on
         runs[stage, hooks] = losses
     assert runs[3, True] == runs[3, False]
     assert runs[3, True] == pytest.approx(runs[2, False], rel=1e-6)
+
+
+class _RewardModel(torch.nn.Module):
+    """DeepSpeed-Chat's reward model in small: the PPO step trains its critic from
+    ``forward_value``, called through the engine."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = tiny_mlp()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def forward_value(self, x, return_value_only=False):
+        values = self.net(x).sum(-1)
+        return values if return_value_only else {"values": values}
+
+
+@pytest.mark.parametrize("backend", ["torchax", "torch_xla"])
+def test_a_critic_trains_from_its_forward_value_called_through_the_engine(deepspeed, backend):
+    """``critic_engine.forward_value(seq, mask)`` then ``critic_engine.backward(loss)``, as
+    DeepSpeed-Chat's step 3 does: the same losses as the same model in plain torch."""
+    losses = {}
+    for run in ("engine", "torch"):
+        torch.manual_seed(0)
+        model = _RewardModel()
+        if run == "engine":
+            critic, *_ = deepspeed.initialize(model=model, config={
+                "train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 2}, "gradient_clipping": 0.0,
+                "optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "spmd": {"backend": backend}})
+        else:
+            critic, optimizer = model, torch.optim.SGD(model.parameters(), lr=0.01)
+        losses[run] = []
+        for x, y in batches(3, 8):
+            values = critic.forward_value(x, return_value_only=True)
+            loss = ((values - y.to(values.device).sum(-1)) ** 2).mean()
+            if run == "engine":
+                critic.backward(loss)
+                critic.step()
+            else:
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            losses[run].append(float(loss.detach()))
+    assert losses["engine"] == pytest.approx(losses["torch"], rel=1e-5), losses
+    assert losses["torch"][-1] < losses["torch"][0]

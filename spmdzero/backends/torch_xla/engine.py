@@ -40,6 +40,7 @@ from spmdzero.backends.torch_xla.annotate import constrain, shard, sharding_text
 from spmdzero.backends.torch_xla.checkpoint import XlaStateShards
 from spmdzero.sharding.batch import BatchSizes
 from spmdzero.config.schema import DeepSpeedConfig
+from spmdzero.train import module_methods
 from spmdzero.train.data import map_tensors, model_pad_id
 from spmdzero.backends.torch_xla.batches import to_device_sharded
 from spmdzero.train.engine_base import EngineBase, no_gradients
@@ -172,6 +173,11 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         ``TARGET_NAMES``: an fp16 cast can overflow a regression target), and run the module. A
         training forward's rows (read from host-side shapes) are checked against the batch rule
         and counted in ``global_samples``."""
+        return self._run(self.module, inputs, kwargs)
+
+    def _run(self, call, inputs: tuple, kwargs: dict):
+        """``call`` (the module, or one of its methods: ``module_methods``) on the inputs as
+        ``forward`` prepares them."""
         start = time.perf_counter()
         self.recompile_guard.step_started()
         inputs, kwargs = self._padded(inputs, kwargs, self._pad_id)
@@ -187,7 +193,7 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
                                            self._batch.dp_devices, self._batch.processes, layout)
         inputs, kwargs = self._in_model_dtype(inputs, kwargs)
         try:
-            return self.module(*inputs, **kwargs)
+            return call(*inputs, **kwargs)
         finally:
             self._step_logger.timers.add("forward", time.perf_counter() - start)
 
@@ -851,11 +857,19 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
             module = self.__dict__.get("_modules", {}).get("module")
             if module is None or name.startswith("__"):
                 raise
+            if module_methods.routed(module, name):  # DeepSpeed-Chat's critic_engine.forward_value(seq, mask)
+                return functools.partial(self._module_method, name)
             try:
                 return getattr(module, name)
             except AttributeError:
                 raise AttributeError(f"neither the engine nor its module ({type(module).__name__}) has an attribute "
                                      f"{name!r}") from None
+
+    def _module_method(self, name: str, *args, **kwargs):
+        """``engine.<name>(...)``: with a tensor, the method on inputs placed as the forward's
+        are; without one, as the module's attribute."""
+        method = getattr(self.module, name)
+        return self._run(method, args, kwargs) if module_methods.computes(args, kwargs) else method(*args, **kwargs)
 
     def compile(self, backend: Optional[str] = None, compile_kwargs: Optional[dict] = None, schedule=None,
                 compiled_autograd_enabled: bool = False) -> None:

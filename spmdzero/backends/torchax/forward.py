@@ -25,7 +25,7 @@ from spmdzero.backends.torchax.outside_loss import tie
 from spmdzero.backends.torchax import process_rows
 from spmdzero.backends.torchax import trace_view
 from spmdzero.backends.torchax import remat
-from spmdzero.backends.torchax import script_methods
+from spmdzero.backends.torchax import method_programs
 from spmdzero.backends.torchax import cross_entropy
 from spmdzero.backends.torchax import zero3_gather
 from spmdzero.train.scan_layers import scanned_parameters
@@ -122,7 +122,7 @@ class ForwardPrograms:
 
     def _forward(self, inputs: tuple, kwargs: dict, method: str = "forward"):
         """The module's ``method`` (its ``forward``, or another method a script calls through the
-        engine, ``script_methods``) on these inputs, in a program of its own."""
+        engine, ``module_methods``) on these inputs, in a program of its own."""
         leaves, treespec, static, layout, arrays, rng, rows = self._placed(inputs, kwargs)
         training = self._module.training
         grad_enabled = torch.is_grad_enabled()
@@ -266,7 +266,7 @@ class ForwardPrograms:
         import jax
 
         env, module, names, policy = self._env, self._module, set(self._names), self.precision
-        entry = script_methods.entry(module, method)  # what functional_call runs: the module, or its method
+        entry = method_programs.entry(module, method)  # what functional_call runs: the module, or its method
         frozen_now = self._frozen  # part of the program's key (_program)
         out_spec: list = []  # (treespec, [(index, non-tensor leaf)]), filled while tracing
         batch_norms = [bn for _, bn in batchnorm.tracked(module)]  # their running statistics are updated in training
@@ -316,7 +316,7 @@ class ForwardPrograms:
                         remat.rematerializing(env, tensors.values()), cross_entropy.fused(env), \
                         attention.choosing(self.attention_kernels, env), \
                         batchnorm.updating_running_statistics(batch_norms):
-                    output = torch.func.functional_call(entry, script_methods.keyed(entry, tensors), inputs, kwargs)
+                    output = torch.func.functional_call(entry, method_programs.keyed(entry, tensors), inputs, kwargs)
             finally:
                 for m, params, buffers in held:
                     m._parameters.update(params)

@@ -15,7 +15,7 @@ import torch
 from torch.utils import _pytree as torch_pytree
 
 from spmdzero.backends.torchax import frozen
-from spmdzero.backends.torchax import script_methods
+from spmdzero.train import module_methods
 
 # The torch_xla engine's public names this engine lacks (tests/test_torchax_backend.py checks
 # the list against both classes): asking for one says which backend has it.
@@ -220,9 +220,9 @@ class HostModule:
         tensor was called for what it does to the module (``set_scale(t)``), which a program
         would not keep: it runs on the host module, then and from then on."""
         configures = self.__dict__.setdefault("_configuring_methods", set())
-        if name not in configures and script_methods.computes(args, kwargs):
+        if name not in configures and module_methods.computes(args, kwargs):
             result = self._forward(args, kwargs, method=name)
-            if script_methods.computes((result,), {}):
+            if module_methods.computes((result,), {}):
                 return result
             configures.add(name)
         return getattr(self.module, name)(*args, **kwargs)
@@ -258,10 +258,10 @@ class HostModule:
 
     def __getattr__(self, name: str):
         """Attributes the engine lacks come from the module, as in DeepSpeed; a method of the
-        model's own classes computes on the devices (``script_methods``)."""
+        model's own classes computes on the devices (``module_methods``)."""
         if name.startswith("_"):
             raise AttributeError(name)
-        if script_methods.routed(self._module, name):
+        if module_methods.routed(self._module, name):
             return functools.partial(self._script_method, name)
         try:
             return getattr(self.module, name)
