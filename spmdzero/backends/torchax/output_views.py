@@ -4,7 +4,7 @@ the tensor it views, and a write to that tensor shows in its views.
 Why: a JAX array is immutable, and torchax's ops make every slice a copy, so a script's
 post-processing of the outputs silently lost its writes. DeepSpeed-Chat's PPO step adds each
 row's reward to its last token with ``rewards[j, start:ends[j]][-1] += reward_clip[j]``: the
-write went into a copy of a slice of a slice, and the actor trained on a reward of zero.
+write went into a copy of a slice of a slice, and the actor trained without its reward.
 
 How: an output made by a view op (its schema returns an alias: slicing, ``select``, ``view``,
 ``transpose``, ``split``, ``detach``, ...) records the tensor it views (the root, an output that
