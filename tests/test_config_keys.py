@@ -148,7 +148,7 @@ def test_a_misspelt_noop_key_still_gets_a_suggestion():
         parse_config({**BASE, "zero_optimization": {"offload_optimiser": {"device": "cpu"}}})
 
 
-def deepspeed_chat_train_config(offload: bool, dtype: str, stage: int = 2) -> dict:
+def deepspeed_chat_train_config(offload: bool, dtype: str, stage: int = 2, hybrid_engine: bool = False) -> dict:
     """The dict shape of DeepSpeed-Chat's dschat/utils/ds_utils.get_train_ds_config (defaults),
     after its main.py sets the batch numbers from torch.distributed's world size (1 here)."""
     device = "cpu" if offload else "none"
@@ -163,7 +163,7 @@ def deepspeed_chat_train_config(offload: bool, dtype: str, stage: int = 2) -> di
                               "memory_efficient_linear": False},
         precision[0]: precision[1],
         "gradient_clipping": 1.0, "prescale_gradients": False, "wall_clock_breakdown": False,
-        "hybrid_engine": {"enabled": False, "max_out_tokens": 512, "inference_tp_size": 1,
+        "hybrid_engine": {"enabled": hybrid_engine, "max_out_tokens": 512, "inference_tp_size": 1,
                           "release_inference_cache": False, "pin_parameters": True, "tp_gather_partition_size": 8},
         "tensorboard": {"enabled": False, "output_path": "/step1_tensorboard/ds_tensorboard_logs/",
                         "job_name": "step1_model_tensorboard"},
@@ -179,6 +179,13 @@ def test_deepspeed_chat_config_is_accepted(offload, dtype):
     assert cfg.bf16.enabled == (dtype == "bf16") and cfg.fp16.enabled == (dtype == "fp16")
     offloads = {"zero_optimization.offload_param", "zero_optimization.offload_optimizer"}
     assert set(cfg.noop_keys) == {"zero_optimization.overlap_comm"} | (offloads if offload else set())
+
+
+def test_deepspeed_chats_step_3_config_with_the_hybrid_engine_is_accepted():
+    """DeepSpeed-Chat's shipped step-3 scripts pass --enable_hybrid_engine: generation runs on the
+    module with its own generate, so the section is named as a no-op, not refused."""
+    cfg = parse_quietly(deepspeed_chat_train_config(False, "bf16", hybrid_engine=True))
+    assert "hybrid_engine" in cfg.noop_keys
 
 
 def test_transformers_docs_zero2_config_with_auto_filled_is_accepted():
