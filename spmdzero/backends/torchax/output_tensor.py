@@ -50,10 +50,9 @@ def output_tensor_class():
             result = torch_pytree.tree_map_only(
                 ttensor.Tensor, lambda t: t if isinstance(t, Output) else Output(t._elem, env), result)
             if output_views.is_view(func) and isinstance(args[0], Output):
-                views = result if isinstance(result, (list, tuple)) else [result]
-                for index, view in enumerate(views):
-                    output_views.record(view, args[0], (func, args[1:], kwargs or {},
-                                                        index if view is not result else None))
+                listed = isinstance(result, (list, tuple))  # split, unbind, chunk: pick each result
+                for index, view in enumerate(result if listed else [result]):
+                    output_views.record(view, args[0], (func, args[1:], kwargs or {}, index if listed else None))
             return result
 
         # the value, kept in the instance's dict: a view's is its root's replayed when the root

@@ -18,12 +18,15 @@ a copy, as before.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 ROOT, CHAIN, SEEN, VERSION = "_spmdzero_view_root", "_spmdzero_view_chain", "_spmdzero_view_seen", \
     "_spmdzero_version"
 
 
+@functools.lru_cache(maxsize=None)  # asked at every op on an output: the schema is the op's own
 def is_view(func) -> bool:
     """An aten op whose result aliases its first argument (its schema returns ``Tensor(a)``)."""
     if not isinstance(func, torch._ops.OpOverload) or func is torch.ops.aten.view.dtype:
