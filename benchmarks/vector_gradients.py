@@ -9,7 +9,9 @@ Each row: a parameter ``p`` used as ``tanh(x * p)`` on a batch split over ``fsdp
 gradient constrained to ``p``'s ZeRO layout (split over ``fsdp``). A matrix's gradient made by
 a matmul is the other case; the engine's tests cover it. The "bucket" rows store six vectors
 as one flat, tile-aligned parameter that the step slices, as DeepSpeed's flat buffers do: the
-question is whether one buffer turns the vectors' reductions into one reduce-scatter.
+question is whether one buffer turns the vectors' reductions into one reduce-scatter. The
+"view" rows gather a vector through a ``[length / 128, 128]`` view split by rows: the question
+is whether a two-dimensional gather turns its reduction into a reduce-scatter.
 """
 
 from __future__ import annotations
@@ -55,6 +57,25 @@ def rows(devices):
 
     for length in (768, 4096, 65536, 262144):
         yield f"vector [{length}], split over fsdp", one((length,), ("fsdp",))
+
+    def through_rows(length, columns=128):
+        # the same vector, gathered through a [length / 128, 128] view split by rows: a layout the
+        # engine could choose without the user's module seeing it
+        x = jax.ShapeDtypeStruct((8 * n, 16, length), jnp.float32, sharding=spec("fsdp"))
+        p = jax.ShapeDtypeStruct((length,), jnp.float32, sharding=spec("fsdp"))
+
+        def step(x, p):
+            def loss(x, p):
+                rows = jax.lax.with_sharding_constraint(p.reshape(length // columns, columns), spec("fsdp"))
+                whole = jax.lax.with_sharding_constraint(rows, spec()).reshape(length)
+                return jnp.mean(jnp.tanh(x * whole) ** 2)
+            return jax.lax.with_sharding_constraint(jax.grad(loss, argnums=1)(x, p), spec("fsdp"))
+        return collectives_of(step, (x, p))
+
+    for length in (4096, 65536):
+        if length % (128 * n) == 0:
+            yield f"vector [{length}], gathered through a [{length // 128}, 128] view split by rows", \
+                through_rows(length)
     yield "matrix [256, 256], rows split", one((256, 256), ("fsdp",))
     yield "matrix [256, 2048], columns split", one((256, 2048), (None, "fsdp"))
 

@@ -38,7 +38,16 @@ def _known(name):
     return pytest.param(name, marks=pytest.mark.xfail(reason=KNOWN[name], strict=True)) if name in KNOWN else name
 
 
-@pytest.mark.parametrize("name", [_known(n) for n in zoo.names()])
+# of the second list (``zoo.more_names()``, all of which the benchmark trains on both versions), the
+# ones whose code paths the first list lacks: sliding windows, multi-head latent attention and
+# shared experts, attention sinks, alternating local attention, state spaces, shifted windows.
+# On 4.x the three mixtures of experts route in a host loop, as mixtral does there, and run
+# eagerly (40-100 s each): the benchmark covers them, the suite's time budget does not.
+MORE = ["gemma3", "modernbert", "mamba", "swin"] + (["qwen3-moe", "deepseek-v3", "gpt-oss"] if MAJOR >= 5 else [])
+assert set(MORE) <= set(zoo.more_names())
+
+
+@pytest.mark.parametrize("name", [_known(n) for n in [*zoo.names(), *MORE]])
 def test_a_stock_architecture_trains_as_in_plain_torch(name):
     result = zoo.train_both(name)
     gc.collect()

@@ -14,6 +14,9 @@ import torch
 
 ROWS, LENGTH, VOCAB = 8, 16, 96
 NAMES = ["llama-lora", "gpt2", "gpt2-eager", "llama", "llama-eager", "qwen2", "mistral", "gemma", "opt", "gpt-neox", "phi", "bloom", "mixtral", "qwen2-moe", "bert", "roberta", "distilbert", "albert", "electra", "deberta-v2", "deberta-v2-cls", "t5", "bart", "vit", "convnext", "resnet", "wav2vec2", "whisper"]
+MORE_NAMES = ["qwen3", "qwen3-moe", "gemma2", "gemma3", "phi3", "olmo2", "starcoder2", "granite", "cohere", "smollm3",
+              "falcon", "gptj", "gpt-bigcode", "deepseek-v3", "gpt-oss", "mamba", "modernbert", "xlm-roberta", "mt5",
+              "swin"]
 
 
 def _quiet(config):
@@ -21,6 +24,7 @@ def _quiet(config):
     for name in list(vars(config)):
         value = getattr(config, name)
         if isinstance(value, float) and ("dropout" in name or "pdrop" in name or "drop_prob" in name or name.endswith("_drop")
+                                         or "drop_path" in name  # stochastic depth (Swin's drop_path_rate)
                                          or name in ("layerdrop", "mask_time_prob", "mask_feature_prob")):
             setattr(config, name, 0.0)
     for sub in ("text_config", "vision_config", "encoder", "decoder"):
@@ -199,14 +203,73 @@ def _cases():
     return cases
 
 
+def _more_cases():
+    """Architectures people fine-tune today whose code paths differ from the first list's: sliding
+    windows and soft-capping (Gemma 2/3), QK norms (Qwen3, OLMo2), routed experts with shared
+    ones (DeepSeek-V3) and with attention sinks (GPT-OSS), multi-query attention (GPT-BigCode),
+    alternating local attention (ModernBERT), state spaces (Mamba), shifted windows (Swin)."""
+    import transformers as t
+
+    small = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                 max_position_embeddings=64)
+    llama = dict(small, num_key_value_heads=2)
+    return [
+        ("qwen3", _model("Qwen3ForCausalLM", lambda: t.Qwen3Config(**llama, head_dim=8)), _padded_lm),
+        ("qwen3-moe", _model("Qwen3MoeForCausalLM", lambda: t.Qwen3MoeConfig(
+            **llama, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)), _padded_lm),
+        ("gemma2", _model("Gemma2ForCausalLM", lambda: t.Gemma2Config(**llama, head_dim=8, sliding_window=8)),
+         _padded_lm),
+        ("gemma3", _model("Gemma3ForCausalLM", lambda: t.Gemma3TextConfig(**llama, head_dim=8, sliding_window=8)),
+         _padded_lm),
+        ("phi3", _model("Phi3ForCausalLM", lambda: t.Phi3Config(**llama, pad_token_id=0)), _padded_lm),
+        ("olmo2", _model("Olmo2ForCausalLM", lambda: t.Olmo2Config(**llama, pad_token_id=0)), _padded_lm),
+        ("starcoder2", _model("Starcoder2ForCausalLM", lambda: t.Starcoder2Config(**llama)), _padded_lm),
+        ("granite", _model("GraniteForCausalLM", lambda: t.GraniteConfig(**llama)), _padded_lm),
+        ("cohere", _model("CohereForCausalLM", lambda: t.CohereConfig(**llama, pad_token_id=0)), _padded_lm),
+        ("smollm3", _model("SmolLM3ForCausalLM", lambda: t.SmolLM3Config(**llama, pad_token_id=0)), _padded_lm),
+        ("falcon", _model("FalconForCausalLM", lambda: t.FalconConfig(vocab_size=VOCAB, hidden_size=32,
+                                                                       num_hidden_layers=2, num_attention_heads=4)),
+         _padded_lm),
+        ("gptj", _model("GPTJForCausalLM", lambda: t.GPTJConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
+                                                                 n_positions=64, rotary_dim=4)), _padded_lm),
+        ("gpt-bigcode", _model("GPTBigCodeForCausalLM", lambda: t.GPTBigCodeConfig(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)), _padded_lm),
+        ("deepseek-v3", _model("DeepseekV3ForCausalLM", lambda: t.DeepseekV3Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+            topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+            qk_nope_head_dim=4, v_head_dim=8, max_position_embeddings=64)), _padded_lm),
+        ("gpt-oss", _model("GptOssForCausalLM", lambda: t.GptOssConfig(
+            **llama, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=8)), _padded_lm),
+        ("mamba", _model("MambaForCausalLM", lambda: t.MambaConfig(vocab_size=VOCAB, hidden_size=32,
+                                                                    num_hidden_layers=2, state_size=4)), _padded_lm),
+        ("modernbert", _model("ModernBertForMaskedLM", lambda: t.ModernBertConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=64, pad_token_id=0, local_attention=8, global_attn_every_n_layers=2)), _mlm),
+        ("xlm-roberta", _model("XLMRobertaForSequenceClassification", lambda: t.XLMRobertaConfig(
+            **small, pad_token_id=1, num_labels=3)), _classify),
+        ("mt5", _model("MT5ForConditionalGeneration", lambda: t.MT5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)),
+         _seq2seq),
+        ("swin", _model("SwinForImageClassification", lambda: t.SwinConfig(
+            image_size=32, patch_size=4, embed_dim=8, depths=[1, 1], num_heads=[2, 2], window_size=4, num_labels=4)),
+         _images),
+    ]
+
+
 def cases() -> dict:
     """``{name: (build, batch)}`` for the transformers this process imports."""
-    return {name: (build, batch, *lr) for name, build, batch, *lr in _cases()}
+    return {name: (build, batch, *lr) for name, build, batch, *lr in [*_cases(), *_more_cases()]}
 
 
 def names() -> list[str]:
     """The cases' names, without importing transformers (for pytest's parametrisation)."""
     return NAMES
+
+
+def more_names() -> list[str]:
+    """``_more_cases``' names, the same way."""
+    return MORE_NAMES
 
 
 def train_both(name: str, steps: int = 4, lr: float | None = None, stage: int = 2) -> dict:
