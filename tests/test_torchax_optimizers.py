@@ -124,3 +124,52 @@ def test_adamw_warming_up_from_lr_zero_stays_finite():
     weight = engine.module.emb.weight.detach()
     assert torch.isfinite(weight).all()
     torch.testing.assert_close(weight, ref.module.emb.weight.detach().cpu(), atol=1e-5, rtol=1e-5)
+
+
+ADAFACTOR_CASES = {
+    # the Trainer's --optim adafactor
+    "trainer": dict(lr=1e-2, scale_parameter=False, relative_step=False, warmup_init=False, weight_decay=0.01),
+    # T5's recipe: step sizes from the count, scaled by each parameter's RMS, and a first moment
+    "relative-step": dict(lr=None, scale_parameter=True, relative_step=True, warmup_init=True, beta1=0.9),
+}
+
+
+@pytest.mark.parametrize("case", ADAFACTOR_CASES)
+def test_transformers_adafactor_trains_as_in_plain_torch_and_resumes(case, tmp_path):
+    """transformers' Adafactor keeps its step count as a Python number and reads it with
+    math.pow: traced as it is, the run stopped at its second step (KeyError: 'step'). Its
+    factored (matrices) and unfactored (biases) second moments, with the count a tensor: the
+    losses and parameters of plain torch over 6 steps, the update traced twice and never again,
+    and a checkpoint taken after 3 steps resumes to the same losses."""
+    from transformers.optimization import Adafactor
+
+    data = batches(6, 16)
+    reference = WithLoss(tiny_mlp())
+    torch_optimizer = Adafactor(reference.parameters(), **ADAFACTOR_CASES[case])
+    expected = []
+    for x, y in data:
+        loss = reference(x, y)
+        loss.backward()
+        torch_optimizer.step()
+        torch_optimizer.zero_grad()
+        expected.append(loss.item())
+
+    def engine_of(seed):
+        model = WithLoss(tiny_mlp(seed=seed))
+        engine, *_ = spmdzero.initialize(model=model, optimizer=Adafactor(model.parameters(), **ADAFACTOR_CASES[case]),
+                                         config={"train_batch_size": 16, "gradient_clipping": 0.0,
+                                                 "zero_optimization": {"stage": 2}})
+        return engine
+
+    engine = engine_of(0)
+    losses = train(engine, data[:3])
+    engine.save_checkpoint(str(tmp_path))
+    warm = dict(engine.traces)
+    losses += train(engine, data[3:])
+    assert warm["update"] == 2 and dict(engine.traces) == warm
+    assert losses == pytest.approx(expected, abs=1e-5)
+    for (name, p), (_, q) in zip(engine.module.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), atol=1e-5, rtol=1e-5, msg=name)
+    resumed = engine_of(1)
+    resumed.load_checkpoint(str(tmp_path))
+    assert train(resumed, data[3:]) == pytest.approx(losses[3:], abs=1e-6)

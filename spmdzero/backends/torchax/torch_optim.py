@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from spmdzero.backends.torchax import adafactor
 from spmdzero.backends.torchax.out_arguments import OutArgumentsCopied
 
 
@@ -92,7 +93,9 @@ def state_shapes(optimizer: torch.optim.Optimizer, groups: list[list[str]], targ
 
 def learning_rates(optimizer: torch.optim.Optimizer) -> list[np.ndarray]:
     """Each group's lr, the update program's traced hyperparameter."""
-    return [np.array([float(group["lr"])], dtype=np.float32) for group in optimizer.param_groups]
+    # lr None: an optimizer that sizes its own steps (Adafactor's relative_step) and reads none
+    return [np.array([float(group["lr"] if group["lr"] is not None else 0.0)], dtype=np.float32)
+            for group in optimizer.param_groups]
 
 
 def static_hyperparameters(optimizer: torch.optim.Optimizer, with_lr: bool = False) -> tuple:
@@ -143,7 +146,10 @@ def traced_step(optimizer: torch.optim.Optimizer, groups: list[list[str]], targe
                     group[flag] = False
         with env, OutArgumentsCopied(), torch.no_grad():
             try:
-                optimizer.step()
+                if adafactor.replaces(optimizer):  # its step reads its count on the host: a traced twin
+                    adafactor.step(optimizer)
+                else:
+                    optimizer.step()
             except Exception as err:
                 import jax
 

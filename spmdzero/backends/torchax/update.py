@@ -82,7 +82,9 @@ class UpdateProgram:
             self.lr_scheduler.keep_on_device(None, put=self._device_count, ops=jax_ops())
         if self._torch_optimizer:
             constant = self._lr_mode == "constant"
-            hyper = [] if constant else [self._hyper_array([g["lr"]]) for g in self.basic_optimizer.param_groups]
+            # lr None: an optimizer that sizes its own steps (Adafactor's relative_step) and reads none
+            hyper = [] if constant else [self._hyper_array([0.0 if g["lr"] is None else g["lr"]])
+                                         for g in self.basic_optimizer.param_groups]
             static = torch_optim.static_hyperparameters(self.basic_optimizer, with_lr=constant)
             if static != self._static_hyper:  # constants of the update program: built for the new ones
                 self._static_hyper, self._update, self._unclipped_update = static, self._build_update(), None
