@@ -146,6 +146,32 @@ def test_a_number_in_a_vmapped_function_meets_a_torchax_tensor():
     np.testing.assert_array_equal(np.asarray(result._elem), np.arange(5) - 3)
 
 
+def test_a_write_of_another_dtype_is_cast_to_the_tensors_as_in_torch():
+    """``x[key] = value`` with fp32 values into a bf16 tensor, by a slice, a slice of a slice, a
+    boolean mask and indices: ``x`` stays bf16 with torch's values, and JAX warns of no unsafe
+    cast. Through the mask ``x`` became fp32 before, and the others warned. (torch casts for
+    slices and refuses the other two; here they take the cast value, as torch's slices do.)"""
+    import warnings
+
+    env = torchax.default_env()
+    lowerings.install(env)
+    mask = [[False], [True], [True], [False]]
+    writes = {"mask": lambda x, v, d: x.__setitem__(torch.tensor(mask, device=d).expand(4, 3)[:, 0], v),
+              "indices": lambda x, v, d: x.__setitem__(torch.tensor([1, 2], device=d), v),
+              "slice": lambda x, v, d: x.__setitem__(slice(1, 3), v),
+              "slice of a slice": lambda x, v, d: x[1:3].__setitem__((slice(None), 0), v[:, 0])}
+    for name, write in writes.items():
+        value = torch.arange(6, dtype=torch.float32).reshape(2, 3) + 0.5
+        expected = torch.zeros(4, 3, dtype=torch.bfloat16)
+        write(expected, value.to(torch.bfloat16) if name in ("mask", "indices") else value, "cpu")
+        with env, warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            x = torch.zeros(4, 3, dtype=torch.bfloat16, device="jax")
+            write(x, value.to("jax"), "jax")
+        assert x.dtype == torch.bfloat16, name
+        np.testing.assert_array_equal(np.asarray(x._elem.astype("float32")), expected.float().numpy(), err_msg=name)
+
+
 class _OutArgument(torch.nn.Module):
     """A forward that writes a product into a buffer it made (``out=``), as TRL's helpers do."""
 

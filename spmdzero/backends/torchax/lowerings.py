@@ -39,6 +39,11 @@ Each replacement is installed on torchax's process-wide environment once, at the
   int when the slice is made, as torch takes it (``operator.index``): a value read on the host,
   so a traced program hands the forward to the eager path (``host_reads``), as any read does.
 
+* ``x[key] = value`` with ``value`` of another dtype (an fp32 result written into a bf16
+  activation): torch casts it to ``x``'s dtype. torchax set it as it came: through a boolean
+  mask ``x`` became fp32, silently, and through indices or slices JAX warned at every step that
+  it will refuse the write (TRL's bf16 SFT printed it). Here the value is cast first.
+
 In-place ops that torchax 0.0.13 lowers only out of place (``x.exp_()``, ``neg_``, ``abs_``,
 ``clamp_max_``, ``addmm_`` on a slice, as TRL's chunked log-probabilities backward calls it:
 "Operator with name aten::addmm_ has no lowering") run as torchax runs ``add_``: the functional
@@ -224,6 +229,27 @@ def _slices_with_index_bounds(env) -> None:
     env._ops[torch.Tensor.__getitem__] = dataclasses.replace(original, func=getitem)
 
 
+def _setitem_in_the_tensors_dtype() -> None:
+    """``x[key] = value`` writes ``value`` cast to ``x``'s dtype, as torch does (``Tensor`` and
+    ``View`` of torchax, process-wide, once)."""
+    from torchax import tensor as ttensor
+    from torchax import view as tview
+    from torchax.ops import mappings
+
+    for cls in (ttensor.Tensor, tview.View):
+        setitem = cls.__setitem__
+        if getattr(setitem, _INSTALLED, False):
+            continue
+
+        def cast(self, key, val, setitem=setitem):
+            if isinstance(val, (ttensor.Tensor, tview.View)) and val.dtype != self.dtype:
+                val = ttensor.Tensor(val.jax().astype(mappings.t2j_dtype(self.dtype)), val._env)
+            return setitem(self, key, val)
+
+        setattr(cast, _INSTALLED, True)
+        cls.__setitem__ = cast
+
+
 def _grouped_mm_ops() -> list:
     """The grouped matmul ops this process has: torch's, and transformers' once its MoE code is loaded."""
     ops = [getattr(torch.ops.aten, "_grouped_mm", None)]
@@ -282,6 +308,7 @@ def install(env) -> None:
     attention.install(env)
     _numbers_copy_to_arrays(env)
     _slices_with_index_bounds(env)
+    _setitem_in_the_tensors_dtype()
     for op in (torch.ops.aten.embedding, torch.ops.aten.embedding.default):
         lower(op, embedding)
     for op in (torch.ops.aten.detach, torch.ops.aten.detach.default):
