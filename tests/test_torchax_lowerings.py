@@ -148,7 +148,7 @@ def test_a_number_in_a_vmapped_function_meets_a_torchax_tensor():
 
 def test_a_write_of_another_dtype_is_cast_to_the_tensors_as_in_torch():
     """``x[key] = value`` with fp32 values into a bf16 tensor, by a slice, a slice of a slice, a
-    boolean mask and indices: ``x`` stays bf16 with torch's values, and JAX warns of no unsafe
+    boolean mask and indices, and ``copy_`` and ``out=`` into a slice: ``x`` stays bf16 with torch's values, and JAX warns of no unsafe
     cast. Through the mask ``x`` became fp32 before, and the others warned. (torch casts for
     slices and refuses the other two; here they take the cast value, as torch's slices do.)"""
     import warnings
@@ -159,7 +159,9 @@ def test_a_write_of_another_dtype_is_cast_to_the_tensors_as_in_torch():
     writes = {"mask": lambda x, v, d: x.__setitem__(torch.tensor(mask, device=d).expand(4, 3)[:, 0], v),
               "indices": lambda x, v, d: x.__setitem__(torch.tensor([1, 2], device=d), v),
               "slice": lambda x, v, d: x.__setitem__(slice(1, 3), v),
-              "slice of a slice": lambda x, v, d: x[1:3].__setitem__((slice(None), 0), v[:, 0])}
+              "slice of a slice": lambda x, v, d: x[1:3].__setitem__((slice(None), 0), v[:, 0]),
+              "copy_ into a slice": lambda x, v, d: x[1:3].copy_(v),
+              "out= into a slice": lambda x, v, d: torch.mul(v, 2.0, out=x[1:3])}
     for name, write in writes.items():
         value = torch.arange(6, dtype=torch.float32).reshape(2, 3) + 0.5
         expected = torch.zeros(4, 3, dtype=torch.bfloat16)

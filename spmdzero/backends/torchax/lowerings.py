@@ -40,9 +40,10 @@ Each replacement is installed on torchax's process-wide environment once, at the
   so a traced program hands the forward to the eager path (``host_reads``), as any read does.
 
 * ``x[key] = value`` with ``value`` of another dtype (an fp32 result written into a bf16
-  activation): torch casts it to ``x``'s dtype. torchax set it as it came: through a boolean
-  mask ``x`` became fp32, silently, and through indices or slices JAX warned at every step that
-  it will refuse the write (TRL's bf16 SFT printed it). Here the value is cast first.
+  activation), and ``copy_``/in-place ops/``out=`` into a slice: torch casts the value to the
+  written tensor's dtype. torchax wrote it as it came: through a boolean mask ``x`` became
+  fp32, silently, and into indices or slices JAX warned at every step that it will refuse the
+  write (TRL's bf16 SFT printed it). Here the value is cast first.
 
 In-place ops that torchax 0.0.13 lowers only out of place (``x.exp_()``, ``neg_``, ``abs_``,
 ``clamp_max_``, ``addmm_`` on a slice, as TRL's chunked log-probabilities backward calls it:
@@ -230,24 +231,31 @@ def _slices_with_index_bounds(env) -> None:
 
 
 def _setitem_in_the_tensors_dtype() -> None:
-    """``x[key] = value`` writes ``value`` cast to ``x``'s dtype, as torch does (``Tensor`` and
-    ``View`` of torchax, process-wide, once)."""
+    """``x[key] = value`` writes ``value`` cast to ``x``'s dtype, as torch does, and so does any
+    write into a view (``copy_``, an in-place op, ``out=`` into a slice): torchax's ``Tensor``
+    and ``View``, process-wide, once."""
     from torchax import tensor as ttensor
     from torchax import view as tview
     from torchax.ops import mappings
 
-    for cls in (ttensor.Tensor, tview.View):
-        setitem = cls.__setitem__
-        if getattr(setitem, _INSTALLED, False):
-            continue
+    setitem, update = ttensor.Tensor.__setitem__, tview.View.update
+    if getattr(setitem, _INSTALLED, False):
+        return
 
-        def cast(self, key, val, setitem=setitem):
-            if isinstance(val, (ttensor.Tensor, tview.View)) and val.dtype != self.dtype:
-                val = ttensor.Tensor(val.jax().astype(mappings.t2j_dtype(self.dtype)), val._env)
-            return setitem(self, key, val)
+    def cast_setitem(self, key, val):
+        if isinstance(val, (ttensor.Tensor, tview.View)) and val.dtype != self.dtype:
+            val = ttensor.Tensor(val.jax().astype(mappings.t2j_dtype(self.dtype)), val._env)
+        return setitem(self, key, val)
 
-        setattr(cast, _INSTALLED, True)
-        cls.__setitem__ = cast
+    def cast_update(self, new_values, view_infos=None):
+        if isinstance(new_values, (ttensor.Tensor, tview.View)):
+            new_values = new_values.jax()
+        if hasattr(new_values, "astype"):
+            new_values = new_values.astype(self.source_jax().dtype)
+        return update(self, new_values, view_infos)
+
+    setattr(cast_setitem, _INSTALLED, True)
+    ttensor.Tensor.__setitem__, tview.View.update = cast_setitem, cast_update
 
 
 def _grouped_mm_ops() -> list:
