@@ -147,6 +147,22 @@ def test_aot_passes_scan_layers_and_its_stacked_value_to_the_trace(tmp_path, mon
     assert tail == passed and command[-1] == "--json"
 
 
+@pytest.mark.parametrize("backend", ["torchax", "torch_xla"])
+def test_aot_traces_the_torchax_step_without_importing_torch_xla(tmp_path, monkeypatch, backend):
+    """transformers imports accelerate, which imports torch_xla (3-4 s) unless USE_TORCH_XLA is
+    off: the torchax child has it off, whatever this shell says; torch_xla's child keeps it."""
+    import subprocess
+
+    seen = {}
+    monkeypatch.setenv("USE_TORCH_XLA", "1")
+    monkeypatch.setattr(subprocess, "run", lambda command, env: seen.update(env=env)
+                        or subprocess.CompletedProcess(command, 0))
+    path = write(tmp_path, {"train_batch_size": 8, "spmd": {"backend": backend}})
+    assert main(["aot", "--topology", "v5e:2x2", "--deepspeed_config", path, "--json"]) == 0
+    assert seen["env"]["SPMDZERO_BACKEND"] == backend
+    assert seen["env"]["USE_TORCH_XLA"] == ("0" if backend == "torchax" else "1")
+
+
 def test_aot_refuses_another_scan_layers_value(tmp_path, capsys):
     path = write(tmp_path, {"train_batch_size": 8})
     with pytest.raises(SystemExit):

@@ -119,6 +119,10 @@ def _run_aot(args) -> int:
     env.pop("SPMDZERO_NO_RUNTIME", None)
     if backend == "torchax":
         env["SPMDZERO_BACKEND"] = "torchax"
+        # transformers imports accelerate, which imports torch_xla whenever it is installed (3-4 s
+        # here, an eighth of a small model's whole command) unless USE_TORCH_XLA is off; the
+        # torchax trace has no use for it
+        env["USE_TORCH_XLA"] = "0"
     else:
         try:
             devices = check_traceable(args.topology)
