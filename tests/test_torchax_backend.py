@@ -1617,3 +1617,84 @@ def test_a_method_of_the_models_class_called_through_the_engine_trains_as_torch(
     with torch.no_grad():
         got, want = engine.forward_value(batches(1, 16)[0][0], ids=ids), reference.forward_value(batches(1, 16)[0][0], ids=ids)
     torch.testing.assert_close(torch.as_tensor(np.asarray(got["end_scores"])), want["end_scores"], atol=1e-6, rtol=0)
+
+
+class _Student(torch.nn.Module):
+    """A student whose loss reads a teacher: it calls the teacher (an engine, or the module in
+    plain torch) and projects through the teacher's last weight itself, as TRL's
+    DistillationTrainer does with the teacher's ``lm_head``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.body = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 8)
+
+    def forward(self, x, teacher, teacher_module):
+        with torch.no_grad():
+            target = teacher(x)
+        weight = teacher_module.net[2].weight  # [8, 64]: read here, not in the teacher's own forward
+        return torch.nn.functional.mse_loss(self.head(torch.tanh(self.body(x))), target @ weight @ weight.t())
+
+
+def _redirected(wrapper, module, method, *args):
+    """TRL's forward redirection: ``wrapper`` (an engine, or the module itself) is called, and
+    ``module.forward`` is swapped for ``method`` for that call, a swap that undoes itself."""
+    original = module.forward
+
+    def swapped(*a, **k):
+        module.forward = original
+        return method(*a, **k)
+
+    module.forward = swapped
+    return wrapper(*args)
+
+
+@pytest.mark.parametrize("stages", [(2, 0), (3, 3)], ids=["zero2-teacher0", "zero3-teacher3"])
+def test_an_engine_called_inside_anothers_forward_trains_as_in_plain_torch(stages):
+    """The teacher engine is called inside the student engine's forward and its module's weight
+    read there (``other_engines``). The student's programs take the teacher's parameters as
+    inputs, not constants: the teacher is trained too, between the student's steps, and the
+    student's losses follow it as in plain torch. The student's training forward is traced
+    twice (the first trace met the teacher), and never again."""
+    student_stage, teacher_stage = stages
+
+    def run(engines: bool):
+        student, teacher = _Student(), WithLoss(tiny_mlp(seed=0))
+        s_opt, t_opt = (torch.optim.SGD(m.parameters(), lr=0.2) for m in (student, teacher))
+        s_call, t_call = student, teacher.net
+        if engines:
+            s_call, *_ = spmdzero.initialize(model=student, optimizer=s_opt, config={
+                "train_micro_batch_size_per_gpu": 16, "zero_optimization": {"stage": student_stage}})
+            t_engine, *_ = spmdzero.initialize(model=teacher, optimizer=t_opt, config={
+                "train_micro_batch_size_per_gpu": 16, "zero_optimization": {"stage": teacher_stage}})
+            t_call = lambda x: _redirected(t_engine, teacher, lambda v: teacher.net(v), x)  # noqa: E731
+        losses = []
+        for x, y in batches(STEPS, 16):
+            loss = _redirected(s_call, student, student.forward, x, t_call, teacher)
+            if engines:
+                s_call.backward(loss)
+                s_call.step()
+                t_engine.backward(t_engine(x, y))
+                t_engine.step()
+            else:
+                loss.backward()
+                s_opt.step()
+                s_opt.zero_grad()
+                teacher.zero_grad()  # the student's loss trains the student only (other_engines)
+                teacher(x, y).backward()
+                t_opt.step()
+                t_opt.zero_grad()
+            losses.append(float(loss.detach().cpu()))
+        # each swap undone, the first trace's included (it stopped after the student's swap undid itself)
+        assert student.forward.__func__ is _Student.forward and teacher.forward.__func__ is WithLoss.forward
+        params = {n: p.detach().cpu().clone() for n, p in student.named_parameters()}
+        return losses, params, (s_call if engines else None)
+
+    reference, reference_params, _ = run(engines=False)
+    losses, params, engine = run(engines=True)
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
+    assert len(set(np.round(losses, 6))) == STEPS  # the teacher moved: the losses are not one value
+    for name, value in reference_params.items():
+        torch.testing.assert_close(params[name], value, atol=1e-6, rtol=1e-5)
+    assert engine.traces["train_forward"] == 2, engine.traces

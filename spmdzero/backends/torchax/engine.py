@@ -76,6 +76,7 @@ from spmdzero.optim.precision import precision_policy
 from spmdzero.train.build import move_in_place
 from spmdzero.backends.torchax import host_reads
 from spmdzero.backends.torchax import host_tensors
+from spmdzero.backends.torchax import other_engines
 from spmdzero.backends.torchax.mesh import jax_devices, mesh_devices
 from spmdzero.sharding.mesh import data_parallel_axes, resolve_hybrid_shape
 from spmdzero.backends.torchax import torch_optim
@@ -243,6 +244,9 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         _sync_before_state_dict(module, self)
         self._seed(seed)  # process 0's
         self._programs: dict = {}  # jitted functions by static structure
+        self._other_engines: list = []  # engines called inside this one's programs (other_engines.py)
+        other_engines.register(self)
+        self._forward_swaps: list = []  # what the last trace did to modules' forward attributes
         # programs whose trace reads a value on the host run eagerly (host_reads)
         self._host_reads = host_reads.Fallback(self, type(module).__name__)
         self.traces: collections.Counter = collections.Counter()  # by program kind, counted while tracing

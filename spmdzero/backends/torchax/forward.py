@@ -25,7 +25,7 @@ from spmdzero.backends.torchax.outside_loss import tie
 from spmdzero.backends.torchax import process_rows
 from spmdzero.backends.torchax import trace_view
 from spmdzero.backends.torchax import remat
-from spmdzero.backends.torchax import method_programs
+from spmdzero.backends.torchax import method_programs, other_engines
 from spmdzero.backends.torchax import cross_entropy
 from spmdzero.backends.torchax import zero3_gather
 from spmdzero.train.scan_layers import scanned_parameters
@@ -122,7 +122,37 @@ class ForwardPrograms:
 
     def _forward(self, inputs: tuple, kwargs: dict, method: str = "forward"):
         """The module's ``method`` (its ``forward``, or another method a script calls through the
-        engine, ``module_methods``) on these inputs, in a program of its own."""
+        engine, ``module_methods``) on these inputs, in a program of its own; called while another
+        engine traces, inline in that engine's program (``other_engines``)."""
+        tracer = other_engines.tracing_engine()
+        if tracer is not None and tracer is not self:
+            return other_engines.call_inside(self, method_programs.entry(self._module, method), inputs, kwargs)
+        forwards, traced = other_engines.forward_attributes(), sum(self.traces.values())
+        while True:
+            try:
+                result = self._forward_once(inputs, kwargs, method)
+                break
+            except other_engines.Met as met:
+                if any(e is met.engine for e in self._other_engines):
+                    raise
+                self._other_engines.append(met.engine)  # its programs take that engine's values from now on
+                other_engines.put_back(forwards)
+        # a forward redirection's swap undoes itself when the module's forward runs, which a
+        # compiled program does not do again: what its trace did to the attributes is done here
+        if sum(self.traces.values()) != traced:
+            self._forward_swaps = other_engines.changed(forwards) or self._forward_swaps
+        else:
+            other_engines.put_back(self._forward_swaps)
+        return result
+
+    def _program_constants(self) -> dict:
+        """The constants a program takes: the buffers and untrained parameters, and the values of
+        the other engines it met (``other_engines``)."""
+        if not self._other_engines:
+            return self._constants
+        return {**self._constants, other_engines.KEY: other_engines.values(self._other_engines)}
+
+    def _forward_once(self, inputs: tuple, kwargs: dict, method: str):
         leaves, treespec, static, layout, arrays, rng, rows = self._placed(inputs, kwargs)
         training = self._module.training
         grad_enabled = torch.is_grad_enabled()
@@ -131,7 +161,7 @@ class ForwardPrograms:
         which = tuple(i for i, t in enumerate(tensors) if t.requires_grad and t.is_floating_point()) \
             if grad_enabled else ()
         forward = SimpleNamespace(treespec=treespec, static=static, rng=rng, arrays=arrays, rows=rows,
-                                  training=training, constants=self._constants, generation=self._generation,
+                                  training=training, constants=self._program_constants(), generation=self._generation,
                                   pending=None, accum_token=None, divisor=None, engine=self, which=which,
                                   inputs=[tensors[i] for i in which], dims=[layout.dim_of(tensors[i]) for i in which],
                                   vjp=None, released=False, method=method)
@@ -150,12 +180,12 @@ class ForwardPrograms:
             # VJP program, whose backward engine.backward runs from the loss the script computes
             program = self._program("vjp", treespec, static, training, which, method)
             self.runs["forward"] += 1
-            outputs, constants, forward.vjp = program(self._params, self._constants, rng, arrays)
+            outputs, constants, forward.vjp = program(self._params, self._program_constants(), rng, arrays)
             self._take_constants(constants)
             return self._outputs(outputs, program, forward)
         program = self._program("forward", treespec, static, training, method=method)
         self.runs["forward"] += 1
-        outputs, constants = program(self._params, self._constants, rng, arrays)
+        outputs, constants = program(self._params, self._program_constants(), rng, arrays)
         self._take_constants(constants)
         if not grad_enabled:
             return self._outputs(outputs, program)
@@ -250,7 +280,7 @@ class ForwardPrograms:
         """The jitted program for ``kind``, these inputs' structure and the module's mode (traced
         in it: dropout on or off); ``which``: the inputs the VJP program differentiates;
         ``method``: the module's method it runs."""
-        key = (kind, training, treespec, _hashable(static), which, self._frozen, method)
+        key = (kind, training, treespec, _hashable(static), which, self._frozen, method, len(self._other_engines))
         if key not in self._programs:
             self._programs[key] = self._build_forward(kind, treespec, static, which, method)
         return self._programs[key]
@@ -301,7 +331,11 @@ class ForwardPrograms:
                         self.plan[n].grad_layouts)))(p)
                     if n in self._param_specs and n not in scanned else p for n, p in params.items()}
 
+        others = list(self._other_engines)  # their values come in under other_engines.KEY
+
         def run(params, constants, rng, arrays, differentiated: bool = True):
+            constants = dict(constants)
+            traced_others = constants.pop(other_engines.KEY, None)
             leaves = list(arrays)
             for i, value in static:
                 leaves.insert(i, value)
@@ -315,7 +349,8 @@ class ForwardPrograms:
                 with env, env.override_property(prng=jax.random.fold_in(*rng)), trace_view.tracing(differentiated), \
                         remat.rematerializing(env, tensors.values()), cross_entropy.fused(env), \
                         attention.choosing(self.attention_kernels, env), \
-                        batchnorm.updating_running_statistics(batch_norms):
+                        batchnorm.updating_running_statistics(batch_norms), \
+                        other_engines.tracing(self, others, traced_others, env):
                     output = torch.func.functional_call(entry, method_programs.keyed(entry, tensors), inputs, kwargs)
             finally:
                 for m, params, buffers in held:
