@@ -37,15 +37,19 @@ def register(engine) -> None:
     _live.add(engine)
 
 
+def _forward_of(module: torch.nn.Module):
+    """The ``forward`` set on ``module`` itself (an instance attribute), else ``_UNSET``."""
+    return module.__dict__.get("forward", _UNSET)
+
+
 def forward_attributes() -> list:
-    """Each live engine's module and the ``forward`` set on it (an instance attribute), if any."""
-    return [(e._module, e._module.__dict__.get("forward", _UNSET)) for e in list(_live)]
+    """Each live engine's module and the ``forward`` set on it, if any."""
+    return [(e._module, _forward_of(e._module)) for e in list(_live)]
 
 
 def changed(before: list) -> list:
     """The modules whose ``forward`` attribute is not what ``before`` found, with what it is now."""
-    return [(m, m.__dict__.get("forward", _UNSET)) for m, forward in before
-            if m.__dict__.get("forward", _UNSET) is not forward]
+    return [(m, _forward_of(m)) for m, forward in before if _forward_of(m) is not forward]
 
 
 def put_back(saved: list) -> None:
