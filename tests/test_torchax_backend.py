@@ -1536,23 +1536,43 @@ def test_without_torch_xla_installed_the_default_backend_trains_and_the_extra_is
                                        "spmd.backend='torchax' (the default)")
 
 
-def test_a_loss_outside_the_module_whose_backward_makes_tensors_trains_as_torch():
+def _clipped_ratio(module, x, y):
+    ratio = torch.exp(module(x)["logits"] - y)
+    return -torch.min(ratio, torch.clamp(ratio, 0.8, 1.2)).mean()
+
+
+def _odds_ratio_on_the_host(module, x, y):
+    """TRL's ORPO loss, in small: ``log1mexp`` is a ``torch.where`` with a number, and the loss
+    goes back ``.to(args.device)``, which is the host here."""
+    logps = -torch.nn.functional.softplus(module(x)["logits"] - y).mean(-1)
+    chosen, rejected = logps[: len(logps) // 2], logps[len(logps) // 2:]
+
+    def log1mexp(v):
+        return torch.where(v < -0.6931471805599453, torch.log1p(-torch.exp(v)), torch.log(-torch.expm1(v)))
+    log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
+    loss = -chosen.mean() - 0.1 * torch.nn.functional.logsigmoid(log_odds).mean()
+    return torch.where(loss > 100, 100.0, loss).to("cpu")
+
+
+@pytest.mark.parametrize("loss", [_clipped_ratio, _odds_ratio_on_the_host], ids=["clamp", "moved_to_the_host"])
+def test_a_loss_outside_the_module_whose_backward_makes_tensors_trains_as_torch(loss):
     """``clamp``'s gradient is ``where(in_range, grad, zeros({}, grad.options()))``: made from the
     outputs' options, that zero was a meta tensor ("Cannot copy out of meta tensor; no data!",
-    TRL's GRPO loss, which clamps its probability ratio). It is made in JAX
-    (``autograd_factories``), and the gradients are torch's."""
+    TRL's GRPO loss, which clamps its probability ratio). So was the gradient of a loss moved to
+    the host (TRL's ORPO: ``loss.to(args.device)``), which the move's backward copies to the
+    outputs' ``meta`` device, and a number in ``torch.where`` on the outputs, which torch makes
+    a tensor there. Each is made in JAX (``autograd_factories``, ``output_tensor``), and the
+    gradients are torch's."""
     model, reference = MaybeLoss(tiny_mlp(seed=0)), MaybeLoss(tiny_mlp(seed=0))
     engine, *_ = spmdzero.initialize(model=model, config=plain_config())
     optimizer = torch_optimizer(reference)
-
-    def clipped(module, x, y):
-        ratio = torch.exp(module(x)["logits"] - y)
-        return -torch.min(ratio, torch.clamp(ratio, 0.8, 1.2)).mean()
-
     for x, y in batches(2, 16):
-        engine.backward(clipped(engine, x, y))
+        value = loss(engine, x, y)
+        engine.backward(value)
         engine.step()
-        torch_step(reference, optimizer, clipped(reference, x, y))
+        expected = loss(reference, x, y)
+        torch_step(reference, optimizer, expected)
+        assert value.item() == pytest.approx(expected.item(), abs=1e-6)
         assert_as_in_torch(engine, reference)
 
 

@@ -146,6 +146,35 @@ def test_host_tensors_made_on_the_device_combine_with_the_outputs(engine_and_out
     assert float(F.cross_entropy(out, labels)) == pytest.approx(float(F.cross_entropy(expected, labels)), rel=1e-6)
 
 
+NUMBERS = {  # ops on outputs where torch's C++ makes a Python number (or data) a tensor on their device
+    "where(mask, out, 0.0)": lambda out: torch.where(out > 0, out, 0.0),
+    "where(mask, -1, out)": lambda out: torch.where(out > 0, -1, out),
+    "where(mask, 1, 0)": lambda out: torch.where(out > 0, 1, 0),
+    "where(mask, 2.5, 0)": lambda out: torch.where(out > 0, 2.5, 0),
+    "out.where(mask, 0.0)": lambda out: out.where(out > 0, 0.0),
+    "bf16 out.where(mask, 0.5)": lambda out: out.to(torch.bfloat16).where(out > 0, 0.5),
+    "bf16 where(mask, out, 0.5)": lambda out: torch.where(out > 0, out.to(torch.bfloat16), 0.5),
+    "int where(mask, ids, -100)": lambda out: torch.where(out > 0, out.argmax(-1, keepdim=True), -100),
+    "new_tensor(list)": lambda out: out.new_tensor([1.5, 2.5]),
+    "new_tensor(host tensor)": lambda out: out.new_tensor(torch.arange(3)),
+    "new_tensor(dtype=long)": lambda out: out.new_tensor([1, 2], dtype=torch.long),
+}
+
+
+@pytest.mark.parametrize("op", list(NUMBERS))
+def test_numbers_given_to_ops_on_the_outputs_keep_their_values(engine_and_output, op):
+    """torch's C++ sees an output's device as ``meta``: a number it made a tensor there lost its
+    value ("Cannot copy out of meta tensor; no data!"). TRL's distillation losses mask with
+    ``torch.where(mask, 0.0, logps)``; ORPO's ``log1mexp`` is a ``torch.where``."""
+    engine, out = engine_and_output
+    result = NUMBERS[op](out.detach())
+    expected = NUMBERS[op](out.detach().cpu())
+    assert result.device == out.device
+    # torchax makes torch's int64 int32 (JAX without x64), as for ``out.argmax(-1)``
+    assert result.dtype == (torch.int32 if expected.dtype == torch.int64 else expected.dtype)
+    assert torch.equal(result.cpu(), expected)
+
+
 def test_an_outputs_value_written_into_a_host_tensor_lands_there(engine_and_output):
     """``total += loss``, ``buf[:] = out.argmax(-1)``, ``copy_`` and ``out=``: the op runs in JAX
     on a copy of the host tensor; the value used to stay in the copy (the host tensor kept 0)."""
