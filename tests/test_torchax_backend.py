@@ -1554,15 +1554,23 @@ def _odds_ratio_on_the_host(module, x, y):
     return torch.where(loss > 100, 100.0, loss).to("cpu")
 
 
-@pytest.mark.parametrize("loss", [_clipped_ratio, _odds_ratio_on_the_host], ids=["clamp", "moved_to_the_host"])
+def _logps_along_ids(module, x, y):
+    """TRL's online DPO takes its log-probs with ``torch.take_along_dim`` and host ids."""
+    logps = module(x)["logits"].log_softmax(-1)
+    ids = (y.abs() * 10).long() % logps.shape[-1]
+    return -torch.take_along_dim(logps, ids, dim=-1).mean()
+
+
+@pytest.mark.parametrize("loss", [_clipped_ratio, _odds_ratio_on_the_host, _logps_along_ids],
+                         ids=["clamp", "moved_to_the_host", "take_along_dim"])
 def test_a_loss_outside_the_module_whose_backward_makes_tensors_trains_as_torch(loss):
     """``clamp``'s gradient is ``where(in_range, grad, zeros({}, grad.options()))``: made from the
     outputs' options, that zero was a meta tensor ("Cannot copy out of meta tensor; no data!",
     TRL's GRPO loss, which clamps its probability ratio). So was the gradient of a loss moved to
     the host (TRL's ORPO: ``loss.to(args.device)``), which the move's backward copies to the
     outputs' ``meta`` device, and a number in ``torch.where`` on the outputs, which torch makes
-    a tensor there. Each is made in JAX (``autograd_factories``, ``output_tensor``), and the
-    gradients are torch's."""
+    a tensor there. Each is made in JAX (``autograd_factories``, ``output_functions``), and the
+    gradients are torch's; so are ``take_along_dim``'s with host ids, which torch refused."""
     model, reference = MaybeLoss(tiny_mlp(seed=0)), MaybeLoss(tiny_mlp(seed=0))
     engine, *_ = spmdzero.initialize(model=model, config=plain_config())
     optimizer = torch_optimizer(reference)

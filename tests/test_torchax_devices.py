@@ -146,7 +146,7 @@ def test_host_tensors_made_on_the_device_combine_with_the_outputs(engine_and_out
     assert float(F.cross_entropy(out, labels)) == pytest.approx(float(F.cross_entropy(expected, labels)), rel=1e-6)
 
 
-NUMBERS = {  # ops on outputs where torch's C++ makes a Python number (or data) a tensor on their device
+CHECKED = {  # functions on outputs whose C++ made a number (or data) a tensor on their device, or refused them
     "where(mask, out, 0.0)": lambda out: torch.where(out > 0, out, 0.0),
     "where(mask, -1, out)": lambda out: torch.where(out > 0, -1, out),
     "where(mask, 1, 0)": lambda out: torch.where(out > 0, 1, 0),
@@ -158,17 +158,25 @@ NUMBERS = {  # ops on outputs where torch's C++ makes a Python number (or data) 
     "new_tensor(list)": lambda out: out.new_tensor([1.5, 2.5]),
     "new_tensor(host tensor)": lambda out: out.new_tensor(torch.arange(3)),
     "new_tensor(dtype=long)": lambda out: out.new_tensor([1, 2], dtype=torch.long),
+    "take_along_dim(out, host ids, dim)": lambda out: torch.take_along_dim(out, torch.tensor([[1], [3]] * 4), dim=1),
+    "out.take_along_dim(argmax, dim)": lambda out: out.take_along_dim(out.argmax(-1, keepdim=True), dim=-1),
+    "take_along_dim(out, broadcast ids, 0)": lambda out: torch.take_along_dim(out, torch.tensor([[7], [0]]), 0),
+    "take_along_dim(out, flat ids)": lambda out: torch.take_along_dim(out, torch.tensor([5, 0, 63])),
+    "one_hot(argmax)": lambda out: F.one_hot(out.argmax(-1), 8),
+    "one_hot(argmax) classes read": lambda out: F.one_hot(out.argmax(-1)),
 }
 
 
-@pytest.mark.parametrize("op", list(NUMBERS))
-def test_numbers_given_to_ops_on_the_outputs_keep_their_values(engine_and_output, op):
-    """torch's C++ sees an output's device as ``meta``: a number it made a tensor there lost its
-    value ("Cannot copy out of meta tensor; no data!"). TRL's distillation losses mask with
-    ``torch.where(mask, 0.0, logps)``; ORPO's ``log1mexp`` is a ``torch.where``."""
+@pytest.mark.parametrize("op", list(CHECKED))
+def test_functions_that_torch_checks_before_the_outputs_ops_give_torchs_values(engine_and_output, op):
+    """torch's C++ sees an output's device as ``meta`` and its integers as int32: a number it
+    made a tensor there lost its value ("Cannot copy out of meta tensor; no data!"), and
+    ``take_along_dim`` and ``one_hot`` refused the host's or int32 indices
+    (``output_functions``). TRL's distillation losses mask with ``torch.where(mask, 0.0, logps)``,
+    ORPO's ``log1mexp`` is a ``torch.where``, online DPO takes its log-probs along its ids."""
     engine, out = engine_and_output
-    result = NUMBERS[op](out.detach())
-    expected = NUMBERS[op](out.detach().cpu())
+    result = CHECKED[op](out.detach())
+    expected = CHECKED[op](out.detach().cpu())
     assert result.device == out.device
     # torchax makes torch's int64 int32 (JAX without x64), as for ``out.argmax(-1)``
     assert result.dtype == (torch.int32 if expected.dtype == torch.int64 else expected.dtype)

@@ -215,6 +215,29 @@ def test_an_out_argument_in_a_forward_is_written_as_torch_writes_it():
     _trains_as_torch(_OutArgument(), steps=3)
 
 
+class _TakeAlongDim(torch.nn.Module):
+    """Log-probabilities taken along ids with ``torch.take_along_dim`` (TRL's online DPO): ids
+    computed in the forward (an argmax) and ids from the batch, both int32 under torchax."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(4, 6)
+
+    def forward(self, x):
+        logps = self.head(x).log_softmax(-1)
+        ids = (x.abs() * 10).long() % 6
+        best = torch.take_along_dim(logps, logps.argmax(-1, keepdim=True), dim=-1)
+        return -(torch.take_along_dim(logps, ids, dim=1).mean() + best.mean() + logps.take_along_dim(ids[:1, :1], 0).mean())
+
+
+def test_take_along_dim_with_int32_indices_trains_as_in_torch():
+    """torch checks that ``take_along_dim``'s indices are int64; torchax's are int32, so every
+    call in a forward stopped ("dtype of indices should be Long but got Int"). It is lowered as
+    the gather it stands for (``lowerings.take_along_dim``)."""
+    torch.manual_seed(0)
+    _trains_as_torch(_TakeAlongDim(), steps=2)
+
+
 class _Detached(torch.nn.Module):
     """Gradients stopped three ways: ``torch.detach``, ``.detach()`` and ``torch.no_grad()``."""
 

@@ -71,12 +71,10 @@ def _answer_bf16(module) -> None:
         module.is_torch_bf16_gpu_available = _bf16_available
 
 
-def _loss_on_trainer_device(module) -> None:
-    """``Trainer.training_step`` returns the step's loss on the Trainer's device (``args.device``)."""
-    trainer = getattr(module, "Trainer", None)
-    step = getattr(trainer, "training_step", None)
-    if step is None or getattr(step, "_spmdzero_wrapped", False):
-        return
+def _on_trainer_device(step):
+    """``step`` (a ``training_step``), returning its loss on the Trainer's device (``args.device``)."""
+    if getattr(step, "_spmdzero_wrapped", False):
+        return step
 
     @functools.wraps(step)
     def training_step(self, *args, **kwargs):
@@ -87,7 +85,25 @@ def _loss_on_trainer_device(module) -> None:
         return loss
 
     training_step._spmdzero_wrapped = True
-    trainer.training_step = training_step
+    return training_step
+
+
+def _loss_on_trainer_device(module) -> None:
+    """``Trainer.training_step`` returns the step's loss on the Trainer's device, and so does
+    the ``training_step`` of every subclass that defines its own (TRL's online DPO does, without
+    calling the Trainer's: the Trainer refused its loss, "Calculated loss must be on the
+    original device: cpu but device in use is jax:0")."""
+    trainer = getattr(module, "Trainer", None)
+    if trainer is None or "training_step" not in vars(trainer):
+        return
+    trainer.training_step = _on_trainer_device(trainer.training_step)
+
+    def __init_subclass__(cls, **kwargs):
+        super(trainer, cls).__init_subclass__(**kwargs)
+        if "training_step" in vars(cls):
+            cls.training_step = _on_trainer_device(vars(cls)["training_step"])
+
+    trainer.__init_subclass__ = classmethod(__init_subclass__)
 
 
 # what is changed in each module as it loads: {module: function of the loaded module}

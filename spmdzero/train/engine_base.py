@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import os
 import warnings
 from typing import Optional
@@ -34,12 +35,31 @@ NO_GRADIENTS = no_gradients()
 logger = logging.getLogger("spmdzero")
 
 
+@functools.lru_cache(maxsize=None)
+def _seen_as_a_module(engine_class: type) -> type:
+    """``engine_class`` with ``torch.nn.Module`` among its bases: what ``isinstance`` is shown."""
+    return type(engine_class.__name__, (engine_class, torch.nn.Module),
+                {"__module__": engine_class.__module__, "__qualname__": engine_class.__qualname__})
+
+
 class EngineBase:
     """DeepSpeed's engine API, as both backends' engines answer it. An engine sets ``_batch``
     (sharding.batch.BatchSizes), ``plan``, ``_config``, ``precision``, ``optimizer``,
     ``micro_steps``, ``_boundary_override`` and ``_rows_since_step`` (training rows fed since
     the last optimizer step), and implements the step core: ``forward``, ``backward``,
     ``step``, ``zero_grad``."""
+
+    @property
+    def __class__(self):
+        """DeepSpeed's engine is a ``torch.nn.Module``, and libraries branch on that: TRL's GRPO,
+        RLOO and online DPO call a reward model given as an engine (``isinstance(reward,
+        nn.Module)``) with its tokenized texts, and call anything else as a reward function, with
+        prompts and completions (an engine got those, and its model stopped: "You must specify
+        exactly one of input_ids or inputs_embeds"). So ``isinstance(engine, torch.nn.Module)``
+        holds, as ``unittest.mock``'s ``spec`` makes it hold: the engine's type, attributes and
+        behaviour stay its own (``type(engine)`` is unchanged; attributes it lacks still come
+        from its module)."""
+        return _seen_as_a_module(type(self))
 
     def register_post_step_hook(self, hook) -> "torch.utils.hooks.RemovableHandle":
         """Call ``hook(engine)`` on the host after every optimizer (boundary) step, once its

@@ -23,6 +23,8 @@ Each replacement is installed on torchax's process-wide environment once, at the
   targets in log space, one ``jax.lax.scan`` over time, differentiated by JAX; padded or
   concatenated targets, per-row input and target lengths, torch's reductions (``mean`` divides
   each row by its target length) and ``zero_infinity``.
+* ``torch.take_along_dim``: torch checks that its indices are int64, and torchax's are int32
+  (JAX without x64), so every call stopped. Here it is the gather it stands for.
 * ``aten.native_layer_norm`` in fp16/bf16: torchax computes it in the input's dtype, and the
   backward of ``rsqrt(var + eps)`` overflows fp16 for small activations (``var^-1.5`` above
   65504): every fp16 transformers model with a LayerNorm (GPT-2, OPT) trained on NaN gradients
@@ -180,6 +182,21 @@ def native_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5)
     return out.astype(input.dtype), mean.astype(input.dtype), rstd.astype(input.dtype)
 
 
+def take_along_dim(input, indices, dim=None):
+    """``torch.take_along_dim`` as the gather it stands for, in torch ops, without torch's check
+    that the indices are int64: torchax's integers are int32 (JAX without x64), so inside a
+    traced forward every call stopped ("dtype of indices should be Long but got Int")."""
+    if dim is None:
+        return input.reshape(-1).gather(0, indices.reshape(-1))
+    dim = dim % input.dim()
+
+    def sized(shape, n):
+        return (*shape[:dim], n, *shape[dim + 1:])
+    shape = torch.broadcast_shapes(sized(input.shape, indices.shape[dim]), indices.shape)
+    source = input.broadcast_to(sized(shape, input.shape[dim]))
+    return source.gather(dim, indices.broadcast_to(shape))
+
+
 def _stop_gradient(x):
     import jax
 
@@ -326,6 +343,9 @@ def install(env) -> None:
     for op in (torch.ops.aten.native_layer_norm, torch.ops.aten.native_layer_norm.default):
         lower(op, native_layer_norm)
     _inplace_from_functional(env)
+    for op in (torch.take_along_dim, torch.Tensor.take_along_dim):
+        env._ops[op] = ops_registry.Operator(op, take_along_dim, is_jax_function=False, is_user_defined=True,
+                                             needs_env=False, is_view_op=False)
     for op, fn in ((torch.nn.functional.dropout, dropout.functional_dropout), (torch.dropout, dropout.torch_dropout)):
         env._ops[op] = ops_registry.Operator(op, fn, is_jax_function=False, is_user_defined=True, needs_env=True,
                                              is_view_op=False)

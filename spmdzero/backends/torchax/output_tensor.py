@@ -13,24 +13,11 @@ import torch
 from torch.utils import _pytree as torch_pytree
 
 from spmdzero.backends.torchax import host_tensors
+from spmdzero.backends.torchax import output_functions
 from spmdzero.backends.torchax import output_views
 from spmdzero.backends.torchax.placement import INT64_TRUNCATED
 
 _VALUE = "_spmdzero_value"  # where an output keeps its JAX array (``Output._elem``)
-
-
-def _where_values(func, args: tuple) -> tuple | None:
-    """The two values of a ``where`` call (``torch.where(mask, a, b)``, ``a.where(mask, b)``),
-    whose Python numbers torch's C++ makes tensors on the tensors' device; None for any other call."""
-    if func is torch.where and len(args) == 3:
-        return args[1], args[2]
-    if func is torch.Tensor.where and len(args) == 3:
-        return args[0], args[2]
-    return None
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (bool, int, float, complex))
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,21 +35,12 @@ def output_tensor_class():
     class Output(ttensor.Tensor):
         @classmethod
         def __torch_function__(cls, func, types, args=(), kwargs=None):
-            # torch's C++ sees an output's device as ``meta``: where it turns a Python number into
-            # a tensor on that device (``torch.where(mask, out, 0.0)``: TRL's distillation losses)
-            # or copies data there (``out.new_tensor(data)``), the value is lost ("Cannot copy out
-            # of meta tensor"); those numbers and data become host tensors first
-            kwargs = kwargs or {}
-            values = _where_values(func, args)
-            if values is not None and any(map(_is_number, values)):
-                # of the dtype torch gives the result, which JAX's promotion of a float32 number
-                # would widen (``where(mask, bf16, 0.5)`` is bf16)
-                dtype = torch.result_type(*values)
-                args = tuple(torch.tensor(a, dtype=dtype) if _is_number(a) else a for a in args)
-            elif func is torch.Tensor.new_tensor:
-                return _new_tensor(*args, **kwargs)
+            # the few functions whose C++ refuses outputs or loses a value (``output_functions``)
+            result = output_functions.replaced(func, args, kwargs or {}, lambda t: Output(env.t2j_copy(t), env))
+            if result is not NotImplemented:
+                return result
             with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
+                return func(*args, **(kwargs or {}))
 
         @classmethod
         def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -145,19 +123,5 @@ def output_tensor_class():
             return f"{host[:-1]}, device='{self.device}'{grad})"
 
         __str__ = __repr__
-
-    def _new_tensor(self, data, dtype=None, device=None, requires_grad=False, **_):
-        """``out.new_tensor(data)``: ``data`` as a tensor of ``out``'s dtype beside ``out`` (a host
-        tensor where ``device`` names the host), as torch's ``new_tensor`` is."""
-        dtype = dtype or self.dtype
-        if isinstance(data, torch.Tensor):
-            made = data.detach().clone().to(dtype)
-        else:
-            made = torch.tensor(data, dtype=dtype)
-        if device is not None and torch.device(device).type == "cpu":
-            made = made.cpu()
-        elif not isinstance(made, Output):
-            made = Output(env.t2j_copy(made), env)
-        return made.requires_grad_(requires_grad)
 
     return Output

@@ -57,11 +57,16 @@ class HostCopyGroup(ProcessGroup):
         return NAME
 
     def _run(self, name: str, *args):
-        pairs: list = []
-        host_args = [_to_host(arg, pairs) for arg in args]
+        """gloo's ``name`` on host copies of ``args``; the results copied back into the first,
+        which every collective here writes (all-reduce's tensors, all-gather's outputs, ...).
+        The others are only read: a copy back into an input bumped its version, and autograd
+        then refused the input's views (TRL's online DPO gathers a split of its log-probs for
+        its metrics, then computes its rewards from that split)."""
+        written: list = []
+        host_args = [_to_host(args[0], written), *(_to_host(arg, []) for arg in args[1:])]
         getattr(self._gloo, name)(*host_args).wait()
         with torch.no_grad():
-            for device, host in pairs:
+            for device, host in written:
                 # an XLA tensor takes a copy on its device; a torchax one (the torchax backend's
                 # outputs, whose device torch cannot allocate on) copies from the host itself
                 device.copy_(host.to(device.device) if device.device.type == "xla" else host)
