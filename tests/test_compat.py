@@ -233,6 +233,75 @@ def test_init_distributed_creates_a_real_process_group(deepspeed):
         ds_dist.no_such_collective
 
 
+def test_a_gather_of_an_outputs_view_leaves_the_view_to_autograd(deepspeed):
+    """A host-copy collective writes back only what it writes (all-gather's outputs): its input,
+    a split of the engine's output, was written back too, which bumped its version, and autograd
+    refused the split's use after it ("Output 0 of SplitBackward0 is a view and its base ... has
+    been modified inplace"): TRL's online DPO gathers its chosen log-probs for a metric, then
+    computes its rewards from them."""
+    deepspeed.init_distributed()
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(), config={"train_batch_size": 16, "spmd": {"backend": "torchax"},
+                                                               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    x, _ = batches(1, 16)[0]
+    chosen, rejected = torch.split(engine(x).sum(-1), 8)
+    version = chosen._version
+    gathered = [torch.empty_like(chosen)]
+    dist.all_gather(gathered, chosen)
+    assert chosen._version == version
+    assert torch.equal(gathered[0].cpu(), chosen.detach().cpu())
+    engine.backward((chosen - rejected.detach()).mean())  # refused before
+    engine.step()
+
+
+def test_an_engine_is_a_torch_module_to_isinstance_as_deepspeeds_is(deepspeed):
+    """DeepSpeed's engine is a ``torch.nn.Module``; TRL's GRPO, RLOO and online DPO call a reward
+    engine with its tokenized texts only if it is one (else as a reward function: with prompts
+    and completions). The engine's type and attributes stay its own."""
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(), config={"train_batch_size": 16, "spmd": {"backend": "torchax"},
+                                                               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    assert isinstance(engine, torch.nn.Module) and isinstance(engine, deepspeed.DeepSpeedEngine)
+    assert not issubclass(type(engine), torch.nn.Module) and engine.__class__.__name__ == type(engine).__name__
+    assert [n for n, _ in engine.named_parameters()] == [f"module.{n}" for n, _ in engine.module.named_parameters()]
+
+    def reward(func, x):  # TRL's dispatch, in small
+        return func(x) if isinstance(func, torch.nn.Module) else func(prompts=x)
+    x, _ = batches(1, 16)[0]
+    with torch.no_grad():
+        assert torch.equal(reward(engine, x).cpu(), engine(x).cpu())
+
+
+def test_a_trainer_subclasss_own_training_step_returns_its_loss_on_the_trainers_device():
+    """transformers' Trainer compares each step's loss with its running total on ``args.device``
+    (the host here); TRL's online DPO defines its own ``training_step``, not calling the
+    Trainer's, and the Trainer refused its loss ("Calculated loss must be on the original
+    device: cpu but device in use is jax:0"). The patch reaches subclasses defined after it."""
+    from spmdzero.compat import hugging_face
+
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(), config={"train_batch_size": 16, "spmd": {"backend": "torchax"},
+                                                               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    x, _ = batches(1, 16)[0]
+
+    class Trainer:
+        args = types.SimpleNamespace(device=torch.device("cpu"))
+
+        def training_step(self, x):
+            return engine(x).sum().detach()
+
+    module = types.SimpleNamespace(Trainer=Trainer)
+    hugging_face._loss_on_trainer_device(module)
+
+    class OwnStep(Trainer):
+        def training_step(self, x):
+            return engine(x).mean().detach()
+
+    class Inherited(OwnStep):
+        pass
+
+    for trainer in (Trainer(), OwnStep(), Inherited()):
+        loss = trainer.training_step(x)
+        assert loss.device == torch.device("cpu") and type(loss) is torch.Tensor, type(trainer).__name__
+
+
 def test_zero_to_fp32_gives_the_fp32_masters_to_a_plain_module(deepspeed, tmp_path):
     from deepspeed.utils.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
                                               get_fp32_state_dict_from_zero_checkpoint,
