@@ -402,6 +402,22 @@ def test_refresh_fp32_params_gives_the_masters_the_modules_weights(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_forward_under_inference_mode_gives_outputs_the_script_can_slice_there(backend):
+    """TRL scores with its reward engine under ``torch.inference_mode()`` and slices the logits
+    there (``reward(**inputs).logits[:, 0]``). torch_xla refuses a view, under inference mode,
+    of a tensor made outside it: the module's weights in the forward stopped it ("Cannot set
+    version_counter for inference tensor"), and so would the outputs' slices."""
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(), config=on(backend, {
+        "train_batch_size": 16, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}))
+    x, _ = batches(1, 16)[0]
+    with torch.no_grad():
+        expected = engine(x).cpu()
+    with torch.inference_mode():
+        out = engine(x)
+        assert torch.equal(out[:, 0].cpu(), expected[:, 0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fp16,expected", [({"enabled": True}, 0), ({"enabled": True, "loss_scale": 128}, 128)])
 def test_loss_scale_is_deepspeeds_config_value_and_cur_scale_the_live_one(fp16, expected, backend):
     engine, optimizer, *_ = spmdzero.initialize(model=tiny_mlp(), config=on(backend, {

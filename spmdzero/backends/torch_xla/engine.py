@@ -178,6 +178,15 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
     def _run(self, call, inputs: tuple, kwargs: dict):
         """``call`` (the module, or one of its methods: ``module_methods``) on the inputs as
         ``forward`` prepares them."""
+        if torch.is_inference_mode_enabled():
+            # under inference mode torch_xla refuses a view of a tensor made outside it ("Cannot
+            # set version_counter for inference tensor"): the module's weights' in the forward, and
+            # the outputs' in the script after it (TRL scores with its reward engine under
+            # inference_mode, ``reward(**inputs).logits[:, 0]``). So the forward runs as under
+            # no_grad, which computes the same, and the outputs come back as inference copies
+            with torch.inference_mode(False), torch.no_grad():
+                output = self._run(call, inputs, kwargs)
+            return map_tensors(output, torch.clone)
         start = time.perf_counter()
         self.recompile_guard.step_started()
         inputs, kwargs = self._padded(inputs, kwargs, self._pad_id)
