@@ -146,6 +146,19 @@ def test_host_tensors_made_on_the_device_combine_with_the_outputs(engine_and_out
     assert float(F.cross_entropy(out, labels)) == pytest.approx(float(F.cross_entropy(expected, labels)), rel=1e-6)
 
 
+def test_a_host_copy_of_an_output_is_the_scripts_own(engine_and_output):
+    """``h = out.cpu(); h += 1``: torchax handed torch the array's host value, which JAX caches
+    read-only and returns at every later read, so the write changed what the output read
+    afterwards (a replicated output's; a sharded one's host value is assembled afresh)."""
+    engine, out = engine_and_output
+    for value in (out.detach(), out.detach().sum(0)):
+        expected = value.tolist()
+        host = value.cpu()
+        host += 100.0
+        assert value.tolist() == expected and value.cpu().tolist() == expected
+        assert torch.equal(host, torch.tensor(expected) + 100.0)
+
+
 CHECKED = {  # functions on outputs whose C++ made a number (or data) a tensor on their device, or refused them
     "where(mask, out, 0.0)": lambda out: torch.where(out > 0, out, 0.0),
     "where(mask, -1, out)": lambda out: torch.where(out > 0, -1, out),

@@ -18,6 +18,7 @@ from spmdzero.backends.torchax import output_views
 from spmdzero.backends.torchax.placement import INT64_TRUNCATED
 
 _VALUE = "_spmdzero_value"  # where an output keeps its JAX array (``Output._elem``)
+_READ_ONLY = "The given NumPy array is not writable"  # torch's warning for a read-only host value
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,7 +54,14 @@ def output_tensor_class():
                 # torch's int64 (labels, argmax) is int32 under JAX without x64, as torchax intends:
                 # JAX's warning at each such op is noise in a loop (cifar's accuracy count printed it)
                 warnings.filterwarnings("ignore", INT64_TRUNCATED, UserWarning)
+                warnings.filterwarnings("ignore", _READ_ONLY, UserWarning)  # copied below
                 result = func(*args, **kwargs)
+            if func is torch.ops.aten._to_copy.default and not isinstance(result, ttensor.Tensor):
+                # ``out.cpu()``: torchax hands torch the array's host value, which JAX caches
+                # read-only and gives every later read. A write into the host tensor (``h =
+                # out.cpu(); h += 1``) changed what the output read afterwards; torch's copy is
+                # the script's own
+                result = result.clone()
             if written is not None:
                 written(args, kwargs)
             # an in-place op returns the tensor it wrote (``y = x.add_(1)`` is ``x``)
