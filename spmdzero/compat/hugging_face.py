@@ -97,9 +97,13 @@ def _loss_on_trainer_device(module) -> None:
     if trainer is None or "training_step" not in vars(trainer):
         return
     trainer.training_step = _on_trainer_device(trainer.training_step)
+    own = vars(trainer).get("__init_subclass__")  # the Trainer's own, if a release defines one
 
     def __init_subclass__(cls, **kwargs):
-        super(trainer, cls).__init_subclass__(**kwargs)
+        if own is not None:
+            own.__get__(None, cls)(**kwargs)
+        else:
+            super(trainer, cls).__init_subclass__(**kwargs)
         if "training_step" in vars(cls):
             cls.training_step = _on_trainer_device(vars(cls)["training_step"])
 

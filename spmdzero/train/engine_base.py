@@ -37,7 +37,10 @@ logger = logging.getLogger("spmdzero")
 
 @functools.lru_cache(maxsize=None)
 def _seen_as_a_module(engine_class: type) -> type:
-    """``engine_class`` with ``torch.nn.Module`` among its bases: what ``isinstance`` is shown."""
+    """``engine_class`` with ``torch.nn.Module`` among its bases: what ``isinstance`` is shown
+    (the torch_xla backend's engine is a module already, and stays its own class)."""
+    if issubclass(engine_class, torch.nn.Module):
+        return engine_class
     return type(engine_class.__name__, (engine_class, torch.nn.Module),
                 {"__module__": engine_class.__module__, "__qualname__": engine_class.__qualname__})
 
