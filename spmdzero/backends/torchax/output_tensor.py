@@ -12,6 +12,7 @@ import warnings
 import torch
 from torch.utils import _pytree as torch_pytree
 
+from spmdzero.backends.torchax import host_fallback
 from spmdzero.backends.torchax import host_tensors
 from spmdzero.backends.torchax import output_functions
 from spmdzero.backends.torchax import output_views
@@ -46,16 +47,21 @@ def output_tensor_class():
         @classmethod
         def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
             written = host_tensors.write_back(func, args, kwargs or {})  # `total += loss`: into a host tensor
+            given = (args, kwargs or {})
             # host tensors mixed in (a target on the CPU) are copied to JAX, as the module's inputs
             args, kwargs = torch_pytree.tree_map_only(
                 torch.Tensor, lambda t: t if isinstance(t, ttensor.Tensor) else ttensor.Tensor(env.t2j_copy(t), env),
                 (args, kwargs or {}))
-            with env, warnings.catch_warnings():
-                # torch's int64 (labels, argmax) is int32 under JAX without x64, as torchax intends:
-                # JAX's warning at each such op is noise in a loop (cifar's accuracy count printed it)
-                warnings.filterwarnings("ignore", INT64_TRUNCATED, UserWarning)
-                warnings.filterwarnings("ignore", _READ_ONLY, UserWarning)  # copied below
-                result = func(*args, **kwargs)
+            try:
+                with env, warnings.catch_warnings():
+                    # torch's int64 (labels, argmax) is int32 under JAX without x64, as torchax
+                    # intends: JAX's warning at each such op is noise in a loop (cifar's accuracy
+                    # count printed it)
+                    warnings.filterwarnings("ignore", INT64_TRUNCATED, UserWarning)
+                    warnings.filterwarnings("ignore", _READ_ONLY, UserWarning)  # copied below
+                    result = func(*args, **kwargs)
+            except ttensor.OperatorNotFound:  # an op torchax cannot lower: torch's, on the host
+                result = host_fallback.run(func, *given, lambda t: Output(env.t2j_copy(t), env))
             if func is torch.ops.aten._to_copy.default and not isinstance(result, ttensor.Tensor):
                 # ``out.cpu()``: torchax hands torch the array's host value, which JAX caches
                 # read-only and gives every later read. A write into the host tensor (``h =
