@@ -19,6 +19,8 @@ import warnings
 import torch
 from torch.utils import _pytree as torch_pytree
 
+from spmdzero.backends.torchax.placement import READ_ONLY_HOST_VALUE
+
 _SAID: set = set()
 
 
@@ -37,7 +39,7 @@ def run(func, args: tuple, kwargs: dict, as_output):
         warnings.warn(f"spmdzero: torchax has no lowering of {name}; on the engine's outputs it runs on the host "
                       "(a device-to-host copy and back, each call)", stacklevel=4)
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # copied at once
+        warnings.filterwarnings("ignore", READ_ONLY_HOST_VALUE)  # copied at once
         host_args, host_kwargs = torch_pytree.tree_map_only(ttensor.Tensor, lambda t: _host(mappings.j2t(t._elem, use_dlpack=False)),
                                                             (args, kwargs))
     result = func(*host_args, **host_kwargs)

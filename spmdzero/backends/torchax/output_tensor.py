@@ -16,10 +16,9 @@ from spmdzero.backends.torchax import host_fallback
 from spmdzero.backends.torchax import host_tensors
 from spmdzero.backends.torchax import output_functions
 from spmdzero.backends.torchax import output_views
-from spmdzero.backends.torchax.placement import INT64_TRUNCATED
+from spmdzero.backends.torchax.placement import INT64_TRUNCATED, READ_ONLY_HOST_VALUE
 
 _VALUE = "_spmdzero_value"  # where an output keeps its JAX array (``Output._elem``)
-_READ_ONLY = "The given NumPy array is not writable"  # torch's warning for a read-only host value
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,7 +57,7 @@ def output_tensor_class():
                     # intends: JAX's warning at each such op is noise in a loop (cifar's accuracy
                     # count printed it)
                     warnings.filterwarnings("ignore", INT64_TRUNCATED, UserWarning)
-                    warnings.filterwarnings("ignore", _READ_ONLY, UserWarning)  # copied below
+                    warnings.filterwarnings("ignore", READ_ONLY_HOST_VALUE, UserWarning)  # copied below
                     result = func(*args, **kwargs)
             except ttensor.OperatorNotFound:  # an op torchax cannot lower: torch's, on the host
                 result = host_fallback.run(func, *given, lambda t: Output(env.t2j_copy(t), env))
@@ -129,7 +128,7 @@ def output_tensor_class():
             # as torch prints a tensor, with the outputs' device: "tensor(2.4690, device='jax:0')"
             try:
                 with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # only printed
+                    warnings.filterwarnings("ignore", READ_ONLY_HOST_VALUE)  # only printed
                     host = repr(torch_mappings.j2t(self._elem, use_dlpack=False))
             except Exception:  # values spread over other processes: torchax's own form
                 return ttensor.Tensor.__str__(self)

@@ -54,6 +54,8 @@ def _placed_dtype(dtype: torch.dtype):
 
 
 INT64_TRUNCATED = r"Explicitly requested dtype .*int64.* requested in .* is not available"
+# torch's warning when it wraps a read-only host value (JAX's cached one): silenced where the value is copied or only read
+READ_ONLY_HOST_VALUE = "The given NumPy array is not writable"
 
 
 def _broadcast_from_first_process(module: torch.nn.Module, seed: int) -> int:
@@ -70,7 +72,7 @@ def _broadcast_from_first_process(module: torch.nn.Module, seed: int) -> int:
     seed_words = np.array([seed >> 32, seed & 0xFFFFFFFF], dtype=np.uint32)
     *values, seed_words = multihost_utils.broadcast_one_to_all([*host, seed_words])
     with torch.no_grad(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # it is copied
+        warnings.filterwarnings("ignore", READ_ONLY_HOST_VALUE)  # it is copied
         for t, value in zip(tensors, values):
             value = np.asarray(value)
             t.copy_(mappings.j2t(value.view(np.bool_) if t.dtype == torch.bool else value, use_dlpack=False))
