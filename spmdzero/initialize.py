@@ -2,20 +2,22 @@
 the config and hands the rest to the backend the config names (``spmd.backend``), or, when it
 names none, the one the process's runtime serves (``SPMDZERO_BACKEND``: torchax unless it says
 torch_xla). A backend's modules are imported when it is chosen: torch_xla is an optional
-install, never imported for the torchax backend."""
+install, never imported for the torchax backend. torch and the build pipeline are imported at the first
+call: ``import spmdzero`` stays quick where nothing is trained (the command line's parent process,
+``spmdzero aot``'s compile process)."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-from typing import Any, Callable, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from spmdzero.config.errors import ConfigError
 from spmdzero.config.load import load_config
 from spmdzero.runtime import jax_runtime
-from spmdzero.train.build import config_dict
+
+if TYPE_CHECKING:
+    import torch
 
 BACKENDS = {"torch_xla": "spmdzero.backends.torch_xla.build", "torchax": "spmdzero.backends.torchax.build"}
 
@@ -40,6 +42,10 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     ``spmd.mesh`` or a 1-D ``fsdp`` mesh over all devices is used. ``training_data`` (a
     Dataset) gives a loader of device-sharded batches.
     """
+    import torch
+
+    from spmdzero.train.build import config_dict
+
     if model is None:
         raise ValueError("spmdzero.initialize: model is required (got model=None)")
     if not isinstance(model, torch.nn.Module):
@@ -61,3 +67,9 @@ def with_backend(cfg, jax_devices: Optional[bool] = None):
         chosen = "torchax" if jax_devices else "torch_xla"
         cfg = cfg.model_copy(update={"spmd": cfg.spmd.model_copy(update={"backend": chosen})})
     return cfg
+
+
+def backend_of(config: dict, jax_devices: Optional[bool] = None) -> str:
+    """The backend ``initialize`` builds ``config``'s engine with (a config dict, as read from
+    its file; ``jax_devices`` as for ``with_backend``)."""
+    return with_backend(load_config(None, config, None), jax_devices).spmd.backend

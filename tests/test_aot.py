@@ -956,7 +956,7 @@ def test_the_command_compiles_configs_as_integrations_write_them(tmp_path, capsy
     true`` (DeepSpeed's old form) or "auto" a TypeError traceback, no optimizer section an
     AttributeError from inside the traced step. The compile itself is faked: each config is
     taken as far as the stage's engine config."""
-    from spmdzero.aot import command
+    from spmdzero.aot import command, steps
     from spmdzero.aot.steps import _stage_config
     from spmdzero.config.load import parse_config
 
@@ -967,7 +967,7 @@ def test_the_command_compiles_configs_as_integrations_write_them(tmp_path, capsy
         cfg = parse_config(_stage_config(config, stage, micro_batch))
         raise Reached(f"compiling stage {cfg.zero_stage} with {cfg.optimizer.type}")
 
-    monkeypatch.setattr(command, "compile_step", compile_step)
+    monkeypatch.setattr(steps, "compile_step", compile_step)  # command.main imports it from there when run
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(config))
     model = tmp_path / "model.py"

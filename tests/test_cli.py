@@ -92,6 +92,27 @@ def test_console_entry_point_does_not_start_the_runtime(tmp_path):
     assert "fsdp=4" in out and "exit 0 torch_xla loaded: False" in out
 
 
+def test_the_commands_own_process_and_the_compile_process_leave_torch_unimported(tmp_path):
+    """``spmdzero aot``'s own process only picks the backend and starts the child that traces;
+    ``python -m spmdzero.tpu.compile`` only compiles text. Neither imports torch (about 2 s and
+    570 MiB here, in every one of the command's processes before this was so), while
+    ``spmdzero.initialize`` is still the function once its module has been imported by name."""
+    path = write(tmp_path, {"train_batch_size": 8})
+    out = run_python(f"""
+        import os, sys
+        os.environ["SPMDZERO_NO_RUNTIME"] = "1"
+        import spmdzero_cli, spmdzero.cli.main, spmdzero.aot.command, spmdzero.tpu.compile
+        from spmdzero.cli.main import _aot_backend
+        backend = _aot_backend({path!r})
+        print("backend", backend, "torch loaded:", "torch" in sys.modules)
+        import spmdzero
+        from spmdzero.initialize import with_backend
+        print("initialize callable:", callable(spmdzero.initialize), "aot names:", callable(spmdzero.aot.compile_step))
+    """, env={"SPMDZERO_BACKEND": "torchax"})
+    assert "backend torchax torch loaded: False" in out, out
+    assert "initialize callable: True aot names: True" in out, out
+
+
 @pytest.mark.parametrize("shell, backend, traced", [
     (None, None, "torchax"), ("torch_xla", None, "torch_xla"), ("torchax", "torch_xla", "torch_xla"),
     (None, "torch_xla", "torch_xla"), ("torch_xla", "torchax", "torchax")])

@@ -20,12 +20,38 @@ torchax one on an abstract mesh of the topology's size. This layer sits above
 compile.
 """
 
-from spmdzero.aot.steps import (capture_step, compare_stages, compile_step, describe_search, find_max_batch,
-                                 search_summary)
-from spmdzero.tpu.capture import JaxStepCapture, StepCapture, capture, check_traceable, compile_mlir, trace_step
-from spmdzero.tpu.chips import chip_spec, topology_chips
-from spmdzero.tpu.report import AotReport, CollectivesReport
+import importlib
+
+# Where each public name lives. They are imported at first use (PEP 562), not with the package:
+# the command line's own process imports ``spmdzero.aot.command`` for its options, and should
+# not pay for torch and the tracing code that only ``spmdzero aot``'s child runs.
+_HOMES = {
+    "spmdzero.aot.steps": ("capture_step", "compare_stages", "compile_step", "describe_search", "find_max_batch",
+                           "search_summary"),
+    "spmdzero.tpu.capture": ("JaxStepCapture", "StepCapture", "capture", "check_traceable", "compile_mlir",
+                             "trace_step"),
+    "spmdzero.tpu.chips": ("chip_spec", "topology_chips"),
+    "spmdzero.tpu.report": ("AotReport", "CollectivesReport"),
+}
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
 __all__ = ["capture", "capture_step", "compile_step", "compare_stages", "find_max_batch", "describe_search",
            "search_summary", "StepCapture", "trace_step", "JaxStepCapture",
            "check_traceable", "compile_mlir", "chip_spec", "topology_chips", "AotReport", "CollectivesReport"]
+
+
+def __getattr__(name: str):
+    if name not in _HOME_OF:  # a submodule (``spmdzero.aot.steps``), as an eager import had made it an attribute
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(_HOME_OF[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -9,9 +9,6 @@ import os
 import sys
 import time
 from spmdzero.tpu.chips import GIB, ChipSpec, chip_spec, topology_chips  # noqa: F401  (topology_chips: public here)
-from spmdzero.aot.steps import compile_step, describe_search, find_max_batch, search_summary, step_backend
-from spmdzero.tpu.capture import check_traceable
-from spmdzero.tpu.report import stages_table
 from spmdzero.config.load import without_integration_autos
 
 
@@ -120,17 +117,21 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="spmdzero aot", description="compile the training step for a TPU topology")
     add_arguments(parser)
     args = parser.parse_args(argv)
+    # here, not at the top: the command line's own process imports this module for its options,
+    # and the tracing (torch, the backends) happens only in the child
     from spmdzero.aot.models import load_model_source, with_gradient_checkpointing
-    from spmdzero.config.load import read_config_file
-
-    from spmdzero.config.load import parse_config
+    from spmdzero.aot.steps import compile_step, describe_search, find_max_batch, search_summary
+    from spmdzero.config.load import parse_config, read_config_file
+    from spmdzero.initialize import backend_of
+    from spmdzero.tpu.capture import check_traceable
+    from spmdzero.tpu.report import stages_table
 
     stages = args.stages
     shape_only = not args.materialize
     try:
         config = for_compile(read_config_file(args.deepspeed_config), args.deepspeed_config, args.micro_batch)
         parse_config(config, args.deepspeed_config)  # as given: a wrong config is refused before any compile
-        backend = step_backend(config)
+        backend = backend_of(config)
         if backend == "torch_xla":  # traced on one CPU device per chip (or a quarter of them)
             check_traceable(args.topology)
         else:  # traced on an abstract mesh of any size: only the name is checked

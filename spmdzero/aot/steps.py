@@ -31,7 +31,7 @@ from typing import Optional
 from spmdzero.tpu.chips import GIB, ChipSpec, chip_spec, topology_chips  # noqa: F401  (topology_chips: public here)
 from spmdzero.tpu.capture import JaxStepCapture, StepCapture, capture, trace_step
 from spmdzero.tpu.report import AotReport, _gib
-from spmdzero.initialize import initialize, with_backend
+from spmdzero.initialize import backend_of, initialize, with_backend
 from spmdzero.aot.models import ModelSource, build_on_meta, checked_module
 from spmdzero.aot.shapes import shape_only_engine, shape_only_torchax_engine
 from spmdzero.config.load import load_config
@@ -49,18 +49,11 @@ def _stage_config(config: dict, stage: int, micro_batch: Optional[int]) -> dict:
     return cfg
 
 
-def step_backend(config: dict, jax_devices: Optional[bool] = None) -> str:
-    """The backend whose step ``spmdzero aot`` compiles for ``config``: the one
-    ``spmdzero.initialize`` would build its engine with (in a process whose devices are JAX's
-    when ``jax_devices``; by default this one)."""
-    return with_backend(load_config(None, config, None), jax_devices).spmd.backend
-
-
 def capture_step(source, config: dict, stage: int, micro_batch: Optional[int] = None,
                  shape_only: bool = True, topology: Optional[str] = None) -> StepCapture | JaxStepCapture:
     """Build the engine for ``stage`` (shape-only unless told) and trace one step of it, on
-    the backend the config selects (``step_backend``)."""
-    if step_backend(config) == "torchax":
+    the backend the config selects (``spmdzero.initialize.backend_of``)."""
+    if backend_of(config) == "torchax":
         return _trace_torchax_step(source, config, stage, micro_batch, shape_only, topology)
     ratio = topology_chips(topology) // runtime.device_count() if topology else 1
     if ratio > 1:  # traced on fewer devices than chips: the same global batch (spmdzero.tpu.retarget)

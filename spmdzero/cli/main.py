@@ -102,11 +102,11 @@ def _run_aot(args) -> int:
     spmdzero.tpu.retarget), in a process whose devices are torch_xla's; the torchax backend's on
     an abstract mesh, in a process whose devices are JAX's CPU ones (torch_xla never imported).
     Which backend: the one the config selects, as ``spmdzero.initialize`` would under this
-    shell's ``SPMDZERO_BACKEND`` (``spmdzero.aot.steps.step_backend``)."""
+    shell's ``SPMDZERO_BACKEND`` (``spmdzero.initialize.backend_of``)."""
     import os
     import subprocess
 
-    from spmdzero.tpu.capture import check_traceable
+    from spmdzero.tpu.retarget import trace_devices
 
     from spmdzero.runtime import EnvironmentSettingError
 
@@ -125,7 +125,7 @@ def _run_aot(args) -> int:
         env["USE_TORCH_XLA"] = "0"
     else:
         try:
-            devices = check_traceable(args.topology)
+            devices = trace_devices(args.topology)
         except ValueError as err:
             print(err, file=sys.stderr)
             return 1
@@ -142,7 +142,7 @@ def _aot_backend(path: str) -> str:
     child, which reports the error."""
     import warnings
 
-    from spmdzero.aot.steps import step_backend
+    from spmdzero.initialize import backend_of
     from spmdzero.config.load import read_config_file
     from spmdzero.runtime import jax_runtime
 
@@ -150,7 +150,7 @@ def _aot_backend(path: str) -> str:
     try:
         with warnings.catch_warnings():  # the config's warnings: the child says them once
             warnings.simplefilter("ignore")
-            return step_backend(read_config_file(path), jax_devices=jax_devices)
+            return backend_of(read_config_file(path), jax_devices=jax_devices)
     except ConfigError:  # the child says it, naming the file
         return "torch_xla"
 
