@@ -5,12 +5,15 @@ before. DeBERTa-v2's classification loss (a stock model that reads) is in the tr
 (``test_transformers_zoo.py``, on transformers 5.x and 4.57); here it is checked for the note."""
 
 import copy
+import re
+import warnings
 
 import pytest
 import torch
 
 import spmdzero
 from conftest import spmdzero_log
+from spmdzero.backends.torchax.placement import INT64_TRUNCATED
 
 STEPS, GAS, LR = 4, 2, 0.1
 NOTE = "reads a tensor's value on the host"
@@ -119,6 +122,40 @@ def test_the_eager_run_is_said_once_naming_the_line_and_the_cost(trained):
     assert len(notes) == 1, notes
     assert "HostReads's forward" in notes[0] and "test_torchax_host_reads.py" in notes[0], notes[0]
     assert "eagerly, op by op" in notes[0] and "10x" in notes[0] and "spmd.backend='torch_xla'" in notes[0]
+
+
+class MaskedLM(torch.nn.Module):
+    """HelloDeepSpeed's masked LM in small (DeepSpeedExamples' ``train_bert_ds.py``): position ids
+    made with ``.long()`` (RoBERTa's embeddings), the masked rows picked with ``nonzero``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32)
+
+    def forward(self, src, tgt):
+        h = self.embed((src.ne(0).int() * src.int()).long())
+        rows = torch.nonzero((tgt != 0).view(-1)).view(-1)
+        scores = self.head(h.view(-1, 16)).index_select(0, rows)
+        return torch.nn.functional.cross_entropy(scores, torch.index_select(tgt.view(-1), 0, rows))
+
+
+def test_the_eager_steps_do_not_repeat_jaxs_int64_note():
+    """torchax's integers are int32, and JAX says so when a program casts to int64: once, when
+    the program is traced. An eager program said it at every step (two lines of each step's log
+    in ``train_bert_ds.py``)."""
+    engine, *_ = spmdzero.initialize(model=MaskedLM(), config={
+        "train_batch_size": 8, "zero_optimization": {"stage": 2}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    g = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")  # each time a warning is given, not once per line
+        for _ in range(4):
+            src = torch.randint(1, 32, (8, 6), generator=g)
+            loss = engine(src, torch.where(torch.rand(8, 6, generator=g) < 0.3, src, 0))
+            engine.backward(loss)
+            engine.step()
+    said = [str(w.message) for w in warned if re.search(INT64_TRUNCATED, str(w.message))]
+    assert engine.traces and len(said) <= 1, said
 
 
 @pytest.mark.slow

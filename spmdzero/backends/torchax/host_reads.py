@@ -42,10 +42,12 @@ import collections
 import contextlib
 import functools
 import os
+import warnings
 from typing import Any, Callable
 
 import torch
 
+from spmdzero.backends.torchax.placement import INT64_TRUNCATED
 from spmdzero.observe.console import ensure_handler, logger
 
 
@@ -165,11 +167,14 @@ class Fallback:
 
     def run_eagerly(self, fn: Callable, args: tuple):
         """``fn(*args)`` without ``jax.jit``: op by op. It compiles no program, so it counts no
-        trace (the program functions count themselves in ``engine.traces``)."""
+        trace (the program functions count themselves in ``engine.traces``). JAX's note that an
+        int64 became int32 (torchax's integers), which a traced program gives once, would come
+        at every step of an eager one (HelloDeepSpeed's ``torch.nonzero``): it is not said."""
         engine = self._engine
         counted = collections.Counter(engine.traces)
         try:
-            with concrete_reads():
+            with concrete_reads(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", INT64_TRUNCATED, UserWarning)
                 return fn(*args)
         finally:
             engine.traces.clear()
