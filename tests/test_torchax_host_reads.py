@@ -122,6 +122,7 @@ def test_the_eager_run_is_said_once_naming_the_line_and_the_cost(trained):
     assert len(notes) == 1, notes
     assert "HostReads's forward" in notes[0] and "test_torchax_host_reads.py" in notes[0], notes[0]
     assert "eagerly, op by op" in notes[0] and "10x" in notes[0] and "spmd.backend='torch_xla'" in notes[0]
+    assert "each shape not seen before" in notes[0], notes[0]
 
 
 class MaskedLM(torch.nn.Module):

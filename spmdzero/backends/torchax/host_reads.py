@@ -190,7 +190,8 @@ class Fallback:
         logger.warning(
             "spmdzero: %s's forward reads a tensor's value on the host%s, which a program compiled once cannot "
             "(JAX: %s). The torchax backend runs this model's %s program, and any other of its programs that reads, "
-            "eagerly, op by op, from now on; engine.step() stays compiled. Cost: %s. To compile it, compute with "
+            "eagerly, op by op, from now on; engine.step() stays compiled. Cost: %s; and each shape not seen before "
+            "(a new padded length, a new count of rows picked by value) compiles its ops again. To compile it, compute with "
             "tensor ops (torch.where, masks of fixed shape) instead of reading the value, or use "
             "spmd.backend='torch_xla', which cuts the step at the read (noted once)",
             self._module_name, where(err), found, PROGRAM_NAMES.get(kind, kind), COST)
