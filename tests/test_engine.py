@@ -15,7 +15,7 @@ import spmdzero
 from spmdzero.observe.reports import model_state_bytes, sharding_spec
 from spmdzero.optim.schedules import WarmupLR
 
-from conftest import batches, tiny_mlp
+from conftest import batches, run_python, tiny_mlp
 
 GAS, MICRO_PER_DEVICE, N = 2, 2, 8
 CLIP = 0.3
@@ -446,3 +446,28 @@ def test_an_input_that_requires_grad_gets_its_gradient_as_in_pytorch(rows, backe
         engine.backward(torch.nn.functional.mse_loss(engine(x), y.to(engine.device)))
     assert x.grad is not None and x.grad.device.type == "cpu"
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_the_torch_xla_engine_leaves_the_scripts_numpy_rng_alone():
+    """A script that seeds NumPy and draws from it for its data (HelloDeepSpeed masks tokens
+    with ``np.random``) draws the same numbers as under DeepSpeed. The torch_xla engine's first
+    step imports JAX (the fused update's lowering), and that import drew about ten words from
+    NumPy's global RNG: every later batch was masked otherwise. Fresh process: JAX unimported."""
+    out = run_python("""
+        import random
+        import numpy as np, torch, spmdzero
+        np.random.seed(0); torch.manual_seed(0); random.seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+        engine, *_ = spmdzero.initialize(model=model, config={
+            "train_batch_size": 8, "zero_optimization": {"stage": 1}, "optimizer": {"type": "Adam", "params": {"lr": 1e-4}}})
+        before = (np.random.get_state()[1].copy(), np.random.get_state()[2], torch.get_rng_state(), random.getstate())
+        for _ in range(2):
+            engine.backward(engine(torch.ones(8, 16)).pow(2).mean())
+            engine.step()
+        numpy_state = np.random.get_state()
+        print("numpy", bool((numpy_state[1] == before[0]).all()) and numpy_state[2] == before[1],
+              "torch", bool(torch.get_rng_state().equal(before[2])), "python", random.getstate() == before[3],
+              "backend", type(engine).__module__)
+    """, env={"SPMDZERO_BACKEND": "torch_xla"})
+    assert "numpy True torch True python True backend spmdzero.backends.torch_xla" in out, out

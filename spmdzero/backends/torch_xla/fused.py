@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensor
 
@@ -261,7 +262,15 @@ def _lower(fn, flat: list[torch.Tensor], out_shardings: Optional[list[str]]):
     import torch_xla.core.xla_builder as xb
     import torch_xla.runtime as xr
 
-    jax = maybe_get_jax()  # imports JAX the way torch_xla needs (after the PJRT client exists)
+    # JAX imported the way torch_xla needs (after the PJRT client exists). Its first import draws
+    # from NumPy's global RNG (jaxlib 0.7.1: about ten words), which the script may have seeded for
+    # its own data (HelloDeepSpeed masks tokens with np.random); in a torch_xla process that import
+    # comes here, at the first step, so the draw would shift the script's stream from then on
+    numpy_rng = np.random.get_state()
+    try:
+        jax = maybe_get_jax()
+    finally:
+        np.random.set_state(numpy_rng)
     import jax.numpy as jnp
     from jax._src import config
 
