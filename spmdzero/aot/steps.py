@@ -31,10 +31,9 @@ from typing import Optional
 from spmdzero.tpu.chips import GIB, ChipSpec, chip_spec, topology_chips  # noqa: F401  (topology_chips: public here)
 from spmdzero.tpu.capture import JaxStepCapture, StepCapture, capture, trace_step
 from spmdzero.tpu.report import AotReport, _gib
-from spmdzero.initialize import backend_of, initialize, with_backend
+from spmdzero.initialize import backend_of, initialize
 from spmdzero.aot.models import ModelSource, build_on_meta, checked_module
 from spmdzero.aot.shapes import shape_only_engine, shape_only_torchax_engine
-from spmdzero.config.load import load_config
 from spmdzero import runtime
 
 
