@@ -198,6 +198,41 @@ def test_load_module_only_restores_no_counters_schedule_or_rng(saved):
     assert engine.lr_scheduler.last_batch_iteration == -1
 
 
+def _host_draws():
+    import random
+
+    import numpy as np
+    return random.random(), torch.rand(1).item(), float(np.random.rand())
+
+
+def _seed_host(seed):
+    import random
+
+    import numpy as np
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+
+
+@pytest.mark.parametrize("restore_host_rng", [False, True])
+def test_a_full_load_leaves_the_scripts_host_rngs_alone_as_deepspeed_does(tmp_path, restore_host_rng):
+    """DeepSpeed's ``load_checkpoint`` restores no RNG: a script that seeds and then loads
+    (DeepSpeedExamples' HelloDeepSpeed masks its tokens with NumPy) draws from its own seed after
+    the load, as under DeepSpeed. ``spmd.restore_host_rng`` sets torch's, Python's and NumPy's
+    global RNGs to the states saved with the checkpoint instead."""
+    config = {**CONFIG, "spmd": {"restore_host_rng": restore_host_rng}}
+    engine, *_ = spmdzero.initialize(model=make_model(), config=config)
+    train(engine, 0, 2)
+    _seed_host(7)
+    engine.save_checkpoint(str(tmp_path))
+    at_save = _host_draws()
+    _seed_host(1234)
+    own_seed = _host_draws()
+    _seed_host(1234)
+    engine.load_checkpoint(str(tmp_path))
+    assert _host_draws() == (at_save if restore_host_rng else own_seed)
+
+
 def test_a_load_starts_a_whole_accumulation_window_of_this_engines_size(saved):
     """Saved with gradient_accumulation_steps 2 after 3 optimizer steps, loaded with 4: the
     next optimizer step comes after 4 micro-steps, not 2 (DeepSpeed does not restore the

@@ -203,6 +203,9 @@ class SpmdConfig(Section):
     max_recompiles: Optional[int] = Field(None, ge=0)
     compile_cache_dir: Optional[str] = None
     trust_client_state: bool = False  # unpickle a checkpoint's client_state even if it is not plain data
+    # load_checkpoint also sets torch's, Python's and NumPy's global RNGs to the saved states. DeepSpeed
+    # leaves them as the script set them (a script that seeds, then loads, draws from its own seed), so off.
+    restore_host_rng: bool = False
     # Trace and compile the model's identical blocks once (spmdzero.backends.torch_xla.scan); "stacked": each block
     # parameter name is one parameter [layers, ...] (the step's cost then does not grow with depth).
     scan_layers: Union[bool, Literal["stacked"]] = False

@@ -344,9 +344,10 @@ def _host_state_restorer(engine, meta: dict, where: str, full_state: bool, sched
             engine.lr_scheduler.load_state_dict(schedule)
         if rng is None:
             return None
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
+        if engine.validated_config.spmd.restore_host_rng:
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
         return rng["xla"]  # the device's seed: set by the caller once the engine's last sync is done
 
     return restore
