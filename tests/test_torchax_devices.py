@@ -328,6 +328,23 @@ def test_torch_accelerator_answers_as_a_host_without_an_accelerator():
         assert torch.accelerator.current_device_index() == 0
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a host with a GPU keeps torch's own CUDA calls")
+def test_a_gpu_scripts_device_choice_and_memory_resets_do_nothing_without_a_gpu():
+    """DeepSpeedExamples' bf16_master_weight/train.py calls ``torch.cuda.set_device(local_rank)``
+    and ``torch.cuda.reset_peak_memory_stats()`` first: both raised "Found no NVIDIA driver on
+    your system" (``spmdzero.runtime.cuda_calls``). Other CUDA calls keep torch's error."""
+    torch.cuda.set_device(0)
+    torch.cuda.set_device(torch.device("cuda", 0))
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.reset_max_memory_allocated()
+    torch.cuda.reset_accumulated_memory_stats()
+    assert torch.cuda.max_memory_allocated() == 0
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.cuda.synchronize()
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.zeros(1, device="cuda")
+
+
 def test_pinning_a_tensor_leaves_it_on_the_host_unpinned():
     x = torch.randn(3)
     assert x.pin_memory() is x and not x.is_pinned()  # it raised "Please register PrivateUse1HooksInterface"

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from spmdzero.runtime.devices import _select_device_type, cpu_device_count, size_cpu_thread_pool
 from spmdzero.runtime import jax_runtime, libtpu_flags
-from spmdzero.runtime import privateuse1
+from spmdzero.runtime import cuda_calls, privateuse1
 
 _torch_xla_started = False
 
@@ -38,6 +38,7 @@ def start() -> None:
     # either backend imports torchax (torch_xla's fused update and scan call JAX through it), which
     # names torch's PrivateUse1 device "jax" with nothing behind it: the host stands in
     privateuse1.install()
+    cuda_calls.install()  # a GPU script's torch.cuda.set_device(local_rank) has no device to choose
     # XLA's C++ warnings, read when the first XLA library loads (jaxlib, or torch_xla): a "GSPMD
     # sharding propagation is going to be deprecated" line on every torch_xla compile says nothing
     # the user can act on (torch_xla 2.9 has no Shardy path). Errors still show;
