@@ -471,3 +471,41 @@ def test_the_torch_xla_engine_leaves_the_scripts_numpy_rng_alone():
               "backend", type(engine).__module__)
     """, env={"SPMDZERO_BACKEND": "torch_xla"})
     assert "numpy True torch True python True backend spmdzero.backends.torch_xla" in out, out
+
+
+@pytest.mark.parametrize("scale", [True, False], ids=["engine.scale", "loss.backward"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_pytorch_style_backward_trains_as_plain_torch(backend, scale):
+    """DeepSpeed 0.19's PyTorch-style backward (DeepSpeedExamples' bf16_master_weight/train.py):
+    the script runs the backward itself, ``engine.scale(loss).backward()`` (or ``loss.backward()``),
+    then ``engine.step()``. Nothing divides by the accumulation steps there, so this script
+    divides, as a plain torch loop does. ``engine.scale`` was missing on both backends, and the
+    torch_xla backend refused the step ("no engine.backward()")."""
+    model = tiny_mlp()
+    data = batches(6, MICRO_PER_DEVICE * N)
+    ref_losses, ref_params = reference_run(model, data)
+    engine, *_ = spmdzero.initialize(model=copy.deepcopy(model), config=config(2, backend))
+    losses = []
+    for x, y in data:
+        loss = torch.nn.functional.mse_loss(engine(x), y.to(engine.device))
+        (engine.scale(loss / GAS) if scale else loss / GAS).backward()
+        engine.step()
+        losses.append(loss)
+    assert [l.item() for l in losses] == pytest.approx(ref_losses, rel=1e-5)
+    for name, p in engine.module.named_parameters():
+        torch.testing.assert_close(p.detach().cpu(), ref_params[name], rtol=1e-5, atol=1e-5, msg=name)
+    assert engine.global_steps == len(data) // GAS
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_engine_scale_multiplies_by_fp16s_loss_scale_and_names_what_it_takes(backend):
+    """Under fp16 the update divides the gradients by the loss scale, so a script's own
+    backward must start from ``engine.scale(loss)``; in bf16 and fp32 it is the loss itself."""
+    cfg = config(1, backend, fp16={"enabled": True, "loss_scale": 128})
+    engine, *_ = spmdzero.initialize(model=tiny_mlp(), config=cfg)
+    x, y = batches(1, MICRO_PER_DEVICE * N)[0]
+    loss = torch.nn.functional.mse_loss(engine(x.half()).float(), y.to(engine.device))
+    assert engine.scale(loss).item() == pytest.approx(128 * loss.item(), rel=1e-6)
+    with pytest.raises(ValueError, match=r"shape \(16, 8\).*tensor.backward\(grad\)"):
+        engine.scale(engine(x.half()))
+    engine.backward(loss)

@@ -32,6 +32,20 @@ def no_gradients(call: str = "engine.step() at a gradient accumulation boundary"
 
 NO_GRADIENTS = no_gradients()
 
+
+def check_scalable(engine, loss) -> None:
+    """What DeepSpeed's ``engine.scale(loss)`` asks of its call: an optimizer (the loss scale is
+    its), and a scalar loss that autograd can take back (a non-scalar's backward needs its own
+    gradient, ``tensor.backward(grad)``)."""
+    if engine.optimizer is None:
+        raise RuntimeError("engine.scale(loss) needs an optimizer: pass optimizer= to initialize() or add an "
+                           "'optimizer' section to the config")
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        what = (f"a {type(loss).__name__}" if not isinstance(loss, torch.Tensor) else
+                f"a tensor of shape {tuple(loss.shape)}" if loss.numel() != 1 else "a tensor that requires no grad")
+        raise ValueError(f"engine.scale(loss) takes a scalar loss tensor with a gradient to take, got {what}; for a "
+                         "non-scalar tensor, call tensor.backward(grad)")
+
 logger = logging.getLogger("spmdzero")
 
 

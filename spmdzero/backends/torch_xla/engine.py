@@ -43,7 +43,7 @@ from spmdzero.config.schema import DeepSpeedConfig
 from spmdzero.train import module_methods
 from spmdzero.train.data import map_tensors, model_pad_id
 from spmdzero.backends.torch_xla.batches import to_device_sharded
-from spmdzero.train.engine_base import EngineBase, no_gradients
+from spmdzero.train.engine_base import EngineBase, check_scalable, no_gradients
 from spmdzero.observe.monitor import RecompileGuard, StepLogger, ThroughputTimer, compile_count, notice_nonfinite
 from spmdzero.optim.ops import TORCH_OPS
 from spmdzero.optim.optimizers import SpmdOptimizer, ZeroOptimizer, drop_state, is_lazy, placeholder_state
@@ -239,6 +239,21 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
             if explained is None:
                 raise
             raise explained from err
+        self._take_param_grads()
+        self._step_logger.timers.add("backward", time.perf_counter() - start)
+        return loss
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """DeepSpeed's ``engine.scale(loss)``, for a backward the script runs itself
+        (``engine.scale(loss).backward()``, then ``engine.step()``): ``loss`` times fp16's loss
+        scale, which the update divides out; ``loss`` itself in bf16 and fp32. Unlike
+        ``engine.backward``, nothing divides by the accumulation steps (as in DeepSpeed)."""
+        check_scalable(self, loss)
+        return loss * self._loss_scale.scale if self._loss_scale is not None else loss
+
+    def _take_param_grads(self) -> None:
+        """Move the gradients autograd left in ``param.grad`` into the ZeRO buffers (reduced in
+        ``communication_data_type``, laid out as the plan says, summed in ``grad_accum_dtype``)."""
         comm, accum = self.precision.communication_dtype, self.precision.grad_accum_dtype
         with torch.no_grad():
             for slot in self._slots:
@@ -272,8 +287,6 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
                     shard(grad, self.mesh, spec)
                 slot.grad = grad
         self._window_reduced = self.is_gradient_accumulation_boundary()
-        self._step_logger.timers.add("backward", time.perf_counter() - start)
-        return loss
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """Apply the update at an accumulation boundary; count every call; end the trace."""
@@ -303,6 +316,11 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
     def _take_gradients(self, call: str) -> None:
         """Check that an optimizer step has gradients to apply, and mark them taken."""
         self._require_optimizer(call)
+        if not self._backward_since_step and any(slot.param.grad is not None for slot in self._slots):
+            # DeepSpeed's PyTorch-style backward: the script ran loss.backward() itself (through
+            # engine.scale(loss) under fp16), and autograd summed the window's gradients in param.grad
+            self._take_param_grads()
+            self._backward_since_step = True
         if not self._backward_since_step:
             # DeepSpeed's ZeRO-1/2 optimizer has no gradients then and fails (its
             # averaged_gradients are None after a step); an update would still apply weight

@@ -18,6 +18,7 @@ from spmdzero.backends.torchax import process_rows
 from spmdzero.backends.torchax.forward import SPECULATED
 from spmdzero.backends.torchax.release import release_in_background
 from spmdzero.backends.torchax.placement import _as_jax, _is_torchax_tensor, _jax_dtype
+from spmdzero.train.engine_base import check_scalable
 
 
 NOT_FROM_ENGINE = ("engine.backward(loss) was given a loss that depends on no output of this engine's forward "
@@ -85,6 +86,16 @@ class BackwardPrograms:
         term = _as_jax(loss, self._env).astype("float32") / gas  # a JAX op: no device read
         self._window_loss = term if self._window_loss is None else self._window_loss + term
         return loss / gas if gas > 1 else loss
+
+    def scale(self, loss):
+        """DeepSpeed's ``engine.scale(loss)``, for a backward the script runs itself
+        (``engine.scale(loss).backward()``, then ``engine.step()``): ``loss`` times fp16's loss
+        scale, which the update divides out; ``loss`` itself in bf16 and fp32. Unlike
+        ``engine.backward``, nothing divides by the accumulation steps (as in DeepSpeed)."""
+        check_scalable(self, loss)
+        if self._loss_scale is None:
+            return loss
+        return loss * self._Output(self._loss_scale.scale, self._env)
 
     def _commit_traced(self, forward: SimpleNamespace) -> None:
         """Commit the gradient a training forward took of the module's loss (taking it again when
