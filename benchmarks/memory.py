@@ -5,7 +5,8 @@
 
 For an MLP of P parameters (``--width`` w: Linear(w, 2w), Linear(2w, w); w=512 gives P =
 1.05M), AdamW, 2 micro-steps per optimizer step, and each ZeRO stage and precision (fp32 at
-stages 0, 1, 2; bf16 at stage 2), it trains ``--steps`` micro-steps twice: with the loss
+stages 0, 1, 2; bf16 at stage 2, with fp32 masters and with bf16 ones, "bf16-masters":
+``bf16_master_weights_and_grads`` and ``bf16_optimizer_states``), it trains ``--steps`` micro-steps twice: with the loss
 computed inside the module (``engine(x, y)`` returns it) and outside it (``loss =
 mse(engine(x), y)``). After every ``engine.step()`` (between micro-steps, and right after each
 optimizer step) it waits for the dispatched programs (``engine.wait()``) and sums the bytes
@@ -15,7 +16,7 @@ weights and optimizer states, and whatever else is still alive (outputs the loop
 arrays waiting to be released). It measures the same between each forward and its backward (a
 gradient waiting for its backward; with the loss outside, the forward's VJP and its
 activations). It prints per stage and precision the most of each, ZeRO's accounting per device (16P, 8P + 8P/N, 4P + 12P/N at stages 0, 1, 2; 2P + 14P/N for bf16 at
-stage 2, read from the engine's ``sharding_report().zero_accounting()``) and the ratios.
+stage 2, 2P + 6P/N with bf16 masters and states, read from the engine's ``sharding_report().zero_accounting()``) and the ratios.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import sys
 
 import torch
 
-CASES = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (2, "bf16")]
+CASES = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (2, "bf16"), (2, "bf16-masters")]
 N = 8  # CPU devices: spmdzero's default when imported
 
 
@@ -48,8 +49,10 @@ class WithLoss(torch.nn.Module):
 def config(stage: int, precision: str) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage}}
-    if precision == "bf16":
+    if precision.startswith("bf16"):
         cfg["bf16"] = {"enabled": True}
+    if precision == "bf16-masters":  # DeepSpeed 0.19's bf16 master weights and optimizer states
+        cfg["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     return cfg
 
 

@@ -1,7 +1,8 @@
 """ZeRO's memory on the default (torchax) backend: what every live JAX array holds on a device
 after each ``engine.step()`` (between micro-steps, and right after an optimizer step) is at most
 1.05x ZeRO's accounting (16P, 8P + 8P/N, 4P + 12P/N at stages 0, 1, 2; 2P + 14P/N for bf16 at
-stage 2; 16P/N at stage 3), with the loss inside the module and computed outside it, accumulating 2 micro-steps
+stage 2, 2P + 6P/N with bf16 master weights and optimizer states; 16P/N at stage 3, 8P/N with bf16
+masters and states), with the loss inside the module and computed outside it, accumulating 2 micro-steps
 (issue 42), and so is what is held between a forward and its backward. Before: a replaced
 gradient sum and the update's donated gradients were held a micro-step or a window longer (1.25x
 at stage 0, 1.44x at stage 1), bf16's old parameters beside the new ones (1.6x), a forward's
@@ -36,6 +37,8 @@ def held_after_each_step(stage: int, bf16: bool, loss_inside: bool, steps: int =
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage}}
     if bf16:
         config["bf16"] = {"enabled": True}
+    if bf16 == "masters":  # DeepSpeed 0.19's bf16 master weights and optimizer states
+        config["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     engine, *_ = spmdzero.initialize(model=WithLoss(net) if loss_inside else net, config=config)
     generator = torch.Generator().manual_seed(1)
     held, waiting = [], []
@@ -54,11 +57,15 @@ def held_after_each_step(stage: int, bf16: bool, loss_inside: bool, steps: int =
 
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_inside", [True, False], ids=["loss_inside", "loss_outside"])
-@pytest.mark.parametrize("stage,bf16", [(0, False), (1, False), (2, False), (2, True), (3, False), (3, True)],
-                         ids=["stage0", "stage1", "stage2", "bf16_stage2", "stage3", "bf16_stage3"])
+@pytest.mark.parametrize("stage,bf16", [(0, False), (1, False), (2, False), (2, True), (2, "masters"), (3, False),
+                                        (3, True), (3, "masters")],
+                         ids=["stage0", "stage1", "stage2", "bf16_stage2", "bf16_masters_stage2", "stage3", "bf16_stage3",
+                              "bf16_masters_stage3"])
 def test_device_memory_within_zero_accounting(stage, bf16, loss_inside):
     held, waiting, accounting, P = held_after_each_step(stage, bf16, loss_inside)
-    if stage == 3:
+    if bf16 == "masters":  # bf16 parameters and gradients, no fp32 masters, bf16 states
+        analytic = (8 * P / N) if stage == 3 else 2 * P + 6 * P / N
+    elif stage == 3:
         analytic = 16 * P / N  # every state sharded, bf16 or not (2P/N + 2P/N + 12P/N)
     else:
         analytic = 2 * P + 14 * P / N if bf16 else {0: 16 * P, 1: 8 * P + 8 * P / N, 2: 4 * P + 12 * P / N}[stage]

@@ -20,8 +20,12 @@ def optimizer_state_bytes(cfg: DeepSpeedConfig) -> Optional[int]:
         return 0
     name = cfg.optimizer.type.lower()
     if name == "sgd":
-        return 4 if cfg.optimizer.params.get("momentum", 0) else 0
-    return STATE_BYTES.get(name)
+        fp32 = 4 if cfg.optimizer.params.get("momentum", 0) else 0
+    else:
+        fp32 = STATE_BYTES.get(name)
+    if fp32 is not None and cfg.bf16.enabled and cfg.bf16.bf16_optimizer_states:
+        return fp32 // 2  # the states in bf16
+    return fp32
 
 
 def model_state_estimate(params: int, stage: int, fsdp: int, state_bytes: int, param_bytes: int = 4,

@@ -148,8 +148,6 @@ REFUSED_KEYS: dict[str, str] = {
     "gradient_allreduce_op": "'sum' would add the ranks' gradients instead of averaging them; spmdzero "
                              "computes the mean over the global batch",
     "fp16.fp16_master_weights_and_grads": "spmdzero keeps fp32 master weights and gradients",
-    "bf16.bf16_master_weights_and_grads": "spmdzero keeps fp32 master weights and gradients",
-    "bf16.bf16_optimizer_states": "spmdzero keeps fp32 optimizer states",
     "data_types.buffer_dtype": "module buffers keep their dtype",
     "progressive_layer_drop": "progressive layer drop is not available",
     "curriculum_learning": "curriculum learning (legacy) is not available",

@@ -137,6 +137,7 @@ def parse_config(raw: Mapping[str, Any], source: str = "config") -> DeepSpeedCon
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError(f"{source}: fp16 and bf16 cannot both be enabled")
     mode = "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32"
+    _check_bf16_masters(cfg, source)
     param_dtype = cfg.data_types.param_dtype
     if param_dtype is not None and _DTYPE_MODE[param_dtype] != mode:
         raise ConfigError(f"{source}: data_types.param_dtype={param_dtype!r} conflicts with the precision mode "
@@ -144,6 +145,21 @@ def parse_config(raw: Mapping[str, Any], source: str = "config") -> DeepSpeedCon
     cfg._noop_keys = tuple(noop)
     _warn_noop_keys(cfg)
     return cfg
+
+
+def _check_bf16_masters(cfg: DeepSpeedConfig, source: str) -> None:
+    """DeepSpeed's conditions on its bf16 master weights and optimizer states (runtime/config.py):
+    a ZeRO optimizer (stage 1-3) holds them, and bf16 states go with bf16 masters."""
+    bf16 = cfg.bf16
+    if not bf16.enabled or not (bf16.bf16_master_weights_and_grads or bf16.bf16_optimizer_states):
+        return
+    key = "bf16_master_weights_and_grads" if bf16.bf16_master_weights_and_grads else "bf16_optimizer_states"
+    if cfg.zero_optimization.stage == 0:
+        raise ConfigError(f"{source}: bf16.{key} needs ZeRO stage 1, 2 or 3 (zero_optimization.stage is 0), as in "
+                          "DeepSpeed: the ZeRO optimizer holds the master weights")
+    if bf16.bf16_optimizer_states and not bf16.bf16_master_weights_and_grads:
+        raise ConfigError(f"{source}: bf16.bf16_optimizer_states needs bf16.bf16_master_weights_and_grads, as in "
+                          "DeepSpeed: the optimizer states take the master weights' dtype")
 
 
 _DTYPE_MODE = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "fp16": "fp16", "float16": "fp16",

@@ -92,6 +92,10 @@ class Fp16Config(Section):
 class Bf16Config(Section):
     enabled: bool = False
     check_grad_overflow: bool = True
+    # DeepSpeed 0.19's low-precision ZeRO: the optimizer updates the bf16 parameters themselves (no
+    # fp32 master copy) and the gradients stay bf16; with bf16_optimizer_states its states are bf16 too
+    bf16_master_weights_and_grads: bool = False
+    bf16_optimizer_states: bool = False
 
 
 DTYPE_NAMES = ("fp32", "float32", "float", "fp16", "float16", "half", "bf16", "bfloat16", "bfloat")

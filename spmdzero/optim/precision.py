@@ -6,6 +6,9 @@ pure functions on device state, so that overflow never needs a host sync).
 * bf16: module params and activations bf16; fp32 master weights and optimizer states,
   sharded like the states; steps with inf/nan gradients are skipped (DeepSpeed's
   ``bf16.check_grad_overflow``, default on); no loss scaling.
+* bf16 with ``bf16_master_weights_and_grads`` (DeepSpeed 0.19, the torchax backend): no fp32
+  masters; the update reads and writes the bf16 parameters (its math in fp32, as DeepSpeed's
+  Adam kernels compute), and with ``bf16_optimizer_states`` keeps its states in bf16.
 * fp16: as bf16 with fp16 params, plus DeepSpeed's loss scaling: dynamic
   (``loss_scale: 0``) or static.
 
@@ -38,11 +41,16 @@ class PrecisionPolicy:
     hysteresis: int = 2
     consecutive_hysteresis: bool = False
     min_scale: float = 1.0
+    # bf16.bf16_master_weights_and_grads: the optimizer updates the bf16 parameters themselves
+    low_precision_masters: bool = False
+    # the dtype of the optimizer's per-element states (bf16.bf16_optimizer_states: bf16)
+    state_dtype: torch.dtype = torch.float32
 
     @property
     def master_weights(self) -> bool:
-        """Low-precision params keep an fp32 master copy that the optimizer updates."""
-        return self.param_dtype != torch.float32
+        """Low-precision params keep an fp32 master copy that the optimizer updates (unless
+        ``low_precision_masters``: then the parameters are the masters)."""
+        return self.param_dtype != torch.float32 and not self.low_precision_masters
 
     @property
     def scales_loss(self) -> bool:
@@ -58,7 +66,9 @@ def precision_policy(cfg: DeepSpeedConfig) -> PrecisionPolicy:
                      consecutive_hysteresis=fp16.consecutive_hysteresis, min_scale=float(fp16.min_loss_scale))
         check = True
     elif cfg.bf16.enabled:
-        model, dynamic, initial, extra, check = torch.bfloat16, False, 1.0, {}, cfg.bf16.check_grad_overflow
+        model, dynamic, initial, check = torch.bfloat16, False, 1.0, cfg.bf16.check_grad_overflow
+        extra = {"low_precision_masters": cfg.bf16.bf16_master_weights_and_grads,
+                 "state_dtype": torch.bfloat16 if cfg.bf16.bf16_optimizer_states else torch.float32}
     else:
         model, dynamic, initial, extra, check = torch.float32, False, 1.0, {}, False
     accum = DTYPES[cfg.data_types.grad_accum_dtype] if cfg.data_types.grad_accum_dtype else model

@@ -42,6 +42,10 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh: Any = None, optimi
     shape = mesh_shape(mesh)
     process_index, process_count = runtime.hosts()
     module = move_in_place(model, runtime.device())
+    if cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads:
+        raise ConfigError("bf16.bf16_master_weights_and_grads is implemented on the torchax backend (the default): the "
+                          "update there reads and writes the bf16 parameters; spmd.backend='torch_xla' keeps fp32 "
+                          "master weights: drop the key (and bf16.bf16_optimizer_states), or use the torchax backend")
     if cfg.spmd.remat != "none":
         raise ConfigError(f"spmd.remat={cfg.spmd.remat!r} is implemented on the torchax backend (a jax.checkpoint "
                          "policy for the scanned layers); on spmd.backend='torch_xla' checkpoint the blocks in the "

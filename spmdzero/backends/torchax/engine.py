@@ -174,7 +174,7 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         self._master_specs = {n: spec(plan[n].master) for n in self._names} if self.precision.master_weights else {}
         self._masters = {n: self._put(p.float(), self._master_specs[n]) for n, p in module.named_parameters()
                          if n in self._master_specs}
-        if self.precision.master_weights:
+        if self.precision.param_dtype != torch.float32:  # with fp32 masters, or bf16 ones (the parameters)
             move_in_place(module, self.precision.param_dtype)
         self._params = {n: self._put(p.detach(), self._param_specs[n]) for n, p in module.named_parameters()
                         if n in trained}
@@ -190,6 +190,9 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         for group, group_names in zip(groups, self._groups):
             for p, name in zip(group["params"], group_names):
                 initial = {} if self._torch_optimizer else optimizer._initial_state(p.detach().float(), group)
+                # bf16.bf16_optimizer_states: the per-element states in bf16 (step counters as they are)
+                initial = {k: v.to(self.precision.state_dtype) if v.dim() and v.is_floating_point() else v
+                           for k, v in initial.items()}
                 self._state_specs[name] = {k: spec(plan[name].optimizer_state if tuple(v.shape) == tuple(p.shape)
                                                    else replicated(v.dim())) for k, v in initial.items()}
                 states[name] = {k: self._put(v, self._state_specs[name][k]) for k, v in initial.items()}

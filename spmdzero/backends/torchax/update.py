@@ -164,9 +164,23 @@ class UpdateProgram:
                 value = jax.lax.with_sharding_constraint(value, sharding)
             return value
 
+        # bf16 master weights (policy.low_precision_masters): the math in fp32 on the bf16
+        # parameters, gradients and states, as DeepSpeed's Adam kernels load and store them
+        low = policy.low_precision_masters
+        state_dtype = _jax_dtype(policy.state_dtype)
+
+        def up(tree):
+            return jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, tree)
+
+        def stored(state):  # per-element states in the state dtype; step counters stay as they are
+            return {k: v.astype(state_dtype) if v.ndim and jnp.issubdtype(v.dtype, jnp.floating) else v
+                    for k, v in state.items()}
+
         def update(params, masters, states, shared, grads, skipped, loss_scale, hyper):
             self.traces["update"] += 1
             targets = masters if masters else params
+            if low:
+                targets, grads, states = up(targets), up(grads), up(states)
 
             def apply(scale):
                 if self._torch_optimizer:
@@ -192,6 +206,9 @@ class UpdateProgram:
             sum_sq = sum_of_squares([grads[name] for name in order], ops)
             result = boundary_update(sum_sq, loss_scale, clipping, policy, ops, apply)
             new_targets, new_states, new_shared = result.applied
+            if low:
+                new_targets = {n: t.astype(param_dtype) for n, t in new_targets.items()}
+                new_states = {n: stored(st) for n, st in new_states.items()}
             norm, skip = result.scale.norm, result.scale.skip
             skip = jnp.zeros((), bool) if skip is None else skip
             if not masters:
