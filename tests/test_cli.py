@@ -42,6 +42,22 @@ def test_config_check_counts_bf16_params_and_fp32_master_weights(tmp_path, capsy
     assert "under spmdzero launch (deepspeed.initialize) it is 'process'" in out  # the config sets no spmd.rank
 
 
+@pytest.mark.parametrize("stage, total", [(2, "2,750"), (3, "1,000")])
+def test_config_check_counts_bf16_master_weights_and_states_as_deepspeed_019_keeps_them(tmp_path, capsys, stage,
+                                                                                        total):
+    """``bf16_master_weights_and_grads`` with ``bf16_optimizer_states``: no fp32 masters, AdamW's
+    states in bf16: 2P + 6P/N at stage 2 (2.75 bytes per parameter at N = 8), 8P/N at stage 3
+    (the parameters sharded too; the check counted them whole at every stage)."""
+    path = write(tmp_path, {"train_batch_size": 8, "zero_optimization": {"stage": stage},
+                            "bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
+                                     "bf16_optimizer_states": True},
+                            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    assert main(["config", "check", path, "--devices", "8", "--params", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "master weights" not in out
+    assert f"total                         {total} B" in out, out
+
+
 def test_config_check_names_the_backend_initialize_would_build(tmp_path, capsys, monkeypatch):
     base = {"train_batch_size": 8, "optimizer": {"type": "AdamW"}}
     for spmd, variable, expected in [({}, "", "torchax (the config names none: the default"),

@@ -30,17 +30,18 @@ def optimizer_state_bytes(cfg: DeepSpeedConfig) -> Optional[int]:
 
 def model_state_estimate(params: int, stage: int, fsdp: int, state_bytes: int, param_bytes: int = 4,
                          grad_bytes: int = 4, master_bytes: int = 0) -> dict[str, float]:
-    """ZeRO's accounting: bytes per device by category. Parameters are replicated; gradients
-    sharded from stage 2; fp32 master weights (bf16/fp16, ``master_bytes`` 4) and optimizer
-    states from stage 1."""
+    """ZeRO's accounting: bytes per device by category. Parameters are replicated below stage 3
+    and sharded at it; gradients sharded from stage 2; fp32 master weights (bf16/fp16,
+    ``master_bytes`` 4) and optimizer states from stage 1."""
     grads = grad_bytes * params / (fsdp if stage >= 2 else 1)
+    weights = param_bytes * params / (fsdp if stage >= 3 else 1)
     states = state_bytes * params / (fsdp if stage >= 1 else 1)
     masters = master_bytes * params / (fsdp if stage >= 1 else 1)
-    out = {"params": param_bytes * params, "grads": grads}
+    out = {"params": weights, "grads": grads}
     if master_bytes:
         out["master weights"] = masters
     out["optimizer states"] = states
-    out["total"] = param_bytes * params + grads + masters + states
+    out["total"] = weights + grads + masters + states
     return out
 
 
