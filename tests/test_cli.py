@@ -48,7 +48,8 @@ def test_config_check_counts_bf16_master_weights_and_states_as_deepspeed_019_kee
     """``bf16_master_weights_and_grads`` with ``bf16_optimizer_states``: no fp32 masters, AdamW's
     states in bf16: 2P + 6P/N at stage 2 (2.75 bytes per parameter at N = 8), 8P/N at stage 3
     (the parameters sharded too; the check counted them whole at every stage)."""
-    path = write(tmp_path, {"train_batch_size": 8, "zero_optimization": {"stage": stage},
+    path = write(tmp_path, {"train_batch_size": 8,
+                            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
                             "bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
                                      "bf16_optimizer_states": True},
                             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
@@ -56,6 +57,8 @@ def test_config_check_counts_bf16_master_weights_and_states_as_deepspeed_019_kee
     out = capsys.readouterr().out
     assert "master weights" not in out
     assert f"total                         {total} B" in out, out
+    if stage == 3:  # the ZeRO-3 knob's stage-3 reason, as the runtime's warning gives it
+        assert "stage3_param_persistence_threshold: XLA gathers each parameter" in out, out
 
 
 def test_config_check_names_the_backend_initialize_would_build(tmp_path, capsys, monkeypatch):

@@ -4,9 +4,9 @@ bytes of model states, with no device touched."""
 
 from __future__ import annotations
 from typing import Optional
-from spmdzero.config.keys import NOOP_KEYS
+
 from spmdzero.config.schema import DeepSpeedConfig
-from spmdzero.config.load import load_config, read_config_file, without_integration_autos
+from spmdzero.config.load import load_config, noop_reason, read_config_file, without_integration_autos
 from spmdzero.sharding.batch import resolve_batch
 from spmdzero.sharding.mesh import data_parallel_size, fsdp_size, resolve_mesh_shape
 
@@ -99,7 +99,7 @@ def config_check(path: str, devices: int, params: Optional[int]) -> str:
     lines += [f"  note: {note}" for note in notes]
     noop = cfg.noop_keys
     lines += ["", "no-op keys under GSPMD:" if noop else "no-op keys under GSPMD: none"]
-    lines += [f"  {key}: {NOOP_KEYS[key]}" for key in noop]
+    lines += [f"  {key}: {noop_reason(key)}" for key in noop]
     if params is not None:
         from spmdzero.optim.precision import precision_policy
 

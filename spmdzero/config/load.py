@@ -259,15 +259,20 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(f"spmdzero: {message}", stacklevel=4)
 
 
+def noop_reason(key: str) -> str:
+    """Why a no-op key switched on changes nothing: a ZeRO-3 knob (only ever switched on at stage
+    3) says what XLA does in its place."""
+    reason = NOOP_KEYS[key]
+    return zero3_reason(key.rpartition(".")[2]) if reason == ZERO3_REASON else reason
+
+
 def _warn_noop_keys(cfg: DeepSpeedConfig) -> None:
     """One warning per parse for the no-op keys not warned about before (one line per reason)."""
     by_reason: dict[str, list[str]] = {}
     for key in cfg.noop_keys:
         if key not in _warned:
             _warned.add(key)
-            reason = NOOP_KEYS[key]
-            by_reason.setdefault(zero3_reason(key.rpartition(".")[2]) if reason == ZERO3_REASON else reason,
-                                 []).append(key)
+            by_reason.setdefault(noop_reason(key), []).append(key)
     if by_reason:
         lines = [f"{', '.join(keys)}: {reason}" for reason, keys in by_reason.items()]
         warnings.warn("spmdzero: these DeepSpeed config keys have no effect under GSPMD (docs/config.md, "
