@@ -35,15 +35,13 @@ def install() -> None:
         original = getattr(torch.cuda, name, None)
         if original is None or getattr(original, "_spmdzero_without_a_gpu", False):
             continue
-        setattr(torch.cuda, name, _nothing_without_a_gpu(original))
+        setattr(torch.cuda, name, _nothing_without_a_gpu(original, torch.cuda.is_available))
 
 
-def _nothing_without_a_gpu(call):
+def _nothing_without_a_gpu(call, gpu_available):
     @functools.wraps(call)
     def answered(*args, **kwargs):
-        import torch
-
-        if torch.cuda.is_available():
+        if gpu_available():
             return call(*args, **kwargs)
         return None
 

@@ -22,12 +22,31 @@ from spmdzero.optim.precision import attach_master_weights, precision_policy
 from spmdzero.train.build import move_in_place, move_state_to, refuse_sparse_gradients, setup_training
 
 
+def refuse_torchax_only_keys(cfg: DeepSpeedConfig) -> None:
+    """The keys only the torchax backend implements, refused here before anything is moved or
+    started, each naming itself and what to do instead."""
+    if cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads:
+        raise ConfigError("bf16.bf16_master_weights_and_grads is implemented on the torchax backend (the default): the "
+                          "update there reads and writes the bf16 parameters; spmd.backend='torch_xla' keeps fp32 "
+                          "master weights: drop the key (and bf16.bf16_optimizer_states), or use the torchax backend")
+    if cfg.spmd.remat != "none":
+        raise ConfigError(f"spmd.remat={cfg.spmd.remat!r} is implemented on the torchax backend (a jax.checkpoint "
+                         "policy for the scanned layers); on spmd.backend='torch_xla' checkpoint the blocks in the "
+                         "model (torch.utils.checkpoint, gradient_checkpointing_enable()) or drop the key")
+    if cfg.spmd.attention == "flash":
+        raise ConfigError("spmd.attention='flash' is implemented on the torchax backend (Pallas's flash kernel for "
+                          "F.scaled_dot_product_attention); on spmd.backend='torch_xla', SDPA is torch_xla's own "
+                          "lowering: drop the key, or call torch_xla.experimental.custom_kernel.flash_attention "
+                          "in the model")
+
+
 def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh: Any = None, optimizer: Any = None,
           model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
           collate_fn: Optional[Callable] = None, config_dict: Optional[dict] = None, shape_only: bool = False):
     """``(engine, optimizer, training_dataloader, lr_scheduler)`` on torch_xla's runtime.
     ``shape_only``: the model's parameters are placeholders with no buffers
     (``spmdzero.aot.shapes``); the engine is built without executing anything."""
+    refuse_torchax_only_keys(cfg)
     runtime.start_torch_xla()  # started at import under SPMDZERO_BACKEND=torch_xla; else now, where it can
     refuse_sparse_gradients(model)
     if cfg.spmd.compile_cache_dir:
@@ -42,19 +61,6 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh: Any = None, optimi
     shape = mesh_shape(mesh)
     process_index, process_count = runtime.hosts()
     module = move_in_place(model, runtime.device())
-    if cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads:
-        raise ConfigError("bf16.bf16_master_weights_and_grads is implemented on the torchax backend (the default): the "
-                          "update there reads and writes the bf16 parameters; spmd.backend='torch_xla' keeps fp32 "
-                          "master weights: drop the key (and bf16.bf16_optimizer_states), or use the torchax backend")
-    if cfg.spmd.remat != "none":
-        raise ConfigError(f"spmd.remat={cfg.spmd.remat!r} is implemented on the torchax backend (a jax.checkpoint "
-                         "policy for the scanned layers); on spmd.backend='torch_xla' checkpoint the blocks in the "
-                         "model (torch.utils.checkpoint, gradient_checkpointing_enable()) or drop the key")
-    if cfg.spmd.attention == "flash":
-        raise ConfigError("spmd.attention='flash' is implemented on the torchax backend (Pallas's flash kernel for "
-                          "F.scaled_dot_product_attention); on spmd.backend='torch_xla', SDPA is torch_xla's own "
-                          "lowering: drop the key, or call torch_xla.experimental.custom_kernel.flash_attention "
-                          "in the model")
     if cfg.spmd.scan_layers:
         if model_parameters is not None and not isinstance(model_parameters, (list, tuple)):
             model_parameters = list(model_parameters)  # a generator over the module, before stacking
