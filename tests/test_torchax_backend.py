@@ -1749,3 +1749,70 @@ def test_an_engine_called_inside_anothers_forward_trains_as_in_plain_torch(backe
         torch.testing.assert_close(params[name], value, atol=1e-6, rtol=1e-5)
     if backend == "torchax":
         assert engine.traces["train_forward"] == 2, engine.traces
+
+
+def _gan(seed: int = 0):
+    """A generator (with batch norm) and a discriminator, as DeepSpeedExamples' GAN has them."""
+    torch.manual_seed(seed)
+    generator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh())
+    discriminator = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LeakyReLU(0.2), torch.nn.Linear(8, 1),
+                                        torch.nn.Sigmoid(), torch.nn.Flatten(0))
+    return generator, discriminator
+
+
+def test_a_script_that_calls_its_own_modules_trains_them_through_their_engines():
+    """DeepSpeedExamples' GAN loop (``training/gan/gan_deepspeed_train.py``) calls the modules it
+    gave ``initialize`` (``netD(real)``, ``netG(noise)``, ``netD.zero_grad()``) and backs the
+    losses through the engines (``model_engineD.backward(err)``). The generator's loss goes back
+    through the discriminator's engine too, and ``netD.zero_grad()`` drops those gradients before
+    the discriminator's next step, as in plain torch at stage 0 (``module_calls``). Without
+    the routing the backward refused the host forward's loss; without ``zero_grad`` routed, the
+    discriminator's second step took the generator's gradients too. Calls in eval mode or
+    without grad stay on the host, and a copy of a module is a module of its own."""
+    import copy
+
+    criterion = torch.nn.BCELoss()
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)) for _ in range(STEPS)]
+
+    def run(engines: bool):
+        netG, netD = _gan()
+        optG, optD = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.5) for m in (netG, netD))
+        backward = {netD: lambda loss: loss.backward(), netG: lambda loss: loss.backward()}
+        step = {netD: optD.step, netG: optG.step}
+        if engines:
+            cfg = {"train_batch_size": 16, "zero_optimization": {"stage": 0}}
+            engine_d, *_ = spmdzero.initialize(model=netD, optimizer=optD, config=cfg)
+            engine_g, *_ = spmdzero.initialize(model=netG, optimizer=optG, config=cfg)
+            backward, step = {netD: engine_d.backward, netG: engine_g.backward}, {netD: engine_d.step, netG: engine_g.step}
+        losses = []
+        for real, noise in data:
+            netD.zero_grad()
+            err_real = criterion(netD(real), torch.ones(16))
+            backward[netD](err_real)
+            fake = netG(noise)
+            err_fake = criterion(netD(fake.detach()), torch.zeros(16))
+            backward[netD](err_fake)
+            step[netD]()
+            netG.zero_grad()
+            err_g = criterion(netD(fake), torch.ones(16))
+            backward[netG](err_g)
+            step[netG]()
+            losses.append([float(e.detach().cpu()) for e in (err_real, err_fake, err_g)])
+        state = {n: t.detach().cpu().clone() for m in (netG, netD) for n, t in m.state_dict().items()}
+        return losses, state, (netD, engine_d) if engines else None
+
+    reference, reference_state, _ = run(engines=False)
+    losses, state, (netD, engine_d) = run(engines=True)
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
+    for name, value in reference_state.items():  # the generator's batch-norm statistics included
+        torch.testing.assert_close(state[name], value, atol=1e-6, rtol=1e-5)
+    assert engine_d.traces["train_forward"] <= 2 and engine_d.traces["forward"] <= 2, engine_d.traces
+    netD.eval()
+    assert type(netD(data[0][0])) is torch.Tensor  # on the host
+    netD.train()
+    with torch.no_grad():
+        assert type(netD(data[0][0])) is torch.Tensor
+    assert type(copy.deepcopy(netD)(data[0][0])) is torch.Tensor
+    assert type(netD(data[0][0])) is not torch.Tensor  # the engine's output
+    assert type(copy.deepcopy(netD)) is torch.nn.Sequential

@@ -77,6 +77,7 @@ from spmdzero.train.build import move_in_place
 from spmdzero.backends.torchax import host_reads
 from spmdzero.backends.torchax import host_tensors
 from spmdzero.backends.torchax import other_engines
+from spmdzero.backends.torchax import module_calls
 from spmdzero.backends.torchax.mesh import jax_devices, mesh_devices
 from spmdzero.sharding.mesh import data_parallel_axes, resolve_hybrid_shape
 from spmdzero.backends.torchax import torch_optim
@@ -245,6 +246,7 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
             _refuse_optimizer_state(optimizer)
             _zero_grad_through_engine(optimizer, self)
         _sync_before_state_dict(module, self)
+        module_calls.register(module, self)  # the script's own calls to the module train as the engine's
         self._seed(seed)  # process 0's
         self._programs: dict = {}  # jitted functions by static structure
         self._other_engines: list = []  # engines called inside this one's programs (other_engines.py)
