@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import spmdzero
 from spmdzero.compat.deepspeed.accelerator import get_accelerator
 
-from conftest import run_python
+from conftest import batches, run_python, tiny_mlp
 
 VOCAB, ROWS, LENGTH = 32, 8, 6
 
@@ -332,17 +332,53 @@ def test_torch_accelerator_answers_as_a_host_without_an_accelerator():
 def test_a_gpu_scripts_device_choice_and_memory_resets_do_nothing_without_a_gpu():
     """DeepSpeedExamples' bf16_master_weight/train.py calls ``torch.cuda.set_device(local_rank)``
     and ``torch.cuda.reset_peak_memory_stats()`` first: both raised "Found no NVIDIA driver on
-    your system" (``spmdzero.runtime.cuda_calls``). Other CUDA calls keep torch's error."""
+    your system" (``spmdzero.runtime.cuda_calls``). Calls that ask about a GPU keep torch's error."""
     torch.cuda.set_device(0)
     torch.cuda.set_device(torch.device("cuda", 0))
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.reset_max_memory_allocated()
     torch.cuda.reset_accumulated_memory_stats()
     assert torch.cuda.max_memory_allocated() == 0
+    assert torch.cuda.current_device() == 0
     with pytest.raises((RuntimeError, AssertionError)):
+        torch.cuda.get_device_name()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a host with a GPU keeps torch's own CUDA calls")
+def test_a_gpu_scripts_cuda_device_is_the_accelerator_without_a_gpu():
+    """DeepSpeedExamples' GAN names ``torch.device("cuda", local_rank)`` for its modules, batches
+    and noise, and calls ``torch.cuda.synchronize()`` around its timing: each raised "Found no
+    NVIDIA driver" here. ``cuda`` now means the runtime's device, as ``y.to(out.device)`` does: a
+    host tensor is copied on the host (a copy, as a move to a GPU is), an output stays the
+    engine's, and the training equals the same script with ``device = "cpu"``."""
+    device = torch.device("cuda", 0)
+
+    def train(device):
+        model = tiny_mlp().to(device)
+        assert next(model.parameters()).device.type == "cpu"
+        engine, *_ = spmdzero.initialize(model=model, config={
+            "train_batch_size": 16, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        losses = []
+        for x, y in batches(3, 16):
+            loss = F.mse_loss(engine(x.to(device)), y.cuda() if device.type == "cuda" else y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.to(device).detach().cpu()))
         torch.cuda.synchronize()
-    with pytest.raises((RuntimeError, AssertionError)):
-        torch.zeros(1, device="cuda")
+        return losses, engine, loss
+
+    losses, engine, loss = train(device)
+    assert losses == train(torch.device("cpu"))[0]
+    assert type(loss.to(device)) is type(loss) and type(loss.cuda()) is type(loss)  # an output stays
+    x = torch.randn(2, 3)
+    moved = x.to(device, non_blocking=True)
+    assert type(moved) is torch.Tensor and moved.device.type == "cpu" and moved is not x
+    assert torch.equal(moved, x) and torch.equal(x.cuda(), x)
+    for made in (torch.zeros(2, device="cuda"), torch.randn(2, device=device), torch.arange(3, device="cuda:0"),
+                 torch.tensor([1.0], device=device), torch.full((2,), 1.0, device=device),
+                 x.new_zeros(2, device=device)):
+        assert made.device.type == "cpu"
+    assert x.pin_memory(device) is x
 
 
 def test_pinning_a_tensor_leaves_it_on_the_host_unpinned():

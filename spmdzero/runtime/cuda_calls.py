@@ -1,21 +1,33 @@
-"""A GPU script's calls that choose a CUDA device or reset its memory statistics, on a host without one.
+"""A GPU script's CUDA calls on a host without a GPU: ``cuda`` stands for the accelerator.
 
-DeepSpeed scripts written for GPUs pick their device with ``torch.cuda.set_device(local_rank)``
-before anything else (DeepSpeedExamples' ``training/bf16_master_weight/train.py``, Megatron-style
-scripts), and benchmark scripts reset the peak-memory counters between phases
-(``torch.cuda.reset_peak_memory_stats()``). On a TPU VM, or on this project's CPU machines,
-torch has no CUDA device, and those calls raise ("Found no NVIDIA driver on your system", or
-"Torch not compiled with CUDA enabled") before the script reaches ``deepspeed.initialize``.
+DeepSpeed scripts written for GPUs name CUDA directly. DeepSpeedExamples' GAN
+(``training/gan/gan_deepspeed_train.py``) runs ``torch.cuda.set_device(args.local_rank)``,
+``device = torch.device("cuda", args.local_rank)``, ``netG.to(device)``, ``data[0].to(device)``,
+``torch.randn(..., device=device)`` and ``torch.cuda.synchronize()`` around its timing;
+``training/bf16_master_weight/train.py`` resets the peak-memory counters. On a TPU VM, or on this
+project's CPU machines, torch has no CUDA device, and each of those calls raised ("Found no
+NVIDIA driver on your system", or "Torch not compiled with CUDA enabled") before or during
+training. Under SPMD "the GPU" has one meaning: the accelerator that one process drives whole,
+through the engine. So, only where torch reports no CUDA device (``torch.cuda.is_available()``
+False, checked when the call has failed, so a working call pays nothing):
 
-Under SPMD they have nothing to do: one process drives every device of its host through
-compiled programs, so there is no device to choose (as ``torch.accelerator.set_device_index``
-does nothing here, ``spmdzero.runtime.privateuse1``), and torch holds no accelerator memory whose
-counters could be reset (``torch.cuda.max_memory_allocated()`` already answers 0 bytes without a
-GPU; JAX holds the device memory: ``spmdzero.observe.reports.live_device_bytes``). So where torch
-reports no CUDA device (``torch.cuda.is_available()`` False), these calls do nothing instead of
-raising. A host with a GPU keeps torch's own behaviour, and every other CUDA call (a tensor
-moved to ``"cuda"``, ``torch.cuda.synchronize()``, whose timing meaning has no no-op) keeps
-torch's error."""
+* **device choice and memory-counter resets do nothing** (``set_device``, ``reset_peak_memory_stats``
+  and the other resets): there is no device to choose (``torch.accelerator.set_device_index`` does
+  nothing here either, ``spmdzero.runtime.privateuse1``), and torch holds no accelerator memory
+  (``torch.cuda.max_memory_allocated()`` answers 0 bytes without a GPU; JAX holds it);
+* **a move to ``cuda``, a factory or ``new_*`` with ``device="cuda"``, ``.cuda()``** do what they do
+  with the runtime's own device (``accelerator_device``): ``jax:0`` where JAX holds the devices,
+  so a host tensor is copied on the host and an engine output stays where it is, as with
+  ``y.to(out.device)``; ``xla:0`` under torch_xla's runtime. ``model.to(device)`` leaves the
+  module on the host, where ``initialize`` places it from;
+* ``torch.cuda.current_device()`` is 0 (the process's one logical device, as
+  ``torch.accelerator.current_device_index()``), ``tensor.pin_memory()`` returns the tensor
+  unpinned, and ``torch.cuda.synchronize()`` waits for the devices' work
+  (``wait_for_devices``), the wait that a script's timing asks for.
+
+A host with a GPU keeps torch's own behaviour, and every other CUDA call (device properties,
+streams) keeps torch's error: it asks about a GPU that is not there.
+"""
 
 from __future__ import annotations
 
@@ -24,26 +36,100 @@ import functools
 # the torch.cuda functions that only choose a device or reset memory counters
 NOTHING_TO_DO_WITHOUT_A_GPU = ("set_device", "reset_peak_memory_stats", "reset_max_memory_allocated",
                                "reset_max_memory_cached", "reset_accumulated_memory_stats")
+# torch's factories that take a device
+FACTORIES = ("arange", "as_tensor", "asarray", "empty", "empty_like", "empty_strided", "eye", "full", "full_like",
+             "linspace", "logspace", "normal", "ones", "ones_like", "rand", "rand_like", "randint", "randint_like",
+             "randn", "randn_like", "randperm", "range", "scalar_tensor", "tensor", "tril_indices", "triu_indices",
+             "zeros", "zeros_like")
+NEW_METHODS = ("new_empty", "new_empty_strided", "new_full", "new_ones", "new_tensor", "new_zeros")
+_MARK = "_spmdzero_without_a_gpu"
 
 
 def install() -> None:
-    """``torch.cuda``'s device choice and memory-counter resets do nothing where torch has no CUDA
-    device (see the module docstring). Idempotent."""
+    """A GPU script's CUDA calls mean the accelerator where torch has no CUDA device (see the
+    module docstring). Idempotent."""
     import torch
 
     for name in NOTHING_TO_DO_WITHOUT_A_GPU:
-        original = getattr(torch.cuda, name, None)
-        if original is None or getattr(original, "_spmdzero_without_a_gpu", False):
-            continue
-        setattr(torch.cuda, name, _nothing_without_a_gpu(original, torch.cuda.is_available))
+        _answer(torch.cuda, name, lambda call, *args, **kwargs: None)
+    _answer(torch.cuda, "current_device", lambda call: 0)
+    _answer(torch.cuda, "synchronize", lambda call, device=None: wait_for_devices())
+    for name in FACTORIES:
+        _answer(torch, name, _on_the_accelerator)
+    for name in ("to", *NEW_METHODS):
+        _answer(torch.Tensor, name, _on_the_accelerator)
+    _answer(torch.Tensor, "cuda", lambda call, tensor, device=None, non_blocking=False, **kwargs:
+            tensor.to(accelerator_device(), non_blocking=non_blocking, **kwargs))
+    _answer(torch.Tensor, "pin_memory", lambda call, tensor, *args, **kwargs: tensor)
 
 
-def _nothing_without_a_gpu(call, gpu_available):
-    @functools.wraps(call)
+def accelerator_device():
+    """The device a GPU script's ``cuda`` stands for: the runtime's own (see the module docstring)."""
+    import torch
+
+    from spmdzero.runtime import jax_runtime
+
+    return torch.device("jax", 0) if jax_runtime.selected() else torch.device("xla", 0)
+
+
+def wait_for_devices() -> None:
+    """Wait for the device work whose results are still held: every live JAX array made ready,
+    or torch_xla's issued operations done."""
+    from spmdzero.runtime import jax_runtime
+
+    if jax_runtime.selected():
+        import jax
+
+        jax.block_until_ready(jax.live_arrays())
+    else:
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()
+
+
+def _names_cuda(value) -> bool:
+    import torch
+
+    if isinstance(value, str):
+        return value == "cuda" or value.startswith("cuda:")
+    return isinstance(value, torch.device) and value.type == "cuda"
+
+
+def _on_the_accelerator(call, *args, **kwargs):
+    """``call`` again with each CUDA device replaced by the accelerator's; torch's error stands
+    where the call names none (``_Unanswered``)."""
+    if not any(_names_cuda(a) for a in (*args, *kwargs.values())):
+        raise _Unanswered
+    device = accelerator_device()
+    return call(*(device if _names_cuda(a) else a for a in args),
+                **{k: device if _names_cuda(v) else v for k, v in kwargs.items()})
+
+
+class _Unanswered(Exception):
+    """The failed call is not one that ``install`` answers: torch's own error is raised."""
+
+
+def _answer(namespace, name: str, answer) -> None:
+    """``namespace.<name>`` answers ``answer(original, *args, **kwargs)`` where the original
+    raises and torch has no CUDA device; as before otherwise (the first try costs nothing more)."""
+    import torch
+
+    original = getattr(namespace, name, None)
+    if original is None or getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
     def answered(*args, **kwargs):
-        if gpu_available():
-            return call(*args, **kwargs)
-        return None
+        try:
+            return original(*args, **kwargs)
+        except Exception:
+            if torch.cuda.is_available():
+                raise
+            try:
+                return answer(original, *args, **kwargs)
+            except _Unanswered:
+                pass
+            raise
 
-    answered._spmdzero_without_a_gpu = True
-    return answered
+    setattr(answered, _MARK, True)
+    setattr(namespace, name, answered)

@@ -288,7 +288,11 @@ class JaxHostAccelerator(XlaAccelerator):
         return len(jax_runtime.local_devices())
 
     def synchronize(self, device_index=None) -> None:
-        pass  # JAX has no "wait for everything issued"; engine.wait() waits for the engine's work
+        """Wait for the device work whose results are still held (every live JAX array), as
+        ``torch.cuda.synchronize()`` does here (``spmdzero.runtime.cuda_calls``)."""
+        from spmdzero.runtime.cuda_calls import wait_for_devices
+
+        wait_for_devices()
 
     def set_rng_state(self, new_state, device_index=None) -> None:
         torch.set_rng_state(new_state)
