@@ -478,22 +478,37 @@ def test_the_torch_xla_engine_leaves_the_scripts_numpy_rng_alone():
 def test_a_pytorch_style_backward_trains_as_plain_torch(backend, scale):
     """DeepSpeed 0.19's PyTorch-style backward (DeepSpeedExamples' bf16_master_weight/train.py):
     the script runs the backward itself, ``engine.scale(loss).backward()`` (or ``loss.backward()``),
-    then ``engine.step()``. Nothing divides by the accumulation steps there, so this script
-    divides, as a plain torch loop does. ``engine.scale`` was missing on both backends, and the
-    torch_xla backend refused the step ("no engine.backward()")."""
+    then ``engine.step()``. DeepSpeed divides the outputs' gradients by the accumulation steps
+    there (hooks on the forward's outputs), so the script does not, where a plain torch loop
+    divides its loss. ``engine.scale`` was missing on both backends, and the torch_xla backend
+    refused the step ("no engine.backward()"). SGD, not Adam: Adam's update does not see a
+    gradient's scale, which hid a missing division."""
     model = tiny_mlp()
     data = batches(6, MICRO_PER_DEVICE * N)
-    ref_losses, ref_params = reference_run(model, data)
-    engine, *_ = spmdzero.initialize(model=copy.deepcopy(model), config=config(2, backend))
+    reference = copy.deepcopy(model)
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.5)
+    ref_losses = []
+    for i, (x, y) in enumerate(data):
+        loss = torch.nn.functional.mse_loss(reference(x), y)
+        ref_losses.append(loss.item())
+        (loss / GAS).backward()
+        if (i + 1) % GAS == 0:
+            sgd.step()
+            sgd.zero_grad()
+    ref_params = dict(reference.named_parameters())
+    cfg = {k: v for k, v in config(2, backend).items() if k not in ("optimizer", "scheduler")}
+    trained = copy.deepcopy(model)
+    engine, *_ = spmdzero.initialize(model=trained, optimizer=torch.optim.SGD(trained.parameters(), lr=0.5),
+                                     config={**cfg, "gradient_clipping": 0.0})
     losses = []
     for x, y in data:
         loss = torch.nn.functional.mse_loss(engine(x), y.to(engine.device))
-        (engine.scale(loss / GAS) if scale else loss / GAS).backward()
+        (engine.scale(loss) if scale else loss).backward()
         engine.step()
         losses.append(loss)
     assert [l.item() for l in losses] == pytest.approx(ref_losses, rel=1e-5)
     for name, p in engine.module.named_parameters():
-        torch.testing.assert_close(p.detach().cpu(), ref_params[name], rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(p.detach().cpu(), ref_params[name].detach(), rtol=1e-5, atol=1e-5, msg=name)
     assert engine.global_steps == len(data) // GAS
 
 

@@ -246,14 +246,16 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """DeepSpeed's ``engine.scale(loss)``, for a backward the script runs itself
         (``engine.scale(loss).backward()``, then ``engine.step()``): ``loss`` times fp16's loss
-        scale, which the update divides out; ``loss`` itself in bf16 and fp32. Unlike
-        ``engine.backward``, nothing divides by the accumulation steps (as in DeepSpeed)."""
+        scale, which the update divides out; ``loss`` itself in bf16 and fp32. The step divides
+        the gradients the script's backward left by the accumulation steps, as DeepSpeed divides
+        the outputs' gradients (``_take_gradients``)."""
         check_scalable(self, loss)
         return loss * self._loss_scale.scale if self._loss_scale is not None else loss
 
-    def _take_param_grads(self) -> None:
-        """Move the gradients autograd left in ``param.grad`` into the ZeRO buffers (reduced in
-        ``communication_data_type``, laid out as the plan says, summed in ``grad_accum_dtype``)."""
+    def _take_param_grads(self, divisor: int = 1) -> None:
+        """Move the gradients autograd left in ``param.grad`` into the ZeRO buffers (divided by
+        ``divisor``, reduced in ``communication_data_type``, laid out as the plan says, summed in
+        ``grad_accum_dtype``)."""
         comm, accum = self.precision.communication_dtype, self.precision.grad_accum_dtype
         with torch.no_grad():
             for slot in self._slots:
@@ -261,6 +263,8 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
                 if grad is None:
                     continue
                 slot.param.grad = None
+                if divisor != 1:
+                    grad = grad / divisor
                 planned = self.plan[slot.name]
                 spec = planned.grad
                 reduced = grad.to(comm)
@@ -318,8 +322,10 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         self._require_optimizer(call)
         if not self._backward_since_step and any(slot.param.grad is not None for slot in self._slots):
             # DeepSpeed's PyTorch-style backward: the script ran loss.backward() itself (through
-            # engine.scale(loss) under fp16), and autograd summed the window's gradients in param.grad
-            self._take_param_grads()
+            # engine.scale(loss) under fp16), and autograd summed the window's gradients in
+            # param.grad. DeepSpeed divides each backward's output gradients by the accumulation
+            # steps (its output hooks): the sum divided once is the same
+            self._take_param_grads(self.gradient_accumulation_steps())
             self._backward_since_step = True
         if not self._backward_since_step:
             # DeepSpeed's ZeRO-1/2 optimizer has no gradients then and fails (its

@@ -90,8 +90,8 @@ class BackwardPrograms:
     def scale(self, loss):
         """DeepSpeed's ``engine.scale(loss)``, for a backward the script runs itself
         (``engine.scale(loss).backward()``, then ``engine.step()``): ``loss`` times fp16's loss
-        scale, which the update divides out; ``loss`` itself in bf16 and fp32. Unlike
-        ``engine.backward``, nothing divides by the accumulation steps (as in DeepSpeed)."""
+        scale, which the update divides out; ``loss`` itself in bf16 and fp32. The backward
+        divides the outputs' gradients by the accumulation steps, as DeepSpeed's does."""
         check_scalable(self, loss)
         if self._loss_scale is None:
             return loss
@@ -209,6 +209,10 @@ class BackwardPrograms:
                                     record.method)
             _, _, vjp = program(self._params, record.constants, record.rng, record.arrays)
         state = self._backward_state
+        # a backward the script ran itself (``loss.backward()``, DeepSpeed 0.19's PyTorch-style
+        # backward): DeepSpeed divides the outputs' gradients by the accumulation steps there
+        # (its output hooks, ``_backward_prologue_per_tensor``), as engine.backward divides the loss
+        divisor = np.float32(1 if state is not None else self.gradient_accumulation_steps())
         cts = tuple(None if cotangents[i] is None else _as_jax(cotangents[i], self._env) for i in record.floats)
         if self._processes > 1:  # this process's cotangents, onto the global mesh
             cts = tuple(None if c is None else process_rows.global_cotangent(c, view, whole, shape, kind, self.mesh)
@@ -216,7 +220,7 @@ class BackwardPrograms:
         if self._backward_program is None:
             self._backward_program = self._build_backward()
         self.runs["backward"] += 1
-        grads, input_grads = self._backward_program(vjp, cts, self._accum, record.avals)
+        grads, input_grads = self._backward_program(vjp, cts, self._accum, record.avals, divisor)
         self._replace_accum(grads)  # it was donated
         if state is not None:
             state.rows += record.rows or 0
@@ -248,8 +252,9 @@ class BackwardPrograms:
             return mappings.j2t(np.asarray(grad), use_dlpack=False).to(t.dtype)
 
     def _build_backward(self):
-        """``(VJP, cotangents, accum, avals) -> (accumulated gradients, input gradients)``, jitted:
-        the compiled backward of a loss computed outside the module. A cotangent that is None (an
+        """``(VJP, cotangents, accum, avals, divisor) -> (accumulated gradients, input gradients)``,
+        jitted: the compiled backward of a loss computed outside the module, its cotangents divided
+        by ``divisor``. A cotangent that is None (an
         output the loss does not use) is zeros of that output's shape; with several processes the
         processes' cotangents make the gradient of their mean loss (``process_rows.combine``). The
         gradients are reduced and accumulated as the training program does (the plan's gradient
@@ -260,10 +265,11 @@ class BackwardPrograms:
         policy = self.precision
         comm, accumulated = _jax_dtype(policy.communication_dtype), _jax_dtype(policy.grad_accum_dtype)
 
-        def backward(vjp, cotangents, accum, avals):
+        def backward(vjp, cotangents, accum, avals, divisor):
             self.traces["backward"] += 1
             cts = [jnp.zeros(shape, dtype) if c is None else
-                   (c if kind is None else process_rows.combine(c, kind, self._processes)).astype(dtype)
+                   ((c if kind is None else process_rows.combine(c, kind, self._processes)).astype(jnp.float32)
+                    / divisor).astype(dtype)
                    for c, (shape, dtype, kind) in zip(cotangents, avals)]
             grads, input_grads = vjp(cts)
             grads = {n: self._laid_out_gradient(n, g.astype(comm)).astype(accumulated) for n, g in grads.items()}
