@@ -54,6 +54,13 @@ def install() -> None:
         _answer(torch.cuda, name, lambda call, *args, **kwargs: None)
     _answer(torch.cuda, "current_device", lambda call: 0)
     _answer(torch.cuda, "synchronize", lambda call, device=None: wait_for_devices())
+    # torchax keys its lowerings by torch's factories (``torch.zeros``...) when its ``jtorch``
+    # is imported: imported after the wrapping it would key them by the wrappers, and find none
+    # of them when a wrapper calls torch's own
+    try:
+        import torchax.ops.jtorch  # noqa: F401
+    except ImportError:
+        pass
     for name in FACTORIES:
         _answer(torch, name, _on_the_accelerator)
     for name in ("to", *NEW_METHODS):
