@@ -84,7 +84,7 @@ from spmdzero.backends.torchax import torch_optim
 from spmdzero.backends.torchax import attention, lowerings
 from spmdzero.backends.torchax.release import drain
 from spmdzero.backends.torchax.output_tensor import output_tensor_class
-from spmdzero.backends.torchax.host_module import (_refuse_optimizer_state, _sync_before_state_dict,
+from spmdzero.backends.torchax.host_module import (_optimizer_state_through_engine, _sync_before_state_dict,
                                                    _watch_parameters, _zero_grad_through_engine)
 from spmdzero.backends.torchax.placement import _as_jax, _broadcast_from_first_process
 from spmdzero.backends.torchax.backward import BackwardPrograms
@@ -243,7 +243,7 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         _watch_parameters(module, self)
         self._warned_fewer_rows = False
         if optimizer is not None:
-            _refuse_optimizer_state(optimizer)
+            _optimizer_state_through_engine(optimizer, self)
             _zero_grad_through_engine(optimizer, self)
         _sync_before_state_dict(module, self)
         module_calls.register(module, self)  # the script's own calls to the module train as the engine's

@@ -26,15 +26,22 @@ TORCH_XLA_ONLY = frozenset({
 
 
 
-def _refuse_optimizer_state(optimizer) -> None:
-    """This backend keeps the optimizer states on the devices, as JAX arrays: the torch
-    optimizer's own (empty) state dict would save nothing and load nothing, silently."""
-    def refuse(*args, **kwargs):
-        raise NotImplementedError("optimizer.state_dict()/load_state_dict() are not supported by the torchax backend "
-                                  "(spmd.backend='torchax'): its optimizer states live on the devices "
-                                  "(engine.optimizer_states()); engine.save_checkpoint/load_checkpoint save and load them")
+def _optimizer_state_through_engine(optimizer, engine: "HostModule") -> None:
+    """The base optimizer's ``state_dict()``/``load_state_dict()`` read and write the states the
+    devices hold (``optimizer_state_dict``): its own ``state`` holds none of them. A weak
+    reference: the methods do not keep the engine alive."""
+    from spmdzero.backends.torchax import optimizer_state_dict
 
-    optimizer.state_dict = optimizer.load_state_dict = refuse
+    ref = weakref.ref(engine)
+
+    def live():
+        engine = ref()
+        if engine is None:
+            raise RuntimeError("optimizer.state_dict(): the engine that trained this optimizer's states is gone")
+        return engine
+
+    optimizer.state_dict = lambda: optimizer_state_dict.state_dict(live())
+    optimizer.load_state_dict = lambda state_dict: optimizer_state_dict.load_state_dict(live(), state_dict)
 
 
 def _sync_before_state_dict(module: torch.nn.Module, engine: "HostModule") -> None:
