@@ -38,7 +38,6 @@ def start() -> None:
     # either backend imports torchax (torch_xla's fused update and scan call JAX through it), which
     # names torch's PrivateUse1 device "jax" with nothing behind it: the host stands in
     privateuse1.install()
-    cuda_calls.install()  # a GPU script's torch.cuda.set_device(local_rank) has no device to choose
     # XLA's C++ warnings, read when the first XLA library loads (jaxlib, or torch_xla): a "GSPMD
     # sharding propagation is going to be deprecated" line on every torch_xla compile says nothing
     # the user can act on (torch_xla 2.9 has no Shardy path). Errors still show;
@@ -49,6 +48,9 @@ def start() -> None:
         privateuse1.name_the_device()
     else:
         bootstrap()
+    # a GPU script's "cuda" means the runtime's device; after the log level above: it imports
+    # torchax's lowerings, and with them jaxlib, which reads the level when it loads
+    cuda_calls.install()
 
 
 def start_torch_xla(why: str = "spmd.backend='torch_xla'") -> None:
