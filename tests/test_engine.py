@@ -513,6 +513,42 @@ def test_a_pytorch_style_backward_trains_as_plain_torch(backend, scale):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_torch_optimizer_resumed_before_initialize_keeps_its_states(backend):
+    """DeepSpeedExamples' ImageNet example resumes the PyTorch way, before ``initialize``:
+    ``model.load_state_dict(...)``, ``optimizer.load_state_dict(...)`` on its torch SGD, then
+    ``deepspeed.initialize(model, optimizer)``. The training continues from those states, as
+    DeepSpeed's engine keeps its optimizer's. The torchax backend ignored them and restarted the
+    momentum from zero, silently (``optimizer_state_dict.take_given_state``)."""
+    model = tiny_mlp()
+    data = batches(4, MICRO_PER_DEVICE * N)
+    reference = copy.deepcopy(model)
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+
+    def step(x, y):
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        sgd.step()
+        sgd.zero_grad()
+
+    for x, y in data[:2]:
+        step(x, y)
+    saved = copy.deepcopy({"model": reference.state_dict(), "optimizer": sgd.state_dict()})
+    for x, y in data[2:]:
+        step(x, y)
+    resumed = copy.deepcopy(model)
+    resumed.load_state_dict(saved["model"])
+    optimizer = torch.optim.SGD(resumed.parameters(), lr=0.1, momentum=0.9)
+    optimizer.load_state_dict(saved["optimizer"])
+    cfg = {k: v for k, v in config(0, backend).items() if k not in ("optimizer", "scheduler")}
+    engine, *_ = spmdzero.initialize(model=resumed, optimizer=optimizer, config={**cfg, "gradient_accumulation_steps": 1,
+                                                                                 "gradient_clipping": 0.0})
+    for x, y in data[2:]:
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y.to(engine.device)))
+        engine.step()
+    for (name, p), want in zip(engine.module.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), want.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_engine_scale_multiplies_by_fp16s_loss_scale_and_names_what_it_takes(backend):
     """Under fp16 the update divides the gradients by the loss scale, so a script's own
     backward must start from ``engine.scale(loss)``; in bf16 and fp32 it is the loss itself."""

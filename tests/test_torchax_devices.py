@@ -159,6 +159,23 @@ def test_a_host_copy_of_an_output_is_the_scripts_own(engine_and_output):
         assert torch.equal(host, torch.tensor(expected) + 100.0)
 
 
+def test_an_output_saved_with_torch_save_loads_as_a_host_tensor(engine_and_output):
+    """DeepSpeedExamples' ImageNet example saves ``best_acc1``, a metric computed from the outputs,
+    in its checkpoint: pickle could not name the outputs' class ("Can't pickle local object
+    'output_tensor_class.<locals>.Output'"). It is saved as its value on the host."""
+    import io
+    import pickle
+
+    engine, out = engine_and_output
+    buffer = io.BytesIO()
+    torch.save({"best_acc1": out.detach().sum(), "logits": out.detach()}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)
+    assert type(loaded["logits"]) is torch.Tensor and torch.equal(loaded["logits"], out.detach().cpu())
+    assert loaded["best_acc1"].item() == pytest.approx(out.detach().sum().item())
+    assert torch.equal(pickle.loads(pickle.dumps(out.detach())), out.detach().cpu())
+
+
 CHECKED = {  # functions on outputs whose C++ made a number (or data) a tensor on their device, or refused them
     "where(mask, out, 0.0)": lambda out: torch.where(out > 0, out, 0.0),
     "where(mask, -1, out)": lambda out: torch.where(out > 0, -1, out),

@@ -77,7 +77,7 @@ from spmdzero.train.build import move_in_place
 from spmdzero.backends.torchax import host_reads
 from spmdzero.backends.torchax import host_tensors
 from spmdzero.backends.torchax import other_engines
-from spmdzero.backends.torchax import module_calls
+from spmdzero.backends.torchax import module_calls, optimizer_state_dict
 from spmdzero.backends.torchax.mesh import jax_devices, mesh_devices
 from spmdzero.sharding.mesh import data_parallel_axes, resolve_hybrid_shape
 from spmdzero.backends.torchax import torch_optim
@@ -261,6 +261,7 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         self._traces_at_step = 0
         self._input_shapes: tuple = ()  # the last training forward's, to name a shape change
         self._update = self._build_update() if optimizer is not None else None
+        optimizer_state_dict.take_given_state(self)  # a torch optimizer resumed before initialize
         self._unclipped_update = None  # engine.optimizer.step()'s at stage 0 in fp32 (_unclipped)
         # DeepSpeed does not step the schedule on a step skipped for overflow, which only the
         # devices know: DeepSpeed's schedules then count and compute their lr there (step_if)

@@ -106,3 +106,21 @@ def load_state_dict(engine, saved: dict) -> None:
     engine._take_host_optimizer_state()
     if masters:  # the parameters changed: what a forward before this took is another weights' gradient
         engine.loaded(new_window=False)
+
+
+def take_given_state(engine) -> None:
+    """A torch optimizer given to ``initialize`` with states already (a script that resumed it
+    first: the ImageNet example loads its checkpoint into torch's SGD, then initializes): those
+    states go to the devices, where the update reads them, and leave the host. Left in its
+    ``state``, the update never read them, and the resumed run restarted its momentum from zero,
+    silently; DeepSpeed's engine keeps the optimizer's states."""
+    optimizer = engine.basic_optimizer
+    if optimizer is None or not engine._torch_optimizer:
+        return
+    names = engine.optimized_names()
+    if not any(optimizer.state.get(p) for p in names):
+        return
+    given = type(optimizer).state_dict(optimizer)
+    for target in names:
+        optimizer.state.pop(target, None)
+    load_state_dict(engine, given)

@@ -137,4 +137,10 @@ def output_tensor_class():
 
         __str__ = __repr__
 
+        def __reduce_ex__(self, protocol):
+            # ``torch.save`` (pickle) of an output, a metric a script keeps with its checkpoint
+            # (ImageNet's ``best_acc1``): its value as a host tensor, which loads anywhere. This
+            # class is made per process, and pickle could not name it ("Can't pickle local object")
+            return self.detach().cpu().__reduce_ex__(protocol)
+
     return Output
