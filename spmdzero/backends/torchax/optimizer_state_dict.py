@@ -19,6 +19,9 @@ fp32 partitions. ``load_state_dict()`` checks the groups as torch does, takes th
 hyperparameters into the param groups, and writes the states onto the devices in the live
 layout (a torch optimizer before its first step gets them created first); loaded masters become
 the parameters too, as DeepSpeed's ``load_from_fp32_weights`` does. Nothing is traced again.
+
+The same example resumes before ``initialize``, with torch's own ``load_state_dict`` on the SGD
+it then passes in: ``take_given_state`` moves such states to the devices at ``initialize``.
 """
 
 from __future__ import annotations
