@@ -124,6 +124,10 @@ def take_given_state(engine) -> None:
     if not any(optimizer.state.get(p) for p in names):
         return
     given = type(optimizer).state_dict(optimizer)
-    for target in names:
-        optimizer.state.pop(target, None)
-    load_state_dict(engine, given)
+    taken = {target: optimizer.state.pop(target) for target in names if target in optimizer.state}
+    try:
+        load_state_dict(engine, given)
+    except torch_optim.UntraceableStep:
+        # a step that cannot be traced (Adagrad's, which also makes its states in its constructor):
+        # the states stay where they were, and the first step says why it cannot run
+        optimizer.state.update(taken)
