@@ -474,3 +474,15 @@ def test_writes_through_views_of_the_outputs_reach_them_as_in_torch(engine_and_o
     for name in want:
         torch.testing.assert_close(torch.as_tensor(got[name].tolist()), want[name], atol=1e-6, rtol=0,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_torchscript_compiles_functions_that_call_the_factories():
+    """transformers 4.57's DeBERTa-v2 scripts its position helpers with ``torch.jit.script``;
+    with the factories answering for ``cuda`` (``runtime.cuda_calls``) TorchScript met Python
+    wrappers and failed ("... was expected, got builtin_function_or_method")."""
+
+    @torch.jit.script
+    def positions(n: int) -> torch.Tensor:
+        return torch.arange(n) + torch.zeros(n, dtype=torch.long) + torch.tensor([1])
+
+    assert positions(3).tolist() == [1, 2, 3]

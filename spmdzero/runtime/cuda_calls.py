@@ -140,3 +140,17 @@ def _answer(namespace, name: str, answer) -> None:
 
     setattr(answered, _MARK, True)
     setattr(namespace, name, answered)
+    _same_builtin_for_torchscript(original, answered)
+
+
+def _same_builtin_for_torchscript(original, answered) -> None:
+    """TorchScript (``torch.jit.script``, which transformers 4.57's DeBERTa-v2 applies to its
+    position helpers) compiles a Python function it meets from its source, and knows torch's
+    builtins by identity: ``answered`` is registered as the builtin ``original`` is, else the
+    script failed ("module, class, method, function ... was expected, got
+    builtin_function_or_method")."""
+    from torch.jit import _builtins
+
+    op = _builtins._find_builtin(original)
+    if op is not None:
+        _builtins._register_builtin(answered, op)
