@@ -14,7 +14,7 @@ import weakref
 import torch
 from torch.utils import _pytree as torch_pytree
 
-from spmdzero.backends.torchax import frozen
+from spmdzero.backends.torchax import frozen, optimizer_state_dict
 from spmdzero.train import module_methods
 
 # The torch_xla engine's public names this engine lacks (tests/test_torchax_backend.py checks
@@ -30,8 +30,6 @@ def _optimizer_state_through_engine(optimizer, engine: "HostModule") -> None:
     """The base optimizer's ``state_dict()``/``load_state_dict()`` read and write the states the
     devices hold (``optimizer_state_dict``): its own ``state`` holds none of them. A weak
     reference: the methods do not keep the engine alive."""
-    from spmdzero.backends.torchax import optimizer_state_dict
-
     ref = weakref.ref(engine)
 
     def live():

@@ -37,6 +37,8 @@ import weakref
 
 import torch
 
+from spmdzero.backends.torchax import other_engines
+
 # id(module) -> (a weak reference to the module, a weak reference to the engine that wraps it)
 _wrapped: dict = {}
 
@@ -60,8 +62,6 @@ def engine_of(module: torch.nn.Module):
 
 def _engine_to_call(module: torch.nn.Module):
     """The engine that a call of ``module`` goes through now, or None (see the module docstring)."""
-    from spmdzero.backends.torchax import other_engines
-
     if not (module.training and torch.is_grad_enabled()) or other_engines.tracing_engine() is not None:
         return None
     return engine_of(module)

@@ -91,8 +91,7 @@ def load_state_dict(engine, saved: dict) -> None:
         live = {**engine._opt_state[name], **engine._shared_state}
         host = optimizer.state.get(targets[index], {})
         for key, value in states.items():
-            array = np.asarray(torch.as_tensor(value).detach().cpu().float()
-                               if torch.as_tensor(value).dtype == torch.bfloat16 else torch.as_tensor(value).cpu())
+            array = _as_numpy(value)
             if key == MASTER and name in engine._masters:
                 values[f"master.{name}"] = values[f"model.{name}"] = array
                 masters = True
@@ -109,6 +108,12 @@ def load_state_dict(engine, saved: dict) -> None:
     engine._take_host_optimizer_state()
     if masters:  # the parameters changed: what a forward before this took is another weights' gradient
         engine.loaded(new_window=False)
+
+
+def _as_numpy(value) -> np.ndarray:
+    """A saved state as NumPy takes it (bf16, which NumPy lacks, as fp32; the live dtype is restored)."""
+    tensor = torch.as_tensor(value).detach().cpu()
+    return np.asarray(tensor.float() if tensor.dtype == torch.bfloat16 else tensor)
 
 
 def take_given_state(engine) -> None:
