@@ -315,6 +315,31 @@ def test_recovery_leaves_the_users_hidden_directories_alone(engine, tmp_path):
     assert listing(tmp_path) == [".old.runs", ".tmp.cache", "latest", "latest.tmp.notes", "t"]  # .tmp.x.12: a format-1 leftover
 
 
+def test_the_other_hosts_write_only_once_process_0_has_removed_a_leftover_staging_directory(engine, tmp_path,
+                                                                                            monkeypatch):
+    """Every host's DCP starts with ``mkdir(staging/state, parents=True)``. A host that made the
+    staging directory just before process 0 removed it as a leftover then failed (CI, under
+    load): the hosts meet after the removal, before any writes."""
+    import spmdzero.io.save as S
+    from spmdzero.io.checkpoint_format import STAGING
+
+    class AtTheBarrier(Exception):
+        pass
+
+    def barrier():
+        seen.append(listing(tmp_path))
+        raise AtTheBarrier  # what follows is DCP's multi-process save
+
+    seen = []
+    (tmp_path / (STAGING + "t") / "state").mkdir(parents=True)  # an interrupted save's
+    monkeypatch.setattr(S, "_no_dist", lambda: False)  # as on 2 hosts, each in torch.distributed
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 2)
+    monkeypatch.setattr(torch.distributed, "barrier", barrier)
+    with pytest.raises(AtTheBarrier):
+        engine.save_checkpoint(str(tmp_path), tag="t")
+    assert seen == [[]]  # the leftover is gone, and nothing of this save is written yet
+
+
 def test_a_tag_that_is_a_file_is_refused_before_anything_is_written(engine, tmp_path):
     (tmp_path / "mine").write_text("data")
     with pytest.raises(CheckpointError, match="'mine'.*exists and is not a directory"):

@@ -51,6 +51,7 @@ def _save(engine, save_dir: str, tag: str, client_bytes: Optional[bytes], save_l
     engine.get_global_grad_norm()  # the data is on the host now anyway: tells once of a non-finite fp32 run
     meta = json.dumps(to_json(_host_state(engine, shards, tensors, tag, bool(client_bytes))), indent=1)
     staging = staging_dir(save_dir, tag)
+    _wait_for_the_writers_cleanup()
     try:
         with _quiet_dcp():
             # per_thread_copy_ahead=0: DCP's serial copy to host. Its overlapping loader is picked
@@ -67,6 +68,15 @@ def _save(engine, save_dir: str, tag: str, client_bytes: Optional[bytes], save_l
         raise
     if _is_writer():
         checkpoint_dir.publish(save_dir, tag, staging, meta, client_bytes, save_latest)
+
+
+def _wait_for_the_writers_cleanup() -> None:
+    """Process 0 removes leftover staging directories (``saving``, ``staging_dir``) before
+    any host writes: DCP's first act on every host is ``mkdir(staging/state, parents=True)``,
+    and a host that made the staging directory just before process 0's removal of it then
+    fails to make ``state`` inside (FileNotFoundError; seen under load in CI)."""
+    if not _no_dist() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
 
 
 def _warn_if_mid_window(engine, tag: str) -> None:
