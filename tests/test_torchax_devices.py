@@ -176,6 +176,34 @@ def test_an_output_saved_with_torch_save_loads_as_a_host_tensor(engine_and_outpu
     assert torch.equal(pickle.loads(pickle.dumps(out.detach())), out.detach().cpu())
 
 
+def test_a_trained_model_pickles_whole_with_its_trained_values():
+    """``torch.save(model)`` (the whole module, not its state dict) failed: "Can't pickle local
+    object '_sync_before_state_dict.<locals>.sync'", the hook that brings the trained values
+    back. The file holds a plain module with the trained values, and a later step leaves it be."""
+    import copy
+    import io
+
+    model = mlp()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine, *_ = spmdzero.initialize(model=model, config=sgd())
+    x, y = torch.randn(ROWS, 16), torch.randn(ROWS, 8)
+    engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+    engine.step()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded, copied = torch.load(buffer, weights_only=False), copy.deepcopy(model)
+    trained = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    assert not torch.equal(trained["0.weight"], before["0.weight"])
+    engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+    engine.step()  # the copies are not the engine's
+    for other in (loaded, copied):
+        assert type(other) is torch.nn.Sequential
+        assert {type(p) for p in other.parameters()} == {torch.nn.Parameter}
+        for name, value in other.state_dict().items():
+            assert torch.equal(value, trained[name]), name
+
+
 CHECKED = {  # functions on outputs whose C++ made a number (or data) a tensor on their device, or refused them
     "where(mask, out, 0.0)": lambda out: torch.where(out > 0, out, 0.0),
     "where(mask, -1, out)": lambda out: torch.where(out > 0, -1, out),

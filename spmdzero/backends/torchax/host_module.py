@@ -42,19 +42,28 @@ def _optimizer_state_through_engine(optimizer, engine: "HostModule") -> None:
     optimizer.load_state_dict = lambda state_dict: optimizer_state_dict.load_state_dict(live(), state_dict)
 
 
-def _sync_before_state_dict(module: torch.nn.Module, engine: "HostModule") -> None:
-    """``model.state_dict()`` (``save_pretrained``, ``torch.save``) on the script's own reference
-    to the model first brings the trained weights back from the devices, as ``engine.module``
-    does. A weak reference: the hook does not keep the engine alive."""
-    import weakref
+class _SyncFromDevices:
+    """The state-dict pre-hook of ``_sync_before_state_dict``. A weak reference: the hook does
+    not keep the engine alive. Pickled or deep-copied with the model (``torch.save(model)``,
+    an EMA copy), it is a hook with no engine: the copy holds its own values."""
 
-    ref = weakref.ref(engine)
+    def __init__(self, engine: "HostModule | None"):
+        self._engine = weakref.ref(engine) if engine is not None else None
 
-    def sync(*_):
-        live = ref()
+    def __call__(self, *_) -> None:
+        live = self._engine() if self._engine is not None else None
         if live is not None:
             live.module  # noqa: B018 (the property copies device values to the host when stale)
 
+    def __reduce__(self):
+        return (_SyncFromDevices, (None,))
+
+
+def _sync_before_state_dict(module: torch.nn.Module, engine: "HostModule") -> None:
+    """``model.state_dict()`` (``save_pretrained``, ``torch.save``) on the script's own reference
+    to the model first brings the trained weights back from the devices, as ``engine.module``
+    does."""
+    sync = _SyncFromDevices(engine)
     # one engine's hooks per model: a model initialized again (a re-run notebook cell) is the
     # new engine's, and the old one must not write its values back into it
     for handle in getattr(module, "_spmdzero_state_dict_hooks", ()):
@@ -107,7 +116,8 @@ def _host_use(func, args: tuple, kwargs: dict) -> None:
 @functools.cache
 def _watched_class(cls: type) -> type:
     """``cls`` (``nn.Parameter`` or a subclass) whose torch ops, ``.data`` included, tell the
-    engine first. Pickled (``torch.save(model)``), such a parameter is a plain ``cls`` again."""
+    engine first. Pickled (``torch.save(model)``) or deep-copied, such a parameter is a plain
+    ``cls`` again."""
 
     def __torch_function__(klass, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -119,8 +129,15 @@ def _watched_class(cls: type) -> type:
         with _unwatched():
             return repr(torch.Tensor._make_subclass(cls, self.detach(), self.requires_grad))
 
+    def __deepcopy__(self, memo):  # a copy (an EMA model's) holds the trained values and is no engine's
+        if id(self) not in memo:
+            _host_use(None, (self,), {})
+            with _unwatched():
+                cls.__deepcopy__(self, memo).__class__ = cls
+        return memo[id(self)]
+
     return type(cls.__name__, (cls,), {"__torch_function__": classmethod(__torch_function__), "__repr__": __repr__,
-                                       "_spmdzero_watched": True, "__module__": cls.__module__,
+                                       "__deepcopy__": __deepcopy__, "_spmdzero_watched": True, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__})
 
 
