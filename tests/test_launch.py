@@ -283,6 +283,18 @@ def test_an_accelerate_config_becomes_the_environment_accelerate_launch_exports(
             launch.hosts) == ("2", "1.0", "cpu", "no", {})
 
 
+def test_a_script_launched_as_accelerate_launches_it_gets_no_local_rank_argument(tmp_path):
+    """``accelerate launch`` passes no ``--local_rank`` (it sets ``LOCAL_RANK``), and scripts written
+    for it refuse one: transformers' ``run_clm_no_trainer.py`` stopped with "unrecognized arguments:
+    --local_rank=0" under ``spmdzero launch --config_file``. DeepSpeed's launcher passes it."""
+    (tmp_path / "a.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n")
+    (tmp_path / "train.py").write_text("import os, sys\nprint('ARGV', sys.argv[1:], os.environ['LOCAL_RANK'])\n")
+    as_accelerate = launch("--config_file", "a.yaml", "train.py", "--seed", "1", cwd=tmp_path)
+    as_deepspeed = launch("train.py", "--seed", "1", cwd=tmp_path)
+    assert "ARGV ['--seed', '1'] 0" in as_accelerate
+    assert "ARGV ['--local_rank=0', '--seed', '1'] 0" in as_deepspeed
+
+
 @pytest.mark.parametrize("text,message", [
     (None, "--config_file missing.yaml: cannot read it"),
     ("distributed_type: MULTI_GPU\n", "distributed_type is 'MULTI_GPU'; spmdzero launch runs DeepSpeed configs"),

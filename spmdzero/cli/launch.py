@@ -5,7 +5,8 @@ process per host that drives all of the host's devices.
 The script runs in this process (``runpy``) after ``import deepspeed`` has been aliased
 to spmdzero's compatibility layer (``spmdzero.compat.alias``). As DeepSpeed's launcher,
 it sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_SIZE``, ``CROSS_RANK``,
-``CROSS_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``, and passes ``--local_rank=0``. On a
+``CROSS_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``, and passes ``--local_rank=0`` (not with an
+accelerate ``--config_file``: accelerate's launcher passes no such argument). On a
 pod, run the same command on every host: the process index and count come from the XLA
 runtime (JAX's, through the TPU runtime; torch_xla's on a TPU pod under
 ``SPMDZERO_BACKEND=torch_xla``).
@@ -87,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--node_rank", type=int, default=None,
                         help="this host's index, 0 to num_nodes - 1 (0 is the master_addr host)")
     parser.add_argument("--module", action="store_true", help="SCRIPT is a module name (python -m)")
-    parser.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank=0 to the script")
+    parser.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank=0 to the script (not passed with --config_file either)")
     parser.add_argument("--spmd", default=None, metavar="JSON",
                         help='spmdzero settings for the script\'s deepspeed.initialize, merged under its config\'s '
                              '"spmd" section, e.g. \'{"pad_to_multiple_of": 64}\' (see docs/config.md)')
@@ -262,7 +263,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     deepspeed.SPMD_DEFAULTS.update(spmd)  # checked with the rest of the config by deepspeed.initialize
 
-    script_args = ([] if args.no_local_rank else ["--local_rank=0"]) + args.user_args
+    # DeepSpeed's launcher passes --local_rank; accelerate's does not (its scripts' parsers
+    # refuse it: transformers' *_no_trainer.py examples)
+    local_rank = not args.no_local_rank and args.config_file is None
+    script_args = (["--local_rank=0"] if local_rank else []) + args.user_args
     if args.module:
         sys.argv = [args.user_script] + script_args
         runpy.run_module(args.user_script, run_name="__main__", alter_sys=True)
