@@ -88,11 +88,14 @@ def assert_matches_deepspeed(ours: dict, ds: dict, start: int, precision: str) -
 
 @BACKENDS
 @pytest.mark.parametrize("precision,route", [("fp32", "load_checkpoint"), ("fp32", "import-deepspeed"),
-                                             ("bf16", "load_checkpoint")])
+                                             ("bf16", "load_checkpoint"), ("fp32", "torch-optimizer"),
+                                             ("fp32", "import-deepspeed+torch-optimizer")])
 def test_deepspeed_checkpoint_import_continues_as_deepspeed_did(precision, route, backend, tmp_path):
     """DeepSpeed saved a ZeRO-2 checkpoint (4 ranks) after 12 micro-steps of the fp32 run and
     went on; spmdzero loads that directory (directly, or converted by the CLI without
-    devices) and continues on the same data."""
+    devices) and continues on the same data. "torch-optimizer": the engine trains a torch
+    ``AdamW`` given to ``initialize`` (accelerate's scripts), which keeps its step count on the
+    host; DeepSpeed's file holds it beside the moments."""
     _continue_from_deepspeed(2, precision, route, backend, tmp_path)
 
 
@@ -112,7 +115,7 @@ def _continue_from_deepspeed(stage: int, precision: str, route: str, backend: st
     ds = json.loads((FIXTURES / f"deepspeed_zero{stage}_{precision}.json").read_text())
     start = ds["saved_after"]
     source = str(FIXTURES / f"deepspeed_zero{stage}_{precision}_ckpt")
-    if route == "import-deepspeed":
+    if route.startswith("import-deepspeed"):
         converted = run_python(f"""
             import sys, spmdzero_cli
             code = spmdzero_cli.main(["checkpoint", "import-deepspeed", {source!r}, {str(tmp_path)!r}])
@@ -127,7 +130,11 @@ def _continue_from_deepspeed(stage: int, precision: str, route: str, backend: st
         from training_case import CONFIG, CONFIG_BF16, train_spmdzero
         torch.manual_seed(123)  # a different init: everything must come from the checkpoint
         model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-        engine, *_ = spmdzero.initialize(model=model, config={_config(precision, backend, stage)})
+        config, optimizer = {_config(precision, backend, stage)}, None
+        if {route.endswith("torch-optimizer")}:  # the config's AdamW, as a torch optimizer
+            params = config.pop("optimizer")["params"]
+            optimizer = torch.optim.AdamW(model.parameters(), **{{**params, "betas": tuple(params["betas"])}})
+        engine, *_ = spmdzero.initialize(model=model, optimizer=optimizer, config=config)
         path, client = engine.load_checkpoint({source!r})
         counters = [engine.global_steps, engine.global_samples, engine.micro_steps, engine.skipped_steps]
         print(json.dumps({{**train_spmdzero(engine, {start}), "client": client, "counters": counters}}))

@@ -382,6 +382,30 @@ def test_a_client_optimizer_resumes_from_a_checkpoint_as_it_continues(tmp_path):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_config_optimizers_checkpoint_resumes_the_same_update_given_as_a_torch_optimizer(backend, tmp_path):
+    """The config's AdamW counts its steps on the devices, torch's AdamW on the host: a run that
+    moves to a script passing torch's AdamW (accelerate's) resumed with Adam's bias correction
+    refused ("has no value for the optimizer state ... step"). The step count is read from the
+    checkpoint's tensor; the resumed run continues as the uninterrupted one."""
+    adamw = {"lr": 0.02, "weight_decay": 0.01}
+    data = batches(4, ROWS)
+    engine = engine_for(2, backend=backend, optimizer=None)  # the config's AdamW, with `adamw`
+    for x, y in data[:2]:
+        micro(engine, x, y)
+        engine.step()
+    engine.save_checkpoint(str(tmp_path))
+    for x, y in data[2:]:
+        micro(engine, x, y)
+        engine.step()
+    resumed = engine_for(2, backend=backend, optimizer=lambda ps: torch.optim.AdamW(ps, **adamw))
+    resumed.load_checkpoint(str(tmp_path))
+    for x, y in data[2:]:
+        micro(resumed, x, y)
+        resumed.step()
+    assert_params_close(engine_params(resumed), engine_params(engine), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_checkpoint_saved_before_the_first_step_loads_no_optimizer_state(backend, tmp_path):
     """As torch's load_state_dict: no saved state, none after the load, and the next step is
     torch's first again (a fresh engine; one that had stepped drops its state)."""

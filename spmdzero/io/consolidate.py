@@ -9,8 +9,8 @@ from typing import Optional
 import torch
 from spmdzero.io.checkpoint_dir import reading, replace_file
 from spmdzero.io.restack import unstack
-from spmdzero.io.checkpoint_format import CheckpointError, _dtype, _quiet_dcp
-from spmdzero.io.read import _dcp_failure, open_state, read_meta, tagged_path
+from spmdzero.io.checkpoint_format import CheckpointError
+from spmdzero.io.read import open_state, read_host_tensor, read_meta, tagged_path
 
 
 def consolidate(ckpt_dir: str, out_path: str, tag: Optional[str] = None, dtype: str = "fp32",
@@ -65,9 +65,6 @@ def consolidated_state_dict(ckpt_dir: str, tag: Optional[str] = None, dtype: str
     fp32 master weights where the run kept them, else the parameters, plus module buffers,
     under every name the module's state dict has (tied weights under each). Reads one tensor
     at a time, so it needs about the output's size in memory, and no accelerator."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
     out_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dtype)
     if out_dtype is None:
         raise CheckpointError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
@@ -86,13 +83,7 @@ def consolidated_state_dict(ckpt_dir: str, tag: Optional[str] = None, dtype: str
             if key not in loaded:
                 kind, _, rest = key.partition(".")
                 source = f"master.{rest}" if f"master.{rest}" in index else key
-                shape, saved_dtype = index[source]
-                target = torch.empty(tuple(shape), dtype=_dtype(saved_dtype))
-                try:
-                    with _quiet_dcp():
-                        dcp.load({source: target}, storage_reader=reader, no_dist=True)
-                except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
-                    raise CheckpointError(f"cannot read {source!r} from {path!r}: {_dcp_failure(err)}") from None
+                target = read_host_tensor(path, index, source, reader)
                 loaded[key] = target.to(out_dtype) if target.is_floating_point() and kind == "model" else target
             result[name] = loaded[key]
     stacks = meta.get("stacked_layers") or {}

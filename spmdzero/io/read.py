@@ -12,7 +12,8 @@ import numpy as np
 import torch
 from spmdzero.io.checkpoint_dir import _complete, interrupted
 from spmdzero.io.checkpoint_format import (CLIENT_FILE, CheckpointError, FORMAT_VERSION, LATEST_FILE, LEGACY_META,
-                                           META_FILE, STATE_DIR, TRUST_HINT, _dtype, _refusal, check_tag, from_json)
+                                           META_FILE, STATE_DIR, TRUST_HINT, _dtype, _quiet_dcp, _refusal, check_tag,
+                                           from_json)
 from spmdzero.io.safe_pickle import RefusedGlobal, dcp_reader
 
 
@@ -150,6 +151,23 @@ def _dcp_failure(err: BaseException) -> str:
     if failures:
         err = next(iter(failures.values()))[0]  # (exception, traceback) per rank
     return f"{type(err).__name__}: {str(err).strip()[:500]}"
+
+
+def read_host_tensor(path: str, index: dict, key: str, reader=None) -> Optional[torch.Tensor]:
+    """One saved tensor, whole, on the host (None when the checkpoint has no ``key``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if key not in index:
+        return None
+    shape, saved_dtype = index[key]
+    target = torch.empty(tuple(shape), dtype=_dtype(saved_dtype))
+    try:
+        with _quiet_dcp():
+            dcp.load({key: target}, storage_reader=reader or open_state(path), no_dist=True)
+    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+        raise CheckpointError(f"cannot read {key!r} from {path!r}: {_dcp_failure(err)}") from None
+    return target
 
 
 def open_state(path: str):

@@ -39,7 +39,8 @@ from spmdzero.io.restack import stacking_mismatch
 from spmdzero.io.checkpoint_format import (CheckpointError, LATEST_FILE, META_FILE, _dtype, _no_dist, _quiet_dcp,
                                            checkpointed, non_persistent_buffers, tensor_index)
 from spmdzero.io.checkpoint_dir import reading
-from spmdzero.io.read import _dcp_failure, locate, open_state, read_client_state, read_meta, resolve_tag
+from spmdzero.io.read import (_dcp_failure, locate, open_state, read_client_state, read_host_tensor, read_meta,
+                              resolve_tag)
 from spmdzero.io.deepspeed_import import is_deepspeed_checkpoint, read_deepspeed_checkpoint
 
 
@@ -72,6 +73,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
         try:
             if is_deepspeed_checkpoint(path):
                 tensors, meta = read_deepspeed_checkpoint(path)
+                _host_values_from_tensors(engine, meta, tensors.get)
                 _check_optimizer(engine, meta, path, full_state)
                 restore = _host_state_restorer(engine, meta, path, full_state, scheduler, load_module_only)
                 tensors.update(_loss_scale_tensors(engine, meta.pop("loss_scaler")))
@@ -82,6 +84,8 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
                 client_state = meta["client_state"]
             else:
                 meta = read_meta(path, trust_client_state)
+                if full_state:
+                    _host_values_from_tensors(engine, meta, _saved_tensors(path, meta["tensors"]))
                 _check_optimizer(engine, meta, path, full_state)
                 restore = _host_state_restorer(engine, meta, os.path.join(path, META_FILE), full_state, scheduler,
                                                load_module_only)
@@ -222,6 +226,44 @@ def _select(engine, saved: dict, strict: bool, full_state: bool, meta: dict) -> 
     return {key: (src, *live[key]) for key, src in source.items()}, unsaved
 
 
+def _kept_on_host(value) -> bool:
+    """An optimizer state value torch keeps on the host (Adam's step count), not on the devices."""
+    return not (isinstance(value, torch.Tensor) and value.device.type == "xla")
+
+
+def _saved_tensors(path: str, index: dict):
+    """``key -> the saved tensor on the host, or None``, DCP's reader opened at the first read."""
+    reader = []
+
+    def read(key: str) -> Optional[torch.Tensor]:
+        if key not in index:
+            return None
+        if not reader:
+            reader.append(open_state(path))
+        return read_host_tensor(path, index, key, reader[0])
+
+    return read
+
+
+def _host_values_from_tensors(engine, meta: dict, saved_tensor) -> None:
+    """A state torch keeps on the host (AdamW's step count, for a torch optimizer given to
+    ``initialize``: accelerate's scripts) that the checkpoint holds as a tensor instead
+    (DeepSpeed's files; a checkpoint of spmdzero's own AdamW, which counts on the devices)
+    becomes host state, in the live value's type. ``saved_tensor(key)``: the saved tensor or None."""
+    if engine.optimizer is None:
+        return
+    host = meta["optimizer"]["host_state"]
+    for target, name in engine.optimized_names().items():
+        for key, live in engine.optimizer.state.get(target, {}).items():
+            if not _kept_on_host(live) or key in host.get(name, {}):
+                continue
+            saved = saved_tensor(f"optim.{name}.{key}")
+            if saved is None:
+                continue
+            value = saved.to(live.dtype).clone() if isinstance(live, torch.Tensor) else type(live)(saved.item())
+            host.setdefault(name, {})[key] = value
+
+
 def _check_placeholders(engine, created: list, unsaved: list, meta: dict, where: str) -> None:
     """Placeholder optimizer state (``engine.placeholder_optimizer_state``) means nothing
     until loaded. Its device tensors are (``_select`` refuses a checkpoint without them); a
@@ -238,7 +280,7 @@ def _check_placeholders(engine, created: list, unsaved: list, meta: dict, where:
         name = names[target]
         have = saved.get(saved_as[name], {}) if name in saved_as else {}
         missing += [f"optim.{name}.{key}" for key, value in engine.optimizer.state[target].items()
-                    if not (isinstance(value, torch.Tensor) and value.device.type == "xla") and key not in have]
+                    if _kept_on_host(value) and key not in have]
     if missing:
         raise CheckpointError(f"{where!r} has no value for the optimizer state {sorted(missing)}, which "
                               f"{type(engine.basic_optimizer).__name__} keeps on the host; pass "
