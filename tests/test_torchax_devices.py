@@ -504,6 +504,25 @@ def test_writes_through_views_of_the_outputs_reach_them_as_in_torch(engine_and_o
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
+def test_the_factories_keep_torchs_device_contexts(tmp_path):
+    """The factories a GPU script's ``cuda`` is answered in (``cuda_calls``) are still the ones
+    ``with torch.device("meta")`` places: wrapped, they made host tensors there, and transformers
+    5's ``from_pretrained`` (which builds the model on the meta device) left BERT's
+    ``position_ids`` buffer uninitialized: a "index out of bounds" error, or NaN losses."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    with torch.device("meta"):
+        made = [torch.arange(3), torch.tensor([1]), torch.zeros(2), torch.empty(2), torch.full((2,), 1.0),
+                torch.randn(2), torch.ones_like(torch.empty(2))]
+    assert [t.device.type for t in made] == ["meta"] * len(made)
+    config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=32)
+    BertForSequenceClassification(config).save_pretrained(tmp_path)
+    loaded = BertForSequenceClassification.from_pretrained(tmp_path)
+    assert torch.equal(loaded.bert.embeddings.position_ids, torch.arange(32).expand(1, -1))
+    assert not loaded.bert.embeddings.token_type_ids.any()
+
+
 def test_torchscript_compiles_functions_that_call_the_factories():
     """transformers 4.57's DeBERTa-v2 scripts its position helpers with ``torch.jit.script``;
     with the factories answering for ``cuda`` (``runtime.cuda_calls``) TorchScript met Python

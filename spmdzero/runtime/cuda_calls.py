@@ -61,8 +61,19 @@ def install() -> None:
         import torchax.ops.jtorch  # noqa: F401
     except ImportError:
         pass
+    # torch's device contexts (``with torch.device("meta")``, ``torch.set_default_device``; the
+    # meta device transformers and accelerate build models on) name the factories they place by
+    # identity, and see torch's own function when a wrapper calls it: it stays in their set.
+    # Without it every factory under ``with torch.device("meta")`` made a host tensor, and
+    # transformers 5's ``from_pretrained`` left BERT's ``position_ids`` buffer uninitialized.
+    from torch.utils._device import _device_constructors
+
+    placed = _device_constructors()  # torch's own functions, if first asked for now
     for name in FACTORIES:
+        original = getattr(torch, name)
         _answer(torch, name, _on_the_accelerator)
+        if original in placed or getattr(torch, name) in placed:
+            placed.update((getattr(original, "__wrapped__", original), getattr(torch, name)))
     for name in ("to", *NEW_METHODS):
         _answer(torch.Tensor, name, _on_the_accelerator)
     _answer(torch.Tensor, "cuda", lambda call, tensor, device=None, non_blocking=False, **kwargs:
