@@ -175,7 +175,7 @@ def _free_port_pair() -> int:
     raise RuntimeError("no free pair of ports")
 
 
-def _launch_hosts(tmp_path, *script_args, hosts: int = 2):
+def _launch_hosts(tmp_path, *script_args, hosts: int = 2, script_text: str = SCRIPT, launch_args: tuple = ()):
     """``spmdzero launch --num_nodes 2 --node_rank I ...`` for each I, as on two hosts of 4 CPU
     devices each; returns the Popen objects (stdout and stderr to files in tmp_path)."""
     import os
@@ -185,7 +185,7 @@ def _launch_hosts(tmp_path, *script_args, hosts: int = 2):
     from conftest import REPO
 
     script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
+    script.write_text(script_text)
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT",
                                                              "SPMDZERO_NO_RUNTIME", "XLA_FLAGS")}
     env.update({"PYTHONPATH": REPO, "SPMDZERO_BACKEND": "", "JAX_PLATFORMS": "cpu", "PJRT_DEVICE": "CPU",
@@ -194,7 +194,7 @@ def _launch_hosts(tmp_path, *script_args, hosts: int = 2):
     port = _free_port_pair()
     procs = []
     for i in range(hosts):
-        command = [sys.executable, "-c", "import sys, spmdzero_cli; sys.exit(spmdzero_cli.main())", "launch",
+        command = [sys.executable, "-c", "import sys, spmdzero_cli; sys.exit(spmdzero_cli.main())", "launch", *launch_args,
                    "--num_nodes", str(hosts), "--node_rank", str(i), "--master_addr", "127.0.0.1",
                    "--master_port", str(port), str(script), "--out", str(tmp_path / f"out{i}.pt"), *script_args]
         with open(tmp_path / f"log{i}.txt", "w") as log:  # the child keeps its own copy of the file
@@ -308,6 +308,40 @@ def test_a_checkpoint_moves_from_one_process_to_two_and_back(tmp_path):
                                                                                              rel=1e-6)
     for name, value in params(engine).items():
         torch.testing.assert_close(value, after_third[name], atol=1e-6, rtol=1e-6)
+
+
+ACCELERATE_SCRIPT = """
+import torch
+from accelerate import Accelerator
+
+accelerator = Accelerator()  # its DeepSpeed settings from the accelerate config, as accelerate launch exports them
+loader = accelerator.prepare_data_loader(torch.utils.data.DataLoader(list(range(16)), batch_size=2))
+print("ACCELERATE", accelerator.num_processes, accelerator.process_index, accelerator.distributed_type,
+      [batch.tolist() for batch in loader], flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_accelerate_counts_the_hosts_and_gives_each_its_own_batches(tmp_path):
+    """accelerate's ``PartialState`` found no process-group backend on a host without CUDA and took
+    every host for process 0 of 1: its DeepSpeed batch size counted one process (refused by the
+    batch check) and each host would have loaded the same batches. transformers'
+    ``run_clm_no_trainer.py`` on 2 hosts now matches DeepSpeed's 2 ranks (docs/migrating.md)."""
+    import ast
+
+    (tmp_path / "accelerate.yaml").write_text("distributed_type: DEEPSPEED\nnum_machines: 2\n"
+                                              "deepspeed_config:\n  zero_stage: 2\n")
+    procs = _launch_hosts(tmp_path, script_text=ACCELERATE_SCRIPT, launch_args=("--config_file", "accelerate.yaml"))
+    batches = []
+    for i, proc in enumerate(procs):
+        log = (tmp_path / f"log{i}.txt").read_text() if proc.wait(timeout=240) == 0 else None
+        assert log is not None, (tmp_path / f"log{i}.txt").read_text()[-4000:]
+        line = next(line for line in log.splitlines() if line.startswith("ACCELERATE "))
+        count, index, kind, rest = line.split(" ", 4)[1:]
+        assert (count, index, kind) == ("2", str(i), "DistributedType.DEEPSPEED"), line
+        batches.append(ast.literal_eval(rest))
+    rows = [row for host in batches for batch in host for row in batch]
+    assert sorted(rows) == list(range(16)) and batches[0] != batches[1]  # each row once, on one host
 
 
 @pytest.mark.slow

@@ -110,8 +110,34 @@ def _loss_on_trainer_device(module) -> None:
     trainer.__init_subclass__ = classmethod(__init_subclass__)
 
 
+def _count_the_processes(module) -> None:
+    """accelerate's ``PartialState`` looks for its process group's backend among CUDA-like
+    devices and torch_xla only. On a TPU VM or a CPU host it found none and took the run for
+    one process: ``num_processes`` 1 and ``process_index`` 0 on every host, so on several hosts
+    the DeepSpeed batch size it fills counted one process (refused: "train_batch_size is not
+    equal to ... world_size"), and each host would have loaded the same batches. On its
+    DeepSpeed route the backend is the host group ``deepspeed.comm`` runs (gloo); then it
+    counts the processes from ``torch.distributed``, as with DeepSpeed on GPUs."""
+    state = getattr(module, "PartialState", None)
+    prepare = getattr(state, "_prepare_backend", None)
+    if prepare is None or getattr(prepare, "_spmdzero_wrapped", False):
+        return
+
+    @functools.wraps(prepare)
+    def _prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
+        found, kind = prepare(self, cpu, sagemaker_dp, backend)
+        deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+        if found is None and not cpu and deepspeed and int(os.environ.get("LOCAL_RANK", -1)) != -1:
+            return "gloo", kind
+        return found, kind
+
+    _prepare_backend._spmdzero_wrapped = True
+    state._prepare_backend = _prepare_backend
+
+
 # what is changed in each module as it loads: {module: function of the loaded module}
-_PATCHES = {"transformers.utils.import_utils": _answer_bf16, "transformers.trainer": _loss_on_trainer_device}
+_PATCHES = {"transformers.utils.import_utils": _answer_bf16, "transformers.trainer": _loss_on_trainer_device,
+            "accelerate.state": _count_the_processes}
 
 
 class _PatchOnLoad(importlib.abc.MetaPathFinder):
