@@ -344,6 +344,72 @@ def test_accelerate_counts_the_hosts_and_gives_each_its_own_batches(tmp_path):
     assert sorted(rows) == list(range(16)) and batches[0] != batches[1]  # each row once, on one host
 
 
+TRAINER_SCRIPT = """
+import argparse, json, sys
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--local_rank", type=int)
+parser.add_argument("--out")
+parser.add_argument("--rows", type=int)
+args = parser.parse_args()
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
+row = {"input_ids": list(range(1, 17)), "labels": list(range(1, 17))}  # every row alike: any sharding, one batch
+config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+          "gradient_clipping": "auto", "zero_optimization": {"stage": 2}}
+training = TrainingArguments(output_dir=args.out + ".run", per_device_train_batch_size=args.rows, max_steps=3,
+                             logging_steps=1, optim="sgd", learning_rate=0.5, report_to="none", save_strategy="no",
+                             deepspeed=config)
+trainer = Trainer(model=model, args=training, train_dataset=[row] * 64)
+trainer.train()
+logs = [(log["loss"], log["grad_norm"]) for log in trainer.state.log_history if "loss" in log]
+print("TRAINER", training.world_size, json.dumps(logs), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_the_trainers_loss_on_two_hosts_is_the_one_host_loss(tmp_path):
+    """With ``average_tokens_across_devices`` the Trainer multiplies a loss by the process count,
+    for DeepSpeed's ranks, each of which sums only its own tokens. The engine's module sums every
+    host's (one global batch): on 2 hosts its loss and gradient came out doubled. 2 hosts of 4
+    rows and 1 host of 8 train on the same batch here (every row alike), with SGD: the same
+    logged losses and gradient norms."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    procs = _launch_hosts(tmp_path, "--rows", "4", script_text=TRAINER_SCRIPT)
+    (tmp_path / "one.py").write_text(TRAINER_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT",
+                                                             "SPMDZERO_NO_RUNTIME", "XLA_FLAGS")}
+    env.update({"PYTHONPATH": REPO, "SPMDZERO_BACKEND": "", "JAX_PLATFORMS": "cpu", "PJRT_DEVICE": "CPU",
+                "CPU_NUM_DEVICES": "8"})
+    one = subprocess.run([sys.executable, "-c", "import sys, spmdzero_cli; sys.exit(spmdzero_cli.main())", "launch",
+                          str(tmp_path / "one.py"), "--out", str(tmp_path / "one"), "--rows", "8"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-4000:]
+    runs = [one.stdout]
+    for i, proc in enumerate(procs):
+        assert proc.wait(timeout=240) == 0, (tmp_path / f"log{i}.txt").read_text()[-4000:]
+        runs.append((tmp_path / f"log{i}.txt").read_text())
+    results = []
+    for out in runs:
+        line = next(line for line in out.splitlines() if line.startswith("TRAINER "))
+        world, logs = line.split(" ", 2)[1:]
+        results.append((int(world), json.loads(logs)))
+    assert [world for world, _ in results] == [1, 2, 2]
+    reference = results[0][1]
+    assert len(reference) == 3 and reference[2][0] < reference[0][0]  # SGD learned
+    for _, logs in results[1:]:
+        assert sum(logs, []) == pytest.approx(sum(reference, []), rel=1e-5), (logs, reference)
+
+
 @pytest.mark.slow
 def test_a_lost_process_stops_the_others_with_an_error_naming_it(tmp_path):
     import time

@@ -1871,3 +1871,39 @@ def test_a_script_that_calls_its_own_modules_trains_them_through_their_engines()
     assert type(copy.deepcopy(netD)(data[0][0])) is torch.Tensor
     assert type(netD(data[0][0])) is not torch.Tensor  # the engine's output
     assert type(copy.deepcopy(netD)) is torch.nn.Sequential
+
+
+class _MseNet(torch.nn.Module):
+    """tiny_mlp returning its mean-squared loss (the module's loss, which backward knows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = tiny_mlp()
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.body(x), y)
+
+
+def test_a_module_loss_written_in_place_trains_as_written():
+    """``loss *= k`` or ``loss /= gas`` on the loss the module returned, then ``engine.backward``:
+    the backward took the module's own loss, as if unwritten (the gradient k times too small; the
+    HF Trainer scales its loss so in place). DeepSpeed's autograd sees the write."""
+    (x, y), = batches(1, 16)
+    norms = {}
+    for how in ("as returned", "loss *= 2", "loss * 2", "loss /= 4"):
+        engine, *_ = spmdzero.initialize(model=_MseNet(), config={
+            "train_batch_size": 16, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "spmd": {"backend": "torchax"}})
+        loss = engine(x, y)
+        if how == "loss *= 2":
+            loss *= 2
+        elif how == "loss * 2":
+            loss = loss * 2
+        elif how == "loss /= 4":
+            loss /= 4
+        engine.backward(loss)
+        engine.step()
+        norms[how] = engine.get_global_grad_norm()
+    assert norms["loss *= 2"] == pytest.approx(2 * norms["as returned"], rel=1e-5)
+    assert norms["loss *= 2"] == pytest.approx(norms["loss * 2"], rel=1e-6)
+    assert norms["loss /= 4"] == pytest.approx(norms["as returned"] / 4, rel=1e-5)

@@ -88,6 +88,38 @@ def _on_trainer_device(step):
     return training_step
 
 
+def _module_loss_counted_once(compute_loss):
+    """``compute_loss`` (the Trainer's), without its per-process scaling of a loss the engine's
+    module returned. With ``average_tokens_across_devices`` the Trainer divides by the tokens of
+    every process and multiplies the loss, in place, by the process count, for DeepSpeed's ranks,
+    each of which sums only its own tokens and then averages its gradient with the others'. The
+    engine's module sums the tokens of every process (one global batch): on several hosts the
+    logged loss came out the process count too large, and on one host the in-place ``*= 1``
+    made the loss no longer the module's (its backward then took the slower path, ``backward``).
+    A loss the Trainer computes from the outputs (``compute_loss_func``, label smoothing) is
+    each host's own rows', as a rank's, and keeps the scaling."""
+    if getattr(compute_loss, "_spmdzero_wrapped", False):
+        return compute_loss
+
+    @functools.wraps(compute_loss)
+    def wrapped(self, model, inputs, *args, **kwargs):
+        from spmdzero.train.engine_base import EngineBase
+
+        from_module = not ((self.label_smoother is not None or self.compute_loss_func is not None)
+                           and "labels" in inputs)  # as the Trainer decides, before it pops the labels
+        if not (from_module and isinstance(model, EngineBase) and getattr(self.args, "average_tokens_across_devices",
+                                                                          False)):
+            return compute_loss(self, model, inputs, *args, **kwargs)
+        self.args.average_tokens_across_devices = False  # read only by that scaling in compute_loss
+        try:
+            return compute_loss(self, model, inputs, *args, **kwargs)
+        finally:
+            self.args.average_tokens_across_devices = True
+
+    wrapped._spmdzero_wrapped = True
+    return wrapped
+
+
 def _loss_on_trainer_device(module) -> None:
     """``Trainer.training_step`` returns the step's loss on the Trainer's device, and so does
     the ``training_step`` of every subclass that defines its own (TRL's online DPO does, without
@@ -97,6 +129,8 @@ def _loss_on_trainer_device(module) -> None:
     if trainer is None or "training_step" not in vars(trainer):
         return
     trainer.training_step = _on_trainer_device(trainer.training_step)
+    if "compute_loss" in vars(trainer):
+        trainer.compute_loss = _module_loss_counted_once(trainer.compute_loss)
     own = vars(trainer).get("__init_subclass__")  # the Trainer's own, if a release defines one
 
     def __init_subclass__(cls, **kwargs):

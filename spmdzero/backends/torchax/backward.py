@@ -58,12 +58,17 @@ class BackwardPrograms:
         again, by the same program on the same inputs and dropout draw, when the accumulation it
         was added to has changed since (a backward of another forward's loss, a ``zero_grad`` that
         dropped it) or when the forward ran in eval mode. Any other loss (computed outside the
-        module from the outputs): torch autograd takes it back to the outputs, and the compiled
-        backward takes it on (``outside_loss``). Returns the loss scaled by
+        module from the outputs, or the module's loss written in place since): torch autograd
+        takes it back to the outputs, and the compiled backward takes it on (``outside_loss``). Returns the loss scaled by
         1/gradient_accumulation_steps, as DeepSpeed does."""
         forward = getattr(loss, "_spmdzero_forward", None) if isinstance(loss, torch.Tensor) else None
         if forward is _COMMITTED:
             raise RuntimeError(BACKWARD_TWICE)
+        if forward is not None and getattr(forward, "loss_version", loss._version) != loss._version:
+            # written in place since the forward (``loss *= k``, ``loss /= gas``; the HF Trainer
+            # scales by the process count so): no longer the module's loss. torch autograd takes
+            # it back through the write, as a loss computed outside the module
+            forward = None
         gas = self.gradient_accumulation_steps()
         if self._overwrite_at_backward:  # DeepSpeed's stage-3 optimizer.zero_grad() came since the last one
             release_in_background(self._accum)

@@ -174,7 +174,8 @@ class ForwardPrograms:
                 outputs, constants, program = ran
                 self._take_constants(constants)
                 result = self._outputs(outputs, program, forward)
-                program.loss_of(result)._spmdzero_forward = forward
+                loss = program.loss_of(result)
+                loss._spmdzero_forward, forward.loss_version = forward, loss._version
                 return result
             # the output holds no loss (found while tracing), or inputs want their gradients: the
             # VJP program, whose backward engine.backward runs from the loss the script computes
@@ -194,7 +195,7 @@ class ForwardPrograms:
         result = self._outputs(outputs, program, forward)
         loss = _find_loss(result)
         if loss is not None and not which:
-            loss._spmdzero_forward = forward
+            loss._spmdzero_forward, forward.loss_version = forward, loss._version
         return result
 
     def _placed(self, inputs: tuple, kwargs: dict) -> tuple:
