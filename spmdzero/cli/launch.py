@@ -88,7 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--node_rank", type=int, default=None,
                         help="this host's index, 0 to num_nodes - 1 (0 is the master_addr host)")
     parser.add_argument("--module", action="store_true", help="SCRIPT is a module name (python -m)")
-    parser.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank=0 to the script (not passed with --config_file either)")
+    parser.add_argument("--no_local_rank", action="store_true",
+                        help="do not pass --local_rank=0 to the script (not passed with --config_file either)")
     parser.add_argument("--spmd", default=None, metavar="JSON",
                         help='spmdzero settings for the script\'s deepspeed.initialize, merged under its config\'s '
                              '"spmd" section, e.g. \'{"pad_to_multiple_of": 64}\' (see docs/config.md)')

@@ -38,6 +38,8 @@ import warnings
 
 import torch
 
+from spmdzero.train.engine_base import EngineBase
+
 # the device each backend's engine returns its outputs on, as torch names it without the
 # backend imported (the torchax backend's outputs say "jax:0", a name torch knows only once
 # torchax is imported: accelerate's device is left to accelerate there)
@@ -103,8 +105,6 @@ def _module_loss_counted_once(compute_loss):
 
     @functools.wraps(compute_loss)
     def wrapped(self, model, inputs, *args, **kwargs):
-        from spmdzero.train.engine_base import EngineBase
-
         from_module = not ((self.label_smoother is not None or self.compute_loss_func is not None)
                            and "labels" in inputs)  # as the Trainer decides, before it pops the labels
         if not (from_module and isinstance(model, EngineBase) and getattr(self.args, "average_tokens_across_devices",

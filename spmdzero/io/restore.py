@@ -73,7 +73,8 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
         try:
             if is_deepspeed_checkpoint(path):
                 tensors, meta = read_deepspeed_checkpoint(path)
-                _host_values_from_tensors(engine, meta, tensors.get)
+                if full_state:
+                    _host_values_from_tensors(engine, meta, tensors.get)
                 _check_optimizer(engine, meta, path, full_state)
                 restore = _host_state_restorer(engine, meta, path, full_state, scheduler, load_module_only)
                 tensors.update(_loss_scale_tensors(engine, meta.pop("loss_scaler")))

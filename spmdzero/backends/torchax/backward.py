@@ -59,8 +59,8 @@ class BackwardPrograms:
         was added to has changed since (a backward of another forward's loss, a ``zero_grad`` that
         dropped it) or when the forward ran in eval mode. Any other loss (computed outside the
         module from the outputs, or the module's loss written in place since): torch autograd
-        takes it back to the outputs, and the compiled backward takes it on (``outside_loss``). Returns the loss scaled by
-        1/gradient_accumulation_steps, as DeepSpeed does."""
+        takes it back to the outputs, and the compiled backward takes it on (``outside_loss``).
+        Returns the loss scaled by 1/gradient_accumulation_steps, as DeepSpeed does."""
         forward = getattr(loss, "_spmdzero_forward", None) if isinstance(loss, torch.Tensor) else None
         if forward is _COMMITTED:
             raise RuntimeError(BACKWARD_TWICE)

@@ -41,6 +41,12 @@ class _NoLoss(Exception):
     """Raised while tracing a training forward whose output holds no scalar loss."""
 
 
+def _belongs_to(loss: torch.Tensor, forward) -> None:
+    """``loss`` is ``forward``'s: backward commits the gradient that forward takes, unless the
+    loss is written in place after it (its version then differs, ``BackwardPrograms.backward``)."""
+    loss._spmdzero_forward, forward.loss_version = forward, loss._version
+
+
 def _find_loss(output) -> Optional[torch.Tensor]:
     def scalar(t):
         return isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point()
@@ -174,8 +180,7 @@ class ForwardPrograms:
                 outputs, constants, program = ran
                 self._take_constants(constants)
                 result = self._outputs(outputs, program, forward)
-                loss = program.loss_of(result)
-                loss._spmdzero_forward, forward.loss_version = forward, loss._version
+                _belongs_to(program.loss_of(result), forward)
                 return result
             # the output holds no loss (found while tracing), or inputs want their gradients: the
             # VJP program, whose backward engine.backward runs from the loss the script computes
@@ -195,7 +200,7 @@ class ForwardPrograms:
         result = self._outputs(outputs, program, forward)
         loss = _find_loss(result)
         if loss is not None and not which:
-            loss._spmdzero_forward, forward.loss_version = forward, loss._version
+            _belongs_to(loss, forward)
         return result
 
     def _placed(self, inputs: tuple, kwargs: dict) -> tuple:

@@ -137,8 +137,8 @@ def _watched_class(cls: type) -> type:
         return memo[id(self)]
 
     return type(cls.__name__, (cls,), {"__torch_function__": classmethod(__torch_function__), "__repr__": __repr__,
-                                       "__deepcopy__": __deepcopy__, "_spmdzero_watched": True, "__module__": cls.__module__,
-                                       "__qualname__": cls.__qualname__})
+                                       "__deepcopy__": __deepcopy__, "_spmdzero_watched": True,
+                                       "__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
 def _watch_parameters(module: torch.nn.Module, engine: "HostModule") -> None:
