@@ -438,6 +438,49 @@ def test_dropout_draws_anew_at_every_step_without_retracing():
     assert engine.traces == {"train_forward": 1, "forward": 1}
 
 
+class Noisy(torch.nn.Module):
+    """Dropout and a draw of its own, as MAE's random patch masking (``torch.rand`` in the forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Dropout(0.5), torch.nn.Linear(64, 4))
+
+    def forward(self, x):
+        return self.net(x) * torch.rand(x.shape[0], 1, device=x.device)
+
+
+def test_every_forward_draws_anew_as_in_torch():
+    """Two training forwards of one input (R-Drop, SimCSE's two passes) drew the same masks, so
+    their KL term was 0; evaluation calls drew the same numbers at every call (MAE's masks). Each
+    call draws anew now, and an evaluation between two steps leaves the training draws alone."""
+    def run(evaluate_between: bool):
+        torch.manual_seed(0)
+        engine, *_ = spmdzero.initialize(model=Noisy(), config=config("torchax", optimizer={
+            "type": "SGD", "params": {"lr": 0.1}}))
+        x, kls, evaluations = torch.ones(16, 16), [], []
+        for _ in range(2):
+            a, b = engine(x), engine(x)
+            kl = torch.nn.functional.kl_div(a.log_softmax(-1), b.log_softmax(-1), log_target=True,
+                                            reduction="batchmean")
+            engine.backward(a.square().mean() + b.square().mean() + kl)
+            engine.step()
+            kls.append(kl.item())
+            if evaluate_between:
+                with torch.no_grad():
+                    engine.eval()
+                    evaluations += [engine(x).sum().item() for _ in range(2)]
+                    engine.train()
+        return kls, evaluations, {n: p.detach().cpu() for n, p in engine.module.named_parameters()}
+
+    kls, evaluations, params = run(evaluate_between=True)
+    assert min(kls) > 1e-3, kls
+    assert len(set(evaluations)) == 4, evaluations  # a new torch.rand at every call, in eval mode too
+    kls_alone, _, params_alone = run(evaluate_between=False)
+    assert kls_alone == kls
+    for name, value in params_alone.items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("stage", [0, 1])
 def test_zero_stages_0_and_1_follow_the_plan(stage):
     from jax.sharding import PartitionSpec

@@ -47,6 +47,13 @@ def _belongs_to(loss: torch.Tensor, forward) -> None:
     loss._spmdzero_forward, forward.loss_version = forward, loss._version
 
 
+def _forward_key(key, micro_step, draw):
+    """The random key of one forward: the engine's, folded with the micro-step and the draw."""
+    import jax
+
+    return jax.random.fold_in(jax.random.fold_in(key, micro_step), draw)
+
+
 def _find_loss(output) -> Optional[torch.Tensor]:
     def scalar(t):
         return isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point()
@@ -134,9 +141,10 @@ class ForwardPrograms:
         if tracer is not None and tracer is not self:
             return other_engines.call_inside(self, method_programs.entry(self._module, method), inputs, kwargs)
         forwards, traced = other_engines.forward_attributes(), sum(self.traces.values())
+        draw = self._next_draw(self._module.training and torch.is_grad_enabled())
         while True:
             try:
-                result = self._forward_once(inputs, kwargs, method)
+                result = self._forward_once(inputs, kwargs, method, draw)
                 break
             except other_engines.Met as met:
                 if any(e is met.engine for e in self._other_engines):
@@ -158,8 +166,22 @@ class ForwardPrograms:
             return self._constants
         return {**self._constants, other_engines.KEY: other_engines.values(self._other_engines)}
 
-    def _forward_once(self, inputs: tuple, kwargs: dict, method: str):
-        leaves, treespec, static, layout, arrays, rng, rows = self._placed(inputs, kwargs)
+    def _next_draw(self, training: bool) -> int:
+        """Which of its micro-step's forwards this one is, for its random draws (dropout,
+        ``torch.rand``): in torch every call draws anew, so two training forwards of one input
+        (R-Drop, SimCSE's two passes) differ, as do the masks of evaluation calls (MAE). Training
+        forwards (grad on, training mode) count apart from the others, so an evaluation between
+        two steps leaves the training draws as they are. The index restarts at each micro-step:
+        a resumed run draws as the uninterrupted one did."""
+        if getattr(self, "_draws_at", None) != self.micro_steps:
+            self._draws_at, self._draws = self.micro_steps, [0, 0]
+        stream = 0 if training else 1
+        index = self._draws[stream]
+        self._draws[stream] += 1
+        return index | stream << 31
+
+    def _forward_once(self, inputs: tuple, kwargs: dict, method: str, draw: int):
+        leaves, treespec, static, layout, arrays, rng, rows = self._placed(inputs, kwargs, draw)
         training = self._module.training
         grad_enabled = torch.is_grad_enabled()
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
@@ -203,11 +225,11 @@ class ForwardPrograms:
             _belongs_to(loss, forward)
         return result
 
-    def _placed(self, inputs: tuple, kwargs: dict) -> tuple:
+    def _placed(self, inputs: tuple, kwargs: dict, draw: int = 0) -> tuple:
         """A forward's inputs as its program takes them: (leaves, their treespec, the non-tensor
-        leaves by position, the batch layout, the tensors placed as JAX arrays, the dropout key
-        and micro-step, the global rows when known). Changes made on the host go to the devices
-        first."""
+        leaves by position, the batch layout, the tensors placed as JAX arrays, the random key
+        with the micro-step and the forward's ``draw`` (``_next_draw``), the global rows when
+        known). Changes made on the host go to the devices first."""
         inputs, kwargs = self._padded(inputs, kwargs, model_pad_id(self._module))
         # host tensors only: a torchax tensor (an earlier output) is the model's already
         inputs, kwargs = self._in_model_dtype(inputs, kwargs, keep=_is_torchax_tensor)
@@ -218,7 +240,7 @@ class ForwardPrograms:
         self._take_host_changes()
         layout = self._batch_layout(self._module, inputs, kwargs, on_device=_is_torchax_tensor)
         arrays = self._place_inputs(leaves, layout)
-        rng = (self._rng, np.uint32(self.micro_steps))  # dropout draws anew at every micro-step
+        rng = (self._rng, np.uint32(self.micro_steps), np.uint32(draw))  # drawn anew at every call
         rows = layout.rows if layout.on_device else None if layout.rows is None else layout.rows * self._batch.processes
         return leaves, treespec, static, layout, arrays, rng, rows
 
@@ -352,7 +374,7 @@ class ForwardPrograms:
             # registered twice (``self.alias = self.shared``): there the traced ones stayed. Put back here.
             held = [(m, dict(m._parameters), dict(m._buffers)) for m in module.modules()]
             try:
-                with env, env.override_property(prng=jax.random.fold_in(*rng)), trace_view.tracing(differentiated), \
+                with env, env.override_property(prng=_forward_key(*rng)), trace_view.tracing(differentiated), \
                         remat.rematerializing(env, tensors.values()), cross_entropy.fused(env), \
                         attention.choosing(self.attention_kernels, env), \
                         batchnorm.updating_running_statistics(batch_norms), \
