@@ -381,15 +381,20 @@ def test_a_client_optimizer_resumes_from_a_checkpoint_as_it_continues(tmp_path):
         assert_params_close(engine_params(resumed), plain_torch(CLIENT_OPTIMIZERS[name], data, 4), what=name)
 
 
+@pytest.mark.parametrize("saved_with", ["config-optimizer", "torch-optimizer"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_config_optimizers_checkpoint_resumes_the_same_update_given_as_a_torch_optimizer(backend, tmp_path):
-    """The config's AdamW counts its steps on the devices, torch's AdamW on the host: a run that
+def test_a_checkpoint_resumes_the_same_update_given_the_other_optimizer_kind(backend, saved_with, tmp_path):
+    """The config's AdamW counts its steps on the devices, torch's AdamW on the host. A run that
     moves to a script passing torch's AdamW (accelerate's) resumed with Adam's bias correction
-    refused ("has no value for the optimizer state ... step"). The step count is read from the
-    checkpoint's tensor; the resumed run continues as the uninterrupted one."""
+    refused ("has no value for the optimizer state ... step"), and so did the other way (the HF
+    Trainer's own optimizer, then an ``optimizer`` section: "checkpoint has no optimizer/precision
+    state"). The step count is read from where the checkpoint holds it; the resumed run continues
+    as the uninterrupted one."""
     adamw = {"lr": 0.02, "weight_decay": 0.01}
+    torch_adamw = lambda ps: torch.optim.AdamW(ps, **adamw)  # noqa: E731
+    first, then = (None, torch_adamw) if saved_with == "config-optimizer" else (torch_adamw, None)
     data = batches(4, ROWS)
-    engine = engine_for(2, backend=backend, optimizer=None)  # the config's AdamW, with `adamw`
+    engine = engine_for(2, backend=backend, optimizer=first)  # None: the config's AdamW, with `adamw`
     for x, y in data[:2]:
         micro(engine, x, y)
         engine.step()
@@ -397,7 +402,7 @@ def test_a_config_optimizers_checkpoint_resumes_the_same_update_given_as_a_torch
     for x, y in data[2:]:
         micro(engine, x, y)
         engine.step()
-    resumed = engine_for(2, backend=backend, optimizer=lambda ps: torch.optim.AdamW(ps, **adamw))
+    resumed = engine_for(2, backend=backend, optimizer=then)
     resumed.load_checkpoint(str(tmp_path))
     for x, y in data[2:]:
         micro(resumed, x, y)

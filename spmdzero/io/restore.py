@@ -85,15 +85,18 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
                 client_state = meta["client_state"]
             else:
                 meta = read_meta(path, trust_client_state)
+                from_host = {}
                 if full_state:
                     _host_values_from_tensors(engine, meta, _saved_tensors(path, meta["tensors"]))
+                    from_host = _tensors_from_host_values(engine, meta)
                 _check_optimizer(engine, meta, path, full_state)
                 restore = _host_state_restorer(engine, meta, os.path.join(path, META_FILE), full_state, scheduler,
                                                load_module_only)
-                selected, unsaved = _select(engine, meta["tensors"], load_module_strict, full_state, meta)
+                index = {**meta["tensors"], **tensor_index(from_host)}
+                selected, unsaved = _select(engine, index, load_module_strict, full_state, meta)
                 _check_placeholders(engine, created, unsaved, meta, os.path.join(path, META_FILE))
                 client_state = read_client_state(path, meta, trust_client_state)
-                _load_tensors(engine, path, selected, meta["tensors"])
+                _load_tensors(engine, path, selected, index, from_host)
         except BaseException:
             engine.drop_optimizer_state(created)
             raise
@@ -265,6 +268,30 @@ def _host_values_from_tensors(engine, meta: dict, saved_tensor) -> None:
             host.setdefault(name, {})[key] = value
 
 
+def _tensors_from_host_values(engine, meta: dict) -> dict:
+    """The other way round from ``_host_values_from_tensors``: a value the checkpoint's torch
+    optimizer kept on the host (AdamW's step count: the HF Trainer's own optimizer) that this
+    engine keeps on the devices (the config's AdamW), as ``{key: host tensor}`` in the live
+    tensor's shape and dtype, taken out of the host state (DeepSpeed loads such a checkpoint into
+    its config optimizer too)."""
+    if engine.optimizer is None:
+        return {}
+    host, saved = meta["optimizer"]["host_state"], meta.get("tensors") or {}
+    live = checkpointed(engine)
+    found = {}
+    for key, (shape, dtype) in tensor_index({k: t for k, (t, _) in live.items()}).items():
+        name, _, field = key.removeprefix("optim.").rpartition(".")
+        if not key.startswith("optim.") or key in saved or not isinstance(host.get(name), dict) \
+                or field not in host[name]:
+            continue
+        value = torch.as_tensor(host[name][field])
+        if value.numel() != 1:
+            continue
+        found[key] = value.to(_dtype(dtype)).reshape(shape)
+        del host[name][field]
+    return found
+
+
 def _check_placeholders(engine, created: list, unsaved: list, meta: dict, where: str) -> None:
     """Placeholder optimizer state (``engine.placeholder_optimizer_state``) means nothing
     until loaded. Its device tensors are (``_select`` refuses a checkpoint without them); a
@@ -298,7 +325,7 @@ def _stage(engine, selected: dict, saved: dict, host_tensors: Optional[dict] = N
         for key in source.keys:
             if key in staging:  # one checkpoint tensor can feed two targets (a param and its master)
                 continue
-            if host_tensors is None:
+            if host_tensors is None or key not in host_tensors:
                 staging[key] = shards.staging(tuple(saved[key][0]), _dtype(saved[key][1]), layout)
             else:
                 staging[key] = shards.from_host(host_tensors[key], layout)
@@ -312,13 +339,15 @@ def _commit(engine, selected: dict, staging: dict) -> None:
     shards.commit({key: source.assemble(values) for key, (source, _, _) in selected.items()})
 
 
-def _load_tensors(engine, path: str, selected: dict, saved: dict) -> None:
+def _load_tensors(engine, path: str, selected: dict, saved: dict, from_host: Optional[dict] = None) -> None:
+    """Read the selected tensors from the checkpoint's files, except those ``from_host`` gives."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     reader = open_state(path)
-    staging = _stage(engine, selected, saved)
-    state, planner = engine.state_shards().readable(staging)
+    from_host = from_host or {}
+    staging = _stage(engine, selected, saved, from_host)
+    state, planner = engine.state_shards().readable({k: v for k, v in staging.items() if k not in from_host})
     try:
         with _quiet_dcp():
             dcp.load(state, storage_reader=reader, planner=planner, no_dist=_no_dist())
