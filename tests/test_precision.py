@@ -269,3 +269,88 @@ def test_bf16_master_weights_on_the_torch_xla_backend_are_refused_naming_the_key
            "bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}
     with pytest.raises(spmdzero.ConfigError, match="bf16.bf16_master_weights_and_grads is implemented on the torchax"):
         spmdzero.initialize(model=model(), config=cfg)
+
+
+class RotaryLike(torch.nn.Module):
+    """Two linears with a region the model keeps in fp32 (``torch.autocast(enabled=False)``, as
+    transformers' rotary embeddings do), recording each result's dtype while it runs."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(64, 128), torch.nn.Linear(128, 64)
+        self.seen = []
+
+    def forward(self, x, y):
+        h = self.a(x)
+        with torch.autocast(device_type=h.device.type, enabled=False):
+            kept = self.b(torch.tanh(h.float()))
+        self.seen[:] = [h.dtype, kept.dtype]
+        out = self.b(torch.tanh(h))
+        return torch.nn.functional.mse_loss(out.float() + 0.1 * kept, y)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torch_autocast_computes_in_bf16_with_fp32_parameters_as_deepspeed(backend):
+    """DeepSpeed's ``torch_autocast`` section (DeepSpeedExamples' ``bf16_full.json``) was refused.
+    The forward now runs under autocast: the linears compute in bf16 (a region the model turns
+    autocast off in stays fp32), the parameters and the optimizer stay fp32. The losses are plain
+    torch's under CPU autocast to bf16 rounding (the two round the matmuls' outputs at other
+    places), and not fp32's."""
+    batches = data(3)
+    cfg = {**config(backend=backend), "gradient_clipping": 0.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+           "torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
+    engine, *_ = spmdzero.initialize(model=RotaryLike(), config=cfg)
+    losses = []
+    for x, y in batches:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert engine.module.seen == [torch.bfloat16, torch.float32]  # (torchax: what its trace saw)
+    assert {p.dtype for p in engine.module.parameters()} == {torch.float32}
+
+    def plain(autocast: bool):
+        module = RotaryLike()
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.01)
+        out = []
+        for x, y in batches:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = module(x, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append(loss.item())
+        return out, module.seen
+
+    autocast, seen = plain(True)
+    assert seen == [torch.bfloat16, torch.float32]
+    fp32, _ = plain(False)
+    assert losses == pytest.approx(autocast, rel=1e-2)
+    assert max(abs(a - b) for a, b in zip(losses, fp32)) > 1e-5  # fp32 engines agree with fp32 to ~1e-6
+
+
+@pytest.mark.parametrize("section", [True, False], ids=["torch_autocast", "no-section"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_scripts_cuda_autocast_region_is_the_accelerators(backend, section):
+    """``with torch.autocast("cuda", dtype=torch.bfloat16):`` around the engine's forward and the
+    loss (DeepSpeedExamples' ``bf16_master_weight/train.py``) raised on a host without a GPU
+    ("Current CUDA Device does not support bfloat16"). It is the accelerator's autocast now: the
+    loss computed in it from bf16 logits is fp32, as torch's cross-entropy under autocast. The
+    forward follows the config's ``torch_autocast`` section whatever the region, as DeepSpeed's
+    engine does: bf16 logits with it, fp32 without."""
+    cfg = {**config(backend=backend), "gradient_clipping": 0.0}
+    if section:
+        cfg["torch_autocast"] = {"enabled": True}
+    engine, *_ = spmdzero.initialize(model=model(), config=cfg)
+    x, y = torch.randn(16, 64), torch.randint(0, 64, (16,))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = engine(x)
+        loss = torch.nn.functional.cross_entropy(logits, y.to(logits.device))
+    engine.backward(loss)
+    engine.step()
+    assert logits.dtype == (torch.bfloat16 if section else torch.float32)
+    if backend == "torchax" or not section:  # torch_xla's autocast list for XLA keeps nll_loss in bf16
+        assert loss.dtype == torch.float32
+    assert math.isfinite(loss.item())

@@ -144,7 +144,6 @@ NOOP_KEYS: dict[str, str] = {
 REFUSED_KEYS: dict[str, str] = {
     "zero_optimization.zenflow": "ZenFlow updates part of the gradients asynchronously on the CPU; not available",
     "amp": "NVIDIA apex AMP does not exist on XLA; use the bf16 (or fp16) section",
-    "torch_autocast": "autocast regions are not traced by spmdzero; use the bf16 (or fp16) section",
     "gradient_allreduce_op": "'sum' would add the ranks' gradients instead of averaging them; spmdzero "
                              "computes the mean over the global batch",
     "fp16.fp16_master_weights_and_grads": "spmdzero keeps fp32 master weights and gradients",

@@ -111,6 +111,19 @@ def _check_dtype_name(value: Optional[str]) -> Optional[str]:
     return name
 
 
+class TorchAutocastConfig(Section):
+    """DeepSpeed's ``torch_autocast``: the forward runs under ``torch.autocast`` with ``dtype``,
+    the parameters, gradients and optimizer states stay fp32. ``lower_precision_safe_modules``
+    names the modules whose gradients DeepSpeed reduces in ``dtype``: here the compiler reduces
+    every gradient in fp32, so the list changes no value."""
+
+    enabled: bool = False
+    dtype: str = "bfloat16"
+    lower_precision_safe_modules: Optional[list[str]] = None
+
+    _dtype = field_validator("dtype")(classmethod(lambda cls, v: _check_dtype_name(v)))
+
+
 class DataTypesConfig(Section):
     grad_accum_dtype: Optional[str] = None
     param_dtype: Optional[str] = None  # must agree with fp16/bf16 (checked in parse_config), as in DeepSpeed
@@ -272,6 +285,7 @@ class DeepSpeedConfig(BaseModel):
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     fp16: Fp16Config = Field(default_factory=Fp16Config)
     bf16: Bf16Config = Field(default_factory=Bf16Config)
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
     csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)

@@ -19,6 +19,7 @@ Gradients are reduced in ``communication_data_type`` and accumulated in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -45,6 +46,8 @@ class PrecisionPolicy:
     low_precision_masters: bool = False
     # the dtype of the optimizer's per-element states (bf16.bf16_optimizer_states: bf16)
     state_dtype: torch.dtype = torch.float32
+    # torch_autocast: the dtype the forward's autocast computes in (None: no autocast)
+    autocast_dtype: Optional[torch.dtype] = None
 
     @property
     def master_weights(self) -> bool:
@@ -73,6 +76,8 @@ def precision_policy(cfg: DeepSpeedConfig) -> PrecisionPolicy:
         model, dynamic, initial, extra, check = torch.float32, False, 1.0, {}, False
     accum = DTYPES[cfg.data_types.grad_accum_dtype] if cfg.data_types.grad_accum_dtype else model
     comm = DTYPES[cfg.communication_data_type] if cfg.communication_data_type else model
+    if cfg.torch_autocast.enabled:
+        extra["autocast_dtype"] = DTYPES[cfg.torch_autocast.dtype]
     return PrecisionPolicy(model, accum, comm, check, dynamic, initial, **extra)
 
 

@@ -23,7 +23,8 @@ False, checked when the call has failed, so a working call pays nothing):
 * ``torch.cuda.current_device()`` is 0 (the process's one logical device, as
   ``torch.accelerator.current_device_index()``), ``tensor.pin_memory()`` returns the tensor
   unpinned, and ``torch.cuda.synchronize()`` waits for the devices' work
-  (``wait_for_devices``), the wait that a script's timing asks for.
+  (``wait_for_devices``), the wait that a script's timing asks for;
+* ``torch.autocast("cuda", ...)`` is the accelerator's autocast.
 
 A host with a GPU keeps torch's own behaviour, and every other CUDA call (device properties,
 streams) keeps torch's error: it asks about a GPU that is not there.
@@ -79,6 +80,26 @@ def install() -> None:
     _answer(torch.Tensor, "cuda", lambda call, tensor, device=None, non_blocking=False, **kwargs:
             tensor.to(accelerator_device(), non_blocking=non_blocking, **kwargs))
     _answer(torch.Tensor, "pin_memory", lambda call, tensor, *args, **kwargs: tensor)
+    _autocast_on_the_accelerator(torch.amp.autocast_mode.autocast)
+
+
+def _autocast_on_the_accelerator(autocast) -> None:
+    """``torch.autocast("cuda", ...)`` (a GPU script's mixed-precision region around its forward
+    and loss) is the accelerator's autocast without a GPU: torch refused it for bf16 ("Current
+    CUDA Device does not support bfloat16") and switched it off for fp16."""
+    init = autocast.__init__
+    if getattr(init, _MARK, False):
+        return
+    import torch
+
+    @functools.wraps(init)
+    def on_the_accelerator(self, device_type, *args, **kwargs):
+        if _names_cuda(device_type) and not torch.cuda.is_available():
+            device_type = accelerator_device().type
+        init(self, device_type, *args, **kwargs)
+
+    setattr(on_the_accelerator, _MARK, True)
+    autocast.__init__ = on_the_accelerator
 
 
 def accelerator_device():

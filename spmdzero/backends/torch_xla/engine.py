@@ -201,8 +201,10 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         inputs, kwargs = to_device_sharded((inputs, kwargs), self.mesh, self.plan.batch_spec,
                                            self._batch.dp_devices, self._batch.processes, layout)
         inputs, kwargs = self._in_model_dtype(inputs, kwargs)
+        autocast = self.precision.autocast_dtype  # the config's torch_autocast, as DeepSpeed's forward
         try:
-            return call(*inputs, **kwargs)
+            with torch.autocast("xla", dtype=autocast, enabled=autocast is not None):
+                return call(*inputs, **kwargs)
         finally:
             self._step_logger.timers.add("forward", time.perf_counter() - start)
 

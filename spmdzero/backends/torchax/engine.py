@@ -81,7 +81,7 @@ from spmdzero.backends.torchax import module_calls, optimizer_state_dict
 from spmdzero.backends.torchax.mesh import jax_devices, mesh_devices
 from spmdzero.sharding.mesh import data_parallel_axes, resolve_hybrid_shape
 from spmdzero.backends.torchax import torch_optim
-from spmdzero.backends.torchax import attention, lowerings
+from spmdzero.backends.torchax import attention, autocast, lowerings
 from spmdzero.backends.torchax.release import drain
 from spmdzero.backends.torchax.output_tensor import output_tensor_class
 from spmdzero.backends.torchax.host_module import (_optimizer_state_through_engine, _sync_before_state_dict,
@@ -131,6 +131,7 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
             seed = _broadcast_from_first_process(module, seed)
         self._env = torchax.default_env()
         lowerings.install(self._env)  # torch's values where torchax's lowerings differ (masked rows, padding_idx)
+        autocast.install()  # torch.autocast regions on the device (a script's around its loss; the module's own)
         host_tensors.name_devices_by_type(self._env)  # x.to(0) in a traced forward
         self._Output = output_tensor_class()
         self._module = module

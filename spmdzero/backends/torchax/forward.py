@@ -18,6 +18,7 @@ from torch.utils import _pytree as torch_pytree
 
 from spmdzero.train.data import model_pad_id
 from spmdzero.backends.torchax import attention
+from spmdzero.backends.torchax import autocast
 from spmdzero.backends.torchax import batchnorm
 from spmdzero.backends.torchax import frozen
 from spmdzero.backends.torchax import host_reads
@@ -378,7 +379,8 @@ class ForwardPrograms:
                         remat.rematerializing(env, tensors.values()), cross_entropy.fused(env), \
                         attention.choosing(self.attention_kernels, env), \
                         batchnorm.updating_running_statistics(batch_norms), \
-                        other_engines.tracing(self, others, traced_others, env):
+                        other_engines.tracing(self, others, traced_others, env), \
+                        autocast.autocasting(env, self.precision.autocast_dtype):
                     output = torch.func.functional_call(entry, method_programs.keyed(entry, tensors), inputs, kwargs)
             finally:
                 for m, params, buffers in held:
