@@ -283,11 +283,14 @@ class RotaryLike(torch.nn.Module):
 
     def forward(self, x, y):
         h = self.a(x)
+        h = torch.cat((h[:1], h[1:]))  # autocast's "promote" ops take lists (ViT's embeddings)
         with torch.autocast(device_type=h.device.type, enabled=False):
             kept = self.b(torch.tanh(h.float()))
-        self.seen[:] = [h.dtype, kept.dtype]
         out = self.b(torch.tanh(h))
-        return torch.nn.functional.mse_loss(out.float() + 0.1 * kept, y)
+        # a classifier's loss in the module (transformers' heads): fp32 under autocast, from bf16 logits
+        classes = torch.nn.functional.cross_entropy(out, y.argmax(-1))
+        self.seen[:] = [h.dtype, kept.dtype, classes.dtype]
+        return torch.nn.functional.mse_loss(out.float() + 0.1 * kept, y) + 0.1 * classes
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -308,7 +311,7 @@ def test_torch_autocast_computes_in_bf16_with_fp32_parameters_as_deepspeed(backe
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    assert engine.module.seen == [torch.bfloat16, torch.float32]  # (torchax: what its trace saw)
+    assert engine.module.seen == [torch.bfloat16, torch.float32, torch.float32]  # (torchax: its trace's)
     assert {p.dtype for p in engine.module.parameters()} == {torch.float32}
 
     def plain(autocast: bool):
@@ -325,7 +328,7 @@ def test_torch_autocast_computes_in_bf16_with_fp32_parameters_as_deepspeed(backe
         return out, module.seen
 
     autocast, seen = plain(True)
-    assert seen == [torch.bfloat16, torch.float32]
+    assert seen == [torch.bfloat16, torch.float32, torch.float32]
     fp32, _ = plain(False)
     assert losses == pytest.approx(autocast, rel=1e-2)
     assert max(abs(a - b) for a, b in zip(losses, fp32)) > 1e-5  # fp32 engines agree with fp32 to ~1e-6

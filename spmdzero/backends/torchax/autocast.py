@@ -20,7 +20,7 @@ torchax's policy names aten ops; a few ops reach it as the torch functions it lo
 (``F.linear``, ``torch.einsum``, convolutions), which it then missed: they computed in fp32.
 Softmax, log-softmax and the cross-entropy built on them computed in bf16, where torch's CUDA
 list (which torchax's copies) runs them in fp32. They join the policy (it acts only where
-autocast is on).
+autocast is on). Its "promote" rule failed on a list of tensors (``torch.cat``): it reads them.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ def install() -> None:
         amp.autocast_policy.setdefault(f, amp.CastPolicy.LOWER_PRECISION_FP)
     for f in _FP32:
         amp.autocast_policy.setdefault(f, amp.CastPolicy.FP32)
+    amp.execute_policy = _promoting_lists(amp.execute_policy, amp.CastPolicy.PROMOTE)
     autocast = torch.amp.autocast_mode.autocast
     enter, exit_ = autocast.__enter__, autocast.__exit__
     outer: list = []
@@ -74,6 +75,29 @@ def install() -> None:
 
     autocast.__enter__, autocast.__exit__ = entered, exited
     _INSTALLED.append((enter, exit_))
+
+
+def _promoting_lists(execute_policy, promote):
+    """torchax's cast policy with its "promote" rule (``torch.cat``, ``torch.stack``: run in the
+    widest floating dtype of the inputs) reading tensors inside lists too: it read ``.dtype`` of
+    each argument, and ``torch.cat((cls_token, patches))`` (ViT's embeddings) raised
+    AttributeError ("'list' object has no attribute 'dtype'")."""
+    from torch.utils import _pytree as pytree
+
+    def is_float(a) -> bool:
+        return isinstance(a, torch.Tensor) and a.is_floating_point()
+
+    def execute(policy, args, kwargs, target_lower_fp):
+        if policy is not promote:
+            return execute_policy(policy, args, kwargs, target_lower_fp)
+        floats = {a.dtype for a in pytree.tree_leaves((args, kwargs)) if is_float(a)}
+        if len(floats) < 2:
+            return args, kwargs
+        # torch's promotion of floating dtypes (torch.promote_types is an op to torchax here)
+        widest = torch.float64 if torch.float64 in floats else torch.float32
+        return pytree.tree_map_only(is_float, lambda a: a.to(widest), (args, kwargs))
+
+    return execute
 
 
 @contextlib.contextmanager

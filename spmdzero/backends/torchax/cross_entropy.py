@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import torch
 import torch.nn.functional as F
 
 
@@ -116,6 +117,8 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
     if not common:
         return F.cross_entropy(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
     dtype, logits = input.dtype, input
+    if isinstance(input, ttensor.Tensor) and input._env.param.autocast_dtype is not None:
+        dtype = torch.float32  # torch's autocast computes the cross-entropy in fp32 (torch_autocast)
     if _upcasts and isinstance(input, ttensor.Tensor):
         half = _upcasts[-1].source(input._elem)
         if half is not None:
