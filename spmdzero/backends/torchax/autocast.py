@@ -40,7 +40,7 @@ _LOWERED_WHOLE = (torch.nn.functional.linear, torch.einsum, torch.ops.aten.einsu
 _FP32 = (torch.ops.aten._softmax.default, torch.ops.aten.softmax.int, torch.ops.aten._log_softmax.default,
          torch.ops.aten.log_softmax.int, torch.ops.aten.nll_loss_forward.default,
          torch.ops.aten.nll_loss2d_forward.default)
-_INSTALLED = []
+_INSTALLED = []  # one entry once install() has run
 
 
 def install() -> None:
@@ -74,7 +74,7 @@ def install() -> None:
         return exit_(self, *args)
 
     autocast.__enter__, autocast.__exit__ = entered, exited
-    _INSTALLED.append((enter, exit_))
+    _INSTALLED.append(True)
 
 
 def _promoting_lists(execute_policy, promote):

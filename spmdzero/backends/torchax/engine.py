@@ -212,6 +212,7 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         self._unconfirmed: list = []  # forwards whose gradient _accum holds before their backward (_settle)
         self._subtract_program = None  # built at the first such forward taken out again
         self._generation = 0  # changes with the parameters (an update, a change taken from the host)
+        self._draws_at, self._draws = None, [0, 0]  # forwards of the micro-step so far, by stream (_next_draw)
         self._window_reduced = False  # the last backward was at a boundary (zero_grad_keeps_gradients)
         self._overwrite_at_backward = False  # zero_grad_overwrites_next_backward
         self._retired_inputs: tuple = ()  # the last update's inputs

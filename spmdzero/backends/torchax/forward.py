@@ -174,7 +174,7 @@ class ForwardPrograms:
         forwards (grad on, training mode) count apart from the others, so an evaluation between
         two steps leaves the training draws as they are. The index restarts at each micro-step:
         a resumed run draws as the uninterrupted one did."""
-        if getattr(self, "_draws_at", None) != self.micro_steps:
+        if self._draws_at != self.micro_steps:
             self._draws_at, self._draws = self.micro_steps, [0, 0]
         stream = 0 if training else 1
         index = self._draws[stream]
