@@ -71,9 +71,10 @@ CLIENT_OPTIMIZERS = {
 }
 
 
-# torch.optim classes whose step reads a tensor's value on the host (Adagrad's step count,
-# Adafactor's step and norm): the torchax backend compiles the step and refuses them, saying so
-HOST_READING_STEPS = ("Adagrad", "Adafactor")
+# torch.optim classes whose step reads a tensor's value on the host (torch's Adafactor reads its
+# step and each parameter's norm with .item()): the torchax backend compiles the step and refuses
+# them, saying so. Adagrad's step count, read through torch's _get_value, stays a traced tensor
+HOST_READING_STEPS = ("Adafactor",)
 
 
 def plain_torch(factory, data, steps):

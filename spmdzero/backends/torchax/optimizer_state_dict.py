@@ -129,10 +129,15 @@ def take_given_state(engine) -> None:
     if not any(optimizer.state.get(p) for p in names):
         return
     given = type(optimizer).state_dict(optimizer)
-    taken = {target: optimizer.state.pop(target) for target in names if target in optimizer.state}
+    # left in place while the load runs: torch's Adagrad makes its states in its constructor and
+    # its first step reads them (torch_optim.constructor_state); the load takes them off the host
+    taken = {target: optimizer.state[target] for target in names if target in optimizer.state}
     try:
         load_state_dict(engine, given)
     except torch_optim.UntraceableStep:
-        # a step that cannot be traced (Adagrad's, which also makes its states in its constructor):
-        # the states stay where they were, and the first step says why it cannot run
+        # a step that cannot be traced: the states stay where they were, and the first step says
+        # why it cannot run
         optimizer.state.update(taken)
+        return
+    for target in names:
+        optimizer.state.pop(target, None)

@@ -25,6 +25,7 @@ traced once without them and once with them."""
 from __future__ import annotations
 
 import collections
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ import torch
 
 from spmdzero.backends.torchax import adafactor
 from spmdzero.backends.torchax.out_arguments import OutArgumentsCopied
+from spmdzero.backends.torchax.tensor_scalars import TensorScalarsComputed
 
 
 class UntraceableStep(RuntimeError):
@@ -109,6 +111,39 @@ def static_hyperparameters(optimizer: torch.optim.Optimizer, with_lr: bool = Fal
                  for group in optimizer.param_groups)
 
 
+def constructor_state(host_state: dict | None) -> dict:
+    """The states an optimizer made in its constructor (torch's Adagrad makes ``sum`` and ``step``
+    there, and its step reads them without creating them), as JAX values for its first traced
+    step; empty where it made none. A host-kept step count alone (``HOST_KEYS``, which a
+    checkpoint load leaves in ``optimizer.state``) is not such a state: torch's other optimizers
+    create all their states at once, when they find none."""
+    import jax.numpy as jnp
+
+    if not host_state or set(host_state) <= HOST_KEYS:
+        return {}
+    return {k: jnp.asarray(_as_numpy(v)) for k, v in host_state.items() if isinstance(v, torch.Tensor)}
+
+
+def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
+    tensor = tensor.detach().cpu()
+    return tensor.float().numpy() if tensor.dtype == torch.bfloat16 else tensor.numpy()
+
+
+@contextlib.contextmanager
+def tracing_as_torch_compile():
+    """torch's optimizers read their step count with ``.item()`` unless torch is compiling
+    (``torch.optim.optimizer._get_value``; Adagrad, and NAdam, RAdam, Adamax and ASGD when not
+    ``capturable``): a host read, which a traced step cannot make. Tracing the step under
+    ``jax.jit`` is compiling too, so for its length torch is told so, and the count stays a
+    tensor, as under ``torch.compile``."""
+    compiling = torch.compiler.is_compiling
+    torch.compiler.is_compiling = lambda: True
+    try:
+        yield
+    finally:
+        torch.compiler.is_compiling = compiling
+
+
 def traced_step(optimizer: torch.optim.Optimizer, groups: list[list[str]], targets: dict, grads: dict, states: dict,
                 lrs: list, multiplier: Any, skip: Any, env, lr_mode: str = "traced") -> tuple[dict, dict]:
     """``optimizer.step()`` on JAX values inside a trace: ``targets`` (the parameters, or the fp32
@@ -127,13 +162,14 @@ def traced_step(optimizer: torch.optim.Optimizer, groups: list[list[str]], targe
         optimizer.state = collections.defaultdict(dict)
         for group, names, lr in zip(optimizer.param_groups, groups, lrs):
             params = []
-            for name in names:
+            for name, host in zip(names, group["params"]):
                 target = targets[name]
                 grad = grads[name].astype(target.dtype)
                 p = ttensor.Tensor(target, env)
                 p.grad = ttensor.Tensor(grad if multiplier is None else grad * multiplier, env)
-                if states[name]:
-                    optimizer.state[p] = {k: ttensor.Tensor(v, env) for k, v in states[name].items()}
+                state = states[name] or constructor_state(saved_state.get(host))
+                if state:
+                    optimizer.state[p] = {k: ttensor.Tensor(v, env) for k, v in state.items()}
                 params.append(p)
                 wrapped[name] = p
             group["params"] = params
@@ -144,7 +180,7 @@ def traced_step(optimizer: torch.optim.Optimizer, groups: list[list[str]], targe
             for flag in ("foreach", "fused"):  # torch's per-tensor code: the same math, traced
                 if flag in group:
                     group[flag] = False
-        with env, OutArgumentsCopied(), torch.no_grad():
+        with env, OutArgumentsCopied(), TensorScalarsComputed(), torch.no_grad(), tracing_as_torch_compile():
             try:
                 if adafactor.replaces(optimizer):  # its step reads its count on the host: a traced twin
                     adafactor.step(optimizer)
