@@ -40,6 +40,9 @@ Each replacement is installed on torchax's process-wide environment once, at the
   outside its environment, where it raised an AssertionError. Here the bound is taken as an
   int when the slice is made, as torch takes it (``operator.index``): a value read on the host,
   so a traced program hands the forward to the eager path (``host_reads``), as any read does.
+  An index that is a tensor on the host (``torch.as_tensor`` of a NumPy array: DETR's loss
+  indexes its targets with the Hungarian matching that SciPy computes on the host) indexes a
+  device tensor in torch; torchax asserted that it was not one of its own. Here it becomes one.
 
 * ``x[key] = value`` with ``value`` of another dtype (an fp32 result written into a bf16
   activation), and ``copy_``/in-place ops/``out=`` into a slice: torch casts the value to the
@@ -221,28 +224,38 @@ def _numbers_copy_to_arrays(env) -> None:
     env._torch_Tensor_to = to_or_number
 
 
-def _index_bounds(indexes):
-    """``indexes`` with every slice bound that is a tensor taken as an int (see the module
-    docstring); everything else as it is."""
+def _index_bounds(indexes, env):
+    """``indexes`` with every slice bound that is a tensor taken as an int, and every host
+    tensor among them (a plain torch tensor) as the environment's (see the module docstring);
+    everything else as it is."""
     import operator
+
+    import jax.numpy as jnp
+    from torchax import tensor as ttensor
+    from torchax import view as tview
 
     def bound(b):
         return operator.index(b) if isinstance(b, torch.Tensor) else b
 
     def each(i):
-        return slice(bound(i.start), bound(i.stop), bound(i.step)) if isinstance(i, slice) else i
+        if isinstance(i, slice):
+            return slice(bound(i.start), bound(i.stop), bound(i.step))
+        if isinstance(i, torch.Tensor) and not isinstance(i, (ttensor.Tensor, tview.View)):
+            return ttensor.Tensor(jnp.asarray(i.detach().cpu().numpy()), env)
+        return i
 
     return tuple(each(i) for i in indexes) if isinstance(indexes, tuple) else each(indexes)
 
 
 def _slices_with_index_bounds(env) -> None:
-    """``env``'s ``Tensor.__getitem__`` takes tensor slice bounds as ints (``_index_bounds``)."""
+    """``env``'s ``Tensor.__getitem__`` takes tensor slice bounds as ints, and index tensors on
+    the host (``_index_bounds``)."""
     import dataclasses
 
     original = env._ops[torch.Tensor.__getitem__]
 
     def getitem(self, indexes, *args, **kwargs):
-        return original.func(self, _index_bounds(indexes), *args, **kwargs)
+        return original.func(self, _index_bounds(indexes, env), *args, **kwargs)
 
     env._ops[torch.Tensor.__getitem__] = dataclasses.replace(original, func=getitem)
 
@@ -250,7 +263,8 @@ def _slices_with_index_bounds(env) -> None:
 def _setitem_in_the_tensors_dtype() -> None:
     """``x[key] = value`` writes ``value`` cast to ``x``'s dtype, as torch does, and so does any
     write into a view (``copy_``, an in-place op, ``out=`` into a slice): torchax's ``Tensor``
-    and ``View``, process-wide, once."""
+    and ``View``, process-wide, once. ``key`` may hold index tensors on the host, as in
+    ``x[key]``."""
     from torchax import tensor as ttensor
     from torchax import view as tview
     from torchax.ops import mappings
@@ -260,6 +274,7 @@ def _setitem_in_the_tensors_dtype() -> None:
         return
 
     def cast_setitem(self, key, val):
+        key = _index_bounds(key, self._env)  # index tensors on the host, as in __getitem__
         if isinstance(val, (ttensor.Tensor, tview.View)) and val.dtype != self.dtype:
             val = ttensor.Tensor(val.jax().astype(mappings.t2j_dtype(self.dtype)), val._env)
         return setitem(self, key, val)
