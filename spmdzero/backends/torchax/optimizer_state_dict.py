@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import warnings
 
-import numpy as np
 import torch
 
 from spmdzero.backends.torchax import torch_optim
@@ -91,7 +90,7 @@ def load_state_dict(engine, saved: dict) -> None:
         live = {**engine._opt_state[name], **engine._shared_state}
         host = optimizer.state.get(targets[index], {})
         for key, value in states.items():
-            array = _as_numpy(value)
+            array = torch_optim.host_array(value)
             if key == MASTER and name in engine._masters:
                 values[f"master.{name}"] = values[f"model.{name}"] = array
                 masters = True
@@ -108,12 +107,6 @@ def load_state_dict(engine, saved: dict) -> None:
     engine._take_host_optimizer_state()
     if masters:  # the parameters changed: what a forward before this took is another weights' gradient
         engine.loaded(new_window=False)
-
-
-def _as_numpy(value) -> np.ndarray:
-    """A saved state as NumPy takes it (bf16, which NumPy lacks, as fp32; the live dtype is restored)."""
-    tensor = torch.as_tensor(value).detach().cpu()
-    return np.asarray(tensor.float() if tensor.dtype == torch.bfloat16 else tensor)
 
 
 def take_given_state(engine) -> None:
@@ -133,11 +126,8 @@ def take_given_state(engine) -> None:
     # its first step reads them (torch_optim.constructor_state); the load takes them off the host
     taken = {target: optimizer.state[target] for target in names if target in optimizer.state}
     try:
-        load_state_dict(engine, given)
+        load_state_dict(engine, given)  # it takes the states off the host (_take_host_optimizer_state)
     except torch_optim.UntraceableStep:
         # a step that cannot be traced: the states stay where they were, and the first step says
         # why it cannot run
         optimizer.state.update(taken)
-        return
-    for target in names:
-        optimizer.state.pop(target, None)

@@ -121,12 +121,14 @@ def constructor_state(host_state: dict | None) -> dict:
 
     if not host_state or set(host_state) <= HOST_KEYS:
         return {}
-    return {k: jnp.asarray(_as_numpy(v)) for k, v in host_state.items() if isinstance(v, torch.Tensor)}
+    return {k: jnp.asarray(host_array(v)) for k, v in host_state.items() if isinstance(v, torch.Tensor)}
 
 
-def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
-    tensor = tensor.detach().cpu()
-    return tensor.float().numpy() if tensor.dtype == torch.bfloat16 else tensor.numpy()
+def host_array(value) -> np.ndarray:
+    """A state kept on the host as NumPy takes it (bf16, which NumPy lacks, as fp32; the live
+    dtype is restored where it is placed)."""
+    tensor = torch.as_tensor(value).detach().cpu()
+    return np.asarray(tensor.float() if tensor.dtype == torch.bfloat16 else tensor)
 
 
 @contextlib.contextmanager
