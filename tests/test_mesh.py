@@ -44,3 +44,14 @@ def test_multislice_splits_fsdp_within_a_slice_only():
     cfg = parse_config({"train_batch_size": 64, "spmd": {"dcn_mesh": {"data": 2}}})
     ici, dcn = resolve_hybrid_shape(cfg.spmd.mesh, cfg.spmd.dcn_mesh, 32)
     assert ici == {"data": 1, "fsdp": 8, "fsdp_inner": 2} and dcn == {"data": 2, "fsdp": 1, "fsdp_inner": 1}
+
+
+def test_one_device_and_data_only_meshes_keep_a_single_fsdp_axis():
+    """One chip (a v5e-1, a CPU run) and ``fsdp: 1`` (data parallel only) were refused by the
+    fsdp_inner check: an inner axis of 1 is no split, whatever the fsdp size."""
+    assert resolve_mesh_shape(None, 1) == {"fsdp": 1}
+    assert shape({"mesh": {"data": -1, "fsdp": 1}}, 8) == {"data": 8, "fsdp": 1}
+    assert shape({"mesh": {"fsdp_inner": 1}}, 1) == {"data": 1, "fsdp": 1}
+    assert shape({"mesh": {"data": 16, "fsdp": 1}}, 16) == {"data": 16, "fsdp": 1}
+    with pytest.raises(ConfigError, match="spmd.mesh.fsdp_inner: 2 must divide the fsdp size 1"):
+        shape({"mesh": {"fsdp_inner": 2}}, 1)

@@ -68,7 +68,7 @@ def split_fsdp(shape: dict[str, int], inner: int | str) -> dict[str, int]:
     fsdp = shape[FSDP_AXIS]
     if inner == "auto":
         inner = next((size for start, size in AUTO_INNER if fsdp >= start and fsdp % size == 0), 1)
-    if fsdp % inner or inner >= fsdp:
+    if inner != 1 and (fsdp % inner or inner >= fsdp):
         raise ConfigError(f"spmd.mesh.fsdp_inner: {inner} must divide the fsdp size {fsdp} and be "
                           f"smaller than it (1 keeps a single fsdp axis)")
     if inner == 1:
