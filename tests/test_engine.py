@@ -230,6 +230,21 @@ def test_two_d_mesh_shards_states_on_fsdp_and_batch_on_both(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_data_only_mesh_trains_as_plain_torch(backend):
+    """``fsdp: 1``: every device holds whole states (nothing to shard over), the batch split 8
+    ways. It stopped at initialize once (the fsdp_inner check, tests/test_mesh.py)."""
+    model = tiny_mlp()
+    data = batches(4, MICRO_PER_DEVICE * N)
+    engine, *_ = spmdzero.initialize(model=copy.deepcopy(model),
+                                     config=config(2, backend, spmd={"mesh": {"data": -1, "fsdp": 1}}))
+    assert dict(engine.plan.mesh_shape) == {"data": 8, "fsdp": 1} and engine.dp_world_size == 8
+    losses, params = engine_run(engine, data)
+    ref_losses, ref_params = reference_run(model, data)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(params["0.weight"], ref_params["0.weight"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("stage,bf16", [(1, False), (2, False), (2, True)])
 def test_two_fsdp_axes_train_exactly_like_one(stage, bf16, backend):
     """The 16-chip layout (``fsdp x fsdp_inner``, two gradient stages) forced onto 8 devices:
