@@ -50,11 +50,11 @@ def _env(plain: bool, backend: str) -> dict:
     return env
 
 
-def _run(script: str, *args: str, launch: bool, cwd, backend: str = "torch_xla", launch_args=()) -> str:
+def _run(script: str, *args: str, launch: bool, cwd, backend: str = "torch_xla", launch_args=(), env=None) -> str:
     head = ([sys.executable, "-c", "import sys, spmdzero_cli; sys.exit(spmdzero_cli.main())", "launch",
              *launch_args] if launch else [sys.executable])
-    proc = subprocess.run([*head, script, *args], cwd=cwd, env=_env(not launch, backend), capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([*head, script, *args], cwd=cwd, env={**_env(not launch, backend), **(env or {})},
+                          capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         pytest.fail(f"{'spmdzero launch ' if launch else ''}{os.path.basename(script)} {' '.join(args)} failed "
                     f"({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
@@ -210,3 +210,25 @@ def test_a_seq2seq_trainer_that_generates_at_zero_3_trains_and_predicts_as_plain
     assert _close(run["grad_norm"], reference["grad_norm"], 1e-4)
     assert abs(run["eval_loss"] - reference["eval_loss"]) < 1e-5
     assert run["generated"] == reference["generated"]
+
+
+def test_auto_find_batch_size_shrinks_the_batch_when_the_device_runs_out_of_memory(tmp_path):
+    """XLA says RESOURCE_EXHAUSTED where CUDA says "out of memory."; the engine raises torch's
+    OutOfMemoryError, so the Trainer's ``--auto_find_batch_size`` tries smaller batches, as plain
+    PyTorch does when its allocator fails (spmdzero/runtime/out_of_memory.py). One device: on
+    eight XLA:CPU devices a failed allocation inside the sharded program hangs instead of raising.
+    The engines of the failed tries are released: the live device bytes are one engine's."""
+    script = os.path.join(SCRIPTS, "trainer_out_of_memory.py")
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({**AUTO, "zero_optimization": {"stage": 2}}))
+    _run(script, "--out", str(tmp_path / "ref"), "--results", str(tmp_path / "ref.json"), launch=False, cwd=tmp_path)
+    _run(script, "--deepspeed", str(config), "--out", str(tmp_path / "run"), "--results", str(tmp_path / "run.json"),
+         launch=True, cwd=tmp_path, backend="torchax", env={"CPU_NUM_DEVICES": "1", "PJRT_DEVICE": "CPU"})
+    run, reference = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("run", "ref"))
+    assert reference["batch_size"] == run["batch_size"] <= 2, (reference["batch_size"], run["batch_size"])
+    assert len(run["loss"]) == 3 and _close(run["loss"], reference["loss"], 1e-5), (run["loss"], reference["loss"])
+    assert _close(run["weight"], reference["weight"], 1e-5)
+    # what the device holds is the last engine's model states (ZeRO's accounting, read from its
+    # arrays): nothing of the engines built for the batches that did not fit
+    assert run["engine_bytes"] >= 16 * run["parameters"]  # fp32 AdamW: parameters, gradients, two moments
+    assert run["live_bytes"] <= 1.05 * run["engine_bytes"], (run["live_bytes"], run["engine_bytes"])

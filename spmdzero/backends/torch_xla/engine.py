@@ -56,6 +56,7 @@ from spmdzero.io.save import save_checkpoint
 from spmdzero.io.restore import load_checkpoint
 from spmdzero.observe.reports import sharding_report
 from spmdzero.tpu.capture import capture
+from spmdzero.runtime.out_of_memory import raises_torch_out_of_memory
 
 
 
@@ -167,6 +168,7 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
             torch_xla.sync()  # materialize sharded states, masters and buffers before the first step
 
     # ---- the training step -----------------------------------------------------------
+    @raises_torch_out_of_memory
     def forward(self, *inputs, **kwargs):
         """Move batch tensors to the device, split along the batch axes, cast floating
         inputs to the model dtype (as DeepSpeed's ``fp16.auto_cast``; not the targets named in
@@ -218,6 +220,7 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         self._check_training_rows(global_rows)
         self._rows_since_step += global_rows
 
+    @raises_torch_out_of_memory
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backprop ``loss / gradient_accumulation_steps`` (times the loss scale) and
         accumulate into the ZeRO buffers. Returns the gas-scaled loss, as DeepSpeed does."""
@@ -294,6 +297,7 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
                 slot.grad = grad
         self._window_reduced = self.is_gradient_accumulation_boundary()
 
+    @raises_torch_out_of_memory
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """Apply the update at an accumulation boundary; count every call; end the trace."""
         if self._capture is not None:  # trace the update for the TPU compiler; execute nothing

@@ -19,6 +19,7 @@ from spmdzero.backends.torchax.forward import SPECULATED
 from spmdzero.backends.torchax.release import release_in_background
 from spmdzero.backends.torchax.placement import _as_jax, _is_torchax_tensor, _jax_dtype
 from spmdzero.train.engine_base import check_scalable
+from spmdzero.runtime.out_of_memory import raises_torch_out_of_memory
 
 
 NOT_FROM_ENGINE = ("engine.backward(loss) was given a loss that depends on no output of this engine's forward "
@@ -51,6 +52,7 @@ _COMMITTED = object()  # ``loss._spmdzero_forward`` after backward committed tha
 class BackwardPrograms:
     """The backward part of ``TorchaxEngine`` (see the module docstring)."""
 
+    @raises_torch_out_of_memory
     def backward(self, loss, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Commit the gradients of ``loss``, as torch's backward of it would, scaled by
         1/gradient_accumulation_steps (and fp16's loss scale) as DeepSpeed does. The loss the

@@ -31,6 +31,7 @@ from spmdzero.backends.torchax import cross_entropy
 from spmdzero.backends.torchax import zero3_gather
 from spmdzero.train.scan_layers import scanned_parameters
 from spmdzero.backends.torchax.placement import _as_dicts, _is_torchax_tensor, _jax_dtype
+from spmdzero.runtime.out_of_memory import raises_torch_out_of_memory
 
 
 # ``forward.pending`` of a training forward whose gradient was added to the accumulated ones when
@@ -117,6 +118,7 @@ class ForwardPrograms:
     def __call__(self, *inputs, **kwargs):
         return self.forward(*inputs, **kwargs)
 
+    @raises_torch_out_of_memory
     def forward(self, *inputs, **kwargs):
         """Run the module in one jitted program; in training (train mode, grad enabled) it also
         takes the gradient of the loss the module returns (see the module docstring). A forward

@@ -128,13 +128,28 @@ class Program:
         if self.eager and not _traced(args):
             return self._eagerly(args)
         try:
-            return self.jitted(*args)
+            return self._jitted(args)
         except host_read_errors() as err:
             if _traced(args):
                 raise
             self.eager = True
             self._fallback.note(self._kind, err)
         return self._eagerly(args)
+
+    def _jitted(self, args):
+        """The jitted program's run. The first run of each compiled program (a new shape) is
+        waited for: its memory is new, and an allocation that fails while it runs (JAX
+        dispatches asynchronously) is then raised by the engine's call that made it, before a
+        backward or an update consumes its outputs and fails the parameters with it
+        (``spmdzero.runtime.out_of_memory``: the Trainer's ``--auto_find_batch_size`` then tries
+        a smaller batch from intact parameters). Later runs of that program are not waited for."""
+        import jax
+
+        compiled = self.jitted._cache_size()
+        result = self.jitted(*args)
+        if self.jitted._cache_size() != compiled and not _traced(args):
+            jax.block_until_ready(result)
+        return result
 
     def _eagerly(self, args):
         return self._fallback.run_eagerly(self._fn, args)

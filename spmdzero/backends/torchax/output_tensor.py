@@ -17,6 +17,7 @@ from spmdzero.backends.torchax import host_tensors
 from spmdzero.backends.torchax import output_functions
 from spmdzero.backends.torchax import output_views
 from spmdzero.backends.torchax.placement import INT64_TRUNCATED, READ_ONLY_HOST_VALUE
+from spmdzero.runtime import out_of_memory
 
 _VALUE = "_spmdzero_value"  # where an output keeps its JAX array (``Output._elem``)
 
@@ -61,6 +62,10 @@ def output_tensor_class():
                     result = func(*args, **kwargs)
             except ttensor.OperatorNotFound:  # an op torchax cannot lower: torch's, on the host
                 result = host_fallback.run(func, *given, lambda t: Output(env.t2j_copy(t), env))
+            except RuntimeError as err:  # a program that ran out of memory fails at its outputs' first read
+                if not out_of_memory.is_device_out_of_memory(err):
+                    raise
+                raise out_of_memory.as_torch_out_of_memory(err) from err
             if func is torch.ops.aten._to_copy.default and not isinstance(result, ttensor.Tensor):
                 # ``out.cpu()``: torchax hands torch the array's host value, which JAX caches
                 # read-only and gives every later read. A write into the host tensor (``h =

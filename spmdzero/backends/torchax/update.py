@@ -17,12 +17,14 @@ from spmdzero.train.engine_base import NO_GRADIENTS
 from spmdzero.backends.torchax import torch_optim
 from spmdzero.backends.torchax.release import release_in_background
 from spmdzero.backends.torchax.placement import _jax_dtype
+from spmdzero.runtime.out_of_memory import raises_torch_out_of_memory
 
 
 
 class UpdateProgram:
     """The update part of ``TorchaxEngine`` (see the module docstring)."""
 
+    @raises_torch_out_of_memory
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """Apply the update at an accumulation boundary; count every call; hold the step's
         traces to the recompile guard."""
