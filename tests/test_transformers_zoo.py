@@ -13,10 +13,8 @@ import pytest
 
 import transformers_zoo as zoo
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
-
-MAJOR = int(transformers.__version__.split(".")[0])
 
 # cases that do not train yet, each with its cause; strict: one that starts passing must leave this list
 KNOWN: dict[str, str] = {}
@@ -27,11 +25,9 @@ READS_VALUES = {
     "wav2vec2": "its forward reads labels.max() on the host, and its CTC loss selects targets by a mask",
     "deberta-v2-cls": "its classification loss indexes labels by (labels >= 0).nonzero(), a data-dependent shape",
 }
-if MAJOR < 5:
-    READS_VALUES.update({
-        "mixtral": "4.x routes tokens to experts in a loop over torch.where's data-dependent indices",
-        "qwen2-moe": "4.x routes tokens to experts in a loop over torch.where's data-dependent indices",
-    })
+# transformers 4.x's mixtures of experts loop over torch.where's data-dependent indices: while
+# traced, their experts run as grouped matmuls instead (spmdzero/backends/torchax/moe_experts.py),
+# so they compile as 5.x's do
 
 
 def _known(name):
@@ -41,9 +37,7 @@ def _known(name):
 # of the second list (``zoo.more_names()``, all of which the benchmark trains on both versions), the
 # ones whose code paths the first list lacks: sliding windows, multi-head latent attention and
 # shared experts, attention sinks, alternating local attention, state spaces, shifted windows.
-# On 4.x the three mixtures of experts route in a host loop, as mixtral does there, and run
-# eagerly (40-100 s each): the benchmark covers them, the suite's time budget does not.
-MORE = ["gemma3", "modernbert", "mamba", "swin"] + (["qwen3-moe", "deepseek-v3", "gpt-oss"] if MAJOR >= 5 else [])
+MORE = ["gemma3", "modernbert", "mamba", "swin", "qwen3-moe", "deepseek-v3", "gpt-oss"]
 assert set(MORE) <= set(zoo.more_names())
 
 
