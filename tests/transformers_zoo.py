@@ -16,7 +16,7 @@ ROWS, LENGTH, VOCAB = 8, 16, 96
 NAMES = ["llama-lora", "gpt2", "gpt2-eager", "llama", "llama-eager", "qwen2", "mistral", "gemma", "opt", "gpt-neox", "phi", "bloom", "mixtral", "qwen2-moe", "bert", "roberta", "distilbert", "albert", "electra", "deberta-v2", "deberta-v2-cls", "t5", "bart", "vit", "convnext", "resnet", "wav2vec2", "whisper"]
 MORE_NAMES = ["qwen3", "qwen3-moe", "gemma2", "gemma3", "phi3", "olmo2", "starcoder2", "granite", "cohere", "smollm3",
               "falcon", "gptj", "gpt-bigcode", "deepseek-v3", "gpt-oss", "mamba", "modernbert", "xlm-roberta", "mt5",
-              "swin"]
+              "swin", "glm4-moe", "minimax"]
 
 
 def _quiet(config):
@@ -206,7 +206,8 @@ def _cases():
 def _more_cases():
     """Architectures people fine-tune today whose code paths differ from the first list's: sliding
     windows and soft-capping (Gemma 2/3), QK norms (Qwen3, OLMo2), routed experts with shared
-    ones (DeepSeek-V3) and with attention sinks (GPT-OSS), multi-query attention (GPT-BigCode),
+    ones (DeepSeek-V3, GLM-4.5) and with attention sinks (GPT-OSS), MiniMax's experts (its full
+    attention layers only), multi-query attention (GPT-BigCode),
     alternating local attention (ModernBERT), state spaces (Mamba), shifted windows (Swin)."""
     import transformers as t
 
@@ -254,6 +255,14 @@ def _more_cases():
         ("swin", _model("SwinForImageClassification", lambda: t.SwinConfig(
             image_size=32, patch_size=4, embed_dim=8, depths=[1, 1], num_heads=[2, 2], window_size=4, num_labels=4)),
          _images),
+        ("glm4-moe", _model("Glm4MoeForCausalLM", lambda: t.Glm4MoeConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+            n_group=1, topk_group=1, first_k_dense_replace=1, max_position_embeddings=64)), _padded_lm),
+        ("minimax", _model("MiniMaxForCausalLM", lambda: t.MiniMaxConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+            layer_types=["full_attention", "full_attention"])), _padded_lm),
     ]
 
 

@@ -3,9 +3,10 @@
 Why: transformers 4.x's mixture-of-experts blocks loop over the experts that got tokens
 (``expert_hit = (...).nonzero()``) and pick each one's tokens with ``torch.where(mask)``: shapes
 read from the values. Under ``jax.jit`` that is a host read, so the whole forward and backward
-of every such model (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, gpt-oss) ran eagerly, op by op
-(``host_reads``), and each new count of tokens per expert compiled its ops again: 40 to 100 s for
-four steps of a 2-layer model of 32 hidden units here, hopeless at real sizes. transformers 5.x
+of every such model (Mixtral, Qwen2-MoE, Qwen3-MoE, MiniMax, DeepSeek-V3, GLM-4.5, gpt-oss) ran
+eagerly, op by op (``host_reads``), and each new count of tokens per expert compiled its ops
+again: 60 to 210 s for four steps of a 2-layer model of 32 hidden units here, against 5 to 13 s
+compiled; hopeless at real sizes. transformers 5.x
 routes the same blocks through ``grouped_mm``, which ``lowerings.grouped_mm`` lowers.
 
 While a step is traced (``grouped``), those 4.x blocks compute the same sum with static shapes:
@@ -16,9 +17,11 @@ projection one grouped matmul over the sorted pairs (``torch._grouped_mm``, lowe
 (expert by expert), so the values are the loop's. The routing, shared experts and everything
 around the experts are the block's own lines, as transformers 4.x wrote them:
 
-* ``MixtralSparseMoeBlock``, ``Qwen2MoeSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock``: ``forward``
-  (router softmax, top-k, normalized as the block says, Mixtral's jitter, Qwen2-MoE's shared expert);
-* ``DeepseekV3MoE``: ``moe`` (the experts given the router's choice, summed in its weights' dtype);
+* ``MixtralSparseMoeBlock``, ``Qwen2MoeSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock``,
+  ``MiniMaxSparseMoeBlock``: ``forward`` (router softmax, top-k, normalized as the block says,
+  Mixtral's jitter, Qwen2-MoE's shared expert);
+* ``DeepseekV3MoE``, ``Glm4MoeMoE``: ``moe`` (the experts given the router's choice, summed in its
+  weights' dtype);
 * ``GptOssExperts``: ``forward`` where it loops (in training; its other path is one batched matmul).
 
 An expert whose projections are not plain bias-free ``nn.Linear`` layers (PEFT's LoRA on the
@@ -150,7 +153,9 @@ REPLACED = (
     ("transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock", "forward", _sparse_block_forward),
     ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeSparseMoeBlock", "forward", _sparse_block_forward),
     ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock", "forward", _sparse_block_forward),
+    ("transformers.models.minimax.modeling_minimax", "MiniMaxSparseMoeBlock", "forward", _sparse_block_forward),
     ("transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3MoE", "moe", _deepseek_moe),
+    ("transformers.models.glm4_moe.modeling_glm4_moe", "Glm4MoeMoE", "moe", _deepseek_moe),
     ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssExperts", "forward", _gpt_oss_experts),
 )
 
