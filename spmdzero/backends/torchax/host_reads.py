@@ -145,9 +145,10 @@ class Program:
         a smaller batch from intact parameters). Later runs of that program are not waited for."""
         import jax
 
-        compiled = self.jitted._cache_size()
+        cache_size = getattr(self.jitted, "_cache_size", None)  # JAX's jitted function counts its programs
+        compiled = cache_size() if cache_size is not None else None
         result = self.jitted(*args)
-        if self.jitted._cache_size() != compiled and not _traced(args):
+        if cache_size is not None and cache_size() != compiled and not _traced(args):
             jax.block_until_ready(result)
         return result
 
