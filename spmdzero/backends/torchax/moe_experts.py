@@ -6,8 +6,8 @@ read from the values. Under ``jax.jit`` that is a host read, so the whole forwar
 of every such model (Mixtral, Qwen2-MoE, Qwen3-MoE, MiniMax, DeepSeek-V3, GLM-4.5, gpt-oss) ran
 eagerly, op by op (``host_reads``), and each new count of tokens per expert compiled its ops
 again: 60 to 210 s for four steps of a 2-layer model of 32 hidden units here, against 5 to 13 s
-compiled; hopeless at real sizes. transformers 5.x
-routes the same blocks through ``grouped_mm``, which ``lowerings.grouped_mm`` lowers.
+compiled; hopeless at real sizes. transformers 5.x routes the same blocks through ``grouped_mm``,
+which ``lowerings.grouped_mm`` lowers.
 
 While a step is traced (``grouped``), those 4.x blocks compute the same sum with static shapes:
 the (token, chosen expert) pairs sorted by expert, each expert's projections stacked, and each
@@ -15,7 +15,7 @@ projection one grouped matmul over the sorted pairs (``torch._grouped_mm``, lowe
 ``jax.lax.ragged_dot``); each pair's output is weighted and added back to its token
 (``index_add_``). Every token reaches the experts it chose and no other, in the loop's order
 (expert by expert), so the values are the loop's. The routing, shared experts and everything
-around the experts are the block's own lines, as transformers 4.x wrote them:
+around the experts compute what transformers 4.x's lines do, restated here:
 
 * ``MixtralSparseMoeBlock``, ``Qwen2MoeSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock``,
   ``MiniMaxSparseMoeBlock``: ``forward`` (router softmax, top-k, normalized as the block says,
@@ -63,30 +63,36 @@ def _stacked(experts, attributes) -> Optional[list]:
     return stacks
 
 
-def mixture(hidden: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, experts, dtype: torch.dtype
-            ) -> Optional[torch.Tensor]:
-    """``sum over k of weights[t, k] * experts[chosen[t, k]](hidden[t])`` for each token ``t``,
-    in ``dtype``, as transformers' loop adds them; None where the experts are not MLPs of plain
-    Linear layers (the caller keeps its loop)."""
+def grouped_experts(experts) -> Optional[tuple]:
+    """``(activation, gate, up, down)`` of experts that are MLPs of plain Linear layers, their
+    weights stacked; None otherwise (the caller keeps transformers' loop)."""
     experts = list(experts)
-    if not experts or len({type(e) for e in experts}) != 1:
+    if not experts or len({type(e) for e in experts}) != 1 or not hasattr(experts[0], "act_fn"):
         return None
     stacks = next((s for s in (_stacked(experts, a) for a in PROJECTIONS) if s is not None), None)
-    if stacks is None or not hasattr(experts[0], "act_fn"):
-        return None
-    gate, up, down = stacks
-    tokens, order, offsets = _pairs_by_expert(chosen, len(experts))
+    return None if stacks is None else (experts[0].act_fn, *stacks)
+
+
+def mixture(hidden: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, grouped: tuple, dtype: torch.dtype
+            ) -> torch.Tensor:
+    """``sum over k of weights[t, k] * experts[chosen[t, k]](hidden[t])`` for each token ``t``,
+    in ``dtype``, as transformers' loop adds them; ``grouped``: ``grouped_experts``'s answer."""
+    act_fn, gate, up, down = grouped
+    tokens, order, offsets = _pairs_by_expert(chosen, gate.shape[0])
     x = hidden[tokens]
-    inner = experts[0].act_fn(torch._grouped_mm(x, gate, offs=offsets)) * torch._grouped_mm(x, up, offs=offsets)
+    inner = act_fn(torch._grouped_mm(x, gate, offs=offsets)) * torch._grouped_mm(x, up, offs=offsets)
     out = torch._grouped_mm(inner, down, offs=offsets)
     added = (out * weights.reshape(-1)[order][:, None]).to(dtype)
     return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).index_add_(0, tokens, added)
 
 
 def _sparse_block_forward(original):
-    """Mixtral's, Qwen2-MoE's and Qwen3-MoE's ``forward`` with the experts as ``mixture``."""
+    """Mixtral's, Qwen2-MoE's, Qwen3-MoE's and MiniMax's ``forward`` with the experts as ``mixture``."""
 
     def forward(self, hidden_states: torch.Tensor):
+        grouped = grouped_experts(self.experts)
+        if grouped is None:
+            return original(self, hidden_states)
         batch, length, width = hidden_states.shape
         jitter = getattr(self, "jitter_noise", 0)
         if self.training and jitter > 0:
@@ -98,9 +104,7 @@ def _sparse_block_forward(original):
         if getattr(self, "norm_topk_prob", True):  # Mixtral always normalizes
             weights /= weights.sum(dim=-1, keepdim=True)
         weights = weights.to(hidden_states.dtype)
-        out = mixture(hidden_states, chosen, weights, self.experts, hidden_states.dtype)
-        if out is None:
-            return original(self, hidden_states.view(batch, length, width))
+        out = mixture(hidden_states, chosen, weights, grouped, hidden_states.dtype)
         if hasattr(self, "shared_expert"):  # Qwen2-MoE
             out = out + F.sigmoid(self.shared_expert_gate(hidden_states)) * self.shared_expert(hidden_states)
         return out.reshape(batch, length, width), router_logits
@@ -112,10 +116,10 @@ def _deepseek_moe(original):
     """DeepSeek-V3's ``moe``: the routed experts, summed in the router weights' dtype."""
 
     def moe(self, hidden_states: torch.Tensor, topk_indices: torch.Tensor, topk_weights: torch.Tensor):
-        out = mixture(hidden_states, topk_indices, topk_weights, self.experts, topk_weights.dtype)
-        if out is None:
+        grouped = grouped_experts(self.experts)
+        if grouped is None:
             return original(self, hidden_states, topk_indices, topk_weights)
-        return out.type(hidden_states.dtype)
+        return mixture(hidden_states, topk_indices, topk_weights, grouped, topk_weights.dtype).type(hidden_states.dtype)
 
     return moe
 
