@@ -17,6 +17,10 @@ NAMES = ["llama-lora", "gpt2", "gpt2-eager", "llama", "llama-eager", "qwen2", "m
 MORE_NAMES = ["qwen3", "qwen3-moe", "gemma2", "gemma3", "phi3", "olmo2", "starcoder2", "granite", "cohere", "smollm3",
               "falcon", "gptj", "gpt-bigcode", "deepseek-v3", "gpt-oss", "mamba", "modernbert", "xlm-roberta", "mt5",
               "swin", "glm4-moe", "minimax"]
+# mixtures of experts whose transformers 4.x blocks loop over the experts, beyond those above, and
+# Mixtral with LoRA on its experts (grouped) and DoRA (each expert on every token)
+MOE_NAMES = ["olmoe", "flex-olmo", "jamba", "qwen3-next", "hunyuan-moe", "dots1", "mixtral-lora-experts",
+             "mixtral-dora-experts"]
 
 
 def _quiet(config):
@@ -44,14 +48,15 @@ def _model(cls_name: str, config, attn: str | None = None):
     return build
 
 
-def _lora(build):
-    """PEFT's LoRA on the attention projections of ``build()``'s model: the base frozen, the
-    adapters trained (B drawn non-zero, so that A's gradient is not zero at the first step)."""
+def _lora(build, targets=("q_proj", "v_proj"), **options):
+    """PEFT's LoRA on ``targets`` of ``build()``'s model (the attention projections unless said):
+    the base frozen, the adapters trained (B drawn non-zero, so that A's gradient is not zero at
+    the first step); ``options``: more of ``LoraConfig``'s."""
     def lora():
         import peft
 
         model = peft.get_peft_model(build(), peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                             target_modules=["q_proj", "v_proj"]))
+                                                             target_modules=list(targets), **options))
         g = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -266,9 +271,39 @@ def _more_cases():
     ]
 
 
+def _moe_cases():
+    """Mixtures of experts whose transformers 4.x blocks loop over the experts (``MOE_NAMES``)."""
+    import transformers as t
+
+    llama = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                 max_position_embeddings=64, num_key_value_heads=2)
+    experts = dict(num_experts=4, num_experts_per_tok=2)
+    mixtral = _model("MixtralForCausalLM", lambda: t.MixtralConfig(**llama, num_local_experts=4, num_experts_per_tok=2))
+    on_experts = ("q_proj", "v_proj", "w1", "w2", "w3")
+    return [
+        ("olmoe", _model("OlmoeForCausalLM", lambda: t.OlmoeConfig(**llama, **experts, pad_token_id=0)), _padded_lm),
+        ("flex-olmo", _model("FlexOlmoForCausalLM", lambda: t.FlexOlmoConfig(**llama, **experts, pad_token_id=0)),
+         _padded_lm),
+        ("jamba", _model("JambaForCausalLM", lambda: t.JambaConfig(
+            **llama, **experts, expert_layer_period=1, expert_layer_offset=0, attn_layer_period=2, attn_layer_offset=1,
+            mamba_d_state=4, mamba_dt_rank=4, use_mamba_kernels=False, pad_token_id=0)), _padded_lm),
+        ("qwen3-next", _model("Qwen3NextForCausalLM", lambda: t.Qwen3NextConfig(
+            **llama, **experts, head_dim=8, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+            linear_conv_kernel_dim=2, layer_types=["linear_attention", "full_attention"])), _padded_lm),
+        ("hunyuan-moe", _model("HunYuanMoEV1ForCausalLM", lambda: t.HunYuanMoEV1Config(
+            **llama, head_dim=8, num_experts=4, moe_topk=2, pad_token_id=0)), _padded_lm),
+        ("dots1", _model("Dots1ForCausalLM", lambda: t.Dots1Config(
+            **llama, head_dim=8, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+            n_group=1, topk_group=1, first_k_dense_replace=1)), _padded_lm),
+        ("mixtral-lora-experts", _lora(mixtral, on_experts), _padded_lm),
+        ("mixtral-dora-experts", _lora(mixtral, on_experts, use_dora=True), _padded_lm),
+    ]
+
+
 def cases() -> dict:
     """``{name: (build, batch)}`` for the transformers this process imports."""
-    return {name: (build, batch, *lr) for name, build, batch, *lr in [*_cases(), *_more_cases()]}
+    return {name: (build, batch, *lr) for name, build, batch, *lr in [*_cases(), *_more_cases(), *_moe_cases()]}
 
 
 def names() -> list[str]:
@@ -279,6 +314,11 @@ def names() -> list[str]:
 def more_names() -> list[str]:
     """``_more_cases``' names, the same way."""
     return MORE_NAMES
+
+
+def moe_names() -> list[str]:
+    """``_moe_cases``' names, the same way."""
+    return MOE_NAMES
 
 
 def train_both(name: str, steps: int = 4, lr: float | None = None, stage: int = 2) -> dict:

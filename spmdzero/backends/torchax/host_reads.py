@@ -59,7 +59,21 @@ def host_read_errors() -> tuple:
     return (errors.ConcretizationTypeError,  # bool(t), t.item(), int(t), nonzero (and TracerBoolConversionError)
             errors.NonConcreteBooleanIndexError,  # x[mask]
             errors.TracerArrayConversionError,  # np.asarray(t), t.numpy(), t.cpu()
-            errors.TracerIntegerConversionError)  # operator.index(t): a tensor as a size or an index
+            errors.TracerIntegerConversionError,  # operator.index(t): a tensor as a size or an index
+            TypeError)  # only as ``reads_a_value`` says: a tensor as one of a factory's sizes
+
+
+# JAX's TypeError for a shape that holds a traced value (``jax._src.core._invalid_shape_error``):
+# ``torch.full((n, t[-1] + 1), ...)``, which Jamba's causal mask in transformers 4.x makes, where an
+# eager run has the value
+_TRACED_SHAPE = ("Shapes must be 1D sequences of concrete values of integer type", "If using `jit`")
+
+
+def reads_a_value(err: Exception) -> bool:
+    """Whether ``err`` (one of ``host_read_errors``) is a trace's read of a value it does not have."""
+    if type(err) is TypeError:
+        return all(part in str(err) for part in _TRACED_SHAPE)
+    return True
 
 
 def _traced(args) -> bool:
@@ -130,7 +144,7 @@ class Program:
         try:
             return self._jitted(args)
         except host_read_errors() as err:
-            if _traced(args):
+            if _traced(args) or not reads_a_value(err):
                 raise
             self.eager = True
             self._fallback.note(self._kind, err)

@@ -44,6 +44,10 @@ Each replacement is installed on torchax's process-wide environment once, at the
   indexes its targets with the Hungarian matching that SciPy computes on the host) indexes a
   device tensor in torch; torchax asserted that it was not one of its own. Here it becomes one.
 
+* ``x.copy_(v)`` where ``v`` is a slice torchax keeps as a lazy view: torchax's ``copy_`` read an
+  attribute that views lack (transformers 5.x's Jamba, whose Mamba cache copies a slice, stopped
+  with AttributeError). The view's values are copied.
+
 * ``x[key] = value`` with ``value`` of another dtype (an fp32 result written into a bf16
   activation), and ``copy_``/in-place ops/``out=`` into a slice: torch casts the value to the
   written tensor's dtype. torchax wrote it as it came: through a boolean mask ``x`` became
@@ -224,6 +228,24 @@ def _numbers_copy_to_arrays(env) -> None:
     env._torch_Tensor_to = to_or_number
 
 
+def _copies_from_views(env) -> None:
+    """``x.copy_(v)`` where ``v`` is a lazy view (a slice torchax has not materialized) copies the
+    view's values: torchax's ``copy_`` read ``v._elem``, which a view lacks (transformers 5.x's
+    Mamba caches, ``conv_states[i].copy_(states[..., -k:])``: Jamba stopped with AttributeError)."""
+    import dataclasses
+
+    from torchax import view as tview
+
+    op = torch.ops.aten.copy_
+    lowering = env._ops[op]
+    copy = lowering.func
+
+    def copy_from_view(x, y, *args, **kwargs):
+        return copy(x, y.torch() if isinstance(y, tview.View) else y, *args, **kwargs)
+
+    env._ops[op] = dataclasses.replace(lowering, func=copy_from_view, is_user_defined=True)
+
+
 def _index_bounds(indexes, env):
     """``indexes`` with every slice bound that is a tensor taken as an int, and every host
     tensor among them (a plain torch tensor) as the environment's (see the module docstring);
@@ -349,6 +371,7 @@ def install(env) -> None:
     _numbers_copy_to_arrays(env)
     _slices_with_index_bounds(env)
     _setitem_in_the_tensors_dtype()
+    _copies_from_views(env)
     for op in (torch.ops.aten.embedding, torch.ops.aten.embedding.default):
         lower(op, embedding)
     for op in (torch.ops.aten.detach, torch.ops.aten.detach.default):

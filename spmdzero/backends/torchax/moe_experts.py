@@ -17,23 +17,31 @@ projection one grouped matmul over the sorted pairs (``torch._grouped_mm``, lowe
 (expert by expert), so the values are the loop's. The routing, shared experts and everything
 around the experts compute what transformers 4.x's lines do, restated here:
 
-* ``MixtralSparseMoeBlock``, ``Qwen2MoeSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock``,
-  ``MiniMaxSparseMoeBlock``: ``forward`` (router softmax, top-k, normalized as the block says,
-  Mixtral's jitter, Qwen2-MoE's shared expert);
-* ``DeepseekV3MoE``, ``Glm4MoeMoE``: ``moe`` (the experts given the router's choice, summed in its
-  weights' dtype);
-* ``GptOssExperts``: ``forward`` where it loops (in training; its other path is one batched matmul).
+* ``forward`` of the blocks written as Mixtral's (router softmax, top-k, normalized as the block
+  says, Mixtral's jitter, Qwen2-MoE's and Qwen3-Next's shared expert): Mixtral, Qwen2-MoE,
+  Qwen3-MoE, Qwen3-Next, MiniMax, OLMoE, FlexOlmo, Jamba; and Hunyuan-MoE's, whose shared MLP
+  is ungated;
+* ``moe`` of DeepSeek-V3, GLM-4.5 and dots.llm1 (the experts given the router's choice, summed in
+  its weights' dtype);
+* gpt-oss's ``GptOssExperts.forward`` where it loops (in training; its other path is one batched
+  matmul).
 
-An expert whose projections are not plain bias-free ``nn.Linear`` layers (PEFT's LoRA on the
-experts, say) keeps transformers' loop, and so does any other class: such a block still trains,
-eagerly. transformers 5.x is left alone. The torch_xla backend cuts its graph at the read instead.
+Experts whose projections carry PEFT's LoRA (``target_modules="all-linear"`` reaches them) group
+the same way: the base weights, the As and the Bs each one grouped matmul. Experts that are
+neither (a LoRA bias, DoRA, quantized layers...) run every expert on every token, weighted by
+what each token gave it (0 where it chose another): static shapes at E/k times the experts'
+arithmetic, said once in a warning. Other classes (PhiMoE, whose sparse mixer samples its route
+and has its own backward; Ernie 4.5; DBRX; LongCat-Flash's identity experts...) keep their loop
+and train eagerly. transformers 5.x is left alone. The torch_xla backend cuts its graph at the
+read instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Optional
+import warnings
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -51,63 +59,157 @@ def _pairs_by_expert(chosen: torch.Tensor, experts: int):
     return order // chosen.shape[1], order, torch.cumsum(counts, 0).to(torch.int32)
 
 
-def _stacked(experts, attributes) -> Optional[list]:
-    """Each projection's weights over the experts, ``[E, in, out]`` for a grouped matmul; None
-    unless every expert's projection is a plain bias-free Linear."""
-    stacks = []
-    for name in attributes:
-        layers = [getattr(e, name, None) for e in experts]
-        if not all(type(layer) is torch.nn.Linear and layer.bias is None for layer in layers):
+def _plain_linear(layer) -> bool:
+    return type(layer) is torch.nn.Linear and layer.bias is None
+
+
+def _stacked(layers) -> torch.Tensor:
+    """Bias-free Linear layers' weights as one ``[E, in, out]`` operand of a grouped matmul."""
+    return torch.stack([layer.weight for layer in layers]).transpose(1, 2)
+
+
+# what a PEFT LoRA Linear (``peft.tuners.lora.layer.Linear``) has: read by name, peft not imported
+_LORA = ("base_layer", "lora_A", "lora_B", "lora_dropout", "scaling", "active_adapters", "merged",
+         "disable_adapters", "lora_variant", "_cast_input_dtype")
+
+
+def _lora_projection(layers) -> Optional[Callable]:
+    """PEFT's vanilla LoRA on every expert's projection, as peft's forward computes it,
+    ``base(x) + B(A(dropout(x))) * scaling`` for each active adapter, with the bases, the As and
+    the Bs each one grouped matmul; None for anything else (DoRA and other variants, a LoRA
+    bias, merged or disabled adapters, adapters that differ between the experts)."""
+    first = layers[0]
+    if not all(type(layer) is type(first) and all(hasattr(layer, a) for a in _LORA) for layer in layers):
+        return None
+    if any(layer.merged or layer.disable_adapters for layer in layers):
+        return None
+    if not all(_plain_linear(layer.base_layer) for layer in layers):
+        return None
+    adapters = []
+    for name in [a for a in first.active_adapters if a in first.lora_A]:
+        if any(name not in layer.lora_A or name in layer.lora_variant or layer.scaling[name] != first.scaling[name]
+               or not (_plain_linear(layer.lora_A[name]) and _plain_linear(layer.lora_B[name])) for layer in layers):
             return None
-        stacks.append(torch.stack([layer.weight for layer in layers]).transpose(1, 2))
-    return stacks
+        adapters.append((_stacked([layer.lora_A[name] for layer in layers]),
+                         _stacked([layer.lora_B[name] for layer in layers]),
+                         first.lora_dropout[name], first.scaling[name]))
+    base = _stacked([layer.base_layer for layer in layers])
+
+    def project(x, offsets):
+        result = torch._grouped_mm(x, base, offs=offsets)
+        dtype = result.dtype
+        for a, b, dropout, scaling in adapters:
+            x = first._cast_input_dtype(x, a.dtype)
+            result = result + torch._grouped_mm(torch._grouped_mm(dropout(x), a, offs=offsets), b,
+                                                offs=offsets) * scaling
+        return result.to(dtype)
+
+    return project
+
+
+def _projection(layers) -> Optional[Callable]:
+    """One projection of every expert as ``project(sorted pairs, offsets)``, grouped matmuls over
+    the experts; None unless they are all plain bias-free Linears, or all PEFT LoRA on such."""
+    if any(layer is None for layer in layers):
+        return None
+    if all(_plain_linear(layer) for layer in layers):
+        weights = _stacked(layers)
+        return lambda x, offsets: torch._grouped_mm(x, weights, offs=offsets)
+    return _lora_projection(layers)
 
 
 def grouped_experts(experts) -> Optional[tuple]:
-    """``(activation, gate, up, down)`` of experts that are MLPs of plain Linear layers, their
-    weights stacked; None otherwise (the caller keeps transformers' loop)."""
+    """``(activation, gate, up, down)`` of experts that are MLPs of plain Linear layers (LoRA on
+    them included), each projection a ``_projection``; None otherwise (``mixture`` then runs
+    every expert on every token)."""
     experts = list(experts)
     if not experts or len({type(e) for e in experts}) != 1 or not hasattr(experts[0], "act_fn"):
         return None
-    stacks = next((s for s in (_stacked(experts, a) for a in PROJECTIONS) if s is not None), None)
-    return None if stacks is None else (experts[0].act_fn, *stacks)
+    for names in PROJECTIONS:
+        projections = [_projection([getattr(e, name, None) for e in experts]) for name in names]
+        if all(p is not None for p in projections):
+            return (experts[0].act_fn, *projections)
+    return None
 
 
-def mixture(hidden: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, grouped: tuple, dtype: torch.dtype
+def _dense(hidden, chosen, weights, experts, dtype) -> torch.Tensor:
+    """Every expert on every token, each token's output weighted by what it gave that expert (0
+    where it chose another): static shapes for any expert module, at E/k times the experts'
+    arithmetic. The loop's sum, in its order (expert by expert), plus exact zeros."""
+    experts = list(experts)
+    warnings.warn(f"spmdzero: the experts ({type(experts[0]).__name__}) are not MLPs of plain Linear layers or of "
+                  f"PEFT LoRA on them, so each of the {len(experts)} runs on every token (the compiled step's static "
+                  f"shapes): {len(experts) / chosen.shape[1]:g} times their arithmetic", stacklevel=4)
+    out = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
+    for index, expert in enumerate(experts):
+        share = (weights * (chosen == index)).sum(-1)
+        out = out + (expert(hidden) * share[:, None]).to(dtype)
+    return out
+
+
+def mixture(hidden: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, experts, dtype: torch.dtype
             ) -> torch.Tensor:
     """``sum over k of weights[t, k] * experts[chosen[t, k]](hidden[t])`` for each token ``t``,
-    in ``dtype``, as transformers' loop adds them; ``grouped``: ``grouped_experts``'s answer."""
+    in ``dtype``, as transformers' loop adds them: grouped matmuls where ``grouped_experts``
+    allows, else ``_dense``."""
+    grouped = grouped_experts(experts)
+    if grouped is None:
+        return _dense(hidden, chosen, weights, experts, dtype)
     act_fn, gate, up, down = grouped
-    tokens, order, offsets = _pairs_by_expert(chosen, gate.shape[0])
+    tokens, order, offsets = _pairs_by_expert(chosen, len(experts))
     x = hidden[tokens]
-    inner = act_fn(torch._grouped_mm(x, gate, offs=offsets)) * torch._grouped_mm(x, up, offs=offsets)
-    out = torch._grouped_mm(inner, down, offs=offsets)
+    out = down(act_fn(gate(x, offsets)) * up(x, offsets), offsets)
     added = (out * weights.reshape(-1)[order][:, None]).to(dtype)
     return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).index_add_(0, tokens, added)
 
 
-def _sparse_block_forward(original):
-    """Mixtral's, Qwen2-MoE's, Qwen3-MoE's and MiniMax's ``forward`` with the experts as ``mixture``."""
+def _top_k(self, router_logits: torch.Tensor, normalize: bool):
+    """The softmax top-k routing these blocks share: float32 weights, normalized where said."""
+    weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+    weights, chosen = torch.topk(weights, self.top_k, dim=-1)
+    if normalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights, chosen
+
+
+def _sparse_block_forward(normalize: bool = True):
+    """The ``forward`` of Mixtral's block and those written as it is (``REPLACED``): Mixtral's
+    jitter, the router (``gate``, Jamba's ``router``), top-k normalized where the block's
+    ``norm_topk_prob`` says (``normalize`` where it has none: Mixtral always, Jamba never), the
+    experts as ``mixture``, and Qwen2-MoE's gated shared expert."""
+
+    def replacement(original):
+        def forward(self, hidden_states: torch.Tensor):
+            batch, length, width = hidden_states.shape
+            jitter = getattr(self, "jitter_noise", 0)
+            if self.training and jitter > 0:
+                hidden_states *= torch.empty_like(hidden_states).uniform_(1.0 - jitter, 1.0 + jitter)
+            hidden_states = hidden_states.view(-1, width)
+            router_logits = (self.gate if hasattr(self, "gate") else self.router)(hidden_states)
+            weights, chosen = _top_k(self, router_logits, getattr(self, "norm_topk_prob", normalize))
+            weights = weights.to(hidden_states.dtype)
+            out = mixture(hidden_states, chosen, weights, self.experts, hidden_states.dtype)
+            if getattr(self, "shared_expert", None) is not None:  # Qwen2-MoE, Qwen3-Next
+                out = out + F.sigmoid(self.shared_expert_gate(hidden_states)) * self.shared_expert(hidden_states)
+            return out.reshape(batch, length, width), router_logits
+
+        return forward
+
+    return replacement
+
+
+def _hunyuan_forward(original):
+    """Hunyuan-MoE's ``forward``: its shared MLP and its router take the unflattened states, the
+    top-k always normalized, and only the states returned."""
 
     def forward(self, hidden_states: torch.Tensor):
-        grouped = grouped_experts(self.experts)
-        if grouped is None:
-            return original(self, hidden_states)
         batch, length, width = hidden_states.shape
-        jitter = getattr(self, "jitter_noise", 0)
-        if self.training and jitter > 0:
-            hidden_states *= torch.empty_like(hidden_states).uniform_(1.0 - jitter, 1.0 + jitter)
-        hidden_states = hidden_states.view(-1, width)
+        shared = self.shared_mlp(hidden_states)
         router_logits = self.gate(hidden_states)
-        weights = F.softmax(router_logits, dim=1, dtype=torch.float)
-        weights, chosen = torch.topk(weights, self.top_k, dim=-1)
-        if getattr(self, "norm_topk_prob", True):  # Mixtral always normalizes
-            weights /= weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(hidden_states.dtype)
-        out = mixture(hidden_states, chosen, weights, grouped, hidden_states.dtype)
-        if hasattr(self, "shared_expert"):  # Qwen2-MoE
-            out = out + F.sigmoid(self.shared_expert_gate(hidden_states)) * self.shared_expert(hidden_states)
-        return out.reshape(batch, length, width), router_logits
+        hidden_states = hidden_states.view(-1, width)
+        weights, chosen = _top_k(self, router_logits, True)
+        out = mixture(hidden_states, chosen, weights.to(hidden_states.dtype), self.experts, hidden_states.dtype)
+        return out.reshape(batch, length, width) + shared
 
     return forward
 
@@ -116,10 +218,8 @@ def _deepseek_moe(original):
     """DeepSeek-V3's ``moe``: the routed experts, summed in the router weights' dtype."""
 
     def moe(self, hidden_states: torch.Tensor, topk_indices: torch.Tensor, topk_weights: torch.Tensor):
-        grouped = grouped_experts(self.experts)
-        if grouped is None:
-            return original(self, hidden_states, topk_indices, topk_weights)
-        return mixture(hidden_states, topk_indices, topk_weights, grouped, topk_weights.dtype).type(hidden_states.dtype)
+        return mixture(hidden_states, topk_indices, topk_weights, self.experts, topk_weights.dtype
+                       ).type(hidden_states.dtype)
 
     return moe
 
@@ -152,15 +252,22 @@ def _gpt_oss_experts(original):
     return forward
 
 
-# (module, class, method, replacement): transformers 4.x's blocks that loop over the experts
+# (model, class, method, replacement): transformers 4.x's blocks that loop over the experts, in
+# transformers.models.<model>.modeling_<model>
 REPLACED = (
-    ("transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock", "forward", _sparse_block_forward),
-    ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeSparseMoeBlock", "forward", _sparse_block_forward),
-    ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock", "forward", _sparse_block_forward),
-    ("transformers.models.minimax.modeling_minimax", "MiniMaxSparseMoeBlock", "forward", _sparse_block_forward),
-    ("transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3MoE", "moe", _deepseek_moe),
-    ("transformers.models.glm4_moe.modeling_glm4_moe", "Glm4MoeMoE", "moe", _deepseek_moe),
-    ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssExperts", "forward", _gpt_oss_experts),
+    ("mixtral", "MixtralSparseMoeBlock", "forward", _sparse_block_forward()),
+    ("qwen2_moe", "Qwen2MoeSparseMoeBlock", "forward", _sparse_block_forward()),
+    ("qwen3_moe", "Qwen3MoeSparseMoeBlock", "forward", _sparse_block_forward()),
+    ("qwen3_next", "Qwen3NextSparseMoeBlock", "forward", _sparse_block_forward()),
+    ("minimax", "MiniMaxSparseMoeBlock", "forward", _sparse_block_forward()),
+    ("olmoe", "OlmoeSparseMoeBlock", "forward", _sparse_block_forward()),
+    ("flex_olmo", "FlexOlmoSparseMoeBlock", "forward", _sparse_block_forward()),
+    ("jamba", "JambaSparseMoeBlock", "forward", _sparse_block_forward(normalize=False)),
+    ("hunyuan_v1_moe", "HunYuanMoEV1Moe", "forward", _hunyuan_forward),
+    ("deepseek_v3", "DeepseekV3MoE", "moe", _deepseek_moe),
+    ("glm4_moe", "Glm4MoeMoE", "moe", _deepseek_moe),
+    ("dots1", "Dots1MoE", "moe", _deepseek_moe),
+    ("gpt_oss", "GptOssExperts", "forward", _gpt_oss_experts),
 )
 
 
@@ -177,8 +284,8 @@ def grouped():
         yield
         return
     saved = []
-    for module_name, class_name, method, replacement in REPLACED:
-        cls = getattr(sys.modules.get(module_name), class_name, None)
+    for model, class_name, method, replacement in REPLACED:
+        cls = getattr(sys.modules.get(f"transformers.models.{model}.modeling_{model}"), class_name, None)
         if cls is None or method not in cls.__dict__:
             continue
         original = cls.__dict__[method]
