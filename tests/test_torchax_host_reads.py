@@ -189,11 +189,14 @@ class Broken(torch.nn.Module):
             x = x.reshape(-1, 2)  # then Linear(16, 8) of 2 features
         elif self.bug == "raise":
             raise ValueError("the model's own error")
+        elif self.bug == "type":
+            raise TypeError("the model's own type error")
         return torch.nn.functional.mse_loss(self.fc(x), y)
 
 
 @pytest.mark.parametrize("bug, error, match", [("shape", ValueError, "does not match"),
-                                               ("raise", ValueError, "the model's own error")])
+                                               ("raise", ValueError, "the model's own error"),
+                                               ("type", TypeError, "the model's own type error")])
 def test_an_error_that_is_not_a_host_read_surfaces_as_before(bug, error, match):
     engine, *_ = spmdzero.initialize(model=Broken(bug), config={
         "train_batch_size": 16, "optimizer": {"type": "SGD", "params": {"lr": LR}}})
@@ -203,6 +206,41 @@ def test_an_error_that_is_not_a_host_read_surfaces_as_before(bug, error, match):
     assert NOTE not in str(raised.value) and "eager" not in str(raised.value)
     assert not [r for r in records if NOTE in r.getMessage()]
     assert not engine._host_reads.noted
+
+
+class SizedByValue(torch.nn.Module):
+    """A factory sized by a value, as transformers 4.x's Jamba sizes its causal mask
+    (``torch.full((L, cache_position[-1] + 1), ...)``): JAX's TypeError for a traced shape, a
+    read that the eager run answers."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(16, 8)
+
+    def forward(self, x, y):
+        width = (x[0] * 0).long().sum() + x.shape[1]
+        return torch.nn.functional.mse_loss(self.fc(x * torch.full((x.shape[0], width), 0.5, device=x.device)), y)
+
+
+def test_a_factory_sized_by_a_value_runs_eagerly_as_in_torch():
+    model = SizedByValue()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    with spmdzero_log() as records:
+        engine, *_ = spmdzero.initialize(model=model, config={
+            "train_batch_size": 16, "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": LR}}})
+        for x, y in data(2):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            expected = reference(x, y)
+            expected.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    notes = [r.getMessage() for r in records if NOTE in r.getMessage()]
+    assert len(notes) == 1 and "torch.full" in notes[0] and "Shapes must be" in notes[0], notes
 
 
 class GuardedLoss(torch.nn.Module):

@@ -431,3 +431,55 @@ def test_in_place_ops_torchax_lowers_only_out_of_place_train_as_in_torch():
     torch.manual_seed(0)
     engine, reference = _trains_as_torch(_InPlace(), steps=2)
     np.testing.assert_allclose(on_host(engine.module.weight).numpy(), reference.weight.detach().numpy(), atol=1e-6)
+
+
+def test_a_copy_from_a_slice_and_a_set_take_the_values_as_in_torch():
+    """``x.copy_(y[..., -k:])`` (transformers 5.x's Mamba caches: Jamba stopped with torchax's
+    AttributeError on a lazy view) and ``x.set_(y)`` (``torch.nn.utils.parametrize``, which PEFT's
+    LoRA on 5.x's expert weights registers at every forward: no lowering), into a tensor and into
+    a slice; a set_ of another shape is refused naming both."""
+    env = torchax.default_env()
+    lowerings.install(env)
+    source = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    for into_slice in (False, True):
+        expected = torch.zeros(4, 2) if into_slice else torch.zeros(3, 2)
+        (expected[1:] if into_slice else expected).copy_(source[..., -2:])
+        other = torch.zeros(3, 2)
+        other.set_(source[:, 1:3].contiguous())
+        with env:
+            y = source.to("jax")
+            x = torch.zeros(4, 2, device="jax") if into_slice else torch.zeros(3, 2, device="jax")
+            (x[1:] if into_slice else x).copy_(y[..., -2:])
+            z = torch.zeros(3, 2, device="jax")
+            z.set_(y[:, 1:3])
+            np.testing.assert_array_equal(np.asarray(x._elem), expected.numpy())
+            np.testing.assert_array_equal(np.asarray(z._elem), other.numpy())
+            with pytest.raises(RuntimeError, match=r"set_\(y\) with another shape.*\(3, 2\).*\(3, 4\)"):
+                z.set_(y)
+
+
+def test_a_parametrized_weight_trains_as_in_torch():
+    """``torch.nn.utils.parametrize`` registered inside the forward, as PEFT's ``ParamWrapper``
+    does for LoRA on transformers 5.x's expert weights: the parameter's ``set_``."""
+    from torch.nn.utils import parametrize
+
+    class Scaled(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            parametrize.register_parametrization(self.fc, "weight", Scaled())
+            try:
+                return self.fc(x).square().mean()
+            finally:
+                parametrize.remove_parametrizations(self.fc, "weight", leave_parametrized=False)
+
+    torch.manual_seed(0)
+    engine, reference = _trains_as_torch(Model(), steps=2)
+    np.testing.assert_allclose(on_host(engine.module.fc.weight).numpy(), reference.fc.weight.detach().numpy(),
+                               atol=1e-6)

@@ -19,8 +19,7 @@ MORE_NAMES = ["qwen3", "qwen3-moe", "gemma2", "gemma3", "phi3", "olmo2", "starco
               "swin", "glm4-moe", "minimax"]
 # mixtures of experts whose transformers 4.x blocks loop over the experts, beyond those above, and
 # Mixtral with LoRA on its experts (grouped) and DoRA (each expert on every token)
-MOE_NAMES = ["olmoe", "flex-olmo", "jamba", "qwen3-next", "hunyuan-moe", "dots1", "mixtral-lora-experts",
-             "mixtral-dora-experts"]
+MOE_NAMES = ["olmoe", "flex-olmo", "jamba", "hunyuan-moe", "dots1", "mixtral-lora-experts", "mixtral-dora-experts"]
 
 
 def _quiet(config):
@@ -287,10 +286,6 @@ def _moe_cases():
         ("jamba", _model("JambaForCausalLM", lambda: t.JambaConfig(
             **llama, **experts, expert_layer_period=1, expert_layer_offset=0, attn_layer_period=2, attn_layer_offset=1,
             mamba_d_state=4, mamba_dt_rank=4, use_mamba_kernels=False, pad_token_id=0)), _padded_lm),
-        ("qwen3-next", _model("Qwen3NextForCausalLM", lambda: t.Qwen3NextConfig(
-            **llama, **experts, head_dim=8, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-            linear_conv_kernel_dim=2, layer_types=["linear_attention", "full_attention"])), _padded_lm),
         ("hunyuan-moe", _model("HunYuanMoEV1ForCausalLM", lambda: t.HunYuanMoEV1Config(
             **llama, head_dim=8, num_experts=4, moe_topk=2, pad_token_id=0)), _padded_lm),
         ("dots1", _model("Dots1ForCausalLM", lambda: t.Dots1Config(

@@ -48,6 +48,11 @@ Each replacement is installed on torchax's process-wide environment once, at the
   attribute that views lack (transformers 5.x's Jamba, whose Mamba cache copies a slice, stopped
   with AttributeError). The view's values are copied.
 
+* ``x.set_(y)``: no torchax lowering. ``torch.nn.utils.parametrize`` calls it, and PEFT's LoRA on
+  transformers 5.x's expert weights registers a parametrization at every forward ("Operator with
+  name aten::set_.source_Tensor has no lowering"). ``x`` takes ``y``'s values; another shape or
+  dtype is refused, naming both.
+
 * ``x[key] = value`` with ``value`` of another dtype (an fp32 result written into a bf16
   activation), and ``copy_``/in-place ops/``out=`` into a slice: torch casts the value to the
   written tensor's dtype. torchax wrote it as it came: through a boolean mask ``x`` became
@@ -246,6 +251,24 @@ def _copies_from_views(env) -> None:
     env._ops[op] = dataclasses.replace(lowering, func=copy_from_view, is_user_defined=True)
 
 
+def set_to_tensor(x, y):
+    """``x.set_(y)`` (``aten.set_.source_Tensor``): ``x`` takes ``y``'s values. torchax has no
+    lowering; ``torch.nn.utils.parametrize`` calls it when a parametrization is registered, and
+    PEFT's LoRA on transformers 5.x's expert weights (``ParamWrapper``) registers one at every
+    forward. A torchax tensor's shape and dtype are fixed at its making: other ones are refused."""
+    from torchax import view as tview
+
+    if tuple(x.shape) != tuple(y.shape) or x.dtype != y.dtype:
+        raise RuntimeError(f"spmdzero: x.set_(y) with another shape or dtype ({tuple(x.shape)} {x.dtype} from "
+                           f"{tuple(y.shape)} {y.dtype}) cannot run on the torchax backend, whose tensors keep theirs")
+    value = y.jax() if isinstance(y, tview.View) else y._elem
+    if isinstance(x, tview.View):
+        x.update(value)
+    else:
+        x._elem = value
+    return x
+
+
 def _index_bounds(indexes, env):
     """``indexes`` with every slice bound that is a tensor taken as an int, and every host
     tensor among them (a plain torch tensor) as the environment's (see the module docstring);
@@ -372,6 +395,9 @@ def install(env) -> None:
     _slices_with_index_bounds(env)
     _setitem_in_the_tensors_dtype()
     _copies_from_views(env)
+    env._ops[torch.ops.aten.set_.source_Tensor] = ops_registry.Operator(
+        torch.ops.aten.set_.source_Tensor, set_to_tensor, is_jax_function=False, is_user_defined=True,
+        needs_env=False, is_view_op=True)
     for op in (torch.ops.aten.embedding, torch.ops.aten.embedding.default):
         lower(op, embedding)
     for op in (torch.ops.aten.detach, torch.ops.aten.detach.default):
