@@ -1,4 +1,4 @@
-"""The transformers zoo's table: each stock architecture of ``tests/transformers_zoo.py`` (both lists) trained
+"""The transformers zoo's table: each stock architecture of ``tests/transformers_zoo.py`` (every list) trained
 4 SGD steps at ZeRO-2 on 8 CPU devices against plain torch from the same weights and batches
 (fp32, clipping off), on the transformers this process imports.
 
@@ -26,7 +26,8 @@ import transformers_zoo as zoo  # noqa: E402
 
 
 def main() -> int:
-    names = sys.argv[1:] or [*zoo.names(), *zoo.more_names()]
+    names = sys.argv[1:] or [*zoo.names(), *zoo.more_names(),
+                             *zoo.moe_names(transformers.__version__.startswith("4."))]
     print(f"transformers {transformers.__version__}, {len(names)} architectures, ZeRO-2 on 8 CPU devices\n")
     print("| architecture | steps | max rel. loss diff | max param diff | compiles | eager | seconds |")
     print("|---|---|---|---|---|---|---|")
