@@ -329,3 +329,30 @@ def test_concrete_reads_give_an_eager_tracers_value_and_still_refuse_an_abstract
             jax.jit(f)(jnp.arange(3.0))
     with pytest.raises(jax.errors.ConcretizationTypeError):
         jax.grad(f)(jnp.arange(3.0))
+
+
+def test_transformers_methods_are_swapped_for_the_trace_only():
+    """``transformers_methods.replaced``: the method of a class in an imported transformers
+    module is the replacement inside, transformers' own after, by an exception too; a module not
+    imported, or a class without the method, is left alone."""
+    import sys
+    import types
+
+    from spmdzero.backends.torchax import transformers_methods
+
+    class Block:
+        def forward(self):
+            return "transformers"
+
+    module = types.ModuleType("transformers.models.fake.modeling_fake")
+    module.Block = Block
+    sys.modules[module.__name__] = module
+    try:
+        entries = [("fake", "Block", "forward", lambda original: lambda self: "traced " + original(self)),
+                   ("fake", "Block", "moe", lambda original: None), ("absent", "Block", "forward", lambda o: None)]
+        with pytest.raises(RuntimeError, match="stopped"), transformers_methods.replaced(entries):
+            assert Block().forward() == "traced transformers" and not hasattr(Block, "moe")
+            raise RuntimeError("the trace stopped")
+        assert Block().forward() == "transformers" and "forward" in vars(Block)
+    finally:
+        del sys.modules[module.__name__]

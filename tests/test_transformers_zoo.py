@@ -43,11 +43,12 @@ def _known(name):
 # the mixtures of experts transformers 4.x loops over (tests moe_experts.py on 4.57).
 MORE = ["gemma3", "modernbert", "mamba", "swin", "qwen3-moe", "deepseek-v3", "gpt-oss", "glm4-moe", "minimax"]
 assert set(MORE) <= set(zoo.more_names())
-# the mixtures of experts of ``zoo.moe_names()``: on 4.x, the blocks moe_experts.py restates, and
-# Mixtral with LoRA (grouped) and DoRA (dense) on its experts; on 5.x, which groups them itself,
-# the two that stopped in torchax's ops (Jamba's cache copies a slice; PEFT's LoRA on the expert
-# weights registers a parametrization), DoRA on them being refused by PEFT there
-MOE = zoo.moe_names() if TRANSFORMERS_4 else ["jamba", "mixtral-lora-experts"]
+# ``zoo.moe_names()``: on 4.x, every one (the blocks moe_experts.py restates, the recurrent masks
+# recurrent_masks.py keeps, Mixtral with LoRA (grouped) and DoRA (dense) on its experts); on 5.x,
+# which groups most experts itself, the three that did not train there: JetMoE (its router reads
+# the token counts), Jamba (its cache copies a slice) and LoRA on the expert weights (PEFT
+# registers a parametrization)
+MOE = zoo.moe_names() if TRANSFORMERS_4 else ["jamba", "mixtral-lora-experts", "jetmoe"]
 
 
 @pytest.mark.parametrize("name", [_known(n) for n in [*zoo.names(), *MORE, *MOE]])

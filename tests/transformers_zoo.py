@@ -19,7 +19,8 @@ MORE_NAMES = ["qwen3", "qwen3-moe", "gemma2", "gemma3", "phi3", "olmo2", "starco
               "swin", "glm4-moe", "minimax"]
 # mixtures of experts whose transformers 4.x blocks loop over the experts, beyond those above, and
 # Mixtral with LoRA on its experts (grouped) and DoRA (each expert on every token)
-MOE_NAMES = ["olmoe", "flex-olmo", "jamba", "hunyuan-moe", "dots1", "mixtral-lora-experts", "mixtral-dora-experts"]
+MOE_NAMES = ["olmoe", "flex-olmo", "jamba", "hunyuan-moe", "dots1", "mixtral-lora-experts", "mixtral-dora-experts",
+             "granite-moe", "granite-moe-hybrid", "jetmoe", "bamba", "qwen3-next"]
 
 
 def _quiet(config):
@@ -291,6 +292,23 @@ def _moe_cases():
         ("dots1", _model("Dots1ForCausalLM", lambda: t.Dots1Config(
             **llama, head_dim=8, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
             n_group=1, topk_group=1, first_k_dense_replace=1)), _padded_lm),
+        ("granite-moe", _model("GraniteMoeForCausalLM", lambda: t.GraniteMoeConfig(
+            **llama, num_local_experts=4, num_experts_per_tok=2, pad_token_id=0)), _padded_lm),
+        ("granite-moe-hybrid", _model("GraniteMoeHybridForCausalLM", lambda: t.GraniteMoeHybridConfig(
+            **llama, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32, mamba_n_heads=4,
+            mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8, pad_token_id=0,
+            layer_types=["mamba", "attention"])), _padded_lm),
+        ("jetmoe", _model("JetMoeForCausalLM", lambda: t.JetMoeConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, kv_channels=8,
+            intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+            pad_token_id=0)), _padded_lm),
+        ("bamba", _model("BambaForCausalLM", lambda: t.BambaConfig(
+            **llama, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8,
+            attn_layer_indices=[1], pad_token_id=0)), _padded_lm),
+        ("qwen3-next", _model("Qwen3NextForCausalLM", lambda: t.Qwen3NextConfig(
+            **llama, **experts, head_dim=8, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+            linear_conv_kernel_dim=2, layer_types=["linear_attention", "full_attention"])), _padded_lm),
         ("mixtral-lora-experts", _lora(mixtral, on_experts), _padded_lm),
         ("mixtral-dora-experts", _lora(mixtral, on_experts, use_dora=True), _padded_lm),
     ]

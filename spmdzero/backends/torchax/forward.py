@@ -25,6 +25,7 @@ from spmdzero.backends.torchax import host_reads
 from spmdzero.backends.torchax import moe_experts
 from spmdzero.backends.torchax.outside_loss import tie
 from spmdzero.backends.torchax import process_rows
+from spmdzero.backends.torchax import recurrent_masks
 from spmdzero.backends.torchax import trace_view
 from spmdzero.backends.torchax import remat
 from spmdzero.backends.torchax import method_programs, other_engines
@@ -383,7 +384,8 @@ class ForwardPrograms:
                         attention.choosing(self.attention_kernels, env), \
                         batchnorm.updating_running_statistics(batch_norms), \
                         other_engines.tracing(self, others, traced_others, env), \
-                        autocast.autocasting(env, self.precision.autocast_dtype), moe_experts.grouped():
+                        autocast.autocasting(env, self.precision.autocast_dtype), moe_experts.grouped(), \
+                        recurrent_masks.kept():
                     output = torch.func.functional_call(entry, method_programs.keyed(entry, tensors), inputs, kwargs)
             finally:
                 for m, params, buffers in held:

@@ -3,7 +3,7 @@
 Why: transformers 4.x's mixture-of-experts blocks loop over the experts that got tokens
 (``expert_hit = (...).nonzero()``) and pick each one's tokens with ``torch.where(mask)``: shapes
 read from the values. Under ``jax.jit`` that is a host read, so the whole forward and backward
-of every such model (Mixtral, Qwen2-MoE, Qwen3-MoE, MiniMax, DeepSeek-V3, GLM-4.5, gpt-oss) ran
+of every such model (Mixtral, Qwen2-MoE, Qwen3-MoE, MiniMax, DeepSeek-V3, GLM-4.5, gpt-oss...) ran
 eagerly, op by op (``host_reads``), and each new count of tokens per expert compiled its ops
 again: 60 to 210 s for four steps of a 2-layer model of 32 hidden units here, against 5 to 13 s
 compiled; hopeless at real sizes. transformers 5.x routes the same blocks through ``grouped_mm``,
@@ -24,7 +24,11 @@ around the experts compute what transformers 4.x's lines do, restated here:
 * ``moe`` of DeepSeek-V3, GLM-4.5 and dots.llm1 (the experts given the router's choice, summed in
   its weights' dtype);
 * gpt-oss's ``GptOssExperts.forward`` where it loops (in training; its other path is one batched
-  matmul).
+  matmul);
+* GraniteMoE's, GraniteMoE-Shared's and Granite 4.0's (GraniteMoeHybrid) router and experts,
+  and JetMoE's on 5.x too: the router already sorts the pairs by expert but reads each expert's
+  count into a list (``expert_size.tolist()``) to split them; the count stays a tensor, and the
+  experts' split-and-loop is one grouped matmul over the same sorted pairs.
 
 Experts whose projections carry PEFT's LoRA (``target_modules="all-linear"`` reaches them) group
 the same way: the base weights, the As and the Bs each one grouped matmul. Experts that are
@@ -32,19 +36,20 @@ neither (a LoRA bias, DoRA, quantized layers...) run every expert on every token
 what each token gave it (0 where it chose another): static shapes at E/k times the experts'
 arithmetic, said once in a warning. Other classes (PhiMoE, whose sparse mixer samples its route
 and has its own backward; Ernie 4.5; DBRX; LongCat-Flash's identity experts...) keep their loop
-and train eagerly. transformers 5.x is left alone. The torch_xla backend cuts its graph at the
-read instead.
+and train eagerly. transformers 5.x is left alone, JetMoE's excepted. The torch_xla backend cuts
+its graph at the read instead. ``transformers_methods`` swaps the methods in for the trace only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 import warnings
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+
+from spmdzero.backends.torchax import transformers_methods
 
 # an expert MLP's projections, as (gate, up, down) attribute names: down(act(gate(x)) * up(x))
 PROJECTIONS = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
@@ -252,8 +257,38 @@ def _gpt_oss_experts(original):
     return forward
 
 
-# (model, class, method, replacement): transformers 4.x's blocks that loop over the experts, in
-# transformers.models.<model>.modeling_<model>
+def _top_k_gating(original):
+    """GraniteMoE's and JetMoE's router, its lines with the experts' token counts left a tensor
+    (transformers reads them into a list, ``expert_size.tolist()``, to split the sorted pairs)."""
+
+    def forward(self, hidden_states: torch.Tensor):
+        logits = self.layer(hidden_states).float()
+        top_k_logits, top_k_indices = logits.topk(self.top_k, dim=1)
+        top_k_gates = torch.softmax(top_k_logits, dim=1).type_as(hidden_states)
+        zeros = torch.zeros([top_k_gates.size(0), self.num_experts], dtype=top_k_gates.dtype, device=top_k_gates.device)
+        expert_size = zeros.scatter(1, top_k_indices, 1).long().sum(0)
+        _, index_sorted_experts = top_k_indices.flatten().sort(0)
+        batch_index = index_sorted_experts.div(self.top_k, rounding_mode="trunc")
+        batch_gates = top_k_gates.flatten()[index_sorted_experts]
+        return index_sorted_experts, batch_index, batch_gates, expert_size, logits
+
+    return forward
+
+
+def _parallel_experts(original):
+    """GraniteMoE's and JetMoE's experts over pairs sorted by expert: with the token counts a
+    tensor (``_top_k_gating``), one grouped matmul instead of a split and a loop."""
+
+    def forward(self, inputs: torch.Tensor, expert_size):
+        if not isinstance(expert_size, torch.Tensor):
+            return original(self, inputs, expert_size)
+        offsets = torch.cumsum(expert_size, 0).to(torch.int32)
+        return torch._grouped_mm(inputs, self.weight.transpose(1, 2), offs=offsets)
+
+    return forward
+
+
+# transformers 4.x's blocks that loop over the experts (transformers_methods.Replacement)
 REPLACED = (
     ("mixtral", "MixtralSparseMoeBlock", "forward", _sparse_block_forward()),
     ("qwen2_moe", "Qwen2MoeSparseMoeBlock", "forward", _sparse_block_forward()),
@@ -268,31 +303,24 @@ REPLACED = (
     ("glm4_moe", "Glm4MoeMoE", "moe", _deepseek_moe),
     ("dots1", "Dots1MoE", "moe", _deepseek_moe),
     ("gpt_oss", "GptOssExperts", "forward", _gpt_oss_experts),
+    ("granitemoe", "GraniteMoeTopKGating", "forward", _top_k_gating),
+    ("granitemoe", "GraniteMoeParallelExperts", "forward", _parallel_experts),
+    ("granitemoeshared", "GraniteMoeSharedTopKGating", "forward", _top_k_gating),
+    ("granitemoeshared", "GraniteMoeSharedParallelExperts", "forward", _parallel_experts),
+    ("granitemoehybrid", "GraniteMoeHybridTopKGating", "forward", _top_k_gating),
+    ("granitemoehybrid", "GraniteMoeHybridParallelExperts", "forward", _parallel_experts),
 )
-
-
-def _transformers_4() -> bool:
-    transformers = sys.modules.get("transformers")
-    return transformers is not None and str(getattr(transformers, "__version__", "")).startswith("4.")
+# the same loops in 5.x too
+EVERY_VERSION = (
+    ("jetmoe", "JetMoeTopKGating", "forward", _top_k_gating),
+    ("jetmoe", "JetMoeParallelExperts", "forward", _parallel_experts),
+)
 
 
 @contextlib.contextmanager
 def grouped():
-    """While a step is traced: transformers 4.x's expert loops (``REPLACED``, in the modules
-    already imported) as grouped matmuls."""
-    if not _transformers_4():
+    """While a step is traced: transformers 4.x's expert loops (``REPLACED``) as grouped
+    matmuls, and GraniteMoE's and JetMoE's token counts kept as tensors (``EVERY_VERSION``)."""
+    with transformers_methods.replaced([*REPLACED, *EVERY_VERSION] if transformers_methods.transformers_4()
+                                       else EVERY_VERSION):
         yield
-        return
-    saved = []
-    for model, class_name, method, replacement in REPLACED:
-        cls = getattr(sys.modules.get(f"transformers.models.{model}.modeling_{model}"), class_name, None)
-        if cls is None or method not in cls.__dict__:
-            continue
-        original = cls.__dict__[method]
-        saved.append((cls, method, original))
-        setattr(cls, method, replacement(original))
-    try:
-        yield
-    finally:
-        for cls, method, original in reversed(saved):
-            setattr(cls, method, original)
