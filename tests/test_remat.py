@@ -217,6 +217,54 @@ def first_loss(call):
     return engine(torch.ones(8, 4)).item()
 
 
+class Captured(torch.nn.Module):
+    """Checkpointed blocks whose inner layer's output a forward hook keeps, and the loss reads
+    after the blocks, as transformers' output capture keeps the routers' logits of a mixture of
+    experts (``output_router_logits``: the load-balancing loss TRL adds)."""
+
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.checkpointed = checkpointed
+        self.blocks = torch.nn.ModuleList(Block(16) for _ in range(2))
+        self.head = torch.nn.Linear(16, 8)
+        self.kept: list = []
+        for block in self.blocks:
+            block.up.register_forward_hook(lambda module, inputs, output: self.kept.append(output))
+
+    def forward(self, x, y):
+        self.kept.clear()
+        for block in self.blocks:
+            if self.checkpointed:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)[0]
+            else:
+                x = block(x)[0]
+        return torch.nn.functional.mse_loss(self.head(x), y) + 0.1 * sum(h.square().mean() for h in self.kept)
+
+
+def test_a_module_output_held_outside_the_region_is_the_regions_value():
+    """Captured inside a region, the value was a tracer of the region's trace: JAX's
+    UnexpectedTracerError where the loss read it, and the step ran eagerly. It compiles, trains
+    as without checkpointing, and keeps its regions."""
+    runs = []
+    for checkpointed in (False, True):
+        engine, *_ = spmdzero.initialize(model=Captured(checkpointed), config={
+            "train_batch_size": 16, "zero_optimization": {"stage": 2}, "gradient_clipping": 0.0,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        engine.eval()  # no dropout: the two runs compute the same function
+        losses = []
+        for x, y in batches(STEPS, 16):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        assert not engine._host_reads.noted, "the step ran eagerly"
+        runs.append((losses, host_params(engine)))
+    assert_same_training(*runs)
+    x, y = batches(1, 16)[0]
+    assert remat_regions(engine.trace_step(x, y).traced) >= 2
+
+
 def test_reentrant_checkpoint_refuses_keyword_arguments_as_torch_does():
     def call(layer, x):
         return torch.utils.checkpoint.checkpoint(lambda x, k: layer(x) * k, x, k=2.0, use_reentrant=True)

@@ -459,8 +459,11 @@ def test_a_copy_from_a_slice_and_a_set_take_the_values_as_in_torch():
 
 
 def test_a_parametrized_weight_trains_as_in_torch():
-    """``torch.nn.utils.parametrize`` registered inside the forward, as PEFT's ``ParamWrapper``
-    does for LoRA on transformers 5.x's expert weights: the parameter's ``set_``."""
+    """``torch.nn.utils.parametrize`` registered inside the forward and removed, as PEFT's
+    ``ParamWrapper`` does for LoRA on transformers 5.x's expert weights: the parameter's ``set_``
+    (no lowering before); and a second trace (a new batch shape) after it: the removal put the
+    traced tensor back as a buffer, which shadowed the parameter then (parametrize's
+    AssertionError)."""
     from torch.nn.utils import parametrize
 
     class Scaled(torch.nn.Module):
@@ -481,5 +484,10 @@ def test_a_parametrized_weight_trains_as_in_torch():
 
     torch.manual_seed(0)
     engine, reference = _trains_as_torch(Model(), steps=2)
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(2))  # another shape: traced again
+    loss = engine(x)
+    engine.backward(loss)
+    assert float(loss) == pytest.approx(float(reference(x)), rel=1e-5)
+    assert "weight" not in dict(engine.module.fc.named_buffers())
     np.testing.assert_allclose(on_host(engine.module.fc.weight).numpy(), reference.fc.weight.detach().numpy(),
                                atol=1e-6)

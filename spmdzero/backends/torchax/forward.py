@@ -376,7 +376,11 @@ class ForwardPrograms:
             tensors = env.j2t_iso({**frozen.held(gathered(params), frozen_now), **constants})
             inputs, kwargs = env.j2t_iso((inputs, kwargs))
             # functional_call puts the host tensors back when it returns, except under a submodule
-            # registered twice (``self.alias = self.shared``): there the traced ones stayed. Put back here.
+            # registered twice (``self.alias = self.shared``): there the traced ones stayed. Put back here,
+            # exactly: a parameter the forward took out and put back is a buffer then (torch's
+            # parametrize, which PEFT's LoRA on 5.x's expert weights registers and removes at every
+            # call, puts back the traced tensor, not a Parameter), and that stale buffer, a traced
+            # value, shadowed the parameter in the next trace
             held = [(m, dict(m._parameters), dict(m._buffers)) for m in module.modules()]
             try:
                 with env, env.override_property(prng=_forward_key(*rng)), trace_view.tracing(differentiated), \
@@ -389,7 +393,9 @@ class ForwardPrograms:
                     output = torch.func.functional_call(entry, method_programs.keyed(entry, tensors), inputs, kwargs)
             finally:
                 for m, params, buffers in held:
+                    m._parameters.clear()
                     m._parameters.update(params)
+                    m._buffers.clear()
                     m._buffers.update(buffers)
             # buffers the module updated in place (running statistics) are returned as new values
             changed = {n: t._elem for n, t in tensors.items() if n not in names and t._elem is not constants[n]}

@@ -38,6 +38,15 @@ checkpointing policies, ``create_selective_checkpoint_contexts``) is ignored, sa
 whole region is recomputed. ``determinism_check``, ``debug`` and ``early_stop`` have nothing to
 check or stop here.
 
+Module outputs held outside the region: transformers captures submodules' outputs with forward
+hooks while the model runs (``output_router_logits=True``, which TRL sets for mixtures of experts
+to add their load-balancing loss; ``output_hidden_states``, ``output_attentions``). Captured
+inside a region, they were values of the region's trace, and JAX refused them where the model
+used them (``UnexpectedTracerError``: the step ran eagerly, or failed). Every tensor a module
+call returns inside the region and that is still alive when the region's function has returned
+leaves the region as one of its outputs, and the tensor takes the outside value: whoever holds
+it reads the region's result. An unused one costs nothing (XLA drops it).
+
 Module state updated in place inside a region (BatchNorm's running statistics in a checkpointed
 block): the engine hands ``rematerializing()`` the module's parameters and buffers as traced; one
 the region changed leaves the region as one of its outputs and is set outside, or it would hold a
@@ -133,6 +142,29 @@ def _checkpoint(env, state, signature, function, args, kwargs):
     return rematerialized(env, function, options.get(varargs, ()), function_kwargs, state)
 
 
+@contextlib.contextmanager
+def _module_outputs():
+    """Weak references to the torchax tensors that module calls return inside (a global forward
+    hook): those still alive when the region's function returns are held by something outside
+    it (transformers' output capture: ``output_router_logits``, ``output_hidden_states``)."""
+    import weakref
+
+    from torchax import tensor as ttensor
+
+    made: list = []
+
+    def hook(module, inputs, output):
+        for leaf in torch_pytree.tree_leaves(output):
+            if isinstance(leaf, ttensor.Tensor):
+                made.append(weakref.ref(leaf))
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        yield made
+    finally:
+        handle.remove()
+
+
 def rematerialized(env, function, args: tuple, kwargs: dict, state: list = ()):
     """``function(*args, **kwargs)`` on torchax tensors as one ``jax.checkpoint`` region; the
     tensors of ``state`` it updates in place are updated outside it."""
@@ -149,7 +181,7 @@ def rematerialized(env, function, args: tuple, kwargs: dict, state: list = ()):
         for i, array in zip(inputs, arrays):
             placed[i] = ttensor.Tensor(array, env, requires_grad=leaves[i].requires_grad)
         call_args, call_kwargs = torch_pytree.tree_unflatten(placed, spec)
-        with env.override_property(prng=key):
+        with env.override_property(prng=key), _module_outputs() as made:
             output = function(*call_args, **call_kwargs)
             key = env.prng_key
         out_leaves, out_spec = torch_pytree.tree_flatten(output)
@@ -158,14 +190,17 @@ def rematerialized(env, function, args: tuple, kwargs: dict, state: list = ()):
         updates = [state[i]._elem for i in changed]
         for i in changed:  # the region's values leave it only as its outputs
             state[i]._elem = before[i]
-        traced[:] = [out_spec, out_leaves, tensors, changed]
-        return key, [out_leaves[i]._elem for i in tensors], updates
+        kept = [t for t in (ref() for ref in made) if t is not None]
+        traced[:] = [out_spec, out_leaves, tensors, changed, kept]
+        return key, [out_leaves[i]._elem for i in tensors], updates, [t._elem for t in kept]
 
-    key, arrays, updates = jax.checkpoint(region)(env.prng_key, [leaves[i]._elem for i in inputs])
+    key, arrays, updates, kept_arrays = jax.checkpoint(region)(env.prng_key, [leaves[i]._elem for i in inputs])
     env.param.prng = key  # the environment's key advances as the region's draws rotated it
-    out_spec, out_leaves, tensors, changed = traced
+    out_spec, out_leaves, tensors, changed, kept = traced
     for i, update in zip(changed, updates):
         state[i]._elem = update
+    for tensor, array in zip(kept, kept_arrays):  # held by a hook or a collector: the region's value, outside
+        tensor._elem = array
     out_leaves = list(out_leaves)
     for i, array in zip(tensors, arrays):
         out_leaves[i] = ttensor.Tensor(array, env, requires_grad=out_leaves[i].requires_grad)
