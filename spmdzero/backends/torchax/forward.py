@@ -377,10 +377,7 @@ class ForwardPrograms:
             inputs, kwargs = env.j2t_iso((inputs, kwargs))
             # functional_call puts the host tensors back when it returns, except under a submodule
             # registered twice (``self.alias = self.shared``): there the traced ones stayed. Put back here,
-            # exactly: a parameter the forward took out and put back is a buffer then (torch's
-            # parametrize, which PEFT's LoRA on 5.x's expert weights registers and removes at every
-            # call, puts back the traced tensor, not a Parameter), and that stale buffer, a traced
-            # value, shadowed the parameter in the next trace
+            # exactly: torch's parametrize (PEFT's LoRA on 5.x experts) leaves a removed one as a buffer
             held = [(m, dict(m._parameters), dict(m._buffers)) for m in module.modules()]
             try:
                 with env, env.override_property(prng=_forward_key(*rng)), trace_view.tracing(differentiated), \
