@@ -20,7 +20,7 @@ MORE_NAMES = ["qwen3", "qwen3-moe", "gemma2", "gemma3", "phi3", "olmo2", "starco
 # mixtures of experts whose transformers 4.x blocks loop over the experts, beyond those above, and
 # Mixtral with LoRA on its experts (grouped) and DoRA (each expert on every token)
 MOE_NAMES = ["olmoe", "flex-olmo", "jamba", "hunyuan-moe", "dots1", "mixtral-lora-experts", "mixtral-dora-experts",
-             "granite-moe", "granite-moe-hybrid", "jetmoe", "bamba", "qwen3-next"]
+             "granite-moe", "granite-moe-hybrid", "jetmoe", "bamba", "qwen3-next", "qwen3-vl-moe"]
 
 
 def _quiet(config):
@@ -309,6 +309,11 @@ def _moe_cases():
             **llama, **experts, head_dim=8, moe_intermediate_size=32, shared_expert_intermediate_size=32,
             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
             linear_conv_kernel_dim=2, layer_types=["linear_attention", "full_attention"])), _padded_lm),
+        ("qwen3-vl-moe", _model("Qwen3VLMoeForConditionalGeneration", lambda: t.Qwen3VLMoeConfig(
+            text_config=dict(**llama, **experts, head_dim=8, moe_intermediate_size=32, decoder_sparse_step=1,
+                             rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2]}),
+            vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                               deepstack_visual_indexes=[]))), _padded_lm),
         ("mixtral-lora-experts", _lora(mixtral, on_experts), _padded_lm),
         ("mixtral-dora-experts", _lora(mixtral, on_experts, use_dora=True), _padded_lm),
     ]

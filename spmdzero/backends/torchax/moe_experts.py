@@ -23,8 +23,8 @@ around the experts compute what transformers 4.x's lines do, restated here:
   is ungated;
 * ``moe`` of DeepSeek-V3, GLM-4.5 and dots.llm1 (the experts given the router's choice, summed in
   its weights' dtype);
-* gpt-oss's ``GptOssExperts.forward`` where it loops (in training; its other path is one batched
-  matmul);
+* gpt-oss's and Qwen3-VL-MoE's experts (``GptOssExperts``, ``Qwen3VLMoeTextExperts``) where they
+  loop (in training; their other path is one batched matmul);
 * GraniteMoE's, GraniteMoE-Shared's and Granite 4.0's (GraniteMoeHybrid) router and experts,
   and JetMoE's on 5.x too: the router already sorts the pairs by expert but reads each expert's
   count into a list (``expert_size.tolist()``) to split them; the count stays a tensor, and the
@@ -257,6 +257,26 @@ def _gpt_oss_experts(original):
     return forward
 
 
+def _stacked_glu_experts(original):
+    """Qwen3-VL-MoE's experts in training: 3-D projections, the gate and up halves of one
+    (``gate_up_proj [E, H, 2I]``, chunked), no biases, weighted by the router's dense scores
+    ``[T, E]``."""
+
+    def forward(self, hidden_states: torch.Tensor, routing_weights: torch.Tensor, router_indices: torch.Tensor):
+        if not self.training:  # its other path is one batched matmul
+            return original(self, hidden_states, routing_weights, router_indices)
+        batch = hidden_states.shape[0]
+        x = hidden_states.reshape(-1, self.hidden_size)
+        tokens, order, offsets = _pairs_by_expert(router_indices, self.num_experts)
+        expert = router_indices.reshape(-1)[order]
+        gate, up = torch._grouped_mm(x[tokens], self.gate_up_proj, offs=offsets).chunk(2, dim=-1)
+        out = torch._grouped_mm(up * self.act_fn(gate), self.down_proj, offs=offsets)
+        added = (out * routing_weights[tokens, expert][:, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, tokens, added).view(batch, -1, self.hidden_size)
+
+    return forward
+
+
 def _top_k_gating(original):
     """GraniteMoE's and JetMoE's router, its lines with the experts' token counts left a tensor
     (transformers reads them into a list, ``expert_size.tolist()``, to split the sorted pairs)."""
@@ -303,6 +323,7 @@ REPLACED = (
     ("glm4_moe", "Glm4MoeMoE", "moe", _deepseek_moe),
     ("dots1", "Dots1MoE", "moe", _deepseek_moe),
     ("gpt_oss", "GptOssExperts", "forward", _gpt_oss_experts),
+    ("qwen3_vl_moe", "Qwen3VLMoeTextExperts", "forward", _stacked_glu_experts),
     ("granitemoe", "GraniteMoeTopKGating", "forward", _top_k_gating),
     ("granitemoe", "GraniteMoeParallelExperts", "forward", _parallel_experts),
     ("granitemoeshared", "GraniteMoeSharedTopKGating", "forward", _top_k_gating),
