@@ -20,7 +20,8 @@ MORE_NAMES = ["qwen3", "qwen3-moe", "gemma2", "gemma3", "phi3", "olmo2", "starco
 # mixtures of experts whose transformers 4.x blocks loop over the experts, beyond those above, and
 # Mixtral with LoRA on its experts (grouped) and DoRA (each expert on every token)
 MOE_NAMES = ["olmoe", "flex-olmo", "jamba", "hunyuan-moe", "dots1", "mixtral-lora-experts", "mixtral-dora-experts",
-             "granite-moe", "granite-moe-hybrid", "jetmoe", "bamba", "qwen3-next", "qwen3-vl-moe"]
+             "granite-moe", "granite-moe-hybrid", "jetmoe", "bamba", "qwen3-next", "qwen3-vl-moe",
+             "falcon-h1"]
 
 
 def _quiet(config):
@@ -314,6 +315,9 @@ def _moe_cases():
                              rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2]}),
             vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
                                deepstack_visual_indexes=[]))), _padded_lm),
+        ("falcon-h1", _model("FalconH1ForCausalLM", lambda: t.FalconH1Config(
+            **llama, head_dim=8, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
+            mamba_chunk_size=8, pad_token_id=0)), _padded_lm),
         ("mixtral-lora-experts", _lora(mixtral, on_experts), _padded_lm),
         ("mixtral-dora-experts", _lora(mixtral, on_experts, use_dora=True), _padded_lm),
     ]
