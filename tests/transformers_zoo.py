@@ -21,7 +21,7 @@ MORE_NAMES = ["qwen3", "qwen3-moe", "gemma2", "gemma3", "phi3", "olmo2", "starco
 # Mixtral with LoRA on its experts (grouped) and DoRA (each expert on every token)
 MOE_NAMES = ["olmoe", "flex-olmo", "jamba", "hunyuan-moe", "dots1", "mixtral-lora-experts", "mixtral-dora-experts",
              "granite-moe", "granite-moe-hybrid", "jetmoe", "bamba", "qwen3-next", "qwen3-vl-moe",
-             "falcon-h1"]
+             "falcon-h1", "ernie4.5-moe", "glm4v-moe"]
 
 
 def _quiet(config):
@@ -318,6 +318,15 @@ def _moe_cases():
         ("falcon-h1", _model("FalconH1ForCausalLM", lambda: t.FalconH1Config(
             **llama, head_dim=8, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
             mamba_chunk_size=8, pad_token_id=0)), _padded_lm),
+        ("ernie4.5-moe", _model("Ernie4_5_MoeForCausalLM", lambda: t.Ernie4_5_MoeConfig(
+            **llama, moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1,
+            moe_layer_start_index=1, pad_token_id=0)), _padded_lm),
+        ("glm4v-moe", _model("Glm4vMoeForConditionalGeneration", lambda: t.Glm4vMoeConfig(
+            text_config=dict(**llama, head_dim=8, moe_intermediate_size=16, n_routed_experts=4,
+                             num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                             rope_scaling={"rope_type": "default", "mrope_section": [1, 0, 1]}),
+            vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32))),
+         _padded_lm),
         ("mixtral-lora-experts", _lora(mixtral, on_experts), _padded_lm),
         ("mixtral-dora-experts", _lora(mixtral, on_experts, use_dora=True), _padded_lm),
     ]

@@ -19,10 +19,10 @@ around the experts compute what transformers 4.x's lines do, restated here:
 
 * ``forward`` of the blocks written as Mixtral's (router softmax, top-k, normalized as the block
   says, Mixtral's jitter, Qwen2-MoE's and Qwen3-Next's shared expert): Mixtral, Qwen2-MoE,
-  Qwen3-MoE, Qwen3-Next, MiniMax, OLMoE, FlexOlmo, Jamba; and Hunyuan-MoE's, whose shared MLP
-  is ungated;
-* ``moe`` of DeepSeek-V3, GLM-4.5 and dots.llm1 (the experts given the router's choice, summed in
-  its weights' dtype);
+  Qwen3-MoE, Qwen3-Next, MiniMax, OLMoE, FlexOlmo, Jamba; Hunyuan-MoE's, whose shared MLP is
+  ungated; Ernie 4.5's, whose float32 router picks by corrected scores;
+* ``moe`` of DeepSeek-V3, GLM-4.5, GLM-4.5V and dots.llm1 (the experts given the router's choice,
+  summed in its weights' dtype);
 * gpt-oss's and Qwen3-VL-MoE's experts (``GptOssExperts``, ``Qwen3VLMoeTextExperts``) where they
   loop (in training; their other path is one batched matmul);
 * GraniteMoE's, GraniteMoE-Shared's and Granite 4.0's (GraniteMoeHybrid) router and experts,
@@ -35,7 +35,7 @@ the same way: the base weights, the As and the Bs each one grouped matmul. Exper
 neither (a LoRA bias, DoRA, quantized layers...) run every expert on every token, weighted by
 what each token gave it (0 where it chose another): static shapes at E/k times the experts'
 arithmetic, said once in a warning. Other classes (PhiMoE, whose sparse mixer samples its route
-and has its own backward; Ernie 4.5; DBRX; LongCat-Flash's identity experts...) keep their loop
+and has its own backward; DBRX; LongCat-Flash's identity experts...) keep their loop
 and train eagerly. transformers 5.x is left alone, JetMoE's excepted. The torch_xla backend cuts
 its graph at the read instead. ``transformers_methods`` swaps the methods in for the trace only.
 """
@@ -219,6 +219,31 @@ def _hunyuan_forward(original):
     return forward
 
 
+def _ernie_forward(original):
+    """Ernie 4.5's ``forward``: its shared experts first, then a float32 router outside autocast
+    that picks the top k by the corrected scores (``moe_statics``) and weighs them by the plain
+    ones, normalized with a floor (``norm_min``)."""
+
+    def forward(self, hidden_states: torch.Tensor):
+        batch, length, width = hidden_states.shape
+        hidden_states = hidden_states.view(-1, width)
+        shared = self.shared_experts(hidden_states) if self.shared_experts is not None else None
+        device_type = hidden_states.device.type
+        device_type = device_type if isinstance(device_type, str) and device_type != "mps" else "cpu"
+        with torch.autocast(device_type=device_type, enabled=False):
+            router_logits = self.gate(hidden_states.float())
+            weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+            _, chosen = torch.topk(self.moe_statics(weights), self.top_k, dim=-1)
+            weights = torch.gather(weights, dim=-1, index=chosen)
+            weights = (weights / torch.clamp(weights.sum(dim=-1, keepdim=True), min=self.norm_min)).to(hidden_states.dtype)
+        out = mixture(hidden_states, chosen, weights, self.experts, hidden_states.dtype)
+        if shared is not None:
+            out = out + shared
+        return out.reshape(batch, length, width), router_logits
+
+    return forward
+
+
 def _deepseek_moe(original):
     """DeepSeek-V3's ``moe``: the routed experts, summed in the router weights' dtype."""
 
@@ -319,9 +344,11 @@ REPLACED = (
     ("flex_olmo", "FlexOlmoSparseMoeBlock", "forward", _sparse_block_forward()),
     ("jamba", "JambaSparseMoeBlock", "forward", _sparse_block_forward(normalize=False)),
     ("hunyuan_v1_moe", "HunYuanMoEV1Moe", "forward", _hunyuan_forward),
+    ("ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", "forward", _ernie_forward),
     ("deepseek_v3", "DeepseekV3MoE", "moe", _deepseek_moe),
     ("glm4_moe", "Glm4MoeMoE", "moe", _deepseek_moe),
     ("dots1", "Dots1MoE", "moe", _deepseek_moe),
+    ("glm4v_moe", "Glm4vMoeTextMoE", "moe", _deepseek_moe),
     ("gpt_oss", "GptOssExperts", "forward", _gpt_oss_experts),
     ("qwen3_vl_moe", "Qwen3VLMoeTextExperts", "forward", _stacked_glu_experts),
     ("granitemoe", "GraniteMoeTopKGating", "forward", _top_k_gating),
