@@ -217,6 +217,20 @@ def first_loss(call):
     return engine(torch.ones(8, 4)).item()
 
 
+def trained(model, **config):
+    """``model`` trained STEPS SGD steps on 16-row batches by the engine (``config``: more of its
+    keys); the engine and the losses."""
+    engine, *_ = spmdzero.initialize(model=model, config={
+        "train_batch_size": 16, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, **config})
+    losses = []
+    for x, y in batches(STEPS, 16):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return engine, losses
+
+
 class Captured(torch.nn.Module):
     """Checkpointed blocks whose inner layer's output a forward hook keeps, and the loss reads
     after the blocks, as transformers' output capture keeps the routers' logits of a mixture of
@@ -248,16 +262,8 @@ def test_a_module_output_held_outside_the_region_is_the_regions_value():
     as without checkpointing, and keeps its regions."""
     runs = []
     for checkpointed in (False, True):
-        engine, *_ = spmdzero.initialize(model=Captured(checkpointed), config={
-            "train_batch_size": 16, "zero_optimization": {"stage": 2}, "gradient_clipping": 0.0,
-            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
-        engine.eval()  # no dropout: the two runs compute the same function
-        losses = []
-        for x, y in batches(STEPS, 16):
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        model = Captured(checkpointed).eval()  # no dropout: the two runs compute the same function
+        engine, losses = trained(model, zero_optimization={"stage": 2}, gradient_clipping=0.0)
         assert not engine._host_reads.noted, "the step ran eagerly"
         runs.append((losses, host_params(engine)))
     assert_same_training(*runs)
@@ -305,14 +311,7 @@ class Normed(torch.nn.Module):
 def test_running_statistics_updated_in_a_region_are_updated_once():
     runs = {}
     for checkpointing in (False, True):
-        engine, *_ = spmdzero.initialize(model=Normed(checkpointing), config={
-            "train_batch_size": 16, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
-        losses = []
-        for x, y in batches(STEPS, 16):
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        engine, losses = trained(Normed(checkpointing))
         x, y = batches(1, 16)[0]
         runs[checkpointing] = engine, (losses, host_params(engine)), {
             n: b.detach().cpu().clone() for n, b in engine.module.named_buffers()}
