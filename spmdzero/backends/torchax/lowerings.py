@@ -71,6 +71,8 @@ threefry bits kept in memory for the backward (``dropout``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from spmdzero.backends.torchax import attention
@@ -237,8 +239,6 @@ def _copies_from_views(env) -> None:
     """``x.copy_(v)`` where ``v`` is a lazy view (a slice torchax has not materialized) copies the
     view's values: torchax's ``copy_`` read ``v._elem``, which a view lacks (transformers 5.x's
     Mamba caches, ``conv_states[i].copy_(states[..., -k:])``: Jamba stopped with AttributeError)."""
-    import dataclasses
-
     from torchax import view as tview
 
     op = torch.ops.aten.copy_

@@ -190,7 +190,8 @@ def rematerialized(env, function, args: tuple, kwargs: dict, state: list = ()):
         updates = [state[i]._elem for i in changed]
         for i in changed:  # the region's values leave it only as its outputs
             state[i]._elem = before[i]
-        kept = [t for t in (ref() for ref in made) if t is not None]
+        outputs = {id(out_leaves[i]) for i in tensors}  # these leave the region as its outputs already
+        kept = [t for t in (ref() for ref in made) if t is not None and id(t) not in outputs]
         traced[:] = [out_spec, out_leaves, tensors, changed, kept]
         return key, [out_leaves[i]._elem for i in tensors], updates, [t._elem for t in kept]
 
