@@ -385,8 +385,8 @@ class ForwardPrograms:
                         attention.choosing(self.attention_kernels, env), \
                         batchnorm.updating_running_statistics(batch_norms), \
                         other_engines.tracing(self, others, traced_others, env), \
-                        autocast.autocasting(env, self.precision.autocast_dtype), moe_experts.grouped(), \
-                        recurrent_masks.kept():
+                        autocast.autocasting(env, self.precision.autocast_dtype), recurrent_masks.kept(), \
+                        moe_experts.grouped(self.attention_kernels.batch_devices):
                     output = torch.func.functional_call(entry, method_programs.keyed(entry, tensors), inputs, kwargs)
             finally:
                 for m, params, buffers in held:

@@ -43,25 +43,17 @@ its graph at the read instead. ``transformers_methods`` swaps the methods in for
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from spmdzero.backends.torchax import transformers_methods
+from spmdzero.backends.torchax import moe_rows, transformers_methods
 
 # an expert MLP's projections, as (gate, up, down) attribute names: down(act(gate(x)) * up(x))
 PROJECTIONS = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
-
-
-def _pairs_by_expert(chosen: torch.Tensor, experts: int):
-    """The (token, choice) pairs of ``chosen`` ``[T, K]`` sorted by expert, stably (the loop's
-    order): each pair's token and its flat index, and the end offset of each expert's group."""
-    flat = chosen.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = F.one_hot(flat, experts + 1)[:, :experts].sum(0)  # an index past the experts counts nowhere
-    return order // chosen.shape[1], order, torch.cumsum(counts, 0).to(torch.int32)
 
 
 def _plain_linear(layer) -> bool:
@@ -101,12 +93,11 @@ def _lora_projection(layers) -> Optional[Callable]:
     base = _stacked([layer.base_layer for layer in layers])
 
     def project(x, offsets):
-        result = torch._grouped_mm(x, base, offs=offsets)
+        result = moe_rows.grouped_mm(x, base, offsets)
         dtype = result.dtype
         for a, b, dropout, scaling in adapters:
             x = first._cast_input_dtype(x, a.dtype)
-            result = result + torch._grouped_mm(torch._grouped_mm(dropout(x), a, offs=offsets), b,
-                                                offs=offsets) * scaling
+            result = result + moe_rows.grouped_mm(moe_rows.grouped_mm(dropout(x), a, offsets), b, offsets) * scaling
         return result.to(dtype)
 
     return project
@@ -119,7 +110,7 @@ def _projection(layers) -> Optional[Callable]:
         return None
     if all(_plain_linear(layer) for layer in layers):
         weights = _stacked(layers)
-        return lambda x, offsets: torch._grouped_mm(x, weights, offs=offsets)
+        return lambda x, offsets: moe_rows.grouped_mm(x, weights, offsets)
     return _lora_projection(layers)
 
 
@@ -161,11 +152,11 @@ def mixture(hidden: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, e
     if grouped is None:
         return _dense(hidden, chosen, weights, experts, dtype)
     act_fn, gate, up, down = grouped
-    tokens, order, offsets = _pairs_by_expert(chosen, len(experts))
-    x = hidden[tokens]
-    out = down(act_fn(gate(x, offsets)) * up(x, offsets), offsets)
-    added = (out * weights.reshape(-1)[order][:, None]).to(dtype)
-    return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).index_add_(0, tokens, added)
+    pairs = moe_rows.Pairs.by_expert(chosen, len(experts))
+    x = pairs.of_tokens(hidden)
+    out = down(act_fn(gate(x, pairs.offsets)) * up(x, pairs.offsets), pairs.offsets)
+    added = (out * pairs.of_choices(weights)[..., None]).to(dtype)
+    return pairs.added_to_tokens(torch.zeros(hidden.shape, dtype=dtype, device=hidden.device), added)
 
 
 def _top_k(self, router_logits: torch.Tensor, normalize: bool):
@@ -264,20 +255,20 @@ def _gpt_oss_experts(original):
         batch = hidden_states.shape[0]
         x = hidden_states.reshape(-1, self.hidden_size)
         experts = routing_weights.shape[1]
-        tokens, order, offsets = _pairs_by_expert(router_indices, experts)
-        expert = router_indices.reshape(-1)[order]
-        valid = expert < experts
+        pairs = moe_rows.Pairs.by_expert(router_indices, experts)
+        expert = pairs.of_choices(router_indices)
+        # a sentinel index (past the experts) weighs 0: its one-hot row has no 1 among the experts
+        picked = F.one_hot(expert, experts + 1)[..., :experts]
         expert = expert.clamp(max=experts - 1)
-        xs = x[tokens]
-        gate_up = torch._grouped_mm(xs, self.gate_up_proj, offs=offsets) + self.gate_up_proj_bias[expert]
+        gate_up = moe_rows.grouped_mm(pairs.of_tokens(x), self.gate_up_proj, pairs.offsets) + self.gate_up_proj_bias[expert]
         gate, up = gate_up[..., ::2], gate_up[..., 1::2]
         gate = gate.clamp(min=None, max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
         gated = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        out = torch._grouped_mm(gated, self.down_proj, offs=offsets) + self.down_proj_bias[expert]
-        scale = torch.where(valid, routing_weights[tokens, expert], 0)
-        added = (out * scale[:, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, tokens, added).view(batch, -1, self.hidden_size)
+        out = moe_rows.grouped_mm(gated, self.down_proj, pairs.offsets) + self.down_proj_bias[expert]
+        scale = (pairs.of_tokens(routing_weights) * picked).sum(-1)
+        added = (out * scale[..., None]).to(x.dtype)
+        return pairs.added_to_tokens(torch.zeros_like(x), added).view(batch, -1, self.hidden_size)
 
     return forward
 
@@ -292,12 +283,12 @@ def _stacked_glu_experts(original):
             return original(self, hidden_states, routing_weights, router_indices)
         batch = hidden_states.shape[0]
         x = hidden_states.reshape(-1, self.hidden_size)
-        tokens, order, offsets = _pairs_by_expert(router_indices, self.num_experts)
-        expert = router_indices.reshape(-1)[order]
-        gate, up = torch._grouped_mm(x[tokens], self.gate_up_proj, offs=offsets).chunk(2, dim=-1)
-        out = torch._grouped_mm(up * self.act_fn(gate), self.down_proj, offs=offsets)
-        added = (out * routing_weights[tokens, expert][:, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, tokens, added).view(batch, -1, self.hidden_size)
+        pairs = moe_rows.Pairs.by_expert(router_indices, self.num_experts)
+        picked = F.one_hot(pairs.of_choices(router_indices), self.num_experts)
+        gate, up = moe_rows.grouped_mm(pairs.of_tokens(x), self.gate_up_proj, pairs.offsets).chunk(2, dim=-1)
+        out = moe_rows.grouped_mm(up * self.act_fn(gate), self.down_proj, pairs.offsets)
+        added = (out * (pairs.of_tokens(routing_weights) * picked).sum(-1)[..., None]).to(x.dtype)
+        return pairs.added_to_tokens(torch.zeros_like(x), added).view(batch, -1, self.hidden_size)
 
     return forward
 
@@ -333,6 +324,61 @@ def _parallel_experts(original):
     return forward
 
 
+def _experts_linear(x, weight, offsets, bias, transposed: bool):
+    """transformers 5.x's ``_grouped_linear`` per block of rows: the input cast to the weights'
+    dtype, ``weight`` ``[E, out, in]`` (``[E, in, out]`` where ``transposed``), a bias per pair."""
+    out = moe_rows.grouped_mm(x.to(weight.dtype), weight if transposed else weight.transpose(-2, -1), offsets)
+    return out if bias is None else out + bias
+
+
+def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers 5.x's ``grouped_mm`` experts (``integrations.moe.grouped_mm_experts_forward``,
+    every class its ``use_experts_implementation`` decorates) with the pairs sorted within each
+    chip's rows (``moe_rows``): the gate (the class's own ``_apply_gate``) or activation, biases,
+    the post-expert norm, and the weighted pairs summed per token as transformers sums them."""
+    pairs = moe_rows.Pairs.by_expert(top_k_index, self.num_experts)
+    expert = pairs.of_choices(top_k_index)
+    x = pairs.of_tokens(hidden_states)
+    offsets, transposed = pairs.offsets, self.is_transposed
+    if self.has_gate:
+        out = _experts_linear(x, self.gate_up_proj, offsets, self.gate_up_proj_bias[expert] if self.has_bias else None,
+                              transposed)
+        out = self._apply_gate(out)
+    else:
+        out = self.act_fn(_experts_linear(x, self.up_proj, offsets,
+                                          self.up_proj_bias[expert] if self.has_bias else None, transposed))
+    out = _experts_linear(out, self.down_proj, offsets, self.down_proj_bias[expert] if self.has_bias else None,
+                          transposed)
+    if self.has_post_expert_norm:
+        out = self.post_expert_norm(out)
+    weighted = out * pairs.of_choices(top_k_weights)[..., None]
+    return pairs.unsorted(weighted).sum(dim=1).to(hidden_states.dtype)
+
+
+@contextlib.contextmanager
+def _experts_interface():
+    """transformers 5.x's ``grouped_mm`` experts implementation as ``grouped_experts_forward``,
+    for the trace only; expert parallelism (transformers' sentinels) keeps transformers' own."""
+    moe = sys.modules.get("transformers.integrations.moe")
+    mapping = getattr(getattr(moe, "ExpertsInterface", None), "_global_mapping", None)
+    original = mapping.get("grouped_mm") if isinstance(mapping, dict) else None
+    if original is None:
+        yield
+        return
+
+    def forward(self, *args, **kwargs):
+        if getattr(self, "_is_expert_parallel", False) or kwargs:
+            return original(self, *args, **kwargs)
+        return grouped_experts_forward(self, *args)
+
+    mapping["grouped_mm"] = forward
+    try:
+        yield
+    finally:
+        mapping["grouped_mm"] = original
+
+
 # transformers 4.x's blocks that loop over the experts (transformers_methods.Replacement)
 REPLACED = (
     ("mixtral", "MixtralSparseMoeBlock", "forward", _sparse_block_forward()),
@@ -366,9 +412,10 @@ EVERY_VERSION = (
 
 
 @contextlib.contextmanager
-def grouped():
+def grouped(blocks: int = 1):
     """While a step is traced: transformers 4.x's expert loops (``REPLACED``) as grouped
-    matmuls, and GraniteMoE's and JetMoE's token counts kept as tensors (``EVERY_VERSION``)."""
-    with transformers_methods.replaced([*REPLACED, *EVERY_VERSION] if transformers_methods.transformers_4()
-                                       else EVERY_VERSION):
+    matmuls, GraniteMoE's and JetMoE's token counts kept as tensors (``EVERY_VERSION``), and 5.x's
+    grouped experts sorting within each chip's rows, the batch split over ``blocks`` devices."""
+    with moe_rows.splitting(blocks), transformers_methods.replaced([*REPLACED, *EVERY_VERSION] if transformers_methods.transformers_4()
+                                       else EVERY_VERSION), _experts_interface():
         yield
