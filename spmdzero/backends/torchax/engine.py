@@ -155,10 +155,12 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
             devices, tuple(mesh_shape))
         spec = lambda s: NamedSharding(self.mesh, PartitionSpec(*s))  # noqa: E731
         self._sharding = spec
-        # which kernel SDPA runs in the traced step (spmd.attention; a shape-only step is a TPU's)
+        # the platform the step compiles for (a shape-only step is a TPU's): which kernels it takes,
+        # SDPA's (spmd.attention) and the experts' grouped matmuls (moe_rows)
+        self.platform = "tpu" if shape_only else self.mesh.devices.flat[0].platform
         axes = data_parallel_axes(mesh_shape)
         self.attention_kernels = attention.AttentionChoice.resolve(
-            cfg.spmd.attention, "tpu" if shape_only else self.mesh.devices.flat[0].platform, mesh=self.mesh,
+            cfg.spmd.attention, self.platform, mesh=self.mesh,
             batch_axes=axes, batch_devices=int(np.prod([mesh_shape[a] for a in axes])))
         self._replicated = spec(())
 

@@ -260,7 +260,8 @@ def _gpt_oss_experts(original):
         # a sentinel index (past the experts) weighs 0: its one-hot row has no 1 among the experts
         picked = F.one_hot(expert, experts + 1)[..., :experts]
         expert = expert.clamp(max=experts - 1)
-        gate_up = moe_rows.grouped_mm(pairs.of_tokens(x), self.gate_up_proj, pairs.offsets) + self.gate_up_proj_bias[expert]
+        gate_up = moe_rows.grouped_mm(pairs.of_tokens(x), self.gate_up_proj, pairs.offsets)
+        gate_up = gate_up + self.gate_up_proj_bias[expert]
         gate, up = gate_up[..., ::2], gate_up[..., 1::2]
         gate = gate.clamp(min=None, max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
@@ -412,10 +413,12 @@ EVERY_VERSION = (
 
 
 @contextlib.contextmanager
-def grouped(blocks: int = 1):
+def grouped(mesh=None, batch_axes: tuple = (), platform: str = "cpu"):
     """While a step is traced: transformers 4.x's expert loops (``REPLACED``) as grouped
     matmuls, GraniteMoE's and JetMoE's token counts kept as tensors (``EVERY_VERSION``), and 5.x's
-    grouped experts sorting within each chip's rows, the batch split over ``blocks`` devices."""
-    with moe_rows.splitting(blocks), transformers_methods.replaced([*REPLACED, *EVERY_VERSION] if transformers_methods.transformers_4()
-                                       else EVERY_VERSION), _experts_interface():
+    grouped experts sorting within each chip's rows, the batch split over ``mesh``'s ``batch_axes``
+    (``moe_rows``, which picks the grouped matmul's kernel for ``platform``)."""
+    replacements = [*REPLACED, *EVERY_VERSION] if transformers_methods.transformers_4() else EVERY_VERSION
+    with moe_rows.splitting(mesh, batch_axes, platform), transformers_methods.replaced(replacements), \
+            _experts_interface():
         yield

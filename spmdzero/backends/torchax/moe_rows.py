@@ -30,18 +30,22 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-_blocks = 1  # the data-parallel devices of the step being traced (``splitting``)
+_split = (None, (), 1, "cpu")  # the traced step's mesh, data-parallel axes, their devices, platform
 
 
 @contextlib.contextmanager
-def splitting(blocks: int):
-    """While a step is traced: the batch is split over ``blocks`` data-parallel devices."""
-    global _blocks
-    previous, _blocks = _blocks, max(1, int(blocks))
+def splitting(mesh, batch_axes: tuple, platform: str = "cpu"):
+    """While a step is traced: its batch is split over ``mesh``'s ``batch_axes``, and it
+    compiles for ``platform`` ("tpu": the grouped matmuls take Pallas's megablox kernel)."""
+    global _split
+    devices = 1
+    for axis in batch_axes:
+        devices *= int(mesh.shape[axis])
+    previous, _split = _split, (mesh, tuple(batch_axes), devices, platform)
     try:
         yield
     finally:
-        _blocks = previous
+        _split = previous
 
 
 def _jax(fn):
@@ -64,17 +68,63 @@ def _add(x, index, values):
     return jax.vmap(lambda rows, i, v: rows.at[i].add(v))(x, index, values)
 
 
-def _grouped_mm(x, weight, offsets):
-    """Each block's rows ``x[b]`` (``[n, K]``, sorted by group, ``offsets[b]`` the groups' ends)
-    times ``weight[g]`` (``[G, K, N]``); rows past the last offset are zero."""
-    import jax
+MEGABLOX_TILES = (512, 1024, 1024)  # the most rows, contracted and output columns in one tile
+
+
+def megablox_tiles(rows: int, contracted: int, columns: int):
+    """Megablox's tiles for a ``[rows, contracted] x [contracted, columns]`` grouped matmul: rows
+    in tiles that divide them (the kernel needs that), columns and the contraction in tiles
+    that may leave a partial one; None where no tile of 8 rows or more divides the rows."""
+    tm = next((t for t in (512, 256, 128, 64, 32, 16, 8) if t <= MEGABLOX_TILES[0] and rows % t == 0), None)
+    return None if tm is None else (tm, min(MEGABLOX_TILES[1], contracted), min(MEGABLOX_TILES[2], columns))
+
+
+def grouped_matmul(x, weight, offsets, megablox: bool = False, interpret: bool = False):
+    """``x`` ``[n, K]`` sorted by group (``offsets`` the groups' ends) times ``weight[g]``
+    (``[G, K, N]``), in ``x``'s dtype; rows past the last offset are zero. ``megablox``: Pallas's
+    grouped-matmul kernel (``jax.experimental.pallas.ops.tpu.megablox``, MaxText's), forward and
+    backward, where its tiles fit; else XLA's ``ragged_dot``. libtpu 0.0.21 runs ``ragged_dot``
+    forward as a ragged kernel but its weight gradient as dense matmuls over every group, the
+    rows of the others masked: E times the arithmetic. ``interpret``: the kernel in Pallas's
+    interpreter, for checking off TPU."""
     import jax.numpy as jnp
 
     from spmdzero.backends.torchax import lowerings
 
-    blocks = x.shape[0]
-    weights = jnp.broadcast_to(weight, (blocks, *weight.shape))
-    return jax.vmap(lowerings.grouped_mm)(x, weights, offsets)
+    tiles = megablox_tiles(x.shape[0], x.shape[1], weight.shape[-1]) if megablox else None
+    if tiles is None or x.dtype not in (jnp.float32, jnp.bfloat16):
+        return lowerings.grouped_mm(x, weight, offsets)
+    from jax.experimental.pallas.ops.tpu.megablox import ops as megablox_ops
+
+    offsets = offsets.astype(jnp.int32)
+    sizes = jnp.diff(offsets, prepend=jnp.zeros((1,), jnp.int32))
+    # the kernel leaves rows past the groups unwritten, forward and in the input's gradient: both
+    # selects keep them out (the first one's backward drops the gradient's unwritten rows)
+    grouped = (jnp.arange(x.shape[0]) < offsets[-1])[:, None]
+    x = jnp.where(grouped, x, jnp.zeros((), x.dtype))
+    out = megablox_ops.gmm(x, weight.astype(x.dtype), sizes, x.dtype, tiles, None, None, False, interpret)
+    return jnp.where(grouped, out, jnp.zeros((), out.dtype))
+
+
+def _grouped_mm(x, weight, offsets):
+    """Each block's rows ``x[b]`` (``[n, K]``) times the weights by ``offsets[b]``'s groups
+    (``grouped_matmul``). One block per data-parallel device runs under ``jax.shard_map``, each
+    chip its own: libtpu 0.0.21 keeps a ragged kernel only for an unbatched, unpartitioned
+    grouped matmul, and turns a batched one into dense matmuls over every group."""
+    import jax
+    from jax.sharding import PartitionSpec
+
+    mesh, axes, devices, platform = _split
+
+    def one(x, weight, offsets):
+        return grouped_matmul(x[0], weight, offsets[0], megablox=platform == "tpu")[None]
+
+    if x.shape[0] == 1:
+        return one(x, weight, offsets)
+    assert x.shape[0] == devices, (x.shape, devices)
+    rows = PartitionSpec(axes)
+    return jax.shard_map(one, mesh=mesh, in_specs=(rows, PartitionSpec(), rows), out_specs=rows,
+                         check_vma=False)(x, weight, offsets)
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -100,7 +150,7 @@ class Pairs:
     @classmethod
     def by_expert(cls, chosen: torch.Tensor, experts: int) -> "Pairs":
         tokens, choices = chosen.shape
-        blocks = _blocks if tokens % _blocks == 0 else 1
+        blocks = _split[2] if tokens % _split[2] == 0 else 1
         flat = chosen.reshape(blocks, -1)
         order = torch.argsort(flat, dim=1, stable=True)
         counts = F.one_hot(flat, experts + 1)[..., :experts].sum(1)
