@@ -112,7 +112,9 @@ def compile_step(source, config: dict, topology: str, stage: int, micro_batch: O
                  shape_only: bool = True) -> AotReport:
     step = capture_step(source, config, stage, micro_batch, shape_only, topology)
     report = step.compile(topology)
-    if source.seq_len is not None:
+    # a mixture of experts runs each token through k of its experts: 6 x params x tokens would
+    # count them all, so its MFU is the compiled FLOPs' (the kernels count the routed rows)
+    if source.seq_len is not None and report.experts is None:
         params = step.gradient_bytes() // step.engine.precision.communication_dtype.itemsize
         report.model_flops = 6 * params * report.micro_batch * source.seq_len
     return report

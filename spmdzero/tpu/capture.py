@@ -167,7 +167,8 @@ class JaxStepCapture:
         result = compile_mlir(self.mlir, topology, (), timeout, fixed_outputs=True)
         return AotReport(stage=self.engine.plan.stage, gradient_bytes=self.gradient_bytes(),
                          micro_batch=self.step.micro_batch, gradient_names=self.gradient_names(),
-                         backend=self.backend, attention=self.engine.attention_kernels.describe(), **result)
+                         backend=self.backend, attention=self.engine.attention_kernels.describe(),
+                         experts=self.engine.expert_matmuls.describe(), **result)
 
     def collectives_report(self, timeout: int = 1800) -> CollectivesReport:
         """The collectives of this step compiled for XLA:CPU on the engine's devices (lowered for

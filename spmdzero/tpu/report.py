@@ -37,6 +37,7 @@ class AotReport:
     cost_per_step_error: Optional[str] = None  # why there is none for a looped program
     backend: Optional[str] = None  # whose step was compiled: "torch_xla" or "torchax" (spmd.backend)
     attention: Optional[str] = None  # which kernel SDPA ran, and why not the flash one (torchax: AttentionChoice)
+    experts: Optional[str] = None  # which kernel the experts' grouped matmuls ran (torchax: moe_rows.Split)
 
     @property
     def chip(self) -> ChipSpec:
@@ -116,7 +117,7 @@ class AotReport:
                "gradient_bytes": self.gradient_bytes,
                "model_flops": self.model_flops, "loops": self.loops, "roofline": self.roofline(),
                "all_reduced_gradients": self.all_reduced_gradients(), "libtpu_args": self.libtpu_args,
-               "attention": self.attention}
+               "attention": self.attention, "experts": self.experts}
         if self.memory is not None:
             out["traffic"] = {"sent_per_chip": traffic.total_traffic, "minimum": traffic.minimum_traffic,
                               "ratio": traffic.ratio}
@@ -140,6 +141,8 @@ class AotReport:
             lines.append(f"  libtpu flags: {self.libtpu_args or '(none)'}")
         if self.attention is not None:
             lines.append(f"  attention: {self.attention}")
+        if self.experts is not None:
+            lines.append(f"  experts: {self.experts}")
         if self.memory is None:
             lines.append(f"  the compiler ran out of HBM: needs {_gib(self.total_bytes)} per chip of "
                          f"{_gib(self.out_of_memory.get('capacity', self.chip.hbm_bytes))} usable: {self.verdict()}")

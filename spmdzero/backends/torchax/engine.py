@@ -81,7 +81,7 @@ from spmdzero.backends.torchax import module_calls, optimizer_state_dict
 from spmdzero.backends.torchax.mesh import jax_devices, mesh_devices
 from spmdzero.sharding.mesh import data_parallel_axes, resolve_hybrid_shape
 from spmdzero.backends.torchax import torch_optim
-from spmdzero.backends.torchax import attention, autocast, lowerings
+from spmdzero.backends.torchax import attention, autocast, lowerings, moe_rows
 from spmdzero.backends.torchax.release import drain
 from spmdzero.backends.torchax.output_tensor import output_tensor_class
 from spmdzero.backends.torchax.host_module import (_optimizer_state_through_engine, _sync_before_state_dict,
@@ -162,6 +162,7 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         self.attention_kernels = attention.AttentionChoice.resolve(
             cfg.spmd.attention, self.platform, mesh=self.mesh,
             batch_axes=axes, batch_devices=int(np.prod([mesh_shape[a] for a in axes])))
+        self.expert_matmuls = moe_rows.Split(self.mesh, axes, self.platform)
         self._replicated = spec(())
 
         # Trainable parameters by plan name; frozen ones and buffers are inputs that are not trained.

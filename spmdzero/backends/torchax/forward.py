@@ -386,7 +386,7 @@ class ForwardPrograms:
                         batchnorm.updating_running_statistics(batch_norms), \
                         other_engines.tracing(self, others, traced_others, env), \
                         autocast.autocasting(env, self.precision.autocast_dtype), recurrent_masks.kept(), \
-                        moe_experts.grouped(self.mesh, self.attention_kernels.batch_axes, self.platform):
+                        moe_experts.grouped(self.expert_matmuls):
                     output = torch.func.functional_call(entry, method_programs.keyed(entry, tensors), inputs, kwargs)
             finally:
                 for m, params, buffers in held:

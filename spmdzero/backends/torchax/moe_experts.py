@@ -413,12 +413,11 @@ EVERY_VERSION = (
 
 
 @contextlib.contextmanager
-def grouped(mesh=None, batch_axes: tuple = (), platform: str = "cpu"):
+def grouped(split: moe_rows.Split):
     """While a step is traced: transformers 4.x's expert loops (``REPLACED``) as grouped
     matmuls, GraniteMoE's and JetMoE's token counts kept as tensors (``EVERY_VERSION``), and 5.x's
-    grouped experts sorting within each chip's rows, the batch split over ``mesh``'s ``batch_axes``
-    (``moe_rows``, which picks the grouped matmul's kernel for ``platform``)."""
+    grouped experts sorting within each chip's rows as ``split`` says (``moe_rows``)."""
     replacements = [*REPLACED, *EVERY_VERSION] if transformers_methods.transformers_4() else EVERY_VERSION
-    with moe_rows.splitting(mesh, batch_axes, platform), transformers_methods.replaced(replacements), \
+    with moe_rows.splitting(split), transformers_methods.replaced(replacements), \
             _experts_interface():
         yield

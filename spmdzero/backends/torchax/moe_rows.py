@@ -24,24 +24,50 @@ included.
 
 from __future__ import annotations
 
+import collections
 import contextlib
-from dataclasses import dataclass
+import functools
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
-_split = (None, (), 1, "cpu")  # the traced step's mesh, data-parallel axes, their devices, platform
+@dataclass
+class Split:
+    """The step being traced: its mesh, the data-parallel axes its batch is split over (and their
+    devices), the platform it compiles for ("tpu": the grouped matmuls take Pallas's megablox
+    kernel), and the kernels its grouped matmuls took, call by call (``describe``)."""
+
+    mesh: Any = None
+    batch_axes: tuple = ()
+    platform: str = "cpu"
+    calls: collections.Counter = field(default_factory=collections.Counter)
+
+    @property
+    def devices(self) -> int:
+        return int(math.prod(int(self.mesh.shape[axis]) for axis in self.batch_axes))
+
+    def describe(self) -> Optional[str]:
+        """One line for reports; None where the step has no experts' grouped matmul."""
+        if not self.calls:
+            return None
+        ran = ", ".join(f"{_KERNEL_NAMES[k]} x{n}" for k, n in sorted(self.calls.items()))
+        return f"{ran}, each chip's rows sorted among themselves" if self.devices > 1 else ran
+
+
+_KERNEL_NAMES = {"ragged_dot+tgmm": "XLA ragged_dot, its weight gradient by Pallas megablox's tgmm",
+                 "ragged_dot": "XLA ragged_dot"}
+_split = Split()
 
 
 @contextlib.contextmanager
-def splitting(mesh, batch_axes: tuple, platform: str = "cpu"):
-    """While a step is traced: its batch is split over ``mesh``'s ``batch_axes``, and it
-    compiles for ``platform`` ("tpu": the grouped matmuls take Pallas's megablox kernel)."""
+def splitting(split: Split):
+    """While a step is traced: its mixtures of experts sort and multiply as ``split`` says."""
     global _split
-    devices = 1
-    for axis in batch_axes:
-        devices *= int(mesh.shape[axis])
-    previous, _split = _split, (mesh, tuple(batch_axes), devices, platform)
+    previous, _split = _split, split
     try:
         yield
     finally:
@@ -68,42 +94,69 @@ def _add(x, index, values):
     return jax.vmap(lambda rows, i, v: rows.at[i].add(v))(x, index, values)
 
 
-MEGABLOX_TILES = (512, 1024, 1024)  # the most rows, contracted and output columns in one tile
+MEGABLOX_TILES = (512, 1024, 1024)  # megablox's tile: rows, contraction, output columns (MaxText's)
 
 
 def megablox_tiles(rows: int, contracted: int, columns: int):
     """Megablox's tiles for a ``[rows, contracted] x [contracted, columns]`` grouped matmul: rows
     in tiles that divide them (the kernel needs that), columns and the contraction in tiles
-    that may leave a partial one; None where no tile of 8 rows or more divides the rows."""
+    that may leave a partial one; None where no tile of 8 rows or more divides the rows.
+    (Wider tiles run out of a v5p's vector memory at Mixtral-8x7B's sizes.)"""
     tm = next((t for t in (512, 256, 128, 64, 32, 16, 8) if t <= MEGABLOX_TILES[0] and rows % t == 0), None)
     return None if tm is None else (tm, min(MEGABLOX_TILES[1], contracted), min(MEGABLOX_TILES[2], columns))
 
 
-def grouped_matmul(x, weight, offsets, megablox: bool = False, interpret: bool = False):
+def grouped_matmul(x, weight, offsets, tgmm: bool = False, interpret: bool = False):
     """``x`` ``[n, K]`` sorted by group (``offsets`` the groups' ends) times ``weight[g]``
-    (``[G, K, N]``), in ``x``'s dtype; rows past the last offset are zero. ``megablox``: Pallas's
-    grouped-matmul kernel (``jax.experimental.pallas.ops.tpu.megablox``, MaxText's), forward and
-    backward, where its tiles fit; else XLA's ``ragged_dot``. libtpu 0.0.21 runs ``ragged_dot``
-    forward as a ragged kernel but its weight gradient as dense matmuls over every group, the
-    rows of the others masked: E times the arithmetic. ``interpret``: the kernel in Pallas's
-    interpreter, for checking off TPU."""
+    (``[G, K, N]``), in ``x``'s dtype, by XLA's ``ragged_dot``; rows past the last offset are
+    zero. ``tgmm``: the weight gradient by Pallas's megablox kernel for it (``tgmm``, MaxText's),
+    where its tiles fit. libtpu 0.0.21 runs ``ragged_dot`` forward, and its input's gradient, as
+    a ragged kernel, but the weight gradient as dense matmuls over every group with the other
+    groups' rows masked: E times the arithmetic (a Mixtral-8x7B-sized layer: a roofline of 137 ms
+    against 59). Megablox's forward kernel (``gmm``) re-reads more: 70 ms. ``interpret``: the
+    kernel in Pallas's interpreter, for checking off TPU."""
     import jax.numpy as jnp
 
     from spmdzero.backends.torchax import lowerings
 
-    tiles = megablox_tiles(x.shape[0], x.shape[1], weight.shape[-1]) if megablox else None
+    tiles = megablox_tiles(x.shape[0], x.shape[1], weight.shape[-1]) if tgmm else None
     if tiles is None or x.dtype not in (jnp.float32, jnp.bfloat16):
+        _split.calls["ragged_dot"] += 1
         return lowerings.grouped_mm(x, weight, offsets)
-    from jax.experimental.pallas.ops.tpu.megablox import ops as megablox_ops
-
+    _split.calls["ragged_dot+tgmm"] += 1
     offsets = offsets.astype(jnp.int32)
     sizes = jnp.diff(offsets, prepend=jnp.zeros((1,), jnp.int32))
-    # the kernel leaves rows past the groups unwritten, forward and in the input's gradient: both
-    # selects keep them out (the first one's backward drops the gradient's unwritten rows)
-    grouped = (jnp.arange(x.shape[0]) < offsets[-1])[:, None]
-    x = jnp.where(grouped, x, jnp.zeros((), x.dtype))
-    out = megablox_ops.gmm(x, weight.astype(x.dtype), sizes, x.dtype, tiles, None, None, False, interpret)
-    return jnp.where(grouped, out, jnp.zeros((), out.dtype))
+    out = _ragged_dot_tgmm()(x, weight.astype(x.dtype), sizes, tiles, interpret)
+    return jnp.where((jnp.arange(x.shape[0]) < offsets[-1])[:, None], out, jnp.zeros((), out.dtype))
+
+
+def _ragged_dot_tgmm_forward(x, weight, sizes, tiles, interpret):
+    import jax
+
+    return jax.lax.ragged_dot(x, weight, sizes), (x, weight, sizes)
+
+
+def _ragged_dot_tgmm_backward(tiles, interpret, saved, grad):
+    import jax
+    from jax.experimental.pallas.ops.tpu.megablox import ops  # noqa: F401  (imports the kernels' module)
+
+    kernels = sys.modules["jax.experimental.pallas.ops.tpu.megablox.gmm"]  # the package's ``gmm`` is ops.gmm
+    x, weight, sizes = saved
+    grad_x = jax.lax.ragged_dot(grad, weight.swapaxes(1, 2), sizes)
+    grad_weight = kernels.tgmm(x.swapaxes(0, 1), grad, sizes, weight.dtype, tiles, None, weight.shape[0],
+                               interpret=interpret)
+    return grad_x, grad_weight, None
+
+
+@functools.lru_cache(maxsize=None)
+def _ragged_dot_tgmm():
+    """``ragged_dot(x, weight, sizes)`` differentiated as ``_ragged_dot_tgmm_backward`` does."""
+    import jax
+
+    rule = jax.custom_vjp(lambda x, weight, sizes, tiles, interpret: jax.lax.ragged_dot(x, weight, sizes),
+                          nondiff_argnums=(3, 4))
+    rule.defvjp(_ragged_dot_tgmm_forward, _ragged_dot_tgmm_backward)
+    return rule
 
 
 def _grouped_mm(x, weight, offsets):
@@ -114,16 +167,15 @@ def _grouped_mm(x, weight, offsets):
     import jax
     from jax.sharding import PartitionSpec
 
-    mesh, axes, devices, platform = _split
+    split = _split
 
     def one(x, weight, offsets):
-        return grouped_matmul(x[0], weight, offsets[0], megablox=platform == "tpu")[None]
+        return grouped_matmul(x[0], weight, offsets[0], tgmm=split.platform == "tpu")[None]
 
     if x.shape[0] == 1:
         return one(x, weight, offsets)
-    assert x.shape[0] == devices, (x.shape, devices)
-    rows = PartitionSpec(axes)
-    return jax.shard_map(one, mesh=mesh, in_specs=(rows, PartitionSpec(), rows), out_specs=rows,
+    rows = PartitionSpec(split.batch_axes)
+    return jax.shard_map(one, mesh=split.mesh, in_specs=(rows, PartitionSpec(), rows), out_specs=rows,
                          check_vma=False)(x, weight, offsets)
 
 
@@ -150,7 +202,8 @@ class Pairs:
     @classmethod
     def by_expert(cls, chosen: torch.Tensor, experts: int) -> "Pairs":
         tokens, choices = chosen.shape
-        blocks = _split[2] if tokens % _split[2] == 0 else 1
+        devices = _split.devices
+        blocks = devices if tokens % devices == 0 else 1
         flat = chosen.reshape(blocks, -1)
         order = torch.argsort(flat, dim=1, stable=True)
         counts = F.one_hot(flat, experts + 1)[..., :experts].sum(1)
