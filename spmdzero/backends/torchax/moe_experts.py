@@ -10,10 +10,10 @@ compiled; hopeless at real sizes. transformers 5.x routes the same blocks throug
 which ``lowerings.grouped_mm`` lowers.
 
 While a step is traced (``grouped``), those 4.x blocks compute the same sum with static shapes:
-the (token, chosen expert) pairs sorted by expert, each expert's projections stacked, and each
-projection one grouped matmul over the sorted pairs (``torch._grouped_mm``, lowered to
-``jax.lax.ragged_dot``); each pair's output is weighted and added back to its token
-(``index_add_``). Every token reaches the experts it chose and no other, in the loop's order
+the (token, chosen expert) pairs sorted by expert within each chip's rows (``moe_rows``), each
+expert's projections stacked, and each projection one grouped matmul over the sorted pairs
+(``jax.lax.ragged_dot``); each pair's output is weighted and added back to its token (as
+``index_add_`` adds). Every token reaches the experts it chose and no other, in the loop's order
 (expert by expert), so the values are the loop's. The routing, shared experts and everything
 around the experts compute what transformers 4.x's lines do, restated here:
 
@@ -36,8 +36,11 @@ neither (a LoRA bias, DoRA, quantized layers...) run every expert on every token
 what each token gave it (0 where it chose another): static shapes at E/k times the experts'
 arithmetic, said once in a warning. Other classes (PhiMoE, whose sparse mixer samples its route
 and has its own backward; DBRX; LongCat-Flash's identity experts...) keep their loop
-and train eagerly. transformers 5.x is left alone, JetMoE's excepted. The torch_xla backend cuts
-its graph at the read instead. ``transformers_methods`` swaps the methods in for the trace only.
+and train eagerly. On 5.x, JetMoE's router and experts are replaced too, and the experts
+implementation ``grouped_mm`` (``integrations.moe``: every class it decorates) is
+``grouped_experts_forward``, which sorts within each chip's rows. GraniteMoE's and JetMoE's pairs
+are still sorted over the whole batch: their router hands the experts a flat sorted list. The
+torch_xla backend cuts its graph at the read instead. ``transformers_methods`` swaps the methods in for the trace only.
 """
 
 from __future__ import annotations
