@@ -79,3 +79,28 @@ def test_megablox_tiles_divide_the_rows_or_are_not_taken():
     assert moe_rows.megablox_tiles(8192, 4096, 14336) == (512, 1024, 1024)
     assert moe_rows.megablox_tiles(4096 + 128, 1024, 512) == (128, 1024, 512)
     assert moe_rows.megablox_tiles(4100, 1024, 512) is None
+
+
+@pytest.mark.slow
+def test_on_the_tpu_compiler_the_weight_gradients_take_megablox_and_the_traffic_is_a_dense_models(tmp_path):
+    """A Mixtral config compiled for v5e:2x2 by libtpu, shape-only: its experts' weight
+    gradients are megablox's kernel (the Pallas call compiles for the pinned libtpu) and the
+    step sends what data parallelism needs; its MFU counts the compiled FLOPs."""
+    model = {"model_type": "mixtral", "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "num_local_experts": 4,
+             "num_experts_per_tok": 2, "max_position_embeddings": 256}
+    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    json.dump(model, open(tmp_path / "config.json", "w"))
+    json.dump(config, open(tmp_path / "ds.json", "w"))
+    out = run_python(f"""
+        import spmdzero_cli
+        spmdzero_cli.main(["aot", "--topology", "v5e:2x2", "--deepspeed_config", {str(tmp_path / 'ds.json')!r},
+                           "--model", {str(tmp_path)!r}, "--stages", "2", "--seq-len", "256", "--json"])
+    """)
+    report = json.loads(out[out.index("{"):])["reports"][0]
+    assert report["experts"] == ("XLA ragged_dot, its weight gradient by Pallas megablox's tgmm x4, each chip's "
+                                 "rows sorted among themselves"), report["experts"]
+    assert report["fits"] and report["traffic"]["ratio"] <= 1.1, report["traffic"]
+    assert "collective-permute" not in report["collectives"], report["collectives"]
+    assert report["model_flops"] is None and report["roofline"]["mfu_flops"] == "compiled FLOPs"
