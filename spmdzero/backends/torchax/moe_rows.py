@@ -80,18 +80,31 @@ def _jax(fn):
     return interop.torch_view(fn)
 
 
-def _take(x, index):
-    """``x[b][index[b]]`` for each block ``b``: ``[B, m, ...]`` by ``[B, n]`` to ``[B, n, ...]``."""
+def _row(rows, index):
+    return rows[index]
+
+
+def _added(rows, index, values):
+    return rows.at[index].add(values)
+
+
+@functools.lru_cache(maxsize=None)
+def _batched(fn):
+    """``fn`` for each block (the leading dimension), jitted once: an eager step calls it op by
+    op."""
     import jax
 
-    return jax.vmap(lambda rows, i: rows[i])(x, index)
+    return jax.jit(jax.vmap(fn))
+
+
+def _take(x, index):
+    """``x[b][index[b]]`` for each block ``b``: ``[B, m, ...]`` by ``[B, n]`` to ``[B, n, ...]``."""
+    return _batched(_row)(x, index)
 
 
 def _add(x, index, values):
     """``x[b][index[b]] += values[b]`` for each block ``b``, repeated indices summed."""
-    import jax
-
-    return jax.vmap(lambda rows, i, v: rows.at[i].add(v))(x, index, values)
+    return _batched(_added)(x, index, values)
 
 
 MEGABLOX_TILES = (512, 1024, 1024)  # megablox's tile: rows, contraction, output columns (MaxText's)
@@ -159,24 +172,31 @@ def _ragged_dot_tgmm():
     return rule
 
 
+def _one_block(x, weight, offsets, tgmm: bool):
+    return grouped_matmul(x[0], weight, offsets[0], tgmm)[None]
+
+
+@functools.lru_cache(maxsize=64)
+def _per_chip(mesh, batch_axes: tuple, tgmm: bool):
+    """``_one_block`` on each chip's block, one jitted function per mesh: an eager step (the
+    fallback of ``host_reads``) then compiles it once, not at every call."""
+    import jax
+    from jax.sharding import PartitionSpec
+
+    rows = PartitionSpec(batch_axes)
+    return jax.jit(jax.shard_map(functools.partial(_one_block, tgmm=tgmm), mesh=mesh,
+                                 in_specs=(rows, PartitionSpec(), rows), out_specs=rows, check_vma=False))
+
+
 def _grouped_mm(x, weight, offsets):
     """Each block's rows ``x[b]`` (``[n, K]``) times the weights by ``offsets[b]``'s groups
     (``grouped_matmul``). One block per data-parallel device runs under ``jax.shard_map``, each
     chip its own: libtpu 0.0.21 keeps a ragged kernel only for an unbatched, unpartitioned
     grouped matmul, and turns a batched one into dense matmuls over every group."""
-    import jax
-    from jax.sharding import PartitionSpec
-
-    split = _split
-
-    def one(x, weight, offsets):
-        return grouped_matmul(x[0], weight, offsets[0], tgmm=split.platform == "tpu")[None]
-
+    tgmm = _split.platform == "tpu"
     if x.shape[0] == 1:
-        return one(x, weight, offsets)
-    rows = PartitionSpec(split.batch_axes)
-    return jax.shard_map(one, mesh=split.mesh, in_specs=(rows, PartitionSpec(), rows), out_specs=rows,
-                         check_vma=False)(x, weight, offsets)
+        return _one_block(x, weight, offsets, tgmm)
+    return _per_chip(_split.mesh, _split.batch_axes, tgmm)(x, weight, offsets)
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
