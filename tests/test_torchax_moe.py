@@ -60,16 +60,17 @@ def test_megablox_weight_gradient_is_ragged_dots(dtype):
     w = jnp.asarray(rng.standard_normal((4, 48, 40)), dt)
     offsets = jnp.array([10, 10, 37, 50], jnp.int32)
     cotangent = jnp.asarray(rng.standard_normal((64, 40)), dt)
-    assert moe_rows.megablox_tiles(64, 48, 40) == (64, 48, 40)
+    tiles = moe_rows.megablox_tiles(64, 48, 40)
+    assert tiles == (64, 48, 40)
 
-    def run(tgmm):
-        out, vjp = jax.vjp(lambda x, w: moe_rows.grouped_matmul(x, w, offsets, tgmm, interpret=True), x, w)
+    def run(tiles):
+        out, vjp = jax.vjp(lambda x, w: moe_rows.grouped_matmul(x, w, offsets, tiles, interpret=True), x, w)
         return (out, *vjp(cotangent))
 
-    for ours, xla in zip(run(True), run(False)):
+    for ours, xla in zip(run(tiles), run(None)):
         assert ours.dtype == xla.dtype and bool(jnp.all(jnp.isfinite(ours)))
         np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(xla, np.float32), rtol=1e-6, atol=1e-5)
-    out, dx, _ = run(True)
+    out, dx, _ = run(tiles)
     assert not np.asarray(out[50:], np.float32).any() and not np.asarray(dx[50:], np.float32).any()
 
 

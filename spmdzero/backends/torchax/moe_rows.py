@@ -119,24 +119,21 @@ def megablox_tiles(rows: int, contracted: int, columns: int):
     return None if tm is None else (tm, min(MEGABLOX_TILES[1], contracted), min(MEGABLOX_TILES[2], columns))
 
 
-def grouped_matmul(x, weight, offsets, tgmm: bool = False, interpret: bool = False):
+def grouped_matmul(x, weight, offsets, tiles: Optional[tuple] = None, interpret: bool = False):
     """``x`` ``[n, K]`` sorted by group (``offsets`` the groups' ends) times ``weight[g]``
     (``[G, K, N]``), in ``x``'s dtype, by XLA's ``ragged_dot``; rows past the last offset are
-    zero. ``tgmm``: the weight gradient by Pallas's megablox kernel for it (``tgmm``, MaxText's),
-    where its tiles fit. libtpu 0.0.21 runs ``ragged_dot`` forward, and its input's gradient, as
-    a ragged kernel, but the weight gradient as dense matmuls over every group with the other
-    groups' rows masked: E times the arithmetic (a Mixtral-8x7B-sized layer: a roofline of 137 ms
-    against 59). Megablox's forward kernel (``gmm``) re-reads more: 70 ms. ``interpret``: the
-    kernel in Pallas's interpreter, for checking off TPU."""
+    zero. ``tiles`` (``megablox_tiles``): the weight gradient by Pallas's megablox kernel for it
+    (``tgmm``, MaxText's), in those tiles. libtpu 0.0.21 runs ``ragged_dot`` forward, and its
+    input's gradient, as a ragged kernel, but the weight gradient as dense matmuls over every
+    group with the other groups' rows masked: E times the arithmetic (a Mixtral-8x7B-sized layer:
+    a roofline of 137 ms against 58). Megablox's forward kernel (``gmm``) re-reads more: 70 ms.
+    ``interpret``: the kernel in Pallas's interpreter, for checking off TPU."""
     import jax.numpy as jnp
 
     from spmdzero.backends.torchax import lowerings
 
-    tiles = megablox_tiles(x.shape[0], x.shape[1], weight.shape[-1]) if tgmm else None
-    if tiles is None or x.dtype not in (jnp.float32, jnp.bfloat16):
-        _split.calls["ragged_dot"] += 1
+    if tiles is None:
         return lowerings.grouped_mm(x, weight, offsets)
-    _split.calls["ragged_dot+tgmm"] += 1
     offsets = offsets.astype(jnp.int32)
     sizes = jnp.diff(offsets, prepend=jnp.zeros((1,), jnp.int32))
     out = _ragged_dot_tgmm()(x, weight.astype(x.dtype), sizes, tiles, interpret)
@@ -172,19 +169,19 @@ def _ragged_dot_tgmm():
     return rule
 
 
-def _one_block(x, weight, offsets, tgmm: bool):
-    return grouped_matmul(x[0], weight, offsets[0], tgmm)[None]
+def _one_block(x, weight, offsets, tiles: Optional[tuple]):
+    return grouped_matmul(x[0], weight, offsets[0], tiles)[None]
 
 
 @functools.lru_cache(maxsize=64)
-def _per_chip(mesh, batch_axes: tuple, tgmm: bool):
+def _per_chip(mesh, batch_axes: tuple, tiles: Optional[tuple]):
     """``_one_block`` on each chip's block, one jitted function per mesh: an eager step (the
     fallback of ``host_reads``) then compiles it once, not at every call."""
     import jax
     from jax.sharding import PartitionSpec
 
     rows = PartitionSpec(batch_axes)
-    return jax.jit(jax.shard_map(functools.partial(_one_block, tgmm=tgmm), mesh=mesh,
+    return jax.jit(jax.shard_map(functools.partial(_one_block, tiles=tiles), mesh=mesh,
                                  in_specs=(rows, PartitionSpec(), rows), out_specs=rows, check_vma=False))
 
 
@@ -193,10 +190,15 @@ def _grouped_mm(x, weight, offsets):
     (``grouped_matmul``). One block per data-parallel device runs under ``jax.shard_map``, each
     chip its own: libtpu 0.0.21 keeps a ragged kernel only for an unbatched, unpartitioned
     grouped matmul, and turns a batched one into dense matmuls over every group."""
-    tgmm = _split.platform == "tpu"
+    import jax.numpy as jnp
+
+    tiles = None
+    if _split.platform == "tpu" and x.dtype in (jnp.float32, jnp.bfloat16):
+        tiles = megablox_tiles(x.shape[1], x.shape[2], weight.shape[-1])
+    _split.calls["ragged_dot" if tiles is None else "ragged_dot+tgmm"] += 1
     if x.shape[0] == 1:
-        return _one_block(x, weight, offsets, tgmm)
-    return _per_chip(_split.mesh, _split.batch_axes, tgmm)(x, weight, offsets)
+        return _one_block(x, weight, offsets, tiles)
+    return _per_chip(_split.mesh, _split.batch_axes, tiles)(x, weight, offsets)
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
