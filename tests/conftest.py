@@ -89,6 +89,20 @@ def run_python(*code: str, env: dict | None = None, timeout: int = 600) -> str:
     return proc.stdout
 
 
+def aot_json(directory, model: dict, config: dict, *args: str, env: dict | None = None) -> dict:
+    """``spmdzero aot --json`` on a transformers config (``model``, written with the DeepSpeed
+    ``config`` into ``directory``) for v5e:2x2 unless ``args`` name a topology: its document."""
+    import json
+
+    json.dump(model, open(os.path.join(directory, "config.json"), "w"))
+    json.dump(config, open(os.path.join(directory, "ds.json"), "w"))
+    topology = [] if "--topology" in args else ["--topology", "v5e:2x2"]
+    argv = ["aot", *topology, "--deepspeed_config", os.path.join(directory, "ds.json"), "--model", str(directory),
+            *args, "--json"]
+    out = run_python(f"import spmdzero_cli\nspmdzero_cli.main({argv!r})", env=env)
+    return json.loads(out[out.index("{"):])
+
+
 @contextlib.contextmanager
 def spmdzero_log():
     """The records of the "spmdzero" logger (which does not propagate once its own handler is on)."""

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from conftest import run_python
+from conftest import aot_json, run_python
 
 TORCH_XLA = {"SPMDZERO_BACKEND": "torch_xla"}  # the torch_xla backend's runtime holds the child's devices
 
@@ -277,14 +277,7 @@ def test_transformers_config_bf16_zero1_shape_only_as_json(tmp_path):
     model = {"model_type": "gpt2", "vocab_size": 1024, "n_positions": 16, "n_embd": 128, "n_layer": 2, "n_head": 2}
     config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
-    json.dump(model, open(tmp_path / "config.json", "w"))
-    json.dump(config, open(tmp_path / "ds.json", "w"))
-    out = run_python(f"""
-        import spmdzero_cli
-        spmdzero_cli.main(["aot", "--topology", "v5e:2x2", "--deepspeed_config", {str(tmp_path / 'ds.json')!r},
-                           "--model", {str(tmp_path)!r}, "--stages", "1", "--seq-len", "16", "--json"])
-    """, env=TORCH_XLA)
-    result = json.loads(out[out.index("{"):])
+    result = aot_json(tmp_path, model, config, "--stages", "1", "--seq-len", "16", env=TORCH_XLA)
     report = result["reports"][0]
     assert result["shape_only"] and report["stage"] == 1 and report["micro_batch"] == 2 and report["fits"]
     P = report["gradient_bytes"] // 2  # bf16 communication

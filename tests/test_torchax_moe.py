@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import run_python
+from conftest import aot_json, run_python
 
 MIXTRAL = """
     import json, torch, spmdzero, transformers
@@ -92,14 +92,7 @@ def test_on_the_tpu_compiler_the_weight_gradients_take_megablox_and_the_traffic_
              "num_experts_per_tok": 2, "max_position_embeddings": 256}
     config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
-    json.dump(model, open(tmp_path / "config.json", "w"))
-    json.dump(config, open(tmp_path / "ds.json", "w"))
-    out = run_python(f"""
-        import spmdzero_cli
-        spmdzero_cli.main(["aot", "--topology", "v5e:2x2", "--deepspeed_config", {str(tmp_path / 'ds.json')!r},
-                           "--model", {str(tmp_path)!r}, "--stages", "2", "--seq-len", "256", "--json"])
-    """)
-    report = json.loads(out[out.index("{"):])["reports"][0]
+    report = aot_json(tmp_path, model, config, "--stages", "2", "--seq-len", "256")["reports"][0]
     assert report["experts"] == ("XLA ragged_dot, its weight gradient by Pallas megablox's tgmm x4, each chip's "
                                  "rows sorted among themselves"), report["experts"]
     assert report["fits"] and report["traffic"]["ratio"] <= 1.1, report["traffic"]
