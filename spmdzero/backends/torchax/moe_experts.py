@@ -38,8 +38,9 @@ arithmetic, said once in a warning. Other classes (PhiMoE, whose sparse mixer sa
 and has its own backward; DBRX; LongCat-Flash's identity experts...) keep their loop
 and train eagerly. On 5.x, JetMoE's router and experts are replaced too, and the experts
 implementation ``grouped_mm`` (``integrations.moe``: every class it decorates) is
-``grouped_experts_forward``, which sorts within each chip's rows. GraniteMoE's and JetMoE's pairs
-are still sorted over the whole batch: their router hands the experts a flat sorted list. The
+``grouped_experts_forward``, which sorts within each chip's rows (5.x's GraniteMoE included).
+4.x's GraniteMoE's and JetMoE's pairs are still sorted over the whole batch: their router hands
+the experts one flat sorted list. The
 torch_xla backend cuts its graph at the read instead. ``transformers_methods`` swaps the methods in for the trace only.
 """
 

@@ -193,7 +193,8 @@ def _grouped_mm(x, weight, offsets):
     import jax.numpy as jnp
 
     tiles = None
-    if _split.platform == "tpu" and x.dtype in (jnp.float32, jnp.bfloat16):
+    # a Pallas call is opaque to the partitioner: only where each chip runs its own rows
+    if _split.platform == "tpu" and x.dtype in (jnp.float32, jnp.bfloat16) and (x.shape[0] > 1 or _split.devices == 1):
         tiles = megablox_tiles(x.shape[1], x.shape[2], weight.shape[-1])
     _split.calls["ragged_dot" if tiles is None else "ragged_dot+tgmm"] += 1
     if x.shape[0] == 1:
