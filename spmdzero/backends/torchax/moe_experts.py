@@ -25,10 +25,12 @@ around the experts compute what transformers 4.x's lines do, restated here:
   summed in its weights' dtype);
 * gpt-oss's and Qwen3-VL-MoE's experts (``GptOssExperts``, ``Qwen3VLMoeTextExperts``) where they
   loop (in training; their other path is one batched matmul);
-* GraniteMoE's, GraniteMoE-Shared's and Granite 4.0's (GraniteMoeHybrid) router and experts,
-  and JetMoE's on 5.x too: the router already sorts the pairs by expert but reads each expert's
-  count into a list (``expert_size.tolist()``) to split them; the count stays a tensor, and the
-  experts' split-and-loop is one grouped matmul over the same sorted pairs.
+* the ``forward`` of GraniteMoE's, GraniteMoE-Shared's and Granite 4.0's (GraniteMoeHybrid)
+  block: the router's lines and the experts' 3-D projections over each chip's pairs;
+* JetMoE's router and experts, on 5.x too (and Granite's, should its block keep its own
+  forward): the router sorts the pairs by expert but reads each expert's count into a list
+  (``expert_size.tolist()``) to split them; the count stays a tensor, and the experts'
+  split-and-loop is one grouped matmul over the same sorted pairs.
 
 Experts whose projections carry PEFT's LoRA (``target_modules="all-linear"`` reaches them) group
 the same way: the base weights, the As and the Bs each one grouped matmul. Experts that are
@@ -39,8 +41,8 @@ and has its own backward; DBRX; LongCat-Flash's identity experts...) keep their 
 and train eagerly. On 5.x, JetMoE's router and experts are replaced too, and the experts
 implementation ``grouped_mm`` (``integrations.moe``: every class it decorates) is
 ``grouped_experts_forward``, which sorts within each chip's rows (5.x's GraniteMoE included).
-4.x's GraniteMoE's and JetMoE's pairs are still sorted over the whole batch: their router hands
-the experts one flat sorted list. The
+JetMoE's pairs are still sorted over the whole batch: its router hands the experts one flat
+sorted list (4.x's GraniteMoE blocks are replaced whole, ``_granite_block_forward``). The
 torch_xla backend cuts its graph at the read instead. ``transformers_methods`` swaps the methods in for the trace only.
 """
 
@@ -298,6 +300,34 @@ def _stacked_glu_experts(original):
     return forward
 
 
+def _granite_block_forward(original):
+    """4.x GraniteMoE's block (GraniteMoE-Shared's and Granite 4.0's alike): the router's lines
+    (float32 logits, the top k, a softmax over them), and the experts' two projections (3-D
+    weights ``[E, out, in]``, the first one's halves gated) over each chip's pairs (``moe_rows``),
+    not over the router's one list sorted over the whole batch."""
+
+    def forward(self, layer_input: torch.Tensor):
+        linears = (self.input_linear, self.output_linear)
+        if not all(isinstance(getattr(linear, "weight", None), torch.Tensor) and linear.weight.dim() == 3
+                   for linear in linears):
+            return original(self, layer_input)
+        batch, length, width = layer_input.size()
+        x = layer_input.reshape(-1, width)
+        logits = self.router.layer(x).float()
+        top_logits, chosen = logits.topk(self.router.top_k, dim=1)
+        gates = torch.softmax(top_logits, dim=1).type_as(x)
+        pairs = moe_rows.Pairs.by_expert(chosen, self.router.num_experts)
+        gate, up = moe_rows.grouped_mm(pairs.of_tokens(x), self.input_linear.weight.transpose(1, 2),
+                                       pairs.offsets).chunk(2, dim=-1)
+        out = moe_rows.grouped_mm(self.activation(gate) * up, self.output_linear.weight.transpose(1, 2),
+                                  pairs.offsets)
+        out = out * pairs.of_choices(gates)[..., None]
+        zeros = torch.zeros((batch * length, self.input_size), dtype=out.dtype, device=out.device)
+        return pairs.added_to_tokens(zeros, out).view(batch, length, self.input_size), logits
+
+    return forward
+
+
 def _top_k_gating(original):
     """GraniteMoE's and JetMoE's router, its lines with the experts' token counts left a tensor
     (transformers reads them into a list, ``expert_size.tolist()``, to split the sorted pairs)."""
@@ -402,6 +432,9 @@ REPLACED = (
     ("glm4v_moe", "Glm4vMoeTextMoE", "moe", _deepseek_moe),
     ("gpt_oss", "GptOssExperts", "forward", _gpt_oss_experts),
     ("qwen3_vl_moe", "Qwen3VLMoeTextExperts", "forward", _stacked_glu_experts),
+    ("granitemoe", "GraniteMoeMoE", "forward", _granite_block_forward),
+    ("granitemoeshared", "GraniteMoeSharedMoE", "forward", _granite_block_forward),
+    ("granitemoehybrid", "GraniteMoeHybridMoE", "forward", _granite_block_forward),
     ("granitemoe", "GraniteMoeTopKGating", "forward", _top_k_gating),
     ("granitemoe", "GraniteMoeParallelExperts", "forward", _parallel_experts),
     ("granitemoeshared", "GraniteMoeSharedTopKGating", "forward", _top_k_gating),
