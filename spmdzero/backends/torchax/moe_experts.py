@@ -25,12 +25,8 @@ around the experts compute what transformers 4.x's lines do, restated here:
   summed in its weights' dtype);
 * gpt-oss's and Qwen3-VL-MoE's experts (``GptOssExperts``, ``Qwen3VLMoeTextExperts``) where they
   loop (in training; their other path is one batched matmul);
-* the ``forward`` of GraniteMoE's, GraniteMoE-Shared's and Granite 4.0's (GraniteMoeHybrid)
-  block: the router's lines and the experts' 3-D projections over each chip's pairs;
-* JetMoE's router and experts, on 5.x too (and Granite's, should its block keep its own
-  forward): the router sorts the pairs by expert but reads each expert's count into a list
-  (``expert_size.tolist()``) to split them; the count stays a tensor, and the experts'
-  split-and-loop is one grouped matmul over the same sorted pairs.
+* GraniteMoE's, GraniteMoE-Shared's and Granite 4.0's (GraniteMoeHybrid) blocks, and JetMoE's
+  on 5.x too, whose router reads each expert's count into a list (``moe_routers``).
 
 Experts whose projections carry PEFT's LoRA (``target_modules="all-linear"`` reaches them) group
 the same way: the base weights, the As and the Bs each one grouped matmul. Experts that are
@@ -38,12 +34,10 @@ neither (a LoRA bias, DoRA, quantized layers...) run every expert on every token
 what each token gave it (0 where it chose another): static shapes at E/k times the experts'
 arithmetic, said once in a warning. Other classes (PhiMoE, whose sparse mixer samples its route
 and has its own backward; DBRX; LongCat-Flash's identity experts...) keep their loop
-and train eagerly. On 5.x, JetMoE's router and experts are replaced too, and the experts
-implementation ``grouped_mm`` (``integrations.moe``: every class it decorates) is
-``grouped_experts_forward``, which sorts within each chip's rows (5.x's GraniteMoE included).
-JetMoE's pairs are still sorted over the whole batch: its router hands the experts one flat
-sorted list (4.x's GraniteMoE blocks are replaced whole, ``_granite_block_forward``). The
-torch_xla backend cuts its graph at the read instead. ``transformers_methods`` swaps the methods in for the trace only.
+and train eagerly. On 5.x, the experts implementation ``grouped_mm`` (``integrations.moe``:
+every class it decorates, GraniteMoE's included) is ``grouped_experts_forward``, which sorts
+within each chip's rows. The torch_xla backend cuts its graph at the read instead.
+``transformers_methods`` swaps the methods in for the trace only.
 """
 
 from __future__ import annotations
@@ -56,7 +50,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from spmdzero.backends.torchax import moe_rows, transformers_methods
+from spmdzero.backends.torchax import moe_routers, moe_rows, transformers_methods
 
 # an expert MLP's projections, as (gate, up, down) attribute names: down(act(gate(x)) * up(x))
 PROJECTIONS = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
@@ -300,65 +294,6 @@ def _stacked_glu_experts(original):
     return forward
 
 
-def _granite_block_forward(original):
-    """4.x GraniteMoE's block (GraniteMoE-Shared's and Granite 4.0's alike): the router's lines
-    (float32 logits, the top k, a softmax over them), and the experts' two projections (3-D
-    weights ``[E, out, in]``, the first one's halves gated) over each chip's pairs (``moe_rows``),
-    not over the router's one list sorted over the whole batch."""
-
-    def forward(self, layer_input: torch.Tensor):
-        linears = (self.input_linear, self.output_linear)
-        if not all(isinstance(getattr(linear, "weight", None), torch.Tensor) and linear.weight.dim() == 3
-                   for linear in linears):
-            return original(self, layer_input)
-        batch, length, width = layer_input.size()
-        x = layer_input.reshape(-1, width)
-        logits = self.router.layer(x).float()
-        top_logits, chosen = logits.topk(self.router.top_k, dim=1)
-        gates = torch.softmax(top_logits, dim=1).type_as(x)
-        pairs = moe_rows.Pairs.by_expert(chosen, self.router.num_experts)
-        gate, up = moe_rows.grouped_mm(pairs.of_tokens(x), self.input_linear.weight.transpose(1, 2),
-                                       pairs.offsets).chunk(2, dim=-1)
-        out = moe_rows.grouped_mm(self.activation(gate) * up, self.output_linear.weight.transpose(1, 2),
-                                  pairs.offsets)
-        out = out * pairs.of_choices(gates)[..., None]
-        zeros = torch.zeros((batch * length, self.input_size), dtype=out.dtype, device=out.device)
-        return pairs.added_to_tokens(zeros, out).view(batch, length, self.input_size), logits
-
-    return forward
-
-
-def _top_k_gating(original):
-    """GraniteMoE's and JetMoE's router, its lines with the experts' token counts left a tensor
-    (transformers reads them into a list, ``expert_size.tolist()``, to split the sorted pairs)."""
-
-    def forward(self, hidden_states: torch.Tensor):
-        logits = self.layer(hidden_states).float()
-        top_k_logits, top_k_indices = logits.topk(self.top_k, dim=1)
-        top_k_gates = torch.softmax(top_k_logits, dim=1).type_as(hidden_states)
-        zeros = torch.zeros([top_k_gates.size(0), self.num_experts], dtype=top_k_gates.dtype, device=top_k_gates.device)
-        expert_size = zeros.scatter(1, top_k_indices, 1).long().sum(0)
-        _, index_sorted_experts = top_k_indices.flatten().sort(0)
-        batch_index = index_sorted_experts.div(self.top_k, rounding_mode="trunc")
-        batch_gates = top_k_gates.flatten()[index_sorted_experts]
-        return index_sorted_experts, batch_index, batch_gates, expert_size, logits
-
-    return forward
-
-
-def _parallel_experts(original):
-    """GraniteMoE's and JetMoE's experts over pairs sorted by expert: with the token counts a
-    tensor (``_top_k_gating``), one grouped matmul instead of a split and a loop."""
-
-    def forward(self, inputs: torch.Tensor, expert_size):
-        if not isinstance(expert_size, torch.Tensor):
-            return original(self, inputs, expert_size)
-        offsets = torch.cumsum(expert_size, 0).to(torch.int32)
-        return torch._grouped_mm(inputs, self.weight.transpose(1, 2), offs=offsets)
-
-    return forward
-
-
 def _experts_linear(x, weight, offsets, bias, transposed: bool):
     """transformers 5.x's ``_grouped_linear`` per block of rows: the input cast to the weights'
     dtype, ``weight`` ``[E, out, in]`` (``[E, in, out]`` where ``transposed``), a bias per pair."""
@@ -432,28 +367,17 @@ REPLACED = (
     ("glm4v_moe", "Glm4vMoeTextMoE", "moe", _deepseek_moe),
     ("gpt_oss", "GptOssExperts", "forward", _gpt_oss_experts),
     ("qwen3_vl_moe", "Qwen3VLMoeTextExperts", "forward", _stacked_glu_experts),
-    ("granitemoe", "GraniteMoeMoE", "forward", _granite_block_forward),
-    ("granitemoeshared", "GraniteMoeSharedMoE", "forward", _granite_block_forward),
-    ("granitemoehybrid", "GraniteMoeHybridMoE", "forward", _granite_block_forward),
-    ("granitemoe", "GraniteMoeTopKGating", "forward", _top_k_gating),
-    ("granitemoe", "GraniteMoeParallelExperts", "forward", _parallel_experts),
-    ("granitemoeshared", "GraniteMoeSharedTopKGating", "forward", _top_k_gating),
-    ("granitemoeshared", "GraniteMoeSharedParallelExperts", "forward", _parallel_experts),
-    ("granitemoehybrid", "GraniteMoeHybridTopKGating", "forward", _top_k_gating),
-    ("granitemoehybrid", "GraniteMoeHybridParallelExperts", "forward", _parallel_experts),
+    *moe_routers.GRANITE,
 )
 # the same loops in 5.x too
-EVERY_VERSION = (
-    ("jetmoe", "JetMoeTopKGating", "forward", _top_k_gating),
-    ("jetmoe", "JetMoeParallelExperts", "forward", _parallel_experts),
-)
+EVERY_VERSION = moe_routers.JETMOE
 
 
 @contextlib.contextmanager
 def grouped(split: moe_rows.Split):
-    """While a step is traced: transformers 4.x's expert loops (``REPLACED``) as grouped
-    matmuls, GraniteMoE's and JetMoE's token counts kept as tensors (``EVERY_VERSION``), and 5.x's
-    grouped experts sorting within each chip's rows as ``split`` says (``moe_rows``)."""
+    """While a step is traced: transformers 4.x's expert loops (``REPLACED``) and JetMoE's on
+    both versions (``EVERY_VERSION``) as grouped matmuls, and 5.x's grouped experts, each chip
+    sorting its own rows' pairs as ``split`` says (``moe_rows``)."""
     replacements = [*REPLACED, *EVERY_VERSION] if transformers_methods.transformers_4() else EVERY_VERSION
     with moe_rows.splitting(split), transformers_methods.replaced(replacements), \
             _experts_interface():
