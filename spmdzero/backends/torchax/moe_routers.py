@@ -31,13 +31,17 @@ def _stacked_experts(*linears) -> bool:
                for linear in linears)
 
 
-def _routed(self, x: torch.Tensor):
-    """GraniteMoE's and JetMoE's routing: the router's logits (the module called, so that the
-    hooks recording them see it; what it sorts goes unused), the top k of them, and a softmax
-    over those, as its lines compute them."""
+def _routed(self, layer_input: torch.Tensor):
+    """GraniteMoE's and JetMoE's routing of ``layer_input`` ``[batch, length, width]``, as the
+    router's lines compute it: its logits (the module called, so that the hooks recording them
+    see it; what it sorts goes unused), the top k of them and a softmax over those (the gates),
+    and the pairs sorted within each chip's rows. Returns the rows ``[T, width]``, the logits,
+    the gates ``[T, k]`` and the ``moe_rows.Pairs``."""
+    x = layer_input.reshape(-1, layer_input.shape[-1])
     logits = self.router(x)[4]
     top_logits, chosen = logits.topk(self.router.top_k, dim=1)
-    return logits, chosen, torch.softmax(top_logits, dim=1).type_as(x)
+    gates = torch.softmax(top_logits, dim=1).type_as(x)
+    return x, logits, gates, moe_rows.Pairs.by_expert(chosen, self.router.num_experts)
 
 
 def _routed_block_forward(original):
@@ -50,10 +54,8 @@ def _routed_block_forward(original):
     def forward(self, layer_input: torch.Tensor):
         if not _stacked_experts(self.input_linear, self.output_linear):
             return original(self, layer_input)
-        batch, length, width = layer_input.size()
-        x = layer_input.reshape(-1, width)
-        logits, chosen, gates = _routed(self, x)
-        pairs = moe_rows.Pairs.by_expert(chosen, self.router.num_experts)
+        batch, length, _ = layer_input.size()
+        x, logits, gates, pairs = _routed(self, layer_input)
         gate, up = moe_rows.grouped_mm(pairs.of_tokens(x), self.input_linear.weight.transpose(1, 2),
                                        pairs.offsets).chunk(2, dim=-1)
         out = moe_rows.grouped_mm(self.activation(gate) * up, self.output_linear.weight.transpose(1, 2),
@@ -76,10 +78,8 @@ def _attention_experts_map(original):
     def map(self, layer_input: torch.Tensor):
         if not _stacked_experts(self.input_linear, self.output_linear):
             return original(self, layer_input)
-        batch, length, width = layer_input.size()
-        x = layer_input.reshape(-1, width)
-        logits, chosen, gates = _routed(self, x)
-        pairs = moe_rows.Pairs.by_expert(chosen, self.num_experts)
+        batch, length, _ = layer_input.size()
+        x, logits, gates, pairs = _routed(self, layer_input)
         out = moe_rows.grouped_mm(pairs.of_tokens(x), self.input_linear.weight.transpose(1, 2), pairs.offsets)
         return pairs.unsorted(out).view(batch, length, self.top_k, -1), logits, (pairs, gates)
 
