@@ -35,11 +35,12 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+
 @dataclass
 class Split:
     """The step being traced: its mesh, the data-parallel axes its batch is split over (and their
-    devices), the platform it compiles for ("tpu": the grouped matmuls take Pallas's megablox
-    kernel), and the kernels its grouped matmuls took, call by call (``describe``)."""
+    devices), the platform it compiles for (on "tpu" the weight gradients take megablox's
+    ``tgmm``), and the kernels its grouped matmuls took, call by call (``describe``)."""
 
     mesh: Any = None
     batch_axes: tuple = ()
