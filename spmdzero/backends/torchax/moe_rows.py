@@ -35,6 +35,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from spmdzero.backends.torchax import lowerings
+
 
 @dataclass
 class Split:
@@ -130,8 +132,6 @@ def grouped_matmul(x, weight, offsets, tiles: Optional[tuple] = None, interpret:
     a roofline of 137 ms against 58). Megablox's forward kernel (``gmm``) re-reads more: 70 ms.
     ``interpret``: the kernel in Pallas's interpreter, for checking off TPU."""
     import jax.numpy as jnp
-
-    from spmdzero.backends.torchax import lowerings
 
     if tiles is None:
         return lowerings.grouped_mm(x, weight, offsets)
