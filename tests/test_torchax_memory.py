@@ -16,6 +16,8 @@ import torch
 import spmdzero
 from spmdzero.observe.reports import live_device_bytes
 
+from conftest import run_python
+
 N = 8
 WIDTH = 256
 
@@ -81,3 +83,24 @@ def test_device_memory_within_zero_accounting(stage, bf16, loss_inside):
         assert max(waiting_ratios[1::2]) <= 1.05, waiting_ratios
     else:  # a copy of the gathered weights would be 3x
         assert max(waiting_ratios[1::2]) <= 1.2, waiting_ratios
+
+
+def test_the_release_thread_is_stopped_at_exit_after_releasing_what_it_holds():
+    """The helper thread that drops the engine's used gradients (``release.py``) is stopped by an
+    exit handler, once it has released what it was handed, before Python finalizes: a daemon
+    thread still inside jaxlib's destructor then was ended by a forced unwind, and the process
+    aborted (-6) after its last line. The handler registered first runs last, and sees the thread
+    gone and the arrays released."""
+    out = run_python("""
+        import atexit, threading
+        import jax, jax.numpy as jnp
+        from spmdzero.backends.torchax import release
+        def report():  # registered before the release thread's handler: runs after it
+            alive = any(t.name == "spmdzero-release" for t in threading.enumerate())
+            left = sum(1 for a in jax.live_arrays() if a.shape == (512, 512))
+            print("thread alive at exit:", alive, "| arrays left:", left)
+        atexit.register(report)
+        release.release_in_background([jnp.ones((512, 512)) * i for i in range(16)])
+        print("last line")
+    """)
+    assert out.splitlines()[-2:] == ["last line", "thread alive at exit: False | arrays left: 0"], out
