@@ -140,26 +140,42 @@ def test_adamw_warming_up_from_lr_zero_stays_finite():
     torch.testing.assert_close(weight, ref.module.emb.weight.detach().cpu(), atol=1e-5, rtol=1e-5)
 
 
-ADAFACTOR_CASES = {
-    # the Trainer's --optim adafactor
-    "trainer": dict(lr=1e-2, scale_parameter=False, relative_step=False, warmup_init=False, weight_decay=0.01),
+def _transformers_adafactor(**options):
+    def make(params):
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, **options)
+    return make
+
+
+# optimizers whose own step reads a value on the host, or made a state torchax could not
+OWN_STEP_CASES = {
+    # transformers' Adafactor as the Trainer's --optim adafactor makes it
+    "transformers-adafactor": _transformers_adafactor(lr=1e-2, scale_parameter=False, relative_step=False,
+                                                      warmup_init=False, weight_decay=0.01),
     # T5's recipe: step sizes from the count, scaled by each parameter's RMS, and a first moment
-    "relative-step": dict(lr=None, scale_parameter=True, relative_step=True, warmup_init=True, beta1=0.9),
+    "transformers-adafactor-relative-step": _transformers_adafactor(lr=None, scale_parameter=True, relative_step=True,
+                                                                    warmup_init=True, beta1=0.9),
+    # torch's own (2.5 and later): .item() of its count and of two norms
+    "torch-adafactor": lambda params: torch.optim.Adafactor(params, lr=1e-2, weight_decay=0.01),
+    # its eta state made by torch.as_tensor(lr, dtype=...), which torchax could not convert; t0=2: it averages
+    "torch-asgd": lambda params: torch.optim.ASGD(params, lr=1e-2, t0=2, weight_decay=0.01),
 }
 
 
-@pytest.mark.parametrize("case", ADAFACTOR_CASES)
-def test_transformers_adafactor_trains_as_in_plain_torch_and_resumes(case, tmp_path):
+@pytest.mark.parametrize("case", OWN_STEP_CASES)
+def test_an_optimizer_whose_step_reads_values_trains_as_in_plain_torch_and_resumes(case, tmp_path):
     """transformers' Adafactor keeps its step count as a Python number and reads it with
-    math.pow: traced as it is, the run stopped at its second step (KeyError: 'step'). Its
-    factored (matrices) and unfactored (biases) second moments, with the count a tensor: the
-    losses and parameters of plain torch over 6 steps, the update traced twice and never again,
-    and a checkpoint taken after 3 steps resumes to the same losses."""
-    from transformers.optimization import Adafactor
-
+    math.pow: traced as it is, the run stopped at its second step (KeyError: 'step'). torch's
+    Adafactor reads its count and norms with .item(), and torch's ASGD makes a state with
+    torch.as_tensor: both were refused at their first step. Their updates with the reads as
+    tensors (factored second moments for matrices, unfactored for biases): the losses and
+    parameters of plain torch over 6 steps, the update traced twice and never again, the states
+    under torch's own keys, and a checkpoint taken after 3 steps resumes to the same losses."""
+    make = OWN_STEP_CASES[case]
     data = batches(6, 16)
     reference = WithLoss(tiny_mlp())
-    torch_optimizer = Adafactor(reference.parameters(), **ADAFACTOR_CASES[case])
+    torch_optimizer = make(reference.parameters())
     expected = []
     for x, y in data:
         loss = reference(x, y)
@@ -170,7 +186,7 @@ def test_transformers_adafactor_trains_as_in_plain_torch_and_resumes(case, tmp_p
 
     def engine_of(seed):
         model = WithLoss(tiny_mlp(seed=seed))
-        engine, *_ = spmdzero.initialize(model=model, optimizer=Adafactor(model.parameters(), **ADAFACTOR_CASES[case]),
+        engine, *_ = spmdzero.initialize(model=model, optimizer=make(model.parameters()),
                                          config={"train_batch_size": 16, "gradient_clipping": 0.0,
                                                  "zero_optimization": {"stage": 2}})
         return engine
@@ -184,6 +200,9 @@ def test_transformers_adafactor_trains_as_in_plain_torch_and_resumes(case, tmp_p
     assert losses == pytest.approx(expected, abs=1e-5)
     for (name, p), (_, q) in zip(engine.module.named_parameters(), reference.named_parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), atol=1e-5, rtol=1e-5, msg=name)
+    states = engine.optimizer.state_dict()["state"]
+    assert [sorted(states[i]) for i in sorted(states)] == [
+        sorted(s) for s in torch_optimizer.state_dict()["state"].values()]
     resumed = engine_of(1)
     resumed.load_checkpoint(str(tmp_path))
     assert train(resumed, data[3:]) == pytest.approx(losses[3:], abs=1e-6)

@@ -1,4 +1,4 @@
-"""transformers' ``Adafactor`` on the torchax backend: its update, with the step count a tensor.
+"""transformers' and torch's ``Adafactor`` on the torchax backend: their updates, the step count a tensor.
 
 Why: the Trainer's ``--optim adafactor`` (and T5's usual recipe, ``Adafactor(relative_step=True,
 warmup_init=True)``) hands the engine ``transformers.optimization.Adafactor``, whose ``step()``
@@ -15,6 +15,13 @@ Adafactor's own arithmetic, in its order: the factored second moments of a matri
 (row and column means), the unfactored one of a vector's, the update clipped by its RMS over
 ``clip_threshold``, the optional first moment, the weight decay scaled by the step size. A
 subclass that overrides ``step`` runs its own, as any torch optimizer does.
+
+torch's own ``torch.optim.Adafactor`` (torch 2.5 and later) keeps its count a tensor, but reads
+it with ``.item()``, and the parameter's and the update's norms too, to take Python's ``min``
+and ``max`` of them: the update stopped at its first trace. ``torch_step`` is its
+single-tensor update with those three as tensors, in its order and with its state keys
+(``step``, ``row_var``/``col_var`` for a matrix, ``variance`` for a vector), so that its
+``state_dict`` is torch's.
 """
 
 from __future__ import annotations
@@ -23,11 +30,22 @@ import torch
 
 
 def replaces(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` is transformers' Adafactor with that class's own ``step``."""
+    """Whether ``optimizer`` is transformers' or torch's Adafactor with that class's own ``step``."""
+    return _twin(optimizer) is not None
+
+
+def step(optimizer: torch.optim.Optimizer) -> None:
+    """One step of ``optimizer``, transformers' or torch's Adafactor (``replaces``)."""
+    _twin(optimizer)(optimizer)
+
+
+def _twin(optimizer: torch.optim.Optimizer):
+    """The traced update standing in for ``optimizer``'s class's own ``step``; None if it has none."""
     for cls in type(optimizer).__mro__:
-        if cls.__module__ == "transformers.optimization" and cls.__name__ == "Adafactor":
-            return type(optimizer).step is cls.step
-    return False
+        twin = _TWINS.get((cls.__module__, cls.__name__))
+        if twin is not None:
+            return twin if type(optimizer).step is cls.step else None
+    return None
 
 
 def _rms(tensor: torch.Tensor) -> torch.Tensor:
@@ -35,8 +53,8 @@ def _rms(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def step(optimizer: torch.optim.Optimizer) -> None:
-    """One Adafactor step of ``optimizer`` (its groups' hyperparameters, its ``state``)."""
+def transformers_step(optimizer: torch.optim.Optimizer) -> None:
+    """One step of transformers' Adafactor ``optimizer`` (its groups' hyperparameters, its ``state``)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.grad is None:
@@ -88,3 +106,45 @@ def step(optimizer: torch.optim.Optimizer) -> None:
             p_fp32.add_(-update)
             if p.dtype in (torch.float16, torch.bfloat16):
                 p.copy_(p_fp32)
+
+
+@torch.no_grad()
+def torch_step(optimizer: torch.optim.Optimizer) -> None:
+    """One step of torch's ``torch.optim.Adafactor`` (``_single_tensor_adafactor``'s arithmetic)."""
+    for group in optimizer.param_groups:
+        lr, (eps1, eps2), d = group["lr"], group["eps"], group["d"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = -p.grad if group["maximize"] else p.grad
+            state = optimizer.state[p]
+            if len(state) == 0:
+                state["step"] = grad.new_zeros((), dtype=torch.float32)  # a factory would make a host tensor
+                if grad.dim() > 1:
+                    state["row_var"] = grad.new_zeros((*grad.shape[:-1], 1))
+                    state["col_var"] = grad.new_zeros((*grad.shape[:-2], 1, grad.shape[-1]))
+                else:
+                    state["variance"] = torch.zeros_like(grad)
+            floor = torch.finfo(p.dtype).eps if eps1 is None else eps1
+            count = state["step"] + 1
+            state["step"] = count
+            one_minus_beta2 = count ** group["beta2_decay"]
+            rho = torch.clamp(count.rsqrt(), max=lr)  # min(lr, 1 / sqrt(step))
+            alpha = torch.clamp(_rms(p), min=eps2) * rho
+            if group["weight_decay"] != 0:
+                p.mul_(1 - lr * group["weight_decay"])
+            if grad.dim() > 1:
+                row_var, col_var = state["row_var"], state["col_var"]
+                row_var.lerp_(torch.norm(grad, dim=-1, keepdim=True).square() / grad.size(-1), one_minus_beta2)
+                col_var.lerp_(torch.norm(grad, dim=-2, keepdim=True).square() / grad.size(-2), one_minus_beta2)
+                estimate = (row_var @ col_var) / row_var.mean(dim=-2, keepdim=True).clamp(min=floor)
+            else:
+                variance = state["variance"]
+                variance.lerp_(grad * grad, one_minus_beta2)
+                estimate = variance
+            update = estimate.clamp(min=floor * floor).rsqrt() * grad
+            denom = torch.clamp(update.norm(2) / ((update.numel() ** 0.5) * d), min=1.0)
+            p.add_(update * (-alpha / denom))
+
+
+_TWINS = {("transformers.optimization", "Adafactor"): transformers_step, ("torch.optim", "Adafactor"): torch_step}

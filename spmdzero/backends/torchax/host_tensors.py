@@ -13,7 +13,10 @@ loss into a tensor on its device, the host here).
 Inside torchax's mode (a traced forward, and an output's op), ``Tensor.to`` compares the device
 type with the raw argument: ``x.to(0)`` or ``x.to("jax:0")`` on a torchax tensor did not match
 ``"jax"`` and went through the host, which a traced value cannot. ``name_devices_by_type`` gives
-torchax the type of such a device, as it gets it from ``x.to(out.device)``.
+torchax the type of such a device, as it gets it from ``x.to(out.device)``. It also gives
+``_to_copy`` a torch dtype: torchax's ``torch.as_tensor(tensor, dtype=...)`` hands it the dtype
+already converted to JAX's, which it could not convert again ("Attempting to convert unknown
+type: float32 to jax type"; torch's ASGD makes its ``eta`` state so).
 """
 
 from __future__ import annotations
@@ -86,12 +89,17 @@ def _device_type(device):
 
 
 def name_devices_by_type(env) -> None:
-    """torchax's ``env`` compares ``Tensor.to``'s device by its type. Idempotent."""
+    """torchax's ``env`` compares ``Tensor.to``'s device by its type, and converts to a torch
+    dtype. Idempotent."""
     if getattr(env, "_spmdzero_devices_by_type", False):
         return
+    from torchax.ops import mappings
+
     to_copy = env._to_copy
 
     def _to_copy(the_tensor, new_dtype, new_device):
+        if new_dtype is not None and not isinstance(new_dtype, torch.dtype):  # JAX's, from torch.as_tensor
+            new_dtype = mappings.j2t_dtype(new_dtype)
         return to_copy(the_tensor, new_dtype, _device_type(new_device))
 
     env._to_copy = _to_copy
