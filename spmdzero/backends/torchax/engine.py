@@ -133,6 +133,7 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         lowerings.install(self._env)  # torch's values where torchax's lowerings differ (masked rows, padding_idx)
         autocast.install()  # torch.autocast regions on the device (a script's around its loss; the module's own)
         host_tensors.name_devices_by_type(self._env)  # x.to(0) in a traced forward
+        host_reads.format_as_torch()  # f"expert_{idx}" of a one-value tensor: its number
         self._Output = output_tensor_class()
         self._module = module
         self.basic_optimizer = optimizer
