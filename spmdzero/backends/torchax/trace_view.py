@@ -40,7 +40,11 @@ from spmdzero.backends.torchax.out_arguments import OutArgumentsCopied
 
 class NoGradStopsGradients(torch.overrides.TorchFunctionMode):
     """Results computed under ``torch.no_grad()`` (or ``torch.inference_mode``) take no gradient,
-    except inside an autograd Function's forward (``_functions_running``)."""
+    except inside an autograd Function's forward (``_functions_running``), and except a result
+    that is one of the op's own tensors: torch hands the tensor itself back there (``p.to(dtype)``
+    in its dtype, which ``module.to(dtype)`` runs under ``no_grad`` and assigns to ``p.data``:
+    Switch Transformers' router moves its classifier so in every forward, and its weights had
+    stopped getting gradients)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
@@ -49,8 +53,10 @@ class NoGradStopsGradients(torch.overrides.TorchFunctionMode):
         import jax
         from torchax import tensor
 
+        given = {id(t) for t in torch_pytree.tree_leaves((args, kwargs)) if isinstance(t, tensor.Tensor)}
         return torch_pytree.tree_map_only(
-            tensor.Tensor, lambda t: tensor.Tensor(jax.lax.stop_gradient(t._elem), t._env), result)
+            tensor.Tensor, lambda t: t if id(t) in given else tensor.Tensor(jax.lax.stop_gradient(t._elem), t._env),
+            result)
 
 
 _functions_running = [0]  # autograd Functions whose forward is running, in the trace
