@@ -32,9 +32,9 @@ Experts whose projections carry PEFT's LoRA (``target_modules="all-linear"`` rea
 the same way: the base weights, the As and the Bs each one grouped matmul. Experts that are
 neither (a LoRA bias, DoRA, quantized layers...) run every expert on every token, weighted by
 what each token gave it (0 where it chose another): static shapes at E/k times the experts'
-arithmetic, said once in a warning. Other classes (PhiMoE, whose sparse mixer samples its route
-and has its own backward; DBRX; LongCat-Flash's identity experts...) keep their loop
-and train eagerly. On 5.x, the experts implementation ``grouped_mm`` (``integrations.moe``:
+arithmetic, said once in a warning. DBRX's, LongCat-Flash's and Switch Transformers' experts,
+stored in layouts of their own, are ``moe_layouts``'. Other classes (PhiMoE's 4.x block, whose
+sparse mixer samples its route and has its own backward...) keep their loop and train eagerly. On 5.x, the experts implementation ``grouped_mm`` (``integrations.moe``:
 every class it decorates, GraniteMoE's included) is ``grouped_experts_forward``, which sorts
 within each chip's rows. The torch_xla backend cuts its graph at the read instead.
 ``transformers_methods`` swaps the methods in for the trace only.
@@ -50,7 +50,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from spmdzero.backends.torchax import moe_routers, moe_rows, transformers_methods
+from spmdzero.backends.torchax import moe_layouts, moe_routers, moe_rows, transformers_methods
 
 # an expert MLP's projections, as (gate, up, down) attribute names: down(act(gate(x)) * up(x))
 PROJECTIONS = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
@@ -147,14 +147,21 @@ def mixture(hidden: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, e
             ) -> torch.Tensor:
     """``sum over k of weights[t, k] * experts[chosen[t, k]](hidden[t])`` for each token ``t``,
     in ``dtype``, as transformers' loop adds them: grouped matmuls where ``grouped_experts``
-    allows, else ``_dense``."""
-    grouped = grouped_experts(experts)
+    allows (``nn.Identity`` experts at the end of the list hand their tokens back), else
+    ``_dense``."""
+    experts = list(experts)
+    routed = len(experts)
+    while routed and type(experts[routed - 1]) is torch.nn.Identity:  # LongCat-Flash's zero-computation experts
+        routed -= 1
+    grouped = grouped_experts(experts[:routed])
     if grouped is None:
         return _dense(hidden, chosen, weights, experts, dtype)
     act_fn, gate, up, down = grouped
-    pairs = moe_rows.Pairs.by_expert(chosen, len(experts))
+    pairs = moe_rows.Pairs.by_expert(chosen, routed)  # an identity expert's pairs sort last, in no group
     x = pairs.of_tokens(hidden)
     out = down(act_fn(gate(x, pairs.offsets)) * up(x, pairs.offsets), pairs.offsets)
+    if routed < len(experts):
+        out = torch.where((pairs.of_choices(chosen) >= routed)[..., None], x, out)
     added = (out * pairs.of_choices(weights)[..., None]).to(dtype)
     return pairs.added_to_tokens(torch.zeros(hidden.shape, dtype=dtype, device=hidden.device), added)
 
@@ -364,10 +371,12 @@ REPLACED = (
     ("deepseek_v3", "DeepseekV3MoE", "moe", _deepseek_moe),
     ("glm4_moe", "Glm4MoeMoE", "moe", _deepseek_moe),
     ("dots1", "Dots1MoE", "moe", _deepseek_moe),
+    ("longcat_flash", "LongcatFlashMoE", "moe", _deepseek_moe),
     ("glm4v_moe", "Glm4vMoeTextMoE", "moe", _deepseek_moe),
     ("gpt_oss", "GptOssExperts", "forward", _gpt_oss_experts),
     ("qwen3_vl_moe", "Qwen3VLMoeTextExperts", "forward", _stacked_glu_experts),
     *moe_routers.GRANITE,
+    *moe_layouts.REPLACED_4,
 )
 # the same loops in 5.x too
 EVERY_VERSION = moe_routers.JETMOE
@@ -378,7 +387,8 @@ def grouped(split: moe_rows.Split):
     """While a step is traced: transformers 4.x's expert loops (``REPLACED``) and JetMoE's on
     both versions (``EVERY_VERSION``) as grouped matmuls, and 5.x's grouped experts, each chip
     sorting its own rows' pairs as ``split`` says (``moe_rows``)."""
-    replacements = [*REPLACED, *EVERY_VERSION] if transformers_methods.transformers_4() else EVERY_VERSION
+    replacements = ([*REPLACED, *EVERY_VERSION] if transformers_methods.transformers_4()
+                    else [*moe_layouts.REPLACED_5, *EVERY_VERSION])
     with moe_rows.splitting(split), transformers_methods.replaced(replacements), \
             _experts_interface():
         yield

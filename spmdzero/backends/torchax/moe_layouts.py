@@ -1,0 +1,135 @@
+"""Experts whose weights transformers keeps in layouts of their own, traced as grouped matmuls.
+
+Why: these classes loop over the experts that got tokens (``expert_hit = (...).nonzero()``,
+``torch.where(mask)``) on transformers 5.x too, outside the ``grouped_mm`` experts
+implementation that ``moe_experts.grouped_experts_forward`` stands in for. Under ``jax.jit`` the
+loop is a host read, and the whole forward and backward ran eagerly (``host_reads``): four
+steps of a 2-layer model of 32 hidden units took 70 to 100 s here, where a compiled Mixtral
+takes 4 s. While a step is traced (``moe_experts.grouped``) each runs as the others do: the
+(token, expert) pairs sorted by expert within each chip's rows (``moe_rows``), one grouped
+matmul per projection, each pair weighted as the loop weighs it and summed per token.
+
+* DBRX (``DbrxExperts``, both versions): the experts' GLU weights are three ``[E * F, H]``
+  parameters, viewed as ``[E, F, H]``.
+* LongCat-Flash on 5.x (``LongcatFlashExperts``): ``gate_up_proj [E + Z, 2F, H]`` and
+  ``down_proj [E, H, F]`` for the E routed experts, and Z zero-computation experts that hand the
+  token back as it is (an index past the routed ones: such pairs sort last, in no group, and
+  take the token's own row). On 4.x its ``moe`` is DeepSeek's over a list ending in
+  ``nn.Identity`` experts, which ``moe_experts.mixture`` groups the same way.
+* Switch Transformers on 5.x (``SwitchTransformersExperts``): top-1 experts given as a one-hot
+  mask after the capacity cut (a dropped token's row is all zeros: a sentinel, so its output
+  is 0, as in the loop), each expert a non-gated ``wi``/``wo`` MLP of bias-free Linears.
+
+Anything else (PEFT's adapters on these weights, quantized layers) keeps transformers' loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spmdzero.backends.torchax import moe_rows
+
+
+def _summed(pairs: moe_rows.Pairs, out: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each pair's ``out`` ``[B, n, H]`` times its entry of ``weights`` ``[T, K]``, summed per
+    token: ``[T, H]`` in ``dtype``."""
+    return pairs.unsorted(out * pairs.of_choices(weights)[..., None]).sum(dim=1).to(dtype)
+
+
+def _plain(module, *names: str) -> bool:
+    """Whether ``module``'s weights ``names`` are its own (no parametrization: PEFT's adapters on
+    them are one)."""
+    from torch.nn.utils import parametrize
+
+    return not any(parametrize.is_parametrized(module, name) for name in names)
+
+
+def _dbrx_glu(mlp, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, experts: int, ffn: int):
+    """DBRX's experts on the tokens ``x`` ``[T, H]``: ``w2^T (act(x w1^T) * x v1^T)``."""
+    pairs = moe_rows.Pairs.by_expert(chosen, experts)
+    shape = (experts, ffn, x.shape[-1])
+    rows = pairs.of_tokens(x)
+    gate = moe_rows.grouped_mm(rows, mlp.w1.view(shape).transpose(1, 2), pairs.offsets)
+    up = moe_rows.grouped_mm(rows, mlp.v1.view(shape).transpose(1, 2), pairs.offsets)
+    out = moe_rows.grouped_mm(mlp.activation_fn(gate) * up, mlp.w2.view(shape), pairs.offsets)
+    return _summed(pairs, out, weights, x.dtype)
+
+
+def _dbrx_experts(original):
+    """5.x's ``DbrxExperts.forward(hidden_states, top_k_index, top_k_weights)``."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        mlp = self.mlp
+        if not _plain(mlp, "w1", "v1", "w2"):
+            return original(self, hidden_states, top_k_index, top_k_weights)
+        batch = hidden_states.shape[0]
+        x = hidden_states.reshape(-1, self.hidden_size)
+        out = _dbrx_glu(mlp, x, top_k_index, top_k_weights, self.num_experts, self.ffn_hidden_size)
+        return out.view(batch, -1, self.hidden_size)
+
+    return forward
+
+
+def _dbrx_experts_4(original):
+    """4.x's ``DbrxExperts.forward(x, weights, top_weights, top_experts)``."""
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, top_weights: torch.Tensor, top_experts: torch.Tensor):
+        mlp = self.mlp
+        if not _plain(mlp, "w1", "v1", "w2"):
+            return original(self, x, weights, top_weights, top_experts)
+        batch, length, width = x.shape
+        out = _dbrx_glu(mlp, x.view(-1, width), top_experts, top_weights, mlp.moe_num_experts, mlp.ffn_hidden_size)
+        return out.reshape(batch, length, width)
+
+    return forward
+
+
+def _identity_experts(original):
+    """5.x's ``LongcatFlashExperts.forward``: routed GLU experts, then zero-computation ones."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if self.gate_up_proj is None or not _plain(self, "gate_up_proj", "down_proj"):
+            return original(self, hidden_states, top_k_index, top_k_weights)
+        routed = self.num_routed_experts
+        pairs = moe_rows.Pairs.by_expert(top_k_index, routed)
+        rows = pairs.of_tokens(hidden_states)
+        gate, up = moe_rows.grouped_mm(rows, self.gate_up_proj[:routed].transpose(1, 2), pairs.offsets).chunk(2, -1)
+        out = moe_rows.grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2), pairs.offsets)
+        out = torch.where((pairs.of_choices(top_k_index) >= routed)[..., None], rows, out)
+        return _summed(pairs, out, top_k_weights, hidden_states.dtype)
+
+    return forward
+
+
+def _bias_free(layer) -> bool:
+    return type(layer) is torch.nn.Linear and layer.bias is None
+
+
+def _switch_experts(original):
+    """5.x's ``SwitchTransformersExperts.forward(hidden_states, selected_experts, routing_weights)``:
+    ``selected_experts`` ``[T, 1, E]`` one-hot (zeros where the capacity dropped the token),
+    ``routing_weights`` ``[T, 1]``."""
+
+    def forward(self, hidden_states: torch.Tensor, selected_experts: torch.Tensor, routing_weights: torch.Tensor):
+        experts = [self[f"expert_{i}"] for i in range(self.num_experts)]
+        if len({type(e) for e in experts}) != 1 or not all(_bias_free(e.wi) and _bias_free(e.wo) for e in experts):
+            return original(self, hidden_states, selected_experts, routing_weights)
+        picked = selected_experts.sum(-1) > 0
+        chosen = torch.where(picked, selected_experts.argmax(-1), self.num_experts)  # a dropped token: a sentinel
+        pairs = moe_rows.Pairs.by_expert(chosen, self.num_experts)
+        wi = torch.stack([e.wi.weight for e in experts]).transpose(1, 2)
+        wo = torch.stack([e.wo.weight for e in experts]).transpose(1, 2)
+        first = experts[0]
+        inner = first.dropout(first.act(moe_rows.grouped_mm(pairs.of_tokens(hidden_states), wi, pairs.offsets)))
+        out = moe_rows.grouped_mm(inner.to(wo.dtype), wo, pairs.offsets)
+        return _summed(pairs, out, routing_weights, hidden_states.dtype)
+
+    return forward
+
+
+# transformers 4.x's (transformers_methods.Replacement)
+REPLACED_4 = (("dbrx", "DbrxExperts", "forward", _dbrx_experts_4),)
+# transformers 5.x's
+REPLACED_5 = (("dbrx", "DbrxExperts", "forward", _dbrx_experts),
+              ("longcat_flash", "LongcatFlashExperts", "forward", _identity_experts),
+              ("switch_transformers", "SwitchTransformersExperts", "forward", _switch_experts))
