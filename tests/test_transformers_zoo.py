@@ -47,8 +47,9 @@ assert set(MORE) <= set(zoo.more_names())
 # recurrent_masks.py keeps, Mixtral with LoRA (grouped) and DoRA (dense) on its experts); on 5.x,
 # which groups most experts itself, the three that did not train there: JetMoE (its router reads
 # the token counts), Jamba (its cache copies a slice) and LoRA on the expert weights (PEFT
-# registers a parametrization)
-MOE = zoo.moe_names() if TRANSFORMERS_4 else ["jamba", "mixtral-lora-experts", "jetmoe"]
+# registers a parametrization), and the three whose experts loop on 5.x too (moe_layouts.py)
+MOE = zoo.moe_names() if TRANSFORMERS_4 else ["jamba", "mixtral-lora-experts", "jetmoe", "dbrx", "longcat-flash",
+                                              "switch-transformers"]
 
 
 @pytest.mark.parametrize("name", [_known(n) for n in [*zoo.names(), *MORE, *MOE]])

@@ -21,7 +21,8 @@ MORE_NAMES = ["qwen3", "qwen3-moe", "gemma2", "gemma3", "phi3", "olmo2", "starco
 # Mixtral with LoRA on its experts (grouped) and DoRA (each expert on every token)
 MOE_NAMES = ["olmoe", "flex-olmo", "jamba", "hunyuan-moe", "dots1", "mixtral-lora-experts", "mixtral-dora-experts",
              "granite-moe", "granite-moe-hybrid", "jetmoe", "bamba", "qwen3-next", "qwen3-vl-moe",
-             "falcon-h1", "ernie4.5-moe", "glm4v-moe"]
+             "falcon-h1", "ernie4.5-moe", "glm4v-moe", "granite-moe-shared", "dbrx", "longcat-flash",
+             "switch-transformers"]
 
 
 def _quiet(config):
@@ -329,6 +330,25 @@ def _moe_cases():
          _padded_lm),
         ("mixtral-lora-experts", _lora(mixtral, on_experts), _padded_lm),
         ("mixtral-dora-experts", _lora(mixtral, on_experts, use_dora=True), _padded_lm),
+        ("granite-moe-shared", _model("GraniteMoeSharedForCausalLM", lambda: t.GraniteMoeSharedConfig(
+            **llama, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32, pad_token_id=0)),
+         _padded_lm),
+        # experts in layouts of their own (moe_layouts.py): DBRX's flat weights, LongCat-Flash's
+        # zero-computation (identity) experts, Switch Transformers' top-1 experts with a capacity
+        ("dbrx", _model("DbrxForCausalLM", lambda: t.DbrxConfig(
+            d_model=32, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=VOCAB,
+            attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+            ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2})), _padded_lm),
+        ("longcat-flash", _model("LongcatFlashForCausalLM", lambda: t.LongcatFlashConfig(
+            vocab_size=VOCAB, hidden_size=32, num_layers=2, num_attention_heads=4, num_key_value_heads=4,
+            ffn_hidden_size=64, expert_ffn_hidden_size=32, n_routed_experts=4, moe_topk=2, zero_expert_num=2,
+            kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8,
+            max_position_embeddings=64)), _padded_lm),
+        # a capacity of 3 tokens per expert in a row of 16 (8 in the decoder): some are dropped
+        ("switch-transformers", _model("SwitchTransformersForConditionalGeneration", lambda: t.SwitchTransformersConfig(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+            num_experts=4, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1, decoder_start_token_id=0,
+            expert_capacity=3, router_jitter_noise=0.0)), _seq2seq),
     ]
 
 

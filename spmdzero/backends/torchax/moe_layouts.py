@@ -16,9 +16,10 @@ matmul per projection, each pair weighted as the loop weighs it and summed per t
   token back as it is (an index past the routed ones: such pairs sort last, in no group, and
   take the token's own row). On 4.x its ``moe`` is DeepSeek's over a list ending in
   ``nn.Identity`` experts, which ``moe_experts.mixture`` groups the same way.
-* Switch Transformers on 5.x (``SwitchTransformersExperts``): top-1 experts given as a one-hot
-  mask after the capacity cut (a dropped token's row is all zeros: a sentinel, so its output
-  is 0, as in the loop), each expert a non-gated ``wi``/``wo`` MLP of bias-free Linears.
+* Switch Transformers (5.x's ``SwitchTransformersExperts``, 4.x's ``SwitchTransformersSparseMLP``):
+  top-1 experts given as a one-hot mask after the capacity cut (a dropped token's row is all
+  zeros: a sentinel, so its output is 0, as in the loop), each expert a non-gated ``wi``/``wo``
+  MLP of bias-free Linears.
 
 Anything else (PEFT's adapters on these weights, quantized layers) keeps transformers' loop.
 """
@@ -105,30 +106,55 @@ def _bias_free(layer) -> bool:
     return type(layer) is torch.nn.Linear and layer.bias is None
 
 
+def _switch_grouped(experts: list, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor):
+    """Switch Transformers' experts (``wi``, activation, dropout, ``wo``) on the tokens ``x``
+    ``[T, H]``, ``selected`` ``[T, 1, E]`` one-hot (zeros where the capacity dropped the token: a
+    sentinel, whose output is 0 as in the loop), each token's output times ``weights`` ``[T, 1]``;
+    None where the experts are not bias-free Linears."""
+    if len({type(e) for e in experts}) != 1 or not all(_bias_free(e.wi) and _bias_free(e.wo) for e in experts):
+        return None
+    chosen = torch.where(selected.sum(-1) > 0, selected.argmax(-1), len(experts))
+    pairs = moe_rows.Pairs.by_expert(chosen, len(experts))
+    wi = torch.stack([e.wi.weight for e in experts]).transpose(1, 2)
+    wo = torch.stack([e.wo.weight for e in experts]).transpose(1, 2)
+    first = experts[0]
+    inner = first.dropout(first.act(moe_rows.grouped_mm(pairs.of_tokens(x), wi, pairs.offsets)))
+    out = moe_rows.grouped_mm(inner.to(wo.dtype), wo, pairs.offsets)
+    return _summed(pairs, out, weights, x.dtype)
+
+
 def _switch_experts(original):
-    """5.x's ``SwitchTransformersExperts.forward(hidden_states, selected_experts, routing_weights)``:
-    ``selected_experts`` ``[T, 1, E]`` one-hot (zeros where the capacity dropped the token),
-    ``routing_weights`` ``[T, 1]``."""
+    """5.x's ``SwitchTransformersExperts.forward(hidden_states, selected_experts [T, 1, E],
+    routing_weights [T, 1])``."""
 
     def forward(self, hidden_states: torch.Tensor, selected_experts: torch.Tensor, routing_weights: torch.Tensor):
         experts = [self[f"expert_{i}"] for i in range(self.num_experts)]
-        if len({type(e) for e in experts}) != 1 or not all(_bias_free(e.wi) and _bias_free(e.wo) for e in experts):
-            return original(self, hidden_states, selected_experts, routing_weights)
-        picked = selected_experts.sum(-1) > 0
-        chosen = torch.where(picked, selected_experts.argmax(-1), self.num_experts)  # a dropped token: a sentinel
-        pairs = moe_rows.Pairs.by_expert(chosen, self.num_experts)
-        wi = torch.stack([e.wi.weight for e in experts]).transpose(1, 2)
-        wo = torch.stack([e.wo.weight for e in experts]).transpose(1, 2)
-        first = experts[0]
-        inner = first.dropout(first.act(moe_rows.grouped_mm(pairs.of_tokens(hidden_states), wi, pairs.offsets)))
-        out = moe_rows.grouped_mm(inner.to(wo.dtype), wo, pairs.offsets)
-        return _summed(pairs, out, routing_weights, hidden_states.dtype)
+        out = _switch_grouped(experts, hidden_states, selected_experts, routing_weights)
+        return original(self, hidden_states, selected_experts, routing_weights) if out is None else out
+
+    return forward
+
+
+def _switch_sparse_mlp_4(original):
+    """4.x's ``SwitchTransformersSparseMLP.forward``: the router's mask ``[B, S, E]``, the experts'
+    outputs scaled by the router's probability afterwards."""
+
+    def forward(self, hidden_states: torch.Tensor):
+        router_mask, router_probs, router_logits = self.router(hidden_states)
+        batch, length, width = hidden_states.shape
+        experts = [getattr(self.experts, f"expert_{i}") for i in range(router_mask.shape[-1])]
+        x = hidden_states.reshape(-1, width)
+        out = _switch_grouped(experts, x, router_mask.reshape(-1, 1, router_mask.shape[-1]), x.new_ones(x.shape[0], 1))
+        if out is None:
+            return original(self, hidden_states)
+        return router_probs * out.view(batch, length, width), (router_logits, torch.argmax(router_mask, dim=-1))
 
     return forward
 
 
 # transformers 4.x's (transformers_methods.Replacement)
-REPLACED_4 = (("dbrx", "DbrxExperts", "forward", _dbrx_experts_4),)
+REPLACED_4 = (("dbrx", "DbrxExperts", "forward", _dbrx_experts_4),
+              ("switch_transformers", "SwitchTransformersSparseMLP", "forward", _switch_sparse_mlp_4))
 # transformers 5.x's
 REPLACED_5 = (("dbrx", "DbrxExperts", "forward", _dbrx_experts),
               ("longcat_flash", "LongcatFlashExperts", "forward", _identity_experts),
