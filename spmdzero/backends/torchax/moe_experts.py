@@ -18,8 +18,9 @@ expert's projections stacked, and each projection one grouped matmul over the so
 around the experts compute what transformers 4.x's lines do, restated here:
 
 * ``forward`` of the blocks written as Mixtral's (router softmax, top-k, normalized as the block
-  says, Mixtral's jitter, Qwen2-MoE's and Qwen3-Next's shared expert): Mixtral, Qwen2-MoE,
-  Qwen3-MoE, Qwen3-Next, MiniMax, OLMoE, FlexOlmo, Jamba; Hunyuan-MoE's, whose shared MLP is
+  says, Mixtral's jitter, Qwen2-MoE's, Qwen3-Next's and Qwen3-Omni's talker's shared expert):
+  Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3-Omni-MoE (thinker and talker), MiniMax,
+  OLMoE, FlexOlmo, Jamba; Hunyuan-MoE's, whose shared MLP is
   ungated; Ernie 4.5's, whose float32 router picks by corrected scores;
 * ``moe`` of DeepSeek-V3, GLM-4.5, GLM-4.5V and dots.llm1 (the experts given the router's choice,
   summed in its weights' dtype);
@@ -362,6 +363,8 @@ REPLACED = (
     ("qwen2_moe", "Qwen2MoeSparseMoeBlock", "forward", _sparse_block_forward()),
     ("qwen3_moe", "Qwen3MoeSparseMoeBlock", "forward", _sparse_block_forward()),
     ("qwen3_next", "Qwen3NextSparseMoeBlock", "forward", _sparse_block_forward()),
+    ("qwen3_omni_moe", "Qwen3OmniMoeThinkerTextSparseMoeBlock", "forward", _sparse_block_forward()),
+    ("qwen3_omni_moe", "Qwen3OmniMoeTalkerTextSparseMoeBlock", "forward", _sparse_block_forward()),
     ("minimax", "MiniMaxSparseMoeBlock", "forward", _sparse_block_forward()),
     ("olmoe", "OlmoeSparseMoeBlock", "forward", _sparse_block_forward()),
     ("flex_olmo", "FlexOlmoSparseMoeBlock", "forward", _sparse_block_forward()),
