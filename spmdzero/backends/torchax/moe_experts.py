@@ -34,8 +34,8 @@ the same way: the base weights, the As and the Bs each one grouped matmul. Exper
 neither (a LoRA bias, DoRA, quantized layers...) run every expert on every token, weighted by
 what each token gave it (0 where it chose another): static shapes at E/k times the experts'
 arithmetic, said once in a warning. DBRX's, LongCat-Flash's and Switch Transformers' experts,
-stored in layouts of their own, are ``moe_layouts``'. Other classes (PhiMoE's 4.x block, whose
-sparse mixer samples its route and has its own backward...) keep their loop and train eagerly. On 5.x, the experts implementation ``grouped_mm`` (``integrations.moe``:
+stored in layouts of their own, are ``moe_layouts``'. PhiMoE's block keeps transformers' own
+sparse mixer (it samples the route in training, with its own backward) and groups its experts. On 5.x, the experts implementation ``grouped_mm`` (``integrations.moe``:
 every class it decorates, GraniteMoE's included) is ``grouped_experts_forward``, which sorts
 within each chip's rows. The torch_xla backend cuts its graph at the read instead.
 ``transformers_methods`` swaps the methods in for the trace only.
@@ -243,6 +243,26 @@ def _ernie_forward(original):
     return forward
 
 
+def _phimoe_forward(original):
+    """PhiMoE's ``forward``: its input jitter, its router's ``sparsemixer`` (transformers' own
+    function: in training it samples the route, with its own backward), the experts as
+    ``mixture``."""
+
+    def forward(self, hidden_states: torch.Tensor):
+        batch, length, width = hidden_states.shape
+        if self.training and self.input_jitter_noise > 0:
+            hidden_states *= torch.empty_like(hidden_states).uniform_(
+                1.0 - self.input_jitter_noise, 1.0 + self.input_jitter_noise)
+        hidden_states = hidden_states.view(-1, width)
+        router_logits = self.gate(hidden_states)
+        sparsemixer = sys.modules[type(self).__module__].sparsemixer
+        weights, chosen = sparsemixer(router_logits, jitter_eps=self.router_jitter_noise, training=self.training)
+        out = mixture(hidden_states, chosen, weights, self.experts, hidden_states.dtype)
+        return out.reshape(batch, length, width), router_logits
+
+    return forward
+
+
 def _deepseek_moe(original):
     """DeepSeek-V3's ``moe``: the routed experts, summed in the router weights' dtype."""
 
@@ -370,6 +390,7 @@ REPLACED = (
     ("flex_olmo", "FlexOlmoSparseMoeBlock", "forward", _sparse_block_forward()),
     ("jamba", "JambaSparseMoeBlock", "forward", _sparse_block_forward(normalize=False)),
     ("hunyuan_v1_moe", "HunYuanMoEV1Moe", "forward", _hunyuan_forward),
+    ("phimoe", "PhimoeSparseMoeBlock", "forward", _phimoe_forward),
     ("ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", "forward", _ernie_forward),
     ("deepseek_v3", "DeepseekV3MoE", "moe", _deepseek_moe),
     ("glm4_moe", "Glm4MoeMoE", "moe", _deepseek_moe),
