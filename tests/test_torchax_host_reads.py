@@ -243,6 +243,41 @@ def test_a_factory_sized_by_a_value_runs_eagerly_as_in_torch():
     assert len(notes) == 1 and "torch.full" in notes[0] and "Shapes must be" in notes[0], notes
 
 
+class PicksByName(torch.nn.Module):
+    """Switch Transformers' expert loop in 5.x: a module picked by a name formatted from a
+    one-value tensor, ``self.experts[f"expert_{idx}"]``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.gate = torch.nn.Linear(16, 2)
+        self.experts = torch.nn.ModuleDict({f"expert_{i}": torch.nn.Linear(16, 8) for i in range(2)})
+
+    def forward(self, x, y):
+        idx = self.gate(x).mean(0).argmax()
+        return torch.nn.functional.mse_loss(self.experts[f"expert_{idx}"](x), y)
+
+
+def test_a_name_formatted_from_a_one_value_tensor_is_its_number():
+    """torchax's tensors formatted as their repr (``expert_View(Tensor(...))``): a KeyError.
+    Formatting is a read: the forward runs eagerly, as in torch, and trains as torch does."""
+    model = PicksByName()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    engine, *_ = spmdzero.initialize(model=model, config={
+        "train_batch_size": 16, "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": LR}}})
+    for x, y in data(2):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        expected = reference(x, y)
+        expected.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert engine._host_reads.noted
+
+
 class GuardedLoss(torch.nn.Module):
     """A loss checked on the host, as training code guards against NaN: the read makes the
     forward eager, and the check raises as it does in torch."""
