@@ -223,22 +223,28 @@ class SizedByValue(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.fc(x * torch.full((x.shape[0], width), 0.5, device=x.device)), y)
 
 
-def test_a_factory_sized_by_a_value_runs_eagerly_as_in_torch():
-    model = SizedByValue()
+def _trains_as_torch(model):
+    """Two SGD steps of ``model`` (a loss of ``x``, ``y``) by the engine and by torch: the same
+    losses. Returns the engine."""
     reference = copy.deepcopy(model)
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    engine, *_ = spmdzero.initialize(model=model, config={
+        "train_batch_size": 16, "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": LR}}})
+    for x, y in data(2):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        expected = reference(x, y)
+        expected.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    return engine
+
+
+def test_a_factory_sized_by_a_value_runs_eagerly_as_in_torch():
     with spmdzero_log() as records:
-        engine, *_ = spmdzero.initialize(model=model, config={
-            "train_batch_size": 16, "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": LR}}})
-        for x, y in data(2):
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            expected = reference(x, y)
-            expected.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+        _trains_as_torch(SizedByValue())
     notes = [r.getMessage() for r in records if NOTE in r.getMessage()]
     assert len(notes) == 1 and "torch.full" in notes[0] and "Shapes must be" in notes[0], notes
 
@@ -261,21 +267,7 @@ class PicksByName(torch.nn.Module):
 def test_a_name_formatted_from_a_one_value_tensor_is_its_number():
     """torchax's tensors formatted as their repr (``expert_View(Tensor(...))``): a KeyError.
     Formatting is a read: the forward runs eagerly, as in torch, and trains as torch does."""
-    model = PicksByName()
-    reference = copy.deepcopy(model)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
-    engine, *_ = spmdzero.initialize(model=model, config={
-        "train_batch_size": 16, "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": LR}}})
-    for x, y in data(2):
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        expected = reference(x, y)
-        expected.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
-    assert engine._host_reads.noted
+    assert _trains_as_torch(PicksByName())._host_reads.noted
 
 
 class GuardedLoss(torch.nn.Module):

@@ -35,8 +35,9 @@ neither (a LoRA bias, DoRA, quantized layers...) run every expert on every token
 what each token gave it (0 where it chose another): static shapes at E/k times the experts'
 arithmetic, said once in a warning. DBRX's, LongCat-Flash's and Switch Transformers' experts,
 stored in layouts of their own, are ``moe_layouts``'. PhiMoE's block keeps transformers' own
-sparse mixer (it samples the route in training, with its own backward) and groups its experts. On 5.x, the experts implementation ``grouped_mm`` (``integrations.moe``:
-every class it decorates, GraniteMoE's included) is ``grouped_experts_forward``, which sorts
+sparse mixer (it samples the route in training, with its own backward) and groups its experts.
+On 5.x, the experts implementation ``grouped_mm`` (``integrations.moe``: every class it
+decorates, GraniteMoE's included) is ``grouped_experts_forward``, which sorts
 within each chip's rows. The torch_xla backend cuts its graph at the read instead.
 ``transformers_methods`` swaps the methods in for the trace only.
 """
@@ -57,15 +58,6 @@ from spmdzero.backends.torchax import moe_layouts, moe_routers, moe_rows, transf
 PROJECTIONS = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
 
 
-def _plain_linear(layer) -> bool:
-    return type(layer) is torch.nn.Linear and layer.bias is None
-
-
-def _stacked(layers) -> torch.Tensor:
-    """Bias-free Linear layers' weights as one ``[E, in, out]`` operand of a grouped matmul."""
-    return torch.stack([layer.weight for layer in layers]).transpose(1, 2)
-
-
 # what a PEFT LoRA Linear (``peft.tuners.lora.layer.Linear``) has: read by name, peft not imported
 _LORA = ("base_layer", "lora_A", "lora_B", "lora_dropout", "scaling", "active_adapters", "merged",
          "disable_adapters", "lora_variant", "_cast_input_dtype")
@@ -81,17 +73,18 @@ def _lora_projection(layers) -> Optional[Callable]:
         return None
     if any(layer.merged or layer.disable_adapters for layer in layers):
         return None
-    if not all(_plain_linear(layer.base_layer) for layer in layers):
+    if not all(moe_rows.plain_linear(layer.base_layer) for layer in layers):
         return None
     adapters = []
     for name in [a for a in first.active_adapters if a in first.lora_A]:
         if any(name not in layer.lora_A or name in layer.lora_variant or layer.scaling[name] != first.scaling[name]
-               or not (_plain_linear(layer.lora_A[name]) and _plain_linear(layer.lora_B[name])) for layer in layers):
+               or not (moe_rows.plain_linear(layer.lora_A[name]) and moe_rows.plain_linear(layer.lora_B[name]))
+               for layer in layers):
             return None
-        adapters.append((_stacked([layer.lora_A[name] for layer in layers]),
-                         _stacked([layer.lora_B[name] for layer in layers]),
+        adapters.append((moe_rows.stacked([layer.lora_A[name] for layer in layers]),
+                         moe_rows.stacked([layer.lora_B[name] for layer in layers]),
                          first.lora_dropout[name], first.scaling[name]))
-    base = _stacked([layer.base_layer for layer in layers])
+    base = moe_rows.stacked([layer.base_layer for layer in layers])
 
     def project(x, offsets):
         result = moe_rows.grouped_mm(x, base, offsets)
@@ -109,8 +102,8 @@ def _projection(layers) -> Optional[Callable]:
     the experts; None unless they are all plain bias-free Linears, or all PEFT LoRA on such."""
     if any(layer is None for layer in layers):
         return None
-    if all(_plain_linear(layer) for layer in layers):
-        weights = _stacked(layers)
+    if all(moe_rows.plain_linear(layer) for layer in layers):
+        weights = moe_rows.stacked(layers)
         return lambda x, offsets: moe_rows.grouped_mm(x, weights, offsets)
     return _lora_projection(layers)
 
@@ -350,8 +343,7 @@ def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
                           transposed)
     if self.has_post_expert_norm:
         out = self.post_expert_norm(out)
-    weighted = out * pairs.of_choices(top_k_weights)[..., None]
-    return pairs.unsorted(weighted).sum(dim=1).to(hidden_states.dtype)
+    return pairs.weighted_sum(out, top_k_weights, hidden_states.dtype)
 
 
 @contextlib.contextmanager

@@ -27,21 +27,14 @@ Anything else (PEFT's adapters on these weights, quantized layers) keeps transfo
 from __future__ import annotations
 
 import torch
+from torch.nn.utils import parametrize
 
 from spmdzero.backends.torchax import moe_rows
-
-
-def _summed(pairs: moe_rows.Pairs, out: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Each pair's ``out`` ``[B, n, H]`` times its entry of ``weights`` ``[T, K]``, summed per
-    token: ``[T, H]`` in ``dtype``."""
-    return pairs.unsorted(out * pairs.of_choices(weights)[..., None]).sum(dim=1).to(dtype)
 
 
 def _plain(module, *names: str) -> bool:
     """Whether ``module``'s weights ``names`` are its own (no parametrization: PEFT's adapters on
     them are one)."""
-    from torch.nn.utils import parametrize
-
     return not any(parametrize.is_parametrized(module, name) for name in names)
 
 
@@ -53,7 +46,7 @@ def _dbrx_glu(mlp, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
     gate = moe_rows.grouped_mm(rows, mlp.w1.view(shape).transpose(1, 2), pairs.offsets)
     up = moe_rows.grouped_mm(rows, mlp.v1.view(shape).transpose(1, 2), pairs.offsets)
     out = moe_rows.grouped_mm(mlp.activation_fn(gate) * up, mlp.w2.view(shape), pairs.offsets)
-    return _summed(pairs, out, weights, x.dtype)
+    return pairs.weighted_sum(out, weights, x.dtype)
 
 
 def _dbrx_experts(original):
@@ -97,13 +90,9 @@ def _identity_experts(original):
         gate, up = moe_rows.grouped_mm(rows, self.gate_up_proj[:routed].transpose(1, 2), pairs.offsets).chunk(2, -1)
         out = moe_rows.grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2), pairs.offsets)
         out = torch.where((pairs.of_choices(top_k_index) >= routed)[..., None], rows, out)
-        return _summed(pairs, out, top_k_weights, hidden_states.dtype)
+        return pairs.weighted_sum(out, top_k_weights, hidden_states.dtype)
 
     return forward
-
-
-def _bias_free(layer) -> bool:
-    return type(layer) is torch.nn.Linear and layer.bias is None
 
 
 def _switch_grouped(experts: list, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor):
@@ -111,16 +100,17 @@ def _switch_grouped(experts: list, x: torch.Tensor, selected: torch.Tensor, weig
     ``[T, H]``, ``selected`` ``[T, 1, E]`` one-hot (zeros where the capacity dropped the token: a
     sentinel, whose output is 0 as in the loop), each token's output times ``weights`` ``[T, 1]``;
     None where the experts are not bias-free Linears."""
-    if len({type(e) for e in experts}) != 1 or not all(_bias_free(e.wi) and _bias_free(e.wo) for e in experts):
+    plain = all(moe_rows.plain_linear(e.wi) and moe_rows.plain_linear(e.wo) for e in experts)
+    if len({type(e) for e in experts}) != 1 or not plain:
         return None
     chosen = torch.where(selected.sum(-1) > 0, selected.argmax(-1), len(experts))
     pairs = moe_rows.Pairs.by_expert(chosen, len(experts))
-    wi = torch.stack([e.wi.weight for e in experts]).transpose(1, 2)
-    wo = torch.stack([e.wo.weight for e in experts]).transpose(1, 2)
+    wi = moe_rows.stacked([e.wi for e in experts])
+    wo = moe_rows.stacked([e.wo for e in experts])
     first = experts[0]
     inner = first.dropout(first.act(moe_rows.grouped_mm(pairs.of_tokens(x), wi, pairs.offsets)))
     out = moe_rows.grouped_mm(inner.to(wo.dtype), wo, pairs.offsets)
-    return _summed(pairs, out, weights, x.dtype)
+    return pairs.weighted_sum(out, weights, x.dtype)
 
 
 def _switch_experts(original):

@@ -254,3 +254,18 @@ class Pairs:
         """The pairs' ``values`` ``[B, n, ...]`` back in (token, choice) order: ``[T, K, ...]``."""
         back = _jax(_take)(values, torch.argsort(self.order, dim=1))
         return back.reshape(-1, self.choices, *values.shape[2:])
+
+    def weighted_sum(self, values: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Each pair's ``values`` ``[B, n, H]`` times its entry of ``weights`` ``[T, K]``, summed
+        over each token's choices: ``[T, H]`` in ``dtype`` (transformers 5.x's sum)."""
+        return self.unsorted(values * self.of_choices(weights)[..., None]).sum(dim=1).to(dtype)
+
+
+def plain_linear(layer) -> bool:
+    """Whether ``layer`` is a bias-free ``nn.Linear`` (an expert projection ``stacked`` takes)."""
+    return type(layer) is torch.nn.Linear and layer.bias is None
+
+
+def stacked(layers) -> torch.Tensor:
+    """Bias-free Linear layers' weights as one ``[E, in, out]`` operand of a grouped matmul."""
+    return torch.stack([layer.weight for layer in layers]).transpose(1, 2)
