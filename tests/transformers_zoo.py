@@ -31,7 +31,7 @@ def _quiet(config):
         value = getattr(config, name)
         if isinstance(value, float) and ("dropout" in name or "pdrop" in name or "drop_prob" in name or name.endswith("_drop")
                                          or "drop_path" in name  # stochastic depth (Swin's drop_path_rate)
-                                         or name in ("layerdrop", "mask_time_prob", "mask_feature_prob")):
+                                         or name.endswith("layerdrop") or name in ("mask_time_prob", "mask_feature_prob")):
             setattr(config, name, 0.0)
     for sub in ("text_config", "vision_config", "encoder", "decoder"):
         if isinstance(getattr(config, sub, None), type(config).__mro__[-2]):

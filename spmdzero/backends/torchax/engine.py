@@ -80,7 +80,7 @@ from spmdzero.backends.torchax import other_engines
 from spmdzero.backends.torchax import module_calls, optimizer_state_dict
 from spmdzero.backends.torchax.mesh import jax_devices, mesh_devices
 from spmdzero.sharding.mesh import data_parallel_axes, resolve_hybrid_shape
-from spmdzero.backends.torchax import torch_optim
+from spmdzero.backends.torchax import torch_optim, traced_checks
 from spmdzero.backends.torchax import attention, autocast, lowerings, moe_rows
 from spmdzero.backends.torchax.release import drain
 from spmdzero.backends.torchax.output_tensor import output_tensor_class
@@ -133,7 +133,7 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         lowerings.install(self._env)  # torch's values where torchax's lowerings differ (masked rows, padding_idx)
         autocast.install()  # torch.autocast regions on the device (a script's around its loss; the module's own)
         host_tensors.name_devices_by_type(self._env)  # x.to(0) in a traced forward
-        host_reads.format_as_torch()  # f"expert_{idx}" of a one-value tensor: its number
+        traced_checks.install()  # torch._check_tensor_all_with and f"{t}" of a traced value: no host read
         self._Output = output_tensor_class()
         self._module = module
         self.basic_optimizer = optimizer

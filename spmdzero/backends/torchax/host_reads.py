@@ -31,10 +31,8 @@ fetch it; untested). A module whose output holds no loss runs its forward once m
 its first two micro-steps (the training program's eager run finds no loss, then the VJP program
 runs).
 
-``format_as_torch`` makes ``f"{t}"`` of a one-value tensor its number, as torch's
-``Tensor.__format__`` does for its own class only: torchax's tensors and views printed as
-``View(Tensor(...))``, and Switch Transformers' experts, picked by ``self[f"expert_{idx}"]``,
-stopped with a KeyError. It is a read: under a trace it sends the forward to the eager run.
+``f"{t}"`` of a one-value tensor and torch's tensor checks are ``traced_checks``': neither reads
+a value a trace does not have.
 
 ``concrete_reads`` lets the reads JAX refuses on any tracer (``.tolist()``, ``np.asarray``, which
 torchax's ``.numpy()`` and ``.cpu()`` use) see the concrete value an eager autodiff tracer
@@ -116,21 +114,6 @@ def concrete_reads():
     finally:
         for name, original in originals.items():
             setattr(tracer, name, original)
-
-
-def format_as_torch() -> None:
-    """``format(t, spec)`` of a torchax tensor or view with no dimensions formats its value, as
-    torch's ``Tensor.__format__`` does; others as torchax prints them. Process-wide, idempotent."""
-    from torchax import tensor as ttensor
-    from torchax import view as tview
-
-    def __format__(self, spec: str) -> str:
-        if self.dim() == 0:
-            return self.item().__format__(spec)  # a read: a trace stops here, the eager run answers
-        return object.__format__(self, spec)
-
-    for cls in (ttensor.Tensor, tview.View):
-        cls.__format__ = __format__
 
 
 class EagerVJP:

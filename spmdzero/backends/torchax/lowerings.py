@@ -64,6 +64,10 @@ In-place ops that torchax 0.0.13 lowers only out of place (``x.exp_()``, ``neg_`
 "Operator with name aten::addmm_ has no lowering") run as torchax runs ``add_``: the functional
 op, then the result written into the tensor or view (``_inplace_from_functional``).
 
+``aten::_is_all_true`` and ``aten::_is_any_true`` (``torch._check_tensor_all``, which transformers
+5.x's vision-language models call on their image tokens): no torchax lowering. Here they are
+``jnp.all`` and ``jnp.any``, a one-value bool (``traced_checks`` says when the check runs).
+
 One replacement gives other random values, not other semantics: ``F.dropout`` and
 ``torch.dropout`` (``nn.Dropout``) draw their mask from a hash that the backward draws again, instead of JAX's
 threefry bits kept in memory for the backward (``dropout``).
@@ -211,6 +215,18 @@ def take_along_dim(input, indices, dim=None):
     return source.gather(dim, indices.broadcast_to(shape))
 
 
+def _is_all_true(x):
+    import jax.numpy as jnp
+
+    return jnp.all(x)
+
+
+def _is_any_true(x):
+    import jax.numpy as jnp
+
+    return jnp.any(x)
+
+
 def _stop_gradient(x):
     import jax
 
@@ -294,12 +310,17 @@ def _index_bounds(indexes, env):
 
 def _slices_with_index_bounds(env) -> None:
     """``env``'s ``Tensor.__getitem__`` takes tensor slice bounds as ints, and index tensors on
-    the host (``_index_bounds``)."""
+    the host (``_index_bounds``); it indexes a lazy view's values (torchax's read the tensor's
+    ``_elem``, which a view lacks: Qwen2-VL's ``token_types[attention_mask[row].bool()]``)."""
     import dataclasses
+
+    from torchax import view as tview
 
     original = env._ops[torch.Tensor.__getitem__]
 
     def getitem(self, indexes, *args, **kwargs):
+        if isinstance(self, tview.View):
+            self = self.torch()
         return original.func(self, _index_bounds(indexes, env), *args, **kwargs)
 
     env._ops[torch.Tensor.__getitem__] = dataclasses.replace(original, func=getitem)
@@ -402,6 +423,9 @@ def install(env) -> None:
         lower(op, embedding)
     for op in (torch.ops.aten.detach, torch.ops.aten.detach.default):
         lower(op, _stop_gradient)
+    for op, fn in ((torch.ops.aten._is_all_true, _is_all_true), (torch.ops.aten._is_any_true, _is_any_true)):
+        lower(op, fn)
+        lower(op.default, fn)
     for op in (torch.nn.functional.ctc_loss, torch.ctc_loss):
         lower(op, ctc_loss)
     for op in (torch.ops.aten.native_layer_norm, torch.ops.aten.native_layer_norm.default):

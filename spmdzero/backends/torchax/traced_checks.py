@@ -1,0 +1,105 @@
+"""torch's runtime checks and formatting of a value the compiled step computes, inside its trace.
+
+Why: transformers 5.x checks its inputs with ``torch_compilable_check``, which ends in
+``torch._check_tensor_all_with(error, cond, message)``: ``cond._is_all_true().item()``, a read of
+a value on the host. Every vision-language model checks so that its image tokens match its image
+features (LLaVA, PaliGemma, Gemma 3, Qwen2-VL, ...), with a message formatted beforehand from a
+one-value tensor (``f"tokens: {n_image_tokens}"``). Under ``jax.jit`` both are reads: the whole
+forward and backward ran eagerly (``host_reads``), and there torchax had no lowering of
+``aten::_is_all_true``, so training stopped at the first step.
+
+torch.compile keeps such a check as an assertion inside its graph. JAX has none that does not
+stop the step, so inside a trace:
+
+* ``torch._check_tensor_all_with`` (``torch._check_tensor_all`` too) of a traced condition is not
+  evaluated, as with ``TRANSFORMERS_DISABLE_TORCH_CHECK=1``; a note names the line and the
+  message, once per line. Where the values exist (an eager run, plain torch), it checks as torch
+  does (``aten::_is_all_true`` is lowered in ``lowerings``).
+* ``format(t, spec)`` of a one-value torchax tensor formats its number where the value exists, as
+  torch's ``Tensor.__format__`` does (Switch Transformers picks an expert by
+  ``self[f"expert_{idx}"]``, ``idx`` from ``nonzero``, which runs eagerly anyway). A traced value
+  formats as ``<traced int32>``: a message does not read it.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+
+from spmdzero.observe.console import ensure_handler, logger
+
+_NOTED: set = set()  # the lines whose check was left out, noted once each
+
+
+def abstract(t) -> bool:
+    """Whether ``t`` is a torchax tensor or view whose value a trace does not have (``jax.jit``'s
+    tracer, not the concrete tracer of an eager ``jax.vjp``)."""
+    import jax
+    from torchax import tensor as ttensor
+    from torchax import view as tview
+
+    if not isinstance(t, (ttensor.Tensor, tview.View)):
+        return False
+    value = t.jax()
+    return isinstance(value, jax.core.Tracer) and value.to_concrete_value() is None
+
+
+def _format(self, spec: str) -> str:
+    if self.dim() != 0:
+        return object.__format__(self, spec)
+    if abstract(self):
+        return f"<traced {self.jax().dtype}>".__format__(spec)
+    return self.item().__format__(spec)
+
+
+def _caller() -> str:
+    """``file.py:line``: the innermost frame outside torch and transformers' utilities (the model's
+    line that checks)."""
+    skip = (os.path.dirname(torch.__file__) + os.sep, os.sep + os.path.join("transformers", "utils") + os.sep,
+            os.path.dirname(os.path.abspath(__file__)) + os.sep)
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if not any(part in frame.filename for part in skip):
+            return f"{os.path.basename(frame.filename)}:{frame.lineno}"
+    return "?"
+
+
+def _message(message) -> str:
+    try:
+        return str(message()) if callable(message) else ""
+    except Exception:  # a message that reads a value itself: the line is enough
+        return ""
+
+
+def _left_out(message) -> None:
+    line = _caller()
+    if line in _NOTED:
+        return
+    _NOTED.add(line)
+    text = _message(message)
+    ensure_handler()
+    logger.warning("spmdzero: the check at %s (torch._check_tensor_all_with%s) tests a value the compiled step "
+                   "computes; reading it would stop the step on the host, so the step does not evaluate it, as with "
+                   "TRANSFORMERS_DISABLE_TORCH_CHECK=1. Plain torch runs it (noted once)", line,
+                   f': "{text}"' if text else "")
+
+
+def install() -> None:
+    """Process-wide, idempotent: torch's tensor checks and torchax's one-value formatting as above."""
+    from torchax import tensor as ttensor
+    from torchax import view as tview
+
+    for cls in (ttensor.Tensor, tview.View):
+        cls.__format__ = _format
+    original = torch._check_tensor_all_with
+    if getattr(original, "_spmdzero", False):
+        return
+
+    def _check_tensor_all_with(error_type, cond, message=None):
+        if abstract(cond):
+            return _left_out(message)
+        return original(error_type, cond, message)
+
+    _check_tensor_all_with._spmdzero = True
+    torch._check_tensor_all_with = _check_tensor_all_with
