@@ -405,7 +405,7 @@ def train_both(name: str, steps: int = 4, lr: float | None = None, stage: int = 
         theirs.append(float(loss))
     ours = [float(t) for t in ours]
     trained = dict(engine.module.named_parameters())
-    param_diff = max(float((trained[n].detach().cpu() - p.detach()).abs().max() / (p.detach().abs().max() + 1e-6))
+    param_diff = max(float((trained[n].detach().cpu() - p.detach()).abs().max() / (p.detach().abs().max() + 1e-4))
                      for n, p in reference.named_parameters() if n in trained)
     return {"name": name, "ours": ours, "theirs": theirs, "steps": steps, "param_diff": param_diff,
             "loss_diff": max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(ours, theirs)),

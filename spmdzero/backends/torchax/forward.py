@@ -26,7 +26,7 @@ from spmdzero.backends.torchax import moe_experts
 from spmdzero.backends.torchax.outside_loss import tie
 from spmdzero.backends.torchax import process_rows
 from spmdzero.backends.torchax import recurrent_masks
-from spmdzero.backends.torchax import trace_view
+from spmdzero.backends.torchax import trace_view, traced_checks
 from spmdzero.backends.torchax import remat
 from spmdzero.backends.torchax import method_programs, other_engines
 from spmdzero.backends.torchax import cross_entropy
@@ -386,7 +386,7 @@ class ForwardPrograms:
                         batchnorm.updating_running_statistics(batch_norms), \
                         other_engines.tracing(self, others, traced_others, env), \
                         autocast.autocasting(env, self.precision.autocast_dtype), recurrent_masks.kept(), \
-                        moe_experts.grouped(self.expert_matmuls):
+                        traced_checks.placeholder_checks_left_out(), moe_experts.grouped(self.expert_matmuls):
                     output = torch.func.functional_call(entry, method_programs.keyed(entry, tensors), inputs, kwargs)
             finally:
                 for m, params, buffers in held:

@@ -17,6 +17,15 @@ torchax the type of such a device, as it gets it from ``x.to(out.device)``. It a
 ``_to_copy`` a torch dtype: torchax's ``torch.as_tensor(tensor, dtype=...)`` hands it the dtype
 already converted to JAX's, which it could not convert again ("Attempting to convert unknown
 type: float32 to jax type"; torch's ASGD makes its ``eta`` state so).
+
+A factory that makes a host tensor (no device, or ``cpu``) from a one-value device tensor
+(``torch.arange(h)``, ``h`` a row of Qwen2-VL's ``grid_thw`` in transformers 4.x) reads its value,
+as torch does from a CUDA tensor; torchax handed the tensor to torch's own factory, which stopped
+with "Tensor.item() cannot be called on meta tensors". Under a trace the read sends the forward
+to the eager run (``host_reads``), as any read does. Such a host tensor may then meet device
+tensors in one op (``F.pad(index, (0, pad_w, 0, pad_h))``, ``pad_w`` a device value: Qwen2.5-VL's
+window index in 4.x): its values join the op as a constant, where torchax stopped ("Expect a
+Tensor or a View but got <class 'torch.Tensor'>").
 """
 
 from __future__ import annotations
@@ -103,4 +112,42 @@ def name_devices_by_type(env) -> None:
         return to_copy(the_tensor, new_dtype, _device_type(new_device))
 
     env._to_copy = _to_copy
+    constructor = env._handle_tensor_constructor
+
+    def _handle_tensor_constructor(func, args, kwargs):
+        if not env._should_use_torchax_tensor(kwargs.get("device")):
+            args, kwargs = _numbers(args), {k: _numbers(v) for k, v in kwargs.items()}
+        return constructor(func, args, kwargs)
+
+    env._handle_tensor_constructor = _handle_tensor_constructor
+    to_jax = env.t2j_iso
+
+    def t2j_iso(tensors):
+        return to_jax(torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: _as_device(t, env), tensors))
+
+    env.t2j_iso = t2j_iso
     env._spmdzero_devices_by_type = True
+
+
+def _as_device(t: torch.Tensor, env):
+    """A host tensor (not torchax's) with more than one value as a torchax tensor of its values;
+    others as they are (torchax takes a one-value host tensor as a number)."""
+    from torchax import tensor as ttensor
+    from torchax import view as tview
+
+    if isinstance(t, (ttensor.Tensor, tview.View)) or t.device.type != "cpu" or t.squeeze().ndim == 0:
+        return t
+    return ttensor.Tensor(env.t2j_copy(t.detach()), env)
+
+
+def _numbers(value):
+    """``value`` with each one-value torchax tensor in it (one level of tuple or list) as its
+    Python number: a read."""
+    from torchax import tensor as ttensor
+    from torchax import view as tview
+
+    if isinstance(value, (tuple, list)):
+        return type(value)(_numbers(v) for v in value)
+    if isinstance(value, (ttensor.Tensor, tview.View)) and value.dim() == 0:
+        return value.item()
+    return value

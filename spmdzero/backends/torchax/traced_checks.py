@@ -15,6 +15,12 @@ stop the step, so inside a trace:
   evaluated, as with ``TRANSFORMERS_DISABLE_TORCH_CHECK=1``; a note names the line and the
   message, once per line. Where the values exist (an eager run, plain torch), it checks as torch
   does (``aten::_is_all_true`` is lowered in ``lowerings``).
+* transformers 4.x checks the same with ``if inputs_embeds[mask].numel() != features.numel():
+  raise ValueError(...)`` in each model's ``get_placeholder_mask`` (37 classes in 4.57: LLaVA
+  and its kin, PaliGemma, Gemma 3, Qwen2-VL, ...): a boolean index, whose shape is a value.
+  While a step is traced (``placeholder_checks_left_out``), such a method whose arguments are
+  traced runs as written less those ``if`` statements (its source, parsed, the statements
+  dropped, compiled at its own lines), noted once per class; with values it runs as written.
 * ``format(t, spec)`` of a one-value torchax tensor formats its number where the value exists, as
   torch's ``Tensor.__format__`` does (Switch Transformers picks an expert by
   ``self[f"expert_{idx}"]``, ``idx`` from ``nonzero``, which runs eagerly anyway). A traced value
@@ -23,7 +29,12 @@ stop the step, so inside a trace:
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import inspect
 import os
+import sys
+import textwrap
 import traceback
 
 import torch
@@ -103,3 +114,91 @@ def install() -> None:
 
     _check_tensor_all_with._spmdzero = True
     torch._check_tensor_all_with = _check_tensor_all_with
+
+
+def _reads_a_count(node) -> bool:
+    """``if ... x[mask].numel() != y.numel() ...: raise ...``: transformers 4.x's placeholder check."""
+    if not (isinstance(node, ast.If) and len(node.body) == 1 and isinstance(node.body[0], ast.Raise)
+            and not node.orelse):
+        return False
+    return any(isinstance(n, ast.Compare) and any(isinstance(op, ast.NotEq) for op in n.ops)
+               and any(isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr == "numel"
+                       and isinstance(c.func.value, ast.Subscript) for c in ast.walk(n))
+               for n in ast.walk(node.test))
+
+
+def _without_checks(function):
+    """``function`` compiled from its source less the ``_reads_a_count`` statements, at its own
+    file and lines; None where there are none, or its source cannot be had."""
+    try:
+        lines, first = inspect.getsourcelines(function)
+    except (OSError, TypeError):
+        return None
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    definition = tree.body[0]
+    if not isinstance(definition, ast.FunctionDef) or definition.decorator_list:
+        return None
+    dropped = False
+    for node in ast.walk(definition):
+        for field in ("body", "orelse"):
+            statements = getattr(node, field, None)
+            if isinstance(statements, list) and any(_reads_a_count(n) for n in statements):
+                kept = [n for n in statements if not _reads_a_count(n)]
+                setattr(node, field, kept or [ast.Pass()])
+                dropped = True
+    if not dropped:
+        return None
+    ast.increment_lineno(tree, first - 1)
+    namespace: dict = {}
+    exec(compile(tree, function.__code__.co_filename, "exec"), function.__globals__, namespace)
+    return namespace[definition.name]
+
+
+_REWRITTEN: dict = {}  # transformers' function: its rewrite (None: nothing to drop)
+
+
+def _placeholder_method(cls, original):
+    rewritten = _REWRITTEN.setdefault(original, _without_checks(original))
+    if rewritten is None:
+        return None
+
+    def get_placeholder_mask(self, *args, **kwargs):
+        if not any(abstract(a) for a in (*args, *kwargs.values())):
+            return original(self, *args, **kwargs)
+        key = f"{cls.__name__}.get_placeholder_mask"
+        if key not in _NOTED:
+            _NOTED.add(key)
+            ensure_handler()
+            logger.warning("spmdzero: %s checks that the image tokens match the image features by the shape of a "
+                           "boolean index (inputs_embeds[mask].numel()), a value the compiled step computes; the "
+                           "step leaves that check out, as transformers 5.x does under a trace. Plain torch runs it "
+                           "(noted once)", key)
+        return rewritten(self, *args, **kwargs)
+
+    return get_placeholder_mask
+
+
+@contextlib.contextmanager
+def placeholder_checks_left_out():
+    """While a step is traced, on transformers 4.x: every imported model class's
+    ``get_placeholder_mask`` whose check reads a count runs without it on traced arguments."""
+    from spmdzero.backends.torchax import transformers_methods
+
+    saved = []
+    if transformers_methods.transformers_4():
+        for name, module in list(sys.modules.items()):
+            if not (name.startswith("transformers.models.") and ".modeling_" in name) or module is None:
+                continue
+            for cls in list(vars(module).values()):
+                original = isinstance(cls, type) and cls.__dict__.get("get_placeholder_mask")
+                if not inspect.isfunction(original) or cls.__module__ != name:
+                    continue
+                replacement = _placeholder_method(cls, original)
+                if replacement is not None:
+                    saved.append((cls, original))
+                    cls.get_placeholder_mask = replacement
+    try:
+        yield
+    finally:
+        for cls, original in saved:
+            cls.get_placeholder_mask = original
