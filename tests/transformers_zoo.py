@@ -23,6 +23,8 @@ MOE_NAMES = ["olmoe", "flex-olmo", "jamba", "hunyuan-moe", "dots1", "mixtral-lor
              "granite-moe", "granite-moe-hybrid", "jetmoe", "bamba", "qwen3-next", "qwen3-vl-moe",
              "falcon-h1", "ernie4.5-moe", "glm4v-moe", "granite-moe-shared", "dbrx", "longcat-flash",
              "switch-transformers"]
+# vision-language models, trained on images: their image tokens in each row, labels on the text
+VLM_NAMES = ["llava", "paligemma", "gemma3-mm", "qwen2-vl", "qwen2.5-vl"]
 
 
 def _quiet(config):
@@ -352,9 +354,100 @@ def _moe_cases():
     ]
 
 
+IMAGE_TOKEN = VOCAB - 1  # the vision-language models' image token; VOCAB - 3 and - 2 open and close an image
+
+
+def _with_image_tokens(seed: int, images: int, opened: bool = False, left_padded: bool = True):
+    """``input_ids`` with ``images`` image tokens after 4 text tokens and 12 after them (within an
+    image's start and end tokens where ``opened``), the attention mask (row 2 left-padded by 3
+    where ``left_padded``), and labels on the text only."""
+    g = torch.Generator().manual_seed(seed)
+    image = [VOCAB - 3, *[IMAGE_TOKEN] * images, VOCAB - 2] if opened else [IMAGE_TOKEN] * images
+    ids = torch.cat([torch.randint(3, VOCAB - 8, (ROWS, 4), generator=g), torch.tensor(image).expand(ROWS, -1),
+                     torch.randint(3, VOCAB - 8, (ROWS, 12), generator=g)], 1)
+    mask = torch.ones_like(ids)
+    if left_padded:
+        ids[2, :3], mask[2, :3] = 0, 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, 4:4 + len(image)] = -100
+    return ids, mask, labels
+
+
+def _pixels(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(100 + seed))
+
+
+def _llava(seed: int) -> dict:
+    ids, mask, labels = _with_image_tokens(seed, 16)  # a 16 x 16 image in patches of 4
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "pixel_values": _pixels(seed, ROWS, 3, 16, 16)}
+
+
+def _paligemma(seed: int) -> dict:
+    ids, mask, labels = _with_image_tokens(seed, 16, left_padded=False)
+    prefix = torch.zeros_like(ids)
+    prefix[:, 4 + 16 + 4:] = 1  # the suffix, which PaliGemma's mask makes causal, is the target
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "token_type_ids": prefix,
+            "pixel_values": _pixels(seed, ROWS, 3, 16, 16)}
+
+
+def _gemma3(seed: int) -> dict:
+    ids, mask, labels = _with_image_tokens(seed, 4)  # 4 tokens per image (mm_tokens_per_image)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "token_type_ids": (ids == IMAGE_TOKEN).long(),
+            "pixel_values": _pixels(seed, ROWS, 3, 16, 16)}
+
+
+def _qwen_vl(seed: int) -> dict:
+    """One image per row: a grid of 1 x 4 x 4 patches (2 x 2 pixels, 2 frames), merged 2 x 2 into
+    4 tokens; its patches flattened, as Qwen's processor hands them over."""
+    ids, mask, labels = _with_image_tokens(seed, 4, opened=True)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels,
+             "pixel_values": _pixels(seed, ROWS * 16, 3 * 2 * 2 * 2), "image_grid_thw": torch.tensor([[1, 4, 4]] * ROWS)}
+    import transformers
+
+    if not transformers.__version__.startswith("4."):
+        batch["mm_token_type_ids"] = (ids == IMAGE_TOKEN).long()  # 5.x's processors return it
+    return batch
+
+
+def _vlm_cases():
+    """Vision-language models (``VLM_NAMES``) on images: the image features put in place of the
+    image tokens, whose count transformers checks (``traced_checks``)."""
+    import transformers as t
+
+    llama = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                 max_position_embeddings=128, num_key_value_heads=2, pad_token_id=0)
+    vision = dict(hidden_size=16, image_size=16, patch_size=4, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=32)
+    mrope = dict(llama, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]})
+    qwen_tokens = dict(image_token_id=IMAGE_TOKEN, vision_start_token_id=VOCAB - 3, vision_end_token_id=VOCAB - 2,
+                       video_token_id=VOCAB - 4)
+    return [
+        ("llava", _model("LlavaForConditionalGeneration", lambda: t.LlavaConfig(
+            vision_config=t.CLIPVisionConfig(**vision), text_config=t.LlamaConfig(**llama),
+            image_token_index=IMAGE_TOKEN, vision_feature_layer=-1, image_seq_length=16)), _llava),
+        ("paligemma", _model("PaliGemmaForConditionalGeneration", lambda: t.PaliGemmaConfig(
+            vision_config=dict(vision, model_type="siglip_vision_model", projection_dim=32),
+            text_config=dict(llama, model_type="gemma", num_key_value_heads=1, head_dim=8),
+            image_token_index=IMAGE_TOKEN, projection_dim=32, hidden_size=32)), _paligemma),
+        ("gemma3-mm", _model("Gemma3ForConditionalGeneration", lambda: t.Gemma3Config(
+            vision_config=vision, text_config=dict(llama, head_dim=8, sliding_window=8), mm_tokens_per_image=4,
+            image_token_index=IMAGE_TOKEN, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2)), _gemma3),
+        ("qwen2-vl", _model("Qwen2VLForConditionalGeneration", lambda: t.Qwen2VLConfig(
+            text_config=mrope, vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, patch_size=2,
+                                                  spatial_merge_size=2, temporal_patch_size=2, mlp_ratio=2),
+            **qwen_tokens)), _qwen_vl),
+        ("qwen2.5-vl", _model("Qwen2_5_VLForConditionalGeneration", lambda: t.Qwen2_5_VLConfig(
+            text_config=mrope, vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                                                  out_hidden_size=32, patch_size=2, spatial_merge_size=2,
+                                                  temporal_patch_size=2, window_size=4, fullatt_block_indexes=[0]),
+            **qwen_tokens)), _qwen_vl),
+    ]
+
+
 def cases() -> dict:
     """``{name: (build, batch)}`` for the transformers this process imports."""
-    return {name: (build, batch, *lr) for name, build, batch, *lr in [*_cases(), *_more_cases(), *_moe_cases()]}
+    return {name: (build, batch, *lr) for name, build, batch, *lr in
+            [*_cases(), *_more_cases(), *_moe_cases(), *_vlm_cases()]}
 
 
 def names() -> list[str]:
@@ -365,6 +458,11 @@ def names() -> list[str]:
 def more_names() -> list[str]:
     """``_more_cases``' names, the same way."""
     return MORE_NAMES
+
+
+def vlm_names() -> list[str]:
+    """``_vlm_cases``' names, the same way."""
+    return VLM_NAMES
 
 
 def moe_names(transformers_4: bool = True) -> list[str]:

@@ -32,7 +32,8 @@ its first two micro-steps (the training program's eager run finds no loss, then 
 runs).
 
 ``f"{t}"`` of a one-value tensor and torch's tensor checks are ``traced_checks``': neither reads
-a value a trace does not have.
+a value a trace does not have. A trace that fails after formatting one, by whatever error (a key
+made of the text), runs eagerly too.
 
 ``concrete_reads`` lets the reads JAX refuses on any tracer (``.tolist()``, ``np.asarray``, which
 torchax's ``.numpy()`` and ``.cpu()`` use) see the concrete value an eager autodiff tracer
@@ -50,6 +51,7 @@ from typing import Any, Callable
 
 import torch
 
+from spmdzero.backends.torchax import traced_checks
 from spmdzero.backends.torchax.placement import INT64_TRUNCATED
 from spmdzero.observe.console import ensure_handler, logger
 
@@ -144,13 +146,20 @@ class Program:
     def __call__(self, *args):
         if self.eager and not _traced(args):
             return self._eagerly(args)
+        texts = traced_checks.formatted()
         try:
             return self._jitted(args)
         except host_read_errors() as err:
-            if _traced(args) or not reads_a_value(err):
+            if _traced(args) or not (reads_a_value(err) or traced_checks.formatted() != texts):
                 raise
             self.eager = True
             self._fallback.note(self._kind, err)
+        except Exception as err:  # after formatting a traced value: maybe the text's (a KeyError)
+            if _traced(args) or traced_checks.formatted() == texts:
+                raise
+            self.eager = True
+            read = RuntimeError(f"a failure after a traced value was formatted into text: {type(err).__name__}: {err}")
+            self._fallback.note(self._kind, read.with_traceback(err.__traceback__))
         return self._eagerly(args)
 
     def _jitted(self, args):

@@ -23,8 +23,10 @@ stop the step, so inside a trace:
   dropped, compiled at its own lines), noted once per class; with values it runs as written.
 * ``format(t, spec)`` of a one-value torchax tensor formats its number where the value exists, as
   torch's ``Tensor.__format__`` does (Switch Transformers picks an expert by
-  ``self[f"expert_{idx}"]``, ``idx`` from ``nonzero``, which runs eagerly anyway). A traced value
-  formats as ``<traced int32>``: a message does not read it.
+  ``self[f"expert_{idx}"]``). A traced value formats as ``<traced int32>``, so that a message
+  does not read it; the trace counts it (``formatted``), and if the trace then fails, whatever
+  the error (``self[f"expert_{idx}"]``: a KeyError), ``host_reads`` takes the failure as that
+  read's and runs the forward eagerly, where the text holds the number.
 """
 
 from __future__ import annotations
@@ -42,6 +44,13 @@ import torch
 from spmdzero.observe.console import ensure_handler, logger
 
 _NOTED: set = set()  # the lines whose check was left out, noted once each
+_FORMATTED = [0]  # traced values formatted so far, in this process
+
+
+def formatted() -> int:
+    """How many traced values have been formatted as ``<traced ...>`` so far: a trace that fails
+    after one did may have failed on the text (``host_reads.Program``)."""
+    return _FORMATTED[0]
 
 
 def abstract(t) -> bool:
@@ -61,6 +70,7 @@ def _format(self, spec: str) -> str:
     if self.dim() != 0:
         return object.__format__(self, spec)
     if abstract(self):
+        _FORMATTED[0] += 1
         return f"<traced {self.jax().dtype}>".__format__(spec)
     return self.item().__format__(spec)
 
