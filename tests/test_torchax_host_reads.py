@@ -223,14 +223,14 @@ class SizedByValue(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.fc(x * torch.full((x.shape[0], width), 0.5, device=x.device)), y)
 
 
-def _trains_as_torch(model):
-    """Two SGD steps of ``model`` (a loss of ``x``, ``y``) by the engine and by torch: the same
-    losses. Returns the engine."""
+def _trains_as_torch(model, steps: int = 2):
+    """``steps`` SGD steps of ``model`` (a loss of ``x``, ``y``) by the engine and by torch: the
+    same losses. Returns the engine."""
     reference = copy.deepcopy(model)
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
     engine, *_ = spmdzero.initialize(model=model, config={
         "train_batch_size": 16, "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": LR}}})
-    for x, y in data(2):
+    for x, y in data(steps):
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()

@@ -11,32 +11,7 @@ import torch
 import spmdzero
 from conftest import spmdzero_log
 from spmdzero.backends.torchax import traced_checks
-
-LR = 0.1
-
-
-def data(n: int):
-    g = torch.Generator().manual_seed(0)
-    return [(torch.randn(16, 16, generator=g), torch.randn(16, 8, generator=g)) for _ in range(n)]
-
-
-def _trains_as_torch(model, steps: int = 2):
-    """``steps`` SGD steps of ``model`` (a loss of ``x``, ``y``) by the engine and by torch: the
-    same losses. Returns the engine."""
-    reference = copy.deepcopy(model)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
-    engine, *_ = spmdzero.initialize(model=model, config={
-        "train_batch_size": 16, "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": LR}}})
-    for x, y in data(steps):
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        expected = reference(x, y)
-        expected.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
-    return engine
+from test_torchax_host_reads import LR, _trains_as_torch, data
 
 
 class CheckedCount(torch.nn.Module):

@@ -139,14 +139,17 @@ def _reads_a_count(node) -> bool:
 
 def _without_checks(function):
     """``function`` compiled from its source less the ``_reads_a_count`` statements, at its own
-    file and lines; None where there are none, or its source cannot be had."""
+    file and lines; None where there are none, or its source cannot be had, or it closes over
+    names (``super()``'s class) that a recompiled copy would lack."""
+    if function.__code__.co_freevars:
+        return None
     try:
         lines, first = inspect.getsourcelines(function)
-    except (OSError, TypeError):
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError):  # no source, or not this function's (the file changed)
         return None
-    tree = ast.parse(textwrap.dedent("".join(lines)))
     definition = tree.body[0]
-    if not isinstance(definition, ast.FunctionDef) or definition.decorator_list:
+    if not isinstance(definition, ast.FunctionDef) or definition.name != function.__name__ or definition.decorator_list:
         return None
     dropped = False
     for node in ast.walk(definition):
