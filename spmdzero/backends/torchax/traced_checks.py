@@ -16,7 +16,7 @@ stop the step, so inside a trace:
   message, once per line. Where the values exist (an eager run, plain torch), it checks as torch
   does (``aten::_is_all_true`` is lowered in ``lowerings``).
 * transformers 4.x checks the same with ``if inputs_embeds[mask].numel() != features.numel():
-  raise ValueError(...)`` in each model's ``get_placeholder_mask`` (37 classes in 4.57: LLaVA
+  raise ValueError(...)`` in each model's ``get_placeholder_mask`` (34 classes in 4.57: LLaVA
   and its kin, PaliGemma, Gemma 3, Qwen2-VL, ...): a boolean index, whose shape is a value.
   While a step is traced (``placeholder_checks_left_out``), such a method whose arguments are
   traced runs as written less those ``if`` statements (its source, parsed, the statements
@@ -127,9 +127,9 @@ def install() -> None:
 
 
 def _reads_a_count(node) -> bool:
-    """``if ... x[mask].numel() != y.numel() ...: raise ...``: transformers 4.x's placeholder check."""
-    if not (isinstance(node, ast.If) and len(node.body) == 1 and isinstance(node.body[0], ast.Raise)
-            and not node.orelse):
+    """``if ... x[mask].numel() != y.numel() ...: [...] raise ...``: transformers 4.x's placeholder
+    check (Janus and DeepSeek-VL count the features in the ``if`` before raising)."""
+    if not (isinstance(node, ast.If) and isinstance(node.body[-1], ast.Raise) and not node.orelse):
         return False
     return any(isinstance(n, ast.Compare) and any(isinstance(op, ast.NotEq) for op in n.ops)
                and any(isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr == "numel"
@@ -193,23 +193,20 @@ def _placeholder_method(cls, original):
 
 @contextlib.contextmanager
 def placeholder_checks_left_out():
-    """While a step is traced, on transformers 4.x: every imported model class's
-    ``get_placeholder_mask`` whose check reads a count runs without it on traced arguments."""
-    from spmdzero.backends.torchax import transformers_methods
-
+    """While a step is traced: every imported model class's ``get_placeholder_mask`` whose check
+    reads a count runs without it on traced arguments (transformers 4.x's; one of 5.24's)."""
     saved = []
-    if transformers_methods.transformers_4():
-        for name, module in list(sys.modules.items()):
-            if not (name.startswith("transformers.models.") and ".modeling_" in name) or module is None:
+    for name, module in list(sys.modules.items()):
+        if not (name.startswith("transformers.models.") and ".modeling_" in name) or module is None:
+            continue
+        for cls in list(vars(module).values()):
+            original = isinstance(cls, type) and cls.__dict__.get("get_placeholder_mask")
+            if not inspect.isfunction(original) or cls.__module__ != name:
                 continue
-            for cls in list(vars(module).values()):
-                original = isinstance(cls, type) and cls.__dict__.get("get_placeholder_mask")
-                if not inspect.isfunction(original) or cls.__module__ != name:
-                    continue
-                replacement = _placeholder_method(cls, original)
-                if replacement is not None:
-                    saved.append((cls, original))
-                    cls.get_placeholder_mask = replacement
+            replacement = _placeholder_method(cls, original)
+            if replacement is not None:
+                saved.append((cls, original))
+                cls.get_placeholder_mask = replacement
     try:
         yield
     finally:
