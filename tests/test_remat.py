@@ -386,3 +386,36 @@ def test_deepspeed_checkpointings_settings_are_named_once_as_no_ops(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ds_checkpointing.configure(None, deepspeed_config=config)  # said once
+
+
+class SplitByValue(torch.nn.Module):
+    """Checkpointed blocks that split their input by sizes read on the host, as Qwen2-VL's vision
+    blocks split attention by ``cu_seqlens.tolist()``: the forward runs eagerly, and there the
+    regions run without rematerialization, training as torch does."""
+
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.checkpointed = checkpointed
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+        self.head = torch.nn.Linear(16, 8)
+
+    def block(self, layer, x):
+        sizes = (x[:, 0] * 0).long() + 1  # one row each, read as torch reads it
+        return torch.cat([layer(part) for part in torch.split(x, sizes.tolist())])
+
+    def forward(self, x, y):
+        for layer in self.blocks:
+            x = (torch.utils.checkpoint.checkpoint(self.block, layer, x, use_reentrant=False) if self.checkpointed
+                 else self.block(layer, x))
+        return torch.nn.functional.mse_loss(self.head(x), y)
+
+
+def test_a_checkpointed_region_that_reads_runs_eagerly_as_without():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, losses = trained(SplitByValue(True))
+    _, expected = trained(SplitByValue(False))
+    assert engine._host_reads.noted
+    np.testing.assert_allclose(losses, expected, rtol=1e-6)
+    assert [w for w in caught if "without rematerialization" in str(w.message)]

@@ -52,6 +52,12 @@ block): the engine hands ``rematerializing()`` the module's parameters and buffe
 the region changed leaves the region as one of its outputs and is set outside, or it would hold a
 value of the region's trace. It is updated once, in the forward (torch's checkpoint updates it
 again when it recomputes the block).
+
+A region that reads a value on the host (Qwen2-VL's vision blocks split their attention by
+``cu_seqlens.tolist()``) sends the forward down the eager path (``host_reads``), and there
+``jax.checkpoint`` still traces its region with abstract values, so the read failed again and
+training stopped. In an eager run such a region is called as it is, without rematerialization
+(said once): its activations are kept, as without checkpointing.
 """
 
 from __future__ import annotations
@@ -63,6 +69,8 @@ import warnings
 import torch
 import torch.utils.checkpoint
 from torch.utils import _pytree as torch_pytree
+
+from spmdzero.backends.torchax import host_reads
 
 _CACHE = "__dynamo_disable"  # the attribute torch's _disable_dynamo wrapper calls through
 _warned: set = set()
@@ -77,6 +85,13 @@ def _wrapped():
     if inner is None or code is None or _CACHE not in code.co_consts:
         return None
     return inner
+
+
+def _concrete(array) -> bool:
+    """Whether ``array``'s value exists: an array, or an eager autodiff tracer that carries it."""
+    import jax
+
+    return not isinstance(array, jax.core.Tracer) or array.to_concrete_value() is not None
 
 
 def hook_available() -> bool:
@@ -195,7 +210,19 @@ def rematerialized(env, function, args: tuple, kwargs: dict, state: list = ()):
         traced[:] = [out_spec, out_leaves, tensors, changed, kept]
         return key, [out_leaves[i]._elem for i in tensors], updates, [t._elem for t in kept]
 
-    key, arrays, updates, kept_arrays = jax.checkpoint(region)(env.prng_key, [leaves[i]._elem for i in inputs])
+    arrays_in = [leaves[i]._elem for i in inputs]
+    saved = [t._elem for t in state]
+    try:
+        key, arrays, updates, kept_arrays = jax.checkpoint(region)(env.prng_key, arrays_in)
+    except host_reads.host_read_errors() as err:
+        if not (host_reads.reads_a_value(err) and all(_concrete(a) for a in (*arrays_in, *saved))):
+            raise
+        for t, array in zip(state, saved):  # the failed trace's values do not stay
+            t._elem = array
+        _warn_once("eager", "a checkpointed region reads a value on the host: in the eager run it runs without "
+                            "rematerialization (jax.checkpoint traces its region with abstract values), keeping "
+                            "its activations")
+        return function(*args, **kwargs)
     env.param.prng = key  # the environment's key advances as the region's draws rotated it
     out_spec, out_leaves, tensors, changed, kept = traced
     for i, update in zip(changed, updates):
