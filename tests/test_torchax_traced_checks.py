@@ -80,7 +80,8 @@ def test_transformers_4_placeholder_checks_are_dropped_at_their_own_lines():
 class HostIndex(torch.nn.Module):
     """transformers 4.x's Qwen2-VL and Qwen2.5-VL vision towers: ``torch.arange(h)`` on the host,
     ``h`` a device value, padded by another (``F.pad(index, (0, pad))``), and a lazy view indexed by
-    a boolean mask (``token_types[attention_mask[row].bool()]``)."""
+    a boolean mask (``token_types[attention_mask[row].bool()]``); and transformers 4.x's Idefics3:
+    a view written through a boolean mask (``position_ids[row][mask] = ids``)."""
 
     def __init__(self):
         super().__init__()
@@ -92,7 +93,9 @@ class HostIndex(torch.nn.Module):
         index = torch.nn.functional.pad(torch.arange(size), (0, size), "constant", -1)  # 8 entries
         row = x[1]
         kept = row[row > 0]  # a view's entries picked by a mask
-        scale = 1 + (index >= 0).float().mean() + kept.sum() * 0
+        positions = torch.zeros(2, 16, device=x.device)
+        positions[1][row > 0] = 1.0  # a view's entries written through a mask
+        scale = 1 + (index >= 0).float().mean() + kept.sum() * 0 + positions.mean()
         return torch.nn.functional.mse_loss(self.fc(x) * scale, y)
 
 

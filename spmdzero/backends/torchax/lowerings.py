@@ -330,7 +330,7 @@ def _setitem_in_the_tensors_dtype() -> None:
     """``x[key] = value`` writes ``value`` cast to ``x``'s dtype, as torch does, and so does any
     write into a view (``copy_``, an in-place op, ``out=`` into a slice): torchax's ``Tensor``
     and ``View``, process-wide, once. ``key`` may hold index tensors on the host, as in
-    ``x[key]``."""
+    ``x[key]``, and a view's key device index tensors (a boolean mask)."""
     from torchax import tensor as ttensor
     from torchax import view as tview
     from torchax.ops import mappings
@@ -352,8 +352,19 @@ def _setitem_in_the_tensors_dtype() -> None:
             new_values = new_values.astype(self.source_jax().dtype)
         return update(self, new_values, view_infos)
 
+    def view_setitem(self, key, val):
+        # torchax kept the key's index tensors as they are, and JAX's scatter could not read a
+        # torch dtype ("Cannot interpret 'torch.bool' as a data type": transformers 4.x's Idefics3
+        # writes ``position_ids[row][mask] = ids``)
+        key = _index_bounds(key, self._env)
+        keys = key if isinstance(key, tuple) else (key,)
+        keys = tuple(k.jax() if isinstance(k, (ttensor.Tensor, tview.View)) else k for k in keys)
+        return view_setitem_original(self, keys if isinstance(key, tuple) else keys[0], val)
+
+    view_setitem_original = tview.View.__setitem__
     setattr(cast_setitem, _INSTALLED, True)
     ttensor.Tensor.__setitem__, tview.View.update = cast_setitem, cast_update
+    tview.View.__setitem__ = view_setitem
 
 
 def _grouped_mm_ops() -> list:
