@@ -24,7 +24,8 @@ MOE_NAMES = ["olmoe", "flex-olmo", "jamba", "hunyuan-moe", "dots1", "mixtral-lor
              "falcon-h1", "ernie4.5-moe", "glm4v-moe", "granite-moe-shared", "dbrx", "longcat-flash",
              "switch-transformers"]
 # vision-language models, trained on images: their image tokens in each row, labels on the text
-VLM_NAMES = ["llava", "paligemma", "gemma3-mm", "qwen2-vl", "qwen2.5-vl"]
+VLM_NAMES = ["llava", "paligemma", "gemma3-mm", "qwen2-vl", "qwen2.5-vl", "mistral3", "idefics3", "internvl",
+             "aya-vision"]
 
 
 def _quiet(config):
@@ -396,6 +397,17 @@ def _gemma3(seed: int) -> dict:
             "pixel_values": _pixels(seed, ROWS, 3, 16, 16)}
 
 
+def _pixtral(seed: int) -> dict:
+    ids, mask, labels = _with_image_tokens(seed, 4)  # 4 x 4 patches of 4 pixels, merged 2 x 2
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "pixel_values": _pixels(seed, ROWS, 3, 16, 16),
+            "image_sizes": torch.tensor([[16, 16]] * ROWS)}
+
+
+def _one_image(seed: int, *shape: int) -> dict:
+    ids, mask, labels = _with_image_tokens(seed, 4)  # 4 x 4 patches, shuffled or pooled 2 x 2
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "pixel_values": _pixels(seed, *shape)}
+
+
 def _qwen_vl(seed: int) -> dict:
     """One image per row: a grid of 1 x 4 x 4 patches (2 x 2 pixels, 2 frames), merged 2 x 2 into
     4 tokens; its patches flattened, as Qwen's processor hands them over."""
@@ -441,6 +453,23 @@ def _vlm_cases():
                                                   out_hidden_size=32, patch_size=2, spatial_merge_size=2,
                                                   temporal_patch_size=2, window_size=4, fullatt_block_indexes=[0]),
             **qwen_tokens)), _qwen_vl),
+        ("mistral3", _model("Mistral3ForConditionalGeneration", lambda: t.Mistral3Config(
+            vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                               num_attention_heads=2, head_dim=8, image_size=16, patch_size=4),
+            text_config=dict(llama, model_type="mistral", head_dim=8), image_token_index=IMAGE_TOKEN,
+            spatial_merge_size=2, vision_feature_layer=-1)), _pixtral),
+        ("idefics3", _model("Idefics3ForConditionalGeneration", lambda: t.Idefics3Config(
+            vision_config=vision, text_config=dict(llama, model_type="llama"), image_token_id=IMAGE_TOKEN,
+            scale_factor=2)), lambda seed: _one_image(seed, ROWS, 1, 3, 16, 16)),
+        ("internvl", _model("InternVLForConditionalGeneration", lambda: t.InternVLConfig(
+            vision_config=dict(hidden_size=16, image_size=[16, 16], patch_size=[4, 4], num_hidden_layers=1,
+                               num_attention_heads=2, intermediate_size=32),
+            text_config=dict(llama, model_type="qwen2"), image_token_id=IMAGE_TOKEN, downsample_ratio=0.5,
+            vision_feature_layer=-1)), lambda seed: _one_image(seed, ROWS, 3, 16, 16)),
+        ("aya-vision", _model("AyaVisionForConditionalGeneration", lambda: t.AyaVisionConfig(
+            vision_config=dict(vision, model_type="siglip_vision_model"), text_config=dict(llama, model_type="cohere2"),
+            image_token_index=IMAGE_TOKEN, downsample_factor=2, vision_feature_layer=-1,
+            adapter_layer_norm_eps=1e-6)), lambda seed: _one_image(seed, ROWS, 3, 16, 16)),
     ]
 
 
