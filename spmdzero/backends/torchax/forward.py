@@ -443,7 +443,9 @@ class ForwardPrograms:
                 floats[:] = [i for i, o in enumerate(outputs) if jax.numpy.issubdtype(o.dtype, jax.numpy.inexact)]
                 return [outputs[i] for i in floats], (outputs, changed)
 
-            if self.plan.stage >= 3:  # ZeRO-3's gathered weights are gathered again in the backward
+            # ZeRO-3's gathered weights are gathered again in the backward; not in an eager run
+            # (a forward that reads a value), where jax.checkpoint would trace it with abstract values
+            if self.plan.stage >= 3 and not host_reads.concrete((params, arrays)):
                 differentiable = jax.checkpoint(differentiable, policy=zero3_gather.not_saving_gathered_weights)
 
             _, vjp, (outputs, changed) = jax.vjp(differentiable, params, [arrays[i] for i in which], has_aux=True)

@@ -89,6 +89,15 @@ def _traced(args) -> bool:
     return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(args))
 
 
+def concrete(tree) -> bool:
+    """Whether every array in ``tree`` has its value: a plain array, or the tracer of an eager
+    ``jax.vjp`` that carries one (an eager run), not a ``jax.jit`` trace's."""
+    import jax
+
+    return all(not isinstance(leaf, jax.core.Tracer) or leaf.to_concrete_value() is not None
+               for leaf in jax.tree_util.tree_leaves(tree))
+
+
 @contextlib.contextmanager
 def concrete_reads():
     """``.tolist()``, ``__array__`` and ``.tobytes()`` of a tracer that carries a concrete value

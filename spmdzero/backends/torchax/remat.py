@@ -87,13 +87,6 @@ def _wrapped():
     return inner
 
 
-def _concrete(array) -> bool:
-    """Whether ``array``'s value exists: an array, or an eager autodiff tracer that carries it."""
-    import jax
-
-    return not isinstance(array, jax.core.Tracer) or array.to_concrete_value() is not None
-
-
 def hook_available() -> bool:
     """Whether ``rematerializing()`` reaches ``torch.utils.checkpoint.checkpoint`` in this torch."""
     return _wrapped() is not None
@@ -215,7 +208,7 @@ def rematerialized(env, function, args: tuple, kwargs: dict, state: list = ()):
     try:
         key, arrays, updates, kept_arrays = jax.checkpoint(region)(env.prng_key, arrays_in)
     except host_reads.host_read_errors() as err:
-        if not (host_reads.reads_a_value(err) and all(_concrete(a) for a in (*arrays_in, *saved))):
+        if not (host_reads.reads_a_value(err) and host_reads.concrete((arrays_in, saved))):
             raise
         for t, array in zip(state, saved):  # the failed trace's values do not stay
             t._elem = array
