@@ -17,9 +17,7 @@ import torch
 from torch.utils import _pytree as torch_pytree
 
 from spmdzero.train.data import model_pad_id
-from spmdzero.backends.torchax import attention
-from spmdzero.backends.torchax import autocast
-from spmdzero.backends.torchax import batchnorm
+from spmdzero.backends.torchax import attention, autocast, batchnorm
 from spmdzero.backends.torchax import frozen
 from spmdzero.backends.torchax import host_reads
 from spmdzero.backends.torchax import moe_experts
@@ -443,8 +441,7 @@ class ForwardPrograms:
                 floats[:] = [i for i, o in enumerate(outputs) if jax.numpy.issubdtype(o.dtype, jax.numpy.inexact)]
                 return [outputs[i] for i in floats], (outputs, changed)
 
-            # ZeRO-3's gathered weights are gathered again in the backward; not in an eager run
-            # (a forward that reads a value), where jax.checkpoint would trace it with abstract values
+            # ZeRO-3's gathered weights gathered again in the backward; not eagerly (jax.checkpoint traces)
             if self.plan.stage >= 3 and not host_reads.concrete((params, arrays)):
                 differentiable = jax.checkpoint(differentiable, policy=zero3_gather.not_saving_gathered_weights)
 
