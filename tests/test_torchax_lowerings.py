@@ -299,6 +299,33 @@ def test_a_layer_moved_to_its_own_dtype_in_the_forward_still_trains():
         np.testing.assert_allclose(on_host(p).numpy(), q.detach().numpy(), atol=1e-6, err_msg=name)
 
 
+class _WindowCache(torch.nn.Module):
+    """transformers 4.x's RecurrentGemma attention: its keys and values cut to a window under
+    ``torch.no_grad()`` (``_update_cache``), a slice, which torchax keeps as a lazy view; and a
+    slice of that view read with grad enabled."""
+
+    def __init__(self):
+        super().__init__()
+        self.query, self.key, self.head = torch.nn.Linear(4, 2), torch.nn.Linear(4, 8), torch.nn.Linear(2, 1)
+
+    def forward(self, x):
+        keys = self.key(x)
+        with torch.no_grad():
+            window = keys[:, -3:]
+        scores = self.query(x) @ window[:, 1:].transpose(-1, -2)
+        return self.head(scores.softmax(-1) @ window[:, 1:]).square().mean()
+
+
+def test_a_slice_taken_under_no_grad_passes_no_gradient():
+    """The window's keys passed gradients to the key projection, which torch gives none: a
+    no_grad result that is a lazy view was not stopped (RecurrentGemma on 4.57 trained to other
+    weights)."""
+    torch.manual_seed(0)
+    engine, reference = _trains_as_torch(_WindowCache(), steps=3)
+    for (name, p), (_, q) in zip(engine.module.named_parameters(), reference.named_parameters()):
+        np.testing.assert_allclose(on_host(p).numpy(), q.detach().numpy(), atol=1e-6, err_msg=name)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("zero_infinity", [False, True])
 @pytest.mark.parametrize("concatenated", [False, True])
