@@ -357,3 +357,32 @@ def test_a_scripts_cuda_autocast_region_is_the_accelerators(backend, section):
     if backend == "torchax" or not section:  # torch_xla's autocast list for XLA keeps nll_loss in bf16
         assert loss.dtype == torch.float32
     assert math.isfinite(loss.item())
+
+
+class _Bf16Gate(torch.nn.Module):
+    """An fp32 model with one bf16 parameter and buffer, as Apertus' xIELU activation keeps its
+    ``alpha_p`` and ``beta`` (transformers 4.57)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(8, 8)
+        self.alpha = torch.nn.Parameter(torch.tensor(0.8, dtype=torch.bfloat16).unsqueeze(0))
+        self.register_buffer("beta", torch.tensor(0.5, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        return (self.fc(x) * torch.nn.functional.softplus(self.alpha) * self.beta).square().mean()
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_parameter_keeps_its_own_dtype_and_the_step_compiles_once(stage):
+    """The update gave the bf16 parameter its fp32 gradient's dtype: the forward computed in fp32
+    from the second step, and retraced there."""
+    engine, *_ = spmdzero.initialize(model=_Bf16Gate(), config={
+        "train_batch_size": 8, "zero_optimization": {"stage": stage}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    for step in range(3):
+        loss = engine(torch.randn(8, 8, generator=torch.Generator().manual_seed(step)))
+        engine.backward(loss)
+        engine.step()
+    assert dict(engine.traces) == {"train_forward": 1, "update": 1}
+    assert str(engine._params["alpha"].dtype) == "bfloat16"  # on the devices, as the module holds it

@@ -214,9 +214,12 @@ class UpdateProgram:
             norm, skip = result.scale.norm, result.scale.skip
             skip = jnp.zeros((), bool) if skip is None else skip
             if not masters:
-                new_targets = {n: gathered(n, t) for n, t in new_targets.items()}
+                # each in its own dtype: a bf16 parameter of an fp32 model (Apertus' xIELU) took its
+                # fp32 gradient's dtype, and the next step retraced on it
+                new_targets = {n: gathered(n, t.astype(params[n].dtype)) for n, t in new_targets.items()}
                 return new_targets, masters, new_states, new_shared, norm, skipped + skip, skip, result.loss_scale
-            new_params = {n: gathered(n, t.astype(param_dtype)) for n, t in new_targets.items()}  # all-gathered in bf16/fp16
+            new_params = {n: gathered(n, t.astype(params[n].dtype if n in params else param_dtype))  # all-gathered
+                          for n, t in new_targets.items()}  # in bf16/fp16
             return new_params, new_targets, new_states, new_shared, norm, skipped + skip, skip, result.loss_scale
 
         rep = self._replicated
