@@ -16,7 +16,7 @@ ROWS, LENGTH, VOCAB = 8, 16, 96
 NAMES = ["llama-lora", "gpt2", "gpt2-eager", "llama", "llama-eager", "qwen2", "mistral", "gemma", "opt", "gpt-neox", "phi", "bloom", "mixtral", "qwen2-moe", "bert", "roberta", "distilbert", "albert", "electra", "deberta-v2", "deberta-v2-cls", "t5", "bart", "vit", "convnext", "resnet", "wav2vec2", "whisper"]
 MORE_NAMES = ["qwen3", "qwen3-moe", "gemma2", "gemma3", "phi3", "olmo2", "starcoder2", "granite", "cohere", "smollm3",
               "falcon", "gptj", "gpt-bigcode", "deepseek-v3", "gpt-oss", "mamba", "modernbert", "xlm-roberta", "mt5",
-              "swin", "glm4-moe", "minimax"]
+              "swin", "glm4-moe", "minimax", "recurrent-gemma"]
 # mixtures of experts whose transformers 4.x blocks loop over the experts, beyond those above, and
 # Mixtral with LoRA on its experts (grouped) and DoRA (each expert on every token)
 MOE_NAMES = ["olmoe", "flex-olmo", "jamba", "hunyuan-moe", "dots1", "mixtral-lora-experts", "mixtral-dora-experts",
@@ -85,6 +85,11 @@ def _padded_lm(seed: int, pad_id: int = 0) -> dict:
     # math kernels differ 6x on it (OPT). Its label is left out, as the other padding's.
     labels[0, 5], labels[1, 9], labels[2, 1] = -100, -100, -100
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _unpadded_lm(seed: int) -> dict:
+    batch = _padded_lm(seed)
+    return {"input_ids": batch["input_ids"], "labels": batch["input_ids"].clone()}
 
 
 def _mlm(seed: int) -> dict:
@@ -273,6 +278,11 @@ def _more_cases():
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
             layer_types=["full_attention", "full_attention"])), _padded_lm),
+        # Griffin's gated linear recurrence beside local attention, on rows without padding (see
+        # the test's note)
+        ("recurrent-gemma", _model("RecurrentGemmaForCausalLM", lambda: t.RecurrentGemmaConfig(
+            **llama, head_dim=8, lru_width=32, attention_window_size=8, conv1d_width=4,
+            block_types=["recurrent", "attention"])), _unpadded_lm),
     ]
 
 
