@@ -74,6 +74,31 @@ LAUNCHER_VARIABLES = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE"
                                 "MASTER_ADDR", "MASTER_PORT"})
 
 
+def free_port_pair() -> int:
+    """A port P with P + 1 free too (torch.distributed's store and JAX's coordinator), below the
+    kernel's ephemeral range: a port that bind(0) lends is free only until some process's next
+    outgoing connection or listener takes it, which on a busy machine (two test workers, each
+    with multi-process tests) happens between our check and the launched processes' bind."""
+    import random
+    import socket
+
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    start = 20000 if low > 21000 else 1024
+    for _ in range(200):
+        port = random.randrange(start, max(start + 2, low - 2))
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free pair of ports below the ephemeral range")
+
+
 def run_python(*code: str, env: dict | None = None, timeout: int = 600) -> str:
     """Run the code snippets, in order, in a fresh interpreter (its own device count);
     return stdout, fail on error."""

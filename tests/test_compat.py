@@ -19,7 +19,7 @@ import torch.distributed as dist
 import spmdzero
 from spmdzero.compat import alias
 
-from conftest import REPO, batches, tiny_mlp
+from conftest import REPO, batches, free_port_pair, tiny_mlp
 
 
 @pytest.fixture(scope="module")
@@ -386,7 +386,7 @@ def test_gathered_parameters_broadcast_the_modifiers_values_to_the_other_process
         import os, torch, torch.distributed as dist, torch.multiprocessing as mp
 
         def work(rank):
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["TEST_PORT"])
             dist.init_process_group("gloo", rank=rank, world_size=2)
             from spmdzero.compat.deepspeed.runtime.zero.partition_parameters import GatheredParameters
             w = torch.nn.Parameter(torch.zeros(3))
@@ -404,7 +404,7 @@ def test_gathered_parameters_broadcast_the_modifiers_values_to_the_other_process
         if __name__ == "__main__":
             mp.spawn(work, nprocs=2)
     """))
-    env = {**os.environ, "SPMDZERO_NO_RUNTIME": "1", "PYTHONPATH": REPO}
+    env = {**os.environ, "SPMDZERO_NO_RUNTIME": "1", "PYTHONPATH": REPO, "TEST_PORT": str(free_port_pair())}
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = [(tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)]

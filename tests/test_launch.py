@@ -14,7 +14,7 @@ import pytest
 
 from spmdzero.cli.launch import _parser, _ignored_options
 
-from conftest import REPO
+from conftest import REPO, free_port_pair
 
 SCRIPTS = os.path.join(REPO, "tests", "deepspeed_scripts")
 STEP = re.compile(r"^STEP (\d+) rows=(\d+) global_samples=(\d+)", re.M)
@@ -162,11 +162,7 @@ def test_launcher_environment_is_deepspeeds_for_one_process_per_host(monkeypatch
 def test_init_distributed_joins_the_hosts_into_one_process_group(tmp_path):
     """Two processes standing for two hosts (the runtime's process index/count patched; no
     devices needed) rendezvous at MASTER_ADDR/MASTER_PORT and all-reduce."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port_pair()
     code = (
         "import os, sys\n"
         "os.environ['SPMDZERO_NO_RUNTIME'] = '1'\n"

@@ -159,22 +159,6 @@ if __name__ == "__main__":
 '''
 
 
-def _free_port_pair() -> int:
-    """A port P with P + 1 free too (torch.distributed's store and JAX's coordinator)."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free pair of ports")
-
-
 def _launch_hosts(tmp_path, *script_args, hosts: int = 2, script_text: str = SCRIPT, launch_args: tuple = ()):
     """``spmdzero launch --num_nodes 2 --node_rank I ...`` for each I, as on two hosts of 4 CPU
     devices each; returns the Popen objects (stdout and stderr to files in tmp_path)."""
@@ -182,7 +166,7 @@ def _launch_hosts(tmp_path, *script_args, hosts: int = 2, script_text: str = SCR
     import subprocess
     import sys
 
-    from conftest import REPO
+    from conftest import REPO, free_port_pair
 
     script = tmp_path / "train.py"
     script.write_text(script_text)
@@ -191,7 +175,7 @@ def _launch_hosts(tmp_path, *script_args, hosts: int = 2, script_text: str = SCR
     env.update({"PYTHONPATH": REPO, "SPMDZERO_BACKEND": "", "JAX_PLATFORMS": "cpu", "PJRT_DEVICE": "CPU",
                 "CPU_NUM_DEVICES": "4", "SPMDZERO_DISTRIBUTED_INIT_TIMEOUT": "60",
                 "SPMDZERO_DISTRIBUTED_HEARTBEAT_TIMEOUT": "10", "PYTHONUNBUFFERED": "1"})
-    port = _free_port_pair()
+    port = free_port_pair()
     procs = []
     for i in range(hosts):
         command = [sys.executable, "-c", "import sys, spmdzero_cli; sys.exit(spmdzero_cli.main())", "launch", *launch_args,
@@ -200,6 +184,16 @@ def _launch_hosts(tmp_path, *script_args, hosts: int = 2, script_text: str = SCR
         with open(tmp_path / f"log{i}.txt", "w") as log:  # the child keeps its own copy of the file
             procs.append(subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs
+
+
+def _all_succeed(procs, tmp_path, timeout: int = 240) -> None:
+    """Wait for every launched process; on a failure show each one's log, since the first to
+    report is often only the peer of the one that failed (a rendezvous error names the other)."""
+    codes = [proc.wait(timeout=timeout) for proc in procs]
+    if any(codes):
+        logs = "\n".join(f"--- process {i} (exit {code}):\n" + (tmp_path / f"log{i}.txt").read_text()[-3000:]
+                         for i, code in enumerate(codes))
+        pytest.fail(f"exit codes {codes}\n{logs}")
 
 
 def _reference(tmp_path):
@@ -222,8 +216,7 @@ def _reference(tmp_path):
 def test_two_processes_of_four_devices_train_as_one_process_of_eight(tmp_path):
     procs = _launch_hosts(tmp_path)
     losses, norms, params, engine = _reference(tmp_path)  # meanwhile, here
-    for i, proc in enumerate(procs):
-        assert proc.wait(timeout=240) == 0, (tmp_path / f"log{i}.txt").read_text()[-4000:]
+    _all_succeed(procs, tmp_path)
     outs = [torch.load(tmp_path / f"out{i}.pt") for i in range(2)]
     for i, out in enumerate(outs):
         assert out["hosts"] == (i, 2) and out["devices"] == 8 and out["local_devices"] == 4
@@ -246,8 +239,7 @@ def test_a_loss_computed_outside_the_module_trains_on_two_processes_as_on_one(tm
     parameters and gradient norms are one process's of 8 devices with the loss in the module."""
     procs = _launch_hosts(tmp_path, "--outside")
     losses, norms, params, _ = _reference(tmp_path)
-    for i, proc in enumerate(procs):
-        assert proc.wait(timeout=240) == 0, (tmp_path / f"log{i}.txt").read_text()[-4000:]
+    _all_succeed(procs, tmp_path)
     outs = [torch.load(tmp_path / f"out{i}.pt") for i in range(2)]
     mean = [(a + b) / 2 for a, b in zip(outs[0]["losses"], outs[1]["losses"])]
     assert mean == pytest.approx(losses, abs=1e-6, rel=1e-6)  # each its own rows: their mean is the global loss
@@ -286,8 +278,7 @@ def test_a_checkpoint_moves_from_one_process_to_two_and_back(tmp_path):
     third, after_third = script["train"](engine, loader), params(engine)
 
     procs = _launch_hosts(tmp_path, "--load", str(tmp_path / "by_one"), "--save", str(tmp_path / "by_two"))
-    for i, proc in enumerate(procs):
-        assert proc.wait(timeout=240) == 0, (tmp_path / f"log{i}.txt").read_text()[-4000:]
+    _all_succeed(procs, tmp_path)
     for i in range(2):
         out = torch.load(tmp_path / f"out{i}.pt")
         assert out["hosts"] == (i, 2) and out["samples"] == 2 * 128
@@ -333,9 +324,9 @@ def test_accelerate_counts_the_hosts_and_gives_each_its_own_batches(tmp_path):
                                               "deepspeed_config:\n  zero_stage: 2\n")
     procs = _launch_hosts(tmp_path, script_text=ACCELERATE_SCRIPT, launch_args=("--config_file", "accelerate.yaml"))
     batches = []
-    for i, proc in enumerate(procs):
-        log = (tmp_path / f"log{i}.txt").read_text() if proc.wait(timeout=240) == 0 else None
-        assert log is not None, (tmp_path / f"log{i}.txt").read_text()[-4000:]
+    _all_succeed(procs, tmp_path)
+    for i in range(len(procs)):
+        log = (tmp_path / f"log{i}.txt").read_text()
         line = next(line for line in log.splitlines() if line.startswith("ACCELERATE "))
         count, index, kind, rest = line.split(" ", 4)[1:]
         assert (count, index, kind) == ("2", str(i), "DistributedType.DEEPSPEED"), line
@@ -395,9 +386,8 @@ def test_the_trainers_loss_on_two_hosts_is_the_one_host_loss(tmp_path):
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-4000:]
     runs = [one.stdout]
-    for i, proc in enumerate(procs):
-        assert proc.wait(timeout=240) == 0, (tmp_path / f"log{i}.txt").read_text()[-4000:]
-        runs.append((tmp_path / f"log{i}.txt").read_text())
+    _all_succeed(procs, tmp_path)
+    runs += [(tmp_path / f"log{i}.txt").read_text() for i in range(len(procs))]
     results = []
     for out in runs:
         line = next(line for line in out.splitlines() if line.startswith("TRAINER "))
@@ -434,12 +424,12 @@ def test_a_process_whose_peers_never_come_says_so_within_the_initialization_time
     import subprocess
     import sys
 
-    from conftest import REPO
+    from conftest import REPO, free_port_pair
 
     env = {k: v for k, v in os.environ.items() if k not in ("SPMDZERO_NO_RUNTIME", "XLA_FLAGS")}
     env.update({"PYTHONPATH": REPO, "SPMDZERO_BACKEND": "", "JAX_PLATFORMS": "cpu", "PJRT_DEVICE": "CPU",
                 "CPU_NUM_DEVICES": "4", "SPMDZERO_DISTRIBUTED_INIT_TIMEOUT": "3", "WORLD_SIZE": "2", "RANK": "1",
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port_pair())})
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port_pair())})
     # a plain script (no launcher): the variables alone make `import spmdzero` join the others
     proc = subprocess.run([sys.executable, "-c", "import spmdzero"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=120, check=False)
