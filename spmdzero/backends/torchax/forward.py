@@ -17,15 +17,11 @@ import torch
 from torch.utils import _pytree as torch_pytree
 
 from spmdzero.train.data import model_pad_id
-from spmdzero.backends.torchax import attention, autocast, batchnorm
-from spmdzero.backends.torchax import frozen
-from spmdzero.backends.torchax import host_reads
-from spmdzero.backends.torchax import moe_experts
+from spmdzero.backends.torchax import attention, autocast, batchnorm, frozen, host_reads
 from spmdzero.backends.torchax.outside_loss import tie
 from spmdzero.backends.torchax import process_rows
-from spmdzero.backends.torchax import recurrent_masks
-from spmdzero.backends.torchax import trace_view, traced_checks
-from spmdzero.backends.torchax import remat
+from spmdzero.backends.torchax import moe_experts, mrope_positions, recurrent_masks, shape_inputs, trace_view
+from spmdzero.backends.torchax import remat, traced_checks
 from spmdzero.backends.torchax import method_programs, other_engines
 from spmdzero.backends.torchax import cross_entropy
 from spmdzero.backends.torchax import zero3_gather
@@ -238,6 +234,8 @@ class ForwardPrograms:
         inputs, kwargs = self._in_model_dtype(inputs, kwargs, keep=_is_torchax_tensor)
         # a mapping that is not a dict (transformers' BatchEncoding) is one leaf to torch's pytree
         inputs, kwargs = _as_dicts(inputs), _as_dicts(kwargs)
+        if self._processes == 1:  # values that are shapes (image grids) join the program's key
+            inputs, kwargs = shape_inputs.kept_on_host((inputs, kwargs), _is_torchax_tensor)
         leaves, treespec = torch_pytree.tree_flatten((inputs, kwargs))
         static = tuple((i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor))
         self._take_host_changes()
@@ -369,7 +367,7 @@ class ForwardPrograms:
             traced_others = constants.pop(other_engines.KEY, None)
             leaves = list(arrays)
             for i, value in static:
-                leaves.insert(i, value)
+                leaves.insert(i, shape_inputs.unwrapped(value))
             inputs, kwargs = torch_pytree.tree_unflatten(leaves, treespec)
             tensors = env.j2t_iso({**frozen.held(gathered(params), frozen_now), **constants})
             inputs, kwargs = env.j2t_iso((inputs, kwargs))
@@ -384,7 +382,8 @@ class ForwardPrograms:
                         batchnorm.updating_running_statistics(batch_norms), \
                         other_engines.tracing(self, others, traced_others, env), \
                         autocast.autocasting(env, self.precision.autocast_dtype), recurrent_masks.kept(), \
-                        traced_checks.placeholder_checks_left_out(), moe_experts.grouped(self.expert_matmuls):
+                        traced_checks.placeholder_checks_left_out(), mrope_positions.computed(), \
+                        moe_experts.grouped(self.expert_matmuls):
                     output = torch.func.functional_call(entry, method_programs.keyed(entry, tensors), inputs, kwargs)
             finally:
                 for m, params, buffers in held:

@@ -68,6 +68,14 @@ op, then the result written into the tensor or view (``_inplace_from_functional`
 5.x's vision-language models call on their image tokens): no torchax lowering. Here they are
 ``jnp.all`` and ``jnp.any``, a one-value bool (``traced_checks`` says when the check runs).
 
+``torch.tensor(data, device=...)`` of Python numbers inside a trace, and the ops whose output
+shape is their input's values (``unique_consecutive``, ``nonzero``, ``masked_select``,
+``repeat_interleave`` by a tensor) on such known values, are evaluated while tracing: under
+``jax.jit`` every JAX op is staged, so the factory's numbers became a traced value and the shape op
+then a host read. transformers 4.x's Qwen2.5-VL makes its window boundaries so
+(``torch.unique_consecutive(torch.tensor(list, device=...))``), and its forward went eagerly.
+A value computed from the inputs is traced as before (``_known_values_evaluated``).
+
 One replacement gives other random values, not other semantics: ``F.dropout`` and
 ``torch.dropout`` (``nn.Dropout``) draw their mask from a hash that the backward draws again, instead of JAX's
 threefry bits kept in memory for the backward (``dropout``).
@@ -407,6 +415,28 @@ def _inplace_from_functional(env) -> None:
                                                   is_user_defined=True, needs_env=False, is_view_op=True)
 
 
+def _known_values_evaluated(env) -> None:
+    """``env``'s ``torch.tensor`` and value-shaped ops evaluated while tracing when no operand is
+    traced (module docstring): what they make is a constant of the program, as torch's is."""
+    import jax
+
+    def at_trace_time(func):
+        def run(*args, **kwargs):
+            if any(isinstance(leaf, jax.core.Tracer) or getattr(leaf, "_elem", None) is not None and
+                   isinstance(leaf._elem, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves((args, kwargs))):
+                return func(*args, **kwargs)
+            with jax.ensure_compile_time_eval():
+                return func(*args, **kwargs)
+        return run
+
+    aten = torch.ops.aten
+    for op in (torch._C._VariableFunctions.tensor, aten.unique_consecutive, aten.unique_consecutive.default, aten.nonzero,
+               aten.nonzero.default, aten.masked_select, aten.masked_select.default, aten.repeat_interleave.Tensor,
+               aten.repeat_interleave.self_Tensor, aten._unique2, aten._unique2.default):
+        if op in env._ops:
+            env._ops[op] = dataclasses.replace(env._ops[op], func=at_trace_time(env._ops[op].func))
+
+
 def install(env) -> None:
     """Install every replacement on ``env``. Idempotent; called at every engine, since a model
     built since the last one may have brought an op (transformers' grouped_mm)."""
@@ -442,6 +472,7 @@ def install(env) -> None:
     for op in (torch.ops.aten.native_layer_norm, torch.ops.aten.native_layer_norm.default):
         lower(op, native_layer_norm)
     _inplace_from_functional(env)
+    _known_values_evaluated(env)
     for op in (torch.take_along_dim, torch.Tensor.take_along_dim):
         env._ops[op] = ops_registry.Operator(op, take_along_dim, is_jax_function=False, is_user_defined=True,
                                              needs_env=False, is_view_op=False)

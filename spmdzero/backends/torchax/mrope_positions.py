@@ -1,0 +1,193 @@
+"""Qwen-VL-style multimodal rotary positions (M-RoPE) computed with tensor ops while a step is
+traced.
+
+Why: ``get_rope_index`` of Qwen2-VL, Qwen2.5-VL, Qwen3-VL and GLM-4V gives every token three
+positions (time, height, width): text counts up by one, an image's tokens take its patch grid's
+positions from where the text stopped, and the text after it goes on from there. transformers
+walks each row on the host to find the images (``input_token_type.tolist()`` in 5.x,
+``input_ids[attention_mask == 1]`` and ``.index(image_token_id)`` in 4.x), so under ``jax.jit``
+the forward of every such model went eagerly (``host_reads``), op by op.
+
+Here the same positions come from tensor ops over the whole batch, given the grids on the host
+(``shape_inputs``):
+
+* each token's kind (text, image, video): 5.x's ``mm_token_type_ids``; 4.x's image and video
+  token ids;
+* a run of one kind among the row's unpadded tokens is one image or video, numbered in the batch's
+  order, as transformers takes the grids in order;
+* what each grid contributes, its tokens' positions from the run's start and how far the text
+  moves on after it, comes from transformers' own ``get_rope_index``, run on the host on a row of
+  that one image (``_one_item``), so a class's rule (4.x's temporal spacing, 5.x's
+  ``max(h, w)``) is its own. A rule that is not "the run's start plus a fixed offset" is found
+  there, and the method then runs as transformers wrote it (and the forward eagerly);
+* then a text token's position is the count of what came before it, and an image token's is its
+  run's start plus its offset. Padding gets transformers' value (4.x: 1, 5.x: 0); the deltas that
+  generation continues from are each row's largest position + 1 - its unpadded length.
+
+Swapped in for the trace only (``transformers_methods``), where the grids are host tensors and
+the ids traced; otherwise, and in plain torch, transformers' own method runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+
+import numpy as np
+import torch
+
+from spmdzero.backends.torchax import transformers_methods
+
+IMAGE, VIDEO = 1, 2
+
+
+def _is_traced(t) -> bool:
+    return isinstance(t, torch.Tensor) and type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)
+
+
+def _is_host(t) -> bool:
+    return t is None or type(t) is torch.Tensor
+
+
+def _one_item(model, original, kind: int, grid: tuple, spacing, lead: int):
+    """transformers' positions for one row: ``lead`` text tokens, a vision start token, one image
+    (``kind`` IMAGE) or video of ``grid``, one text token. Returns (its tokens' positions less
+    the run's start, shape (3, n); how far the text after it moves on) or None for a rule that
+    is not additive in the start."""
+    config = model.config
+    m = config.vision_config.spatial_merge_size
+    n = int(np.prod(grid)) // (m * m)
+    token = config.image_token_id if kind == IMAGE else config.video_token_id
+    start_token = getattr(config, "vision_start_token_id", None)
+    special = {config.image_token_id, getattr(config, "video_token_id", None), start_token}
+    text = next(i for i in range(len(special) + 1) if i not in special)
+    opening = start_token if start_token is not None else text
+    ids = torch.tensor([[text] * lead + [opening] + [token] * n + [text]])
+    types = torch.tensor([[0] * (lead + 1) + [kind] * n + [0]])
+    arguments = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                 "image_grid_thw": torch.tensor([grid]) if kind == IMAGE else None,
+                 "video_grid_thw": torch.tensor([grid]) if kind == VIDEO else None}
+    parameters = inspect.signature(original).parameters
+    if "mm_token_type_ids" in parameters:
+        arguments["mm_token_type_ids"] = types
+    if "second_per_grid_ts" in parameters and kind == VIDEO:
+        arguments["second_per_grid_ts"] = torch.tensor([spacing])
+    positions, _ = original(model, **{k: v for k, v in arguments.items() if k in parameters})
+    positions = positions[:, 0].long()
+    start = lead + 1
+    return positions[:, start:start + n] - start, int(positions[0, -1]) - start
+
+
+def _items(model, original, kind: int, grids, spacings) -> tuple | None:
+    """The per-item table of one kind: (offsets of every item's tokens, concatenated, (3, N);
+    each item's first column in it; each item's advance), or None if some rule is not additive."""
+    if grids is None or grids.numel() == 0:
+        return None
+    columns, firsts, advances = [], [], []
+    for k, grid in enumerate(grids.tolist()):
+        spacing = float(spacings[k]) if spacings is not None and kind == VIDEO else None
+        found = [_one_item(model, original, kind, tuple(grid), spacing, lead) for lead in (0, 2)]
+        if not torch.equal(found[0][0], found[1][0]) or found[0][1] != found[1][1]:
+            return None
+        firsts.append(sum(c.shape[1] for c in columns))
+        columns.append(found[0][0])
+        advances.append(found[0][1])
+    return torch.cat(columns, dim=1), torch.tensor(firsts), torch.tensor(advances)
+
+
+def positions(kinds: torch.Tensor, valid: torch.Tensor, tables: dict, pad: int):
+    """Every token's three positions, (3, B, S), and each row's delta, (B, 1), by the rule in the
+    module docstring. ``kinds``: 0 text, IMAGE, VIDEO per token; ``valid``: the unpadded tokens;
+    ``tables``: ``_items``' table by kind."""
+    batch, length = kinds.shape
+    index = torch.arange(length, device=kinds.device).expand(batch, length)
+    kinds = torch.where(valid, kinds, -1)
+    # the kind of the unpadded token before each one (-1 for the row's first)
+    before = torch.cummax(torch.nn.functional.pad(torch.where(valid, index, -1), (1, 0), value=-1)[:, :-1], dim=1)[0]
+    previous = torch.where(before >= 0, torch.gather(kinds, 1, before.clamp(min=0)), -1)
+    starts = valid & (kinds != previous)
+    count = valid.long().cumsum(1) - 1  # the token's place among the row's unpadded ones
+    offset = count - torch.cummax(torch.where(starts, count, -1), dim=1)[0]
+    step = torch.where(kinds == 0, 1, 0)
+    relative = torch.zeros(3, batch, length, dtype=torch.long, device=kinds.device)
+    advance = torch.zeros(batch, length, dtype=torch.long, device=kinds.device)
+    for kind, (columns, firsts, advances) in tables.items():
+        mine = kinds == kind
+        item = ((starts & mine).flatten().long().cumsum(0) - 1).view(batch, length).clamp(0, firsts.shape[0] - 1)
+        run_advance = advances.to(kinds.device)[item]
+        step = step + torch.where(starts & mine, run_advance, 0)
+        advance = torch.where(mine, run_advance, advance)
+        column = (firsts.to(kinds.device)[item] + offset).clamp(0, columns.shape[1] - 1)
+        relative = torch.where(mine, columns.to(kinds.device)[:, column], relative)
+    through = step.cumsum(1)  # what the row counted up to and including each token
+    text = (through - 1).expand(3, batch, length)
+    result = torch.where(kinds == 0, text, through - advance + relative)
+    result = torch.where(valid, result, pad)
+    largest = torch.where(valid, result, torch.iinfo(torch.int32).min).amax(dim=(0, 2))
+    deltas = (largest + 1 - valid.long().sum(1)).unsqueeze(1)
+    return result, deltas
+
+
+# classes whose get_rope_index splits a video's grid into its frames (Qwen3-VL puts a timestamp
+# between them): a video's run is then a frame, not a grid; their videos take transformers' method
+_FRAMES_APART = frozenset({"Qwen3VLModel", "Qwen3VLMoeModel"})
+_touched: list = []  # the models whose positions were computed in this trace (``computed``)
+
+
+def _traced(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def get_rope_index(self, *args, **kwargs):
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        ids, mask = arguments.get("input_ids"), arguments.get("attention_mask")
+        grids = arguments.get("image_grid_thw"), arguments.get("video_grid_thw")
+        spacings = arguments.get("second_per_grid_ts")
+        types = arguments.get("mm_token_type_ids")
+        if not (_is_traced(ids) and all(_is_host(g) for g in grids) and _is_host(spacings)) \
+                or ids.dim() != 2 or (mask is not None and mask.dim() != 2) \
+                or (grids[1] is not None and type(self).__name__ in _FRAMES_APART):
+            return original(self, *args, **kwargs)
+        tables = {}
+        for kind, grid in ((IMAGE, grids[0]), (VIDEO, grids[1])):
+            if grid is not None and grid.numel():
+                table = _items(self, original, kind, grid, spacings)
+                if table is None:
+                    return original(self, *args, **kwargs)
+                tables[kind] = table
+        if not tables:
+            return original(self, *args, **kwargs)
+        if "mm_token_type_ids" in signature.parameters:
+            if types is None:
+                return original(self, *args, **kwargs)
+            kinds, pad = types.long(), 0
+        else:
+            config = self.config
+            kinds = torch.where(ids == config.image_token_id, IMAGE, torch.where(ids == config.video_token_id, VIDEO, 0))
+            pad = 1
+        valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+        _touched.append(self)
+        return positions(kinds, valid, tables, pad)
+
+    return get_rope_index
+
+
+# (model, class): their get_rope_index, on both transformers releases where the class has one
+_CLASSES = (("qwen2_vl", "Qwen2VLModel"), ("qwen2_5_vl", "Qwen2_5_VLModel"), ("qwen3_vl", "Qwen3VLModel"),
+            ("qwen3_vl_moe", "Qwen3VLMoeModel"), ("glm4v", "Glm4vModel"), ("glm4v_moe", "Glm4vMoeModel"))
+
+
+@contextlib.contextmanager
+def computed():
+    """While a step is traced: ``_CLASSES``' ``get_rope_index`` as this module computes it. The
+    deltas transformers keeps on the model (``rope_deltas``, for generation to continue from) are
+    the trace's values: dropped after it, so that the module's next host call computes its own."""
+    try:
+        with transformers_methods.replaced([(model, cls, "get_rope_index", _traced) for model, cls in _CLASSES]):
+            yield
+    finally:
+        for model in _touched:
+            if not _is_host(getattr(model, "rope_deltas", None)):
+                model.rope_deltas = None
+        _touched.clear()
