@@ -8,8 +8,10 @@ tensor's scale. Each compiles its training program and its update once, and neve
 loops). ``benchmarks/transformers_zoo.py`` prints the table."""
 
 import gc
+import inspect
 
 import pytest
+import torch
 
 import transformers_zoo as zoo
 
@@ -78,3 +80,61 @@ def test_a_stock_architecture_trains_as_in_plain_torch(name):
     # reads a value: its one trace, which stopped at the read, and none while it runs eagerly)
     assert result["traces"] == {"train_forward": 1, "update": 1}, result
     assert result["eager"] == (name in READS_VALUES), result
+
+
+def _mrope_rows(model, video: bool) -> dict:
+    """Four rows of 24 tokens for ``get_rope_index``: two images of other grids in a left-padded
+    row; text alone, right-padded; a video (or an image) between texts; an image at the row's
+    start. 4.x marks each with its vision start token, 5.x with ``mm_token_type_ids`` too."""
+    config = model.config
+    start, image, video_token = config.vision_start_token_id, config.image_token_id, config.video_token_id
+    text = [3, 4, 5]
+
+    def item(token, count):
+        return [start] + [token] * count
+
+    rows = [[0, 0, 0] + text + item(image, 4) + text + item(image, 8) + [6],
+            text * 5 + [0] * 9,
+            text + (item(video_token, 8) if video else item(image, 8)) + text * 4,
+            item(image, 8) + text * 5]
+    ids = torch.tensor(rows)
+    mask = torch.tensor([[0, 0, 0] + [1] * 21, [1] * 15 + [0] * 9, [1] * 24, [1] * 24])
+    grids = [[1, 4, 4], [1, 4, 8], *([] if video else [[1, 8, 4]]), [1, 4, 8]]
+    batch = {"input_ids": ids, "attention_mask": mask, "image_grid_thw": torch.tensor(grids),
+             "video_grid_thw": torch.tensor([[2, 4, 4]]) if video else None,
+             "second_per_grid_ts": torch.tensor([1.5]) if video else None,
+             "mm_token_type_ids": (ids == image).long() + 2 * (ids == video_token).long()}
+    parameters = inspect.signature(type(model).get_rope_index).parameters
+    return {k: v for k, v in batch.items() if k in parameters}
+
+
+MROPE = ["qwen2-vl", "qwen2.5-vl"]
+
+
+@pytest.mark.parametrize("video", [False, True], ids=["images", "video"])
+@pytest.mark.parametrize("name", MROPE)
+def test_qwen_vl_positions_computed_in_a_trace_are_transformers_own(name, video):
+    """``mrope_positions``: the three positions of every token and each row's delta, computed with
+    tensor ops in a jitted trace (the ids traced, the grids on the host), equal transformers' own
+    ``get_rope_index`` run on the host, padding and all, on both versions."""
+    import jax
+    import torchax
+
+    from spmdzero.backends.torchax import mrope_positions
+
+    build, _ = zoo.cases()[name][:2]
+    model = build().model
+    batch = _mrope_rows(model, video)
+    original = type(model).__dict__["get_rope_index"]
+    expected, expected_deltas = original(model, **batch)
+    env = torchax.default_env()
+    traced = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "mm_token_type_ids")}
+
+    def positions(arrays):
+        with env:
+            got = mrope_positions._traced(original)(model, **{**batch, **env.j2t_iso(arrays)})
+            return env.t2j_iso(got)
+
+    got, deltas = jax.jit(positions)({k: env.t2j_copy(v) for k, v in traced.items()})
+    assert torch.equal(torch.from_numpy(jax.device_get(got).astype("int64")), expected)
+    assert torch.equal(torch.from_numpy(jax.device_get(deltas).astype("int64")), expected_deltas.long())

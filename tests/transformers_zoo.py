@@ -419,11 +419,13 @@ def _one_image(seed: int, *shape: int) -> dict:
 
 
 def _qwen_vl(seed: int) -> dict:
-    """One image per row: a grid of 1 x 4 x 4 patches (2 x 2 pixels, 2 frames), merged 2 x 2 into
-    4 tokens; its patches flattened, as Qwen's processor hands them over."""
+    """One image per row: a grid of 1 x 4 x 4 patches (2 x 2 pixels, 2 frames) in even rows, 1 x 2 x
+    8 in odd ones, merged 2 x 2 into 4 tokens; its patches flattened, as Qwen's processor hands
+    them over."""
     ids, mask, labels = _with_image_tokens(seed, 4, opened=True)
+    grids = torch.tensor([[1, 4, 4] if row % 2 == 0 else [1, 2, 8] for row in range(ROWS)])
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels,
-             "pixel_values": _pixels(seed, ROWS * 16, 3 * 2 * 2 * 2), "image_grid_thw": torch.tensor([[1, 4, 4]] * ROWS)}
+             "pixel_values": _pixels(seed, ROWS * 16, 3 * 2 * 2 * 2), "image_grid_thw": grids}
     import transformers
 
     if not transformers.__version__.startswith("4."):

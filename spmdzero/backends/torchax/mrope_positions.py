@@ -21,8 +21,9 @@ Here the same positions come from tensor ops over the whole batch, given the gri
   ``max(h, w)``) is its own. A rule that is not "the run's start plus a fixed offset" is found
   there, and the method then runs as transformers wrote it (and the forward eagerly);
 * then a text token's position is the count of what came before it, and an image token's is its
-  run's start plus its offset. Padding gets transformers' value (4.x: 1, 5.x: 0); the deltas that
-  generation continues from are each row's largest position + 1 - its unpadded length.
+  run's start plus its offset. Padding gets transformers' value (4.x: 1, 5.x: 0), and so do the
+  deltas that generation continues from: each row's largest position + 1 - its length (4.x: with
+  the padding, 5.x: without).
 
 Swapped in for the trace only (``transformers_methods``), where the grids are host tensors and
 the ids traced; otherwise, and in plain torch, transformers' own method runs.
@@ -96,10 +97,11 @@ def _items(model, original, kind: int, grids, spacings) -> tuple | None:
     return torch.cat(columns, dim=1), torch.tensor(firsts), torch.tensor(advances)
 
 
-def positions(kinds: torch.Tensor, valid: torch.Tensor, tables: dict, pad: int):
+def positions(kinds: torch.Tensor, valid: torch.Tensor, tables: dict, transformers_4: bool):
     """Every token's three positions, (3, B, S), and each row's delta, (B, 1), by the rule in the
     module docstring. ``kinds``: 0 text, IMAGE, VIDEO per token; ``valid``: the unpadded tokens;
-    ``tables``: ``_items``' table by kind."""
+    ``tables``: ``_items``' table by kind. 4.x gives padding position 1 and takes a delta from the
+    row's whole length, 5.x padding 0 and the unpadded length."""
     batch, length = kinds.shape
     index = torch.arange(length, device=kinds.device).expand(batch, length)
     kinds = torch.where(valid, kinds, -1)
@@ -123,9 +125,9 @@ def positions(kinds: torch.Tensor, valid: torch.Tensor, tables: dict, pad: int):
     through = step.cumsum(1)  # what the row counted up to and including each token
     text = (through - 1).expand(3, batch, length)
     result = torch.where(kinds == 0, text, through - advance + relative)
-    result = torch.where(valid, result, pad)
+    result = torch.where(valid, result, 1 if transformers_4 else 0)
     largest = torch.where(valid, result, torch.iinfo(torch.int32).min).amax(dim=(0, 2))
-    deltas = (largest + 1 - valid.long().sum(1)).unsqueeze(1)
+    deltas = (largest + 1 - (length if transformers_4 else valid.long().sum(1))).unsqueeze(1)
     return result, deltas
 
 
@@ -158,17 +160,17 @@ def _traced(original):
                 tables[kind] = table
         if not tables:
             return original(self, *args, **kwargs)
-        if "mm_token_type_ids" in signature.parameters:
+        by_types = "mm_token_type_ids" in signature.parameters  # 5.x; 4.x finds them by their token ids
+        if by_types:
             if types is None:
                 return original(self, *args, **kwargs)
-            kinds, pad = types.long(), 0
+            kinds = types.long()
         else:
             config = self.config
             kinds = torch.where(ids == config.image_token_id, IMAGE, torch.where(ids == config.video_token_id, VIDEO, 0))
-            pad = 1
         valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
         _touched.append(self)
-        return positions(kinds, valid, tables, pad)
+        return positions(kinds, valid, tables, transformers_4=not by_types)
 
     return get_rope_index
 
