@@ -62,10 +62,10 @@ MOE = zoo.moe_names() if TRANSFORMERS_4 else ["jamba", "mixtral-lora-experts", "
 # vision-language models on images, whose image-token checks a traced step leaves out
 # (spmdzero/backends/torchax/traced_checks.py): LLaVA and PaliGemma compile on both versions (5.x
 # checks with torch._check_tensor_all_with, 4.x with a boolean index's shape), Gemma 3 on 5.x (4.x's
-# loss picks its logits by a mask: eager, as any read). Qwen2-VL and Qwen2.5-VL read their image
-# grid and run eagerly, 23 s each here, most of it compiling each op once: the benchmark's only, for
-# the suite's time (tests/test_torchax_traced_checks.py holds their reads' mechanisms).
-VLM = ["llava", "paligemma"] + ([] if TRANSFORMERS_4 else ["gemma3-mm"])
+# loss picks its logits by a mask: eager, as any read). Qwen2-VL, Qwen2.5-VL and Qwen3-VL compile
+# with their image grids on the host (shape_inputs.py) and their positions and deepstack features
+# from tensor ops (qwen_vl.py); their rows' grids differ.
+VLM = ["llava", "paligemma", "qwen2-vl", "qwen2.5-vl", "qwen3-vl"] + ([] if TRANSFORMERS_4 else ["gemma3-mm"])
 assert set(VLM) <= set(zoo.vlm_names())
 
 
@@ -93,9 +93,15 @@ def _mrope_rows(model, video: bool) -> dict:
     def item(token, count):
         return [start] + [token] * count
 
+    if not video:
+        middle = item(image, 8) + text * 4
+    elif type(model).__name__.startswith("Qwen3"):  # its frames apart, a timestamp between them
+        middle = item(video_token, 4) + text + item(video_token, 4) + text * 2 + [6, 6]
+    else:
+        middle = item(video_token, 8) + text * 4
     rows = [[0, 0, 0] + text + item(image, 4) + text + item(image, 8) + [6],
             text * 5 + [0] * 9,
-            text + (item(video_token, 8) if video else item(image, 8)) + text * 4,
+            text + middle,
             item(image, 8) + text * 5]
     ids = torch.tensor(rows)
     mask = torch.tensor([[0, 0, 0] + [1] * 21, [1] * 15 + [0] * 9, [1] * 24, [1] * 24])
@@ -108,19 +114,19 @@ def _mrope_rows(model, video: bool) -> dict:
     return {k: v for k, v in batch.items() if k in parameters}
 
 
-MROPE = ["qwen2-vl", "qwen2.5-vl"]
+MROPE = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
 
 
 @pytest.mark.parametrize("video", [False, True], ids=["images", "video"])
 @pytest.mark.parametrize("name", MROPE)
 def test_qwen_vl_positions_computed_in_a_trace_are_transformers_own(name, video):
-    """``mrope_positions``: the three positions of every token and each row's delta, computed with
+    """``qwen_vl``: the three positions of every token and each row's delta, computed with
     tensor ops in a jitted trace (the ids traced, the grids on the host), equal transformers' own
     ``get_rope_index`` run on the host, padding and all, on both versions."""
     import jax
     import torchax
 
-    from spmdzero.backends.torchax import mrope_positions
+    from spmdzero.backends.torchax import qwen_vl
 
     build, _ = zoo.cases()[name][:2]
     model = build().model
@@ -132,7 +138,7 @@ def test_qwen_vl_positions_computed_in_a_trace_are_transformers_own(name, video)
 
     def positions(arrays):
         with env:
-            got = mrope_positions._traced(original)(model, **{**batch, **env.j2t_iso(arrays)})
+            got = qwen_vl._traced(original)(model, **{**batch, **env.j2t_iso(arrays)})
             return env.t2j_iso(got)
 
     got, deltas = jax.jit(positions)({k: env.t2j_copy(v) for k, v in traced.items()})

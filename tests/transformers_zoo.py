@@ -24,7 +24,7 @@ MOE_NAMES = ["olmoe", "flex-olmo", "jamba", "hunyuan-moe", "dots1", "mixtral-lor
              "falcon-h1", "ernie4.5-moe", "glm4v-moe", "granite-moe-shared", "dbrx", "longcat-flash",
              "switch-transformers"]
 # vision-language models, trained on images: their image tokens in each row, labels on the text
-VLM_NAMES = ["llava", "paligemma", "gemma3-mm", "qwen2-vl", "qwen2.5-vl", "mistral3", "idefics3", "internvl",
+VLM_NAMES = ["llava", "paligemma", "gemma3-mm", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "mistral3", "idefics3", "internvl",
              "aya-vision"]
 
 
@@ -464,6 +464,13 @@ def _vlm_cases():
             text_config=mrope, vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
                                                   out_hidden_size=32, patch_size=2, spatial_merge_size=2,
                                                   temporal_patch_size=2, window_size=4, fullatt_block_indexes=[0]),
+            **qwen_tokens)), _qwen_vl),
+        ("qwen3-vl", _model("Qwen3VLForConditionalGeneration", lambda: t.Qwen3VLConfig(
+            text_config=dict(mrope, head_dim=8, rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2],
+                                                              "mrope_interleaved": True}),
+            vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                               patch_size=2, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                               deepstack_visual_indexes=[0]),
             **qwen_tokens)), _qwen_vl),
         ("mistral3", _model("Mistral3ForConditionalGeneration", lambda: t.Mistral3Config(
             vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,

@@ -1,15 +1,16 @@
-"""Qwen-VL-style multimodal rotary positions (M-RoPE) computed with tensor ops while a step is
-traced.
+"""The Qwen-VL family's forward, computed with tensor ops while a step is traced: its multimodal
+rotary positions (M-RoPE) and Qwen3-VL's deepstack features.
 
-Why: ``get_rope_index`` of Qwen2-VL, Qwen2.5-VL, Qwen3-VL and GLM-4V gives every token three
-positions (time, height, width): text counts up by one, an image's tokens take its patch grid's
-positions from where the text stopped, and the text after it goes on from there. transformers
-walks each row on the host to find the images (``input_token_type.tolist()`` in 5.x,
-``input_ids[attention_mask == 1]`` and ``.index(image_token_id)`` in 4.x), so under ``jax.jit``
-the forward of every such model went eagerly (``host_reads``), op by op.
+Why: these models' forwards read values on the host where tensor ops compute the same thing, so
+under ``jax.jit`` every one went eagerly (``host_reads``), op by op, even with their image grids
+kept on the host (``shape_inputs``).
 
-Here the same positions come from tensor ops over the whole batch, given the grids on the host
-(``shape_inputs``):
+**Positions.** ``get_rope_index`` of Qwen2-VL, Qwen2.5-VL, Qwen3-VL and GLM-4V gives every token
+three positions (time, height, width): text counts up by one, an image's tokens take its patch
+grid's positions from where the text stopped, and the text after it goes on from there.
+transformers walks each row on the host to find the images (``input_token_type.tolist()`` in
+5.x, ``input_ids[attention_mask == 1]`` and ``.index(image_token_id)`` in 4.x). Here the same
+positions come from tensor ops over the whole batch, given the grids on the host:
 
 * each token's kind (text, image, video): 5.x's ``mm_token_type_ids``; 4.x's image and video
   token ids;
@@ -25,8 +26,14 @@ Here the same positions come from tensor ops over the whole batch, given the gri
   deltas that generation continues from: each row's largest position + 1 - its length (4.x: with
   the padding, 5.x: without).
 
-Swapped in for the trace only (``transformers_methods``), where the grids are host tensors and
-the ids traced; otherwise, and in plain torch, transformers' own method runs.
+**Deepstack.** Qwen3-VL adds features of its vision tower's inner layers to the image tokens'
+hidden states in its first layers: ``hidden_states[visual_pos_masks, :] + visual_embeds``, a
+boolean index, whose shape is a value. Here they are scattered into place in the mask's order, as
+``masked_scatter`` puts image features, and added.
+
+Swapped in for the trace only (``transformers_methods``); otherwise, and in plain torch,
+transformers' own methods run. Positions are computed here only where the grids are host tensors
+and the ids traced.
 """
 
 from __future__ import annotations
@@ -132,7 +139,7 @@ def positions(kinds: torch.Tensor, valid: torch.Tensor, tables: dict, transforme
 
 
 # classes whose get_rope_index splits a video's grid into its frames (Qwen3-VL puts a timestamp
-# between them): a video's run is then a frame, not a grid; their videos take transformers' method
+# between them): a video's run is then a frame, and its items are the frames' grids
 _FRAMES_APART = frozenset({"Qwen3VLModel", "Qwen3VLMoeModel"})
 _touched: list = []  # the models whose positions were computed in this trace (``computed``)
 
@@ -148,9 +155,11 @@ def _traced(original):
         spacings = arguments.get("second_per_grid_ts")
         types = arguments.get("mm_token_type_ids")
         if not (_is_traced(ids) and all(_is_host(g) for g in grids) and _is_host(spacings)) \
-                or ids.dim() != 2 or (mask is not None and mask.dim() != 2) \
-                or (grids[1] is not None and type(self).__name__ in _FRAMES_APART):
+                or ids.dim() != 2 or (mask is not None and mask.dim() != 2):
             return original(self, *args, **kwargs)
+        if grids[1] is not None and type(self).__name__ in _FRAMES_APART:
+            frames = grids[1].repeat_interleave(grids[1][:, 0], dim=0)
+            grids = grids[0], torch.cat([torch.ones_like(frames[:, :1]), frames[:, 1:]], dim=1)
         tables = {}
         for kind, grid in ((IMAGE, grids[0]), (VIDEO, grids[1])):
             if grid is not None and grid.numel():
@@ -175,18 +184,32 @@ def _traced(original):
     return get_rope_index
 
 
-# (model, class): their get_rope_index, on both transformers releases where the class has one
-_CLASSES = (("qwen2_vl", "Qwen2VLModel"), ("qwen2_5_vl", "Qwen2_5_VLModel"), ("qwen3_vl", "Qwen3VLModel"),
-            ("qwen3_vl_moe", "Qwen3VLMoeModel"), ("glm4v", "Glm4vModel"), ("glm4v_moe", "Glm4vMoeModel"))
+def _scattered(original):
+    def _deepstack_process(self, hidden_states, visual_pos_masks, visual_embeds):
+        if not _is_traced(hidden_states):
+            return original(self, hidden_states, visual_pos_masks, visual_embeds)
+        where = visual_pos_masks.to(hidden_states.device).bool().unsqueeze(-1).expand_as(hidden_states)
+        features = visual_embeds.to(hidden_states.device, hidden_states.dtype)
+        return hidden_states + torch.zeros_like(hidden_states).masked_scatter(where, features)
+
+    return _deepstack_process
+
+
+# (model, class, method, replacement), on both transformers releases where the class has the method
+REPLACED = (*((model, cls, "get_rope_index", _traced) for model, cls in (
+                ("qwen2_vl", "Qwen2VLModel"), ("qwen2_5_vl", "Qwen2_5_VLModel"), ("qwen3_vl", "Qwen3VLModel"),
+                ("qwen3_vl_moe", "Qwen3VLMoeModel"), ("glm4v", "Glm4vModel"), ("glm4v_moe", "Glm4vMoeModel"))),
+            ("qwen3_vl", "Qwen3VLTextModel", "_deepstack_process", _scattered),
+            ("qwen3_vl_moe", "Qwen3VLMoeTextModel", "_deepstack_process", _scattered))
 
 
 @contextlib.contextmanager
 def computed():
-    """While a step is traced: ``_CLASSES``' ``get_rope_index`` as this module computes it. The
-    deltas transformers keeps on the model (``rope_deltas``, for generation to continue from) are
-    the trace's values: dropped after it, so that the module's next host call computes its own."""
+    """While a step is traced: ``REPLACED``'s methods as this module computes them. The deltas
+    transformers keeps on the model (``rope_deltas``, for generation to continue from) are the
+    trace's values: dropped after it, so that the module's next host call computes its own."""
     try:
-        with transformers_methods.replaced([(model, cls, "get_rope_index", _traced) for model, cls in _CLASSES]):
+        with transformers_methods.replaced(REPLACED):
             yield
     finally:
         for model in _touched:
