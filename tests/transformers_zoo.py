@@ -461,9 +461,9 @@ def _vlm_cases():
                                                   spatial_merge_size=2, temporal_patch_size=2, mlp_ratio=2),
             **qwen_tokens)), _qwen_vl),
         ("qwen2.5-vl", _model("Qwen2_5_VLForConditionalGeneration", lambda: t.Qwen2_5_VLConfig(
-            text_config=mrope, vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+            text_config=mrope, vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2,
                                                   out_hidden_size=32, patch_size=2, spatial_merge_size=2,
-                                                  temporal_patch_size=2, window_size=4, fullatt_block_indexes=[0]),
+                                                  temporal_patch_size=2, window_size=8, fullatt_block_indexes=[1]),
             **qwen_tokens)), _qwen_vl),
         ("qwen3-vl", _model("Qwen3VLForConditionalGeneration", lambda: t.Qwen3VLConfig(
             text_config=dict(mrope, head_dim=8, rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2],

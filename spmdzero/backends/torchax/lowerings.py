@@ -68,13 +68,13 @@ op, then the result written into the tensor or view (``_inplace_from_functional`
 5.x's vision-language models call on their image tokens): no torchax lowering. Here they are
 ``jnp.all`` and ``jnp.any``, a one-value bool (``traced_checks`` says when the check runs).
 
-``torch.tensor(data, device=...)`` of Python numbers inside a trace, and the ops whose output
-shape is their input's values (``unique_consecutive``, ``nonzero``, ``masked_select``,
-``repeat_interleave`` by a tensor) on such known values, are evaluated while tracing: under
-``jax.jit`` every JAX op is staged, so the factory's numbers became a traced value and the shape op
-then a host read. transformers 4.x's Qwen2.5-VL makes its window boundaries so
-(``torch.unique_consecutive(torch.tensor(list, device=...))``), and its forward went eagerly.
-A value computed from the inputs is traced as before (``_known_values_evaluated``).
+``torch.tensor(data, device=...)`` of Python numbers inside a trace, and every op whose tensors
+are all such known values, small integers (sizes, offsets, boundaries: at most ``_SMALL`` of them),
+are evaluated while tracing: under ``jax.jit`` every JAX op is staged, so the numbers became
+traced values, and a size computed from them a host read. transformers 4.x's Qwen2.5-VL makes its
+window boundaries so (``torch.unique_consecutive(torch.tensor(list, device=...))``, then
+``(cu[1:] - cu[:-1]).tolist()``), and its forward went eagerly. What is computed from the
+inputs, and anything large or of floats, is traced as before (``_known_values_evaluated``).
 
 One replacement gives other random values, not other semantics: ``F.dropout`` and
 ``torch.dropout`` (``nn.Dropout``) draw their mask from a hash that the backward draws again, instead of JAX's
@@ -415,26 +415,46 @@ def _inplace_from_functional(env) -> None:
                                                   is_user_defined=True, needs_env=False, is_view_op=True)
 
 
+_SMALL = 4096
+
+
 def _known_values_evaluated(env) -> None:
-    """``env``'s ``torch.tensor`` and value-shaped ops evaluated while tracing when no operand is
-    traced (module docstring): what they make is a constant of the program, as torch's is."""
+    """``env``'s ``torch.tensor`` of numbers, and its ops on small known integers, evaluated while
+    tracing (module docstring): what they make is a constant of the program, as torch's is."""
     import jax
+    import jax.numpy as jnp
 
-    def at_trace_time(func):
-        def run(*args, **kwargs):
-            if any(isinstance(leaf, jax.core.Tracer) or getattr(leaf, "_elem", None) is not None and
-                   isinstance(leaf._elem, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves((args, kwargs))):
-                return func(*args, **kwargs)
+    def value(t):
+        while getattr(t, "_elem", None) is None and hasattr(t, "parent"):  # a lazy view: its base's value
+            t = t.parent
+        return getattr(t, "_elem", None)
+
+    def known(args, kwargs) -> bool:
+        values = [value(t) for t in jax.tree_util.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and type(t) is not torch.Tensor]
+        return bool(values) and all(
+            isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer) and v.size <= _SMALL
+            and (jnp.issubdtype(v.dtype, jnp.integer) or v.dtype == jnp.bool_) for v in values)
+
+    dispatch = env.dispatch
+
+    def dispatch_known(func, types, args, kwargs=None):
+        if known(args, kwargs):
             with jax.ensure_compile_time_eval():
-                return func(*args, **kwargs)
-        return run
+                return dispatch(func, types, args, kwargs)
+        return dispatch(func, types, args, kwargs)
 
-    aten = torch.ops.aten
-    for op in (torch._C._VariableFunctions.tensor, aten.unique_consecutive, aten.unique_consecutive.default, aten.nonzero,
-               aten.nonzero.default, aten.masked_select, aten.masked_select.default, aten.repeat_interleave.Tensor,
-               aten.repeat_interleave.self_Tensor, aten._unique2, aten._unique2.default):
-        if op in env._ops:
-            env._ops[op] = dataclasses.replace(env._ops[op], func=at_trace_time(env._ops[op].func))
+    env.dispatch = dispatch_known
+    factory = torch._C._VariableFunctions.tensor  # the function torchax keys (spmdzero's runtime wraps torch.tensor)
+    numbers = env._ops[factory].func
+
+    def tensor(*args, **kwargs):
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves((args, kwargs))):
+            return numbers(*args, **kwargs)
+        with jax.ensure_compile_time_eval():
+            return numbers(*args, **kwargs)
+
+    env._ops[factory] = dataclasses.replace(env._ops[factory], func=tensor)
 
 
 def install(env) -> None:
