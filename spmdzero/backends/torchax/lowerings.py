@@ -68,13 +68,7 @@ op, then the result written into the tensor or view (``_inplace_from_functional`
 5.x's vision-language models call on their image tokens): no torchax lowering. Here they are
 ``jnp.all`` and ``jnp.any``, a one-value bool (``traced_checks`` says when the check runs).
 
-``torch.tensor(data, device=...)`` of Python numbers inside a trace, and every op whose tensors
-are all such known values, small integers (sizes, offsets, boundaries: at most ``_SMALL`` of them),
-are evaluated while tracing: under ``jax.jit`` every JAX op is staged, so the numbers became
-traced values, and a size computed from them a host read. transformers 4.x's Qwen2.5-VL makes its
-window boundaries so (``torch.unique_consecutive(torch.tensor(list, device=...))``, then
-``(cu[1:] - cu[:-1]).tolist()``), and its forward went eagerly. What is computed from the
-inputs, and anything large or of floats, is traced as before (``_known_values_evaluated``).
+Small integers known while tracing are computed then (``known_values``).
 
 One replacement gives other random values, not other semantics: ``F.dropout`` and
 ``torch.dropout`` (``nn.Dropout``) draw their mask from a hash that the backward draws again, instead of JAX's
@@ -88,7 +82,7 @@ import dataclasses
 import torch
 
 from spmdzero.backends.torchax import attention
-from spmdzero.backends.torchax import dropout
+from spmdzero.backends.torchax import dropout, known_values
 
 _INSTALLED = "_spmdzero_lowerings"
 
@@ -415,48 +409,6 @@ def _inplace_from_functional(env) -> None:
                                                   is_user_defined=True, needs_env=False, is_view_op=True)
 
 
-_SMALL = 4096
-
-
-def _known_values_evaluated(env) -> None:
-    """``env``'s ``torch.tensor`` of numbers, and its ops on small known integers, evaluated while
-    tracing (module docstring): what they make is a constant of the program, as torch's is."""
-    import jax
-    import jax.numpy as jnp
-
-    def value(t):
-        while getattr(t, "_elem", None) is None and hasattr(t, "parent"):  # a lazy view: its base's value
-            t = t.parent
-        return getattr(t, "_elem", None)
-
-    def known(args, kwargs) -> bool:
-        values = [value(t) for t in jax.tree_util.tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor) and type(t) is not torch.Tensor]
-        return bool(values) and all(
-            isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer) and v.size <= _SMALL
-            and (jnp.issubdtype(v.dtype, jnp.integer) or v.dtype == jnp.bool_) for v in values)
-
-    dispatch = env.dispatch
-
-    def dispatch_known(func, types, args, kwargs=None):
-        if known(args, kwargs):
-            with jax.ensure_compile_time_eval():
-                return dispatch(func, types, args, kwargs)
-        return dispatch(func, types, args, kwargs)
-
-    env.dispatch = dispatch_known
-    factory = torch._C._VariableFunctions.tensor  # the function torchax keys (spmdzero's runtime wraps torch.tensor)
-    numbers = env._ops[factory].func
-
-    def tensor(*args, **kwargs):
-        if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves((args, kwargs))):
-            return numbers(*args, **kwargs)
-        with jax.ensure_compile_time_eval():
-            return numbers(*args, **kwargs)
-
-    env._ops[factory] = dataclasses.replace(env._ops[factory], func=tensor)
-
-
 def install(env) -> None:
     """Install every replacement on ``env``. Idempotent; called at every engine, since a model
     built since the last one may have brought an op (transformers' grouped_mm)."""
@@ -492,7 +444,7 @@ def install(env) -> None:
     for op in (torch.ops.aten.native_layer_norm, torch.ops.aten.native_layer_norm.default):
         lower(op, native_layer_norm)
     _inplace_from_functional(env)
-    _known_values_evaluated(env)
+    known_values.install(env)
     for op in (torch.take_along_dim, torch.Tensor.take_along_dim):
         env._ops[op] = ops_registry.Operator(op, take_along_dim, is_jax_function=False, is_user_defined=True,
                                              needs_env=False, is_view_op=False)
