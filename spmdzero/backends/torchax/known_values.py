@@ -16,9 +16,13 @@ the program as a constant.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import warnings
 
 import torch
+
+from spmdzero.backends.torchax.placement import INT64_TRUNCATED
 
 _SMALL = 4096
 
@@ -41,11 +45,17 @@ def install(env) -> None:
             isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer) and v.size <= _SMALL
             and (jnp.issubdtype(v.dtype, jnp.integer) or v.dtype == jnp.bool_) for v in values)
 
+    @contextlib.contextmanager
+    def evaluated():
+        with jax.ensure_compile_time_eval(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", INT64_TRUNCATED, UserWarning)  # x64 off: int32, as traced
+            yield
+
     dispatch = env.dispatch
 
     def dispatch_known(func, types, args, kwargs=None):
         if known(args, kwargs):
-            with jax.ensure_compile_time_eval():
+            with evaluated():
                 return dispatch(func, types, args, kwargs)
         return dispatch(func, types, args, kwargs)
 
@@ -56,7 +66,7 @@ def install(env) -> None:
     def tensor(*args, **kwargs):
         if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves((args, kwargs))):
             return numbers(*args, **kwargs)
-        with jax.ensure_compile_time_eval():
+        with evaluated():
             return numbers(*args, **kwargs)
 
     env._ops[factory] = dataclasses.replace(env._ops[factory], func=tensor)
