@@ -144,3 +144,23 @@ def test_qwen_vl_positions_computed_in_a_trace_are_transformers_own(name, video)
     got, deltas = jax.jit(positions)({k: env.t2j_copy(v) for k, v in traced.items()})
     assert torch.equal(torch.from_numpy(jax.device_get(got).astype("int64")), expected)
     assert torch.equal(torch.from_numpy(jax.device_get(deltas).astype("int64")), expected_deltas.long())
+
+
+def test_a_qwen_vl_trained_compiled_keeps_no_traced_deltas_and_generates_on_the_host():
+    """The deltas transformers keeps on the model for generation (``rope_deltas``) are dropped
+    after a traced step, where they were traced values; the module then generates on the host."""
+    import spmdzero
+
+    build, batch = zoo.cases()["qwen2-vl"][:2]
+    model = build()
+    engine, *_ = spmdzero.initialize(model=model, config={
+        "train_batch_size": zoo.ROWS, "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 2}})
+    inputs = batch(0)
+    engine.backward(engine(**inputs).loss)
+    engine.step()
+    assert not engine._host_reads.noted and model.model.rope_deltas is None
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(**{k: v for k, v in inputs.items() if k != "labels"}, max_new_tokens=2, do_sample=False)
+    assert out.shape == (zoo.ROWS, inputs["input_ids"].shape[1] + 2) and type(model.model.rope_deltas) is torch.Tensor
