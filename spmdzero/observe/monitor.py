@@ -148,7 +148,8 @@ class RecompileGuard:
                      "results were not read before training went on, its pending graph ran together with this "
                      "step's, as another program. Read them (loss.item()) or call torch_xla.sync() after evaluating.")
         else:
-            cause = ("Something in the traced step changed: a tensor shape, a Python number baked into the graph, "
+            cause = ("Something in the traced step changed: a tensor shape, a Python number baked into the graph "
+                     "(or an image grid, image_grid_thw: one program per set of grids, so resize images to one size), "
                      "or a host read such as .item() splitting the step.")
         message = (f"the training step recompiled after warm-up (global step {global_steps}, {where}; "
                    f"{self.recompiles} so far). {cause} {self.debug_hint}")
