@@ -64,8 +64,9 @@ MOE = zoo.moe_names() if TRANSFORMERS_4 else ["jamba", "mixtral-lora-experts", "
 # checks with torch._check_tensor_all_with, 4.x with a boolean index's shape), Gemma 3 on 5.x (4.x's
 # loss picks its logits by a mask: eager, as any read). Qwen2-VL, Qwen2.5-VL and Qwen3-VL compile
 # with their image grids on the host (shape_inputs.py) and their positions and deepstack features
-# from tensor ops (qwen_vl.py); their rows' grids differ.
-VLM = ["llava", "paligemma", "qwen2-vl", "qwen2.5-vl", "qwen3-vl"] + ([] if TRANSFORMERS_4 else ["gemma3-mm"])
+# from tensor ops (qwen_vl.py); their rows' grids differ. GLM-4V too on 5.x (on 4.x its positions are
+# transformers' own, read on the host: eager, the benchmark's only).
+VLM = ["llava", "paligemma", "qwen2-vl", "qwen2.5-vl", "qwen3-vl"] + ([] if TRANSFORMERS_4 else ["gemma3-mm", "glm4v"])
 assert set(VLM) <= set(zoo.vlm_names())
 
 
@@ -87,7 +88,8 @@ def _mrope_rows(model, video: bool) -> dict:
     row; text alone, right-padded; a video (or an image) between texts; an image at the row's
     start. 4.x marks each with its vision start token, 5.x with ``mm_token_type_ids`` too."""
     config = model.config
-    start, image, video_token = config.vision_start_token_id, config.image_token_id, config.video_token_id
+    start = getattr(config, "vision_start_token_id", None) or config.image_start_token_id  # GLM-4V: its own name
+    image, video_token = config.image_token_id, config.video_token_id
     text = [3, 4, 5]
 
     def item(token, count):
@@ -114,11 +116,11 @@ def _mrope_rows(model, video: bool) -> dict:
     return {k: v for k, v in batch.items() if k in parameters}
 
 
-MROPE = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
+MROPE = [(name, video) for name in ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"] for video in (False, True)] + (
+    [] if TRANSFORMERS_4 else [("glm4v", False)])  # GLM-4V: 5.x's token types, images (qwen_vl.py)
 
 
-@pytest.mark.parametrize("video", [False, True], ids=["images", "video"])
-@pytest.mark.parametrize("name", MROPE)
+@pytest.mark.parametrize("name, video", MROPE, ids=[f"{n}-{'video' if v else 'images'}" for n, v in MROPE])
 def test_qwen_vl_positions_computed_in_a_trace_are_transformers_own(name, video):
     """``qwen_vl``: the three positions of every token and each row's delta, computed with
     tensor ops in a jitted trace (the ids traced, the grids on the host), equal transformers' own

@@ -24,7 +24,7 @@ MOE_NAMES = ["olmoe", "flex-olmo", "jamba", "hunyuan-moe", "dots1", "mixtral-lor
              "falcon-h1", "ernie4.5-moe", "glm4v-moe", "granite-moe-shared", "dbrx", "longcat-flash",
              "switch-transformers"]
 # vision-language models, trained on images: their image tokens in each row, labels on the text
-VLM_NAMES = ["llava", "paligemma", "gemma3-mm", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "mistral3", "idefics3", "internvl",
+VLM_NAMES = ["llava", "paligemma", "gemma3-mm", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "glm4v", "mistral3", "idefics3", "internvl",
              "aya-vision"]
 
 
@@ -472,6 +472,14 @@ def _vlm_cases():
                                patch_size=2, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
                                deepstack_visual_indexes=[0]),
             **qwen_tokens)), _qwen_vl),
+        ("glm4v", _model("Glm4vForConditionalGeneration", lambda: t.Glm4vConfig(
+            text_config=dict(llama, num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_parameters=dict(
+                rope_type="default", rope_theta=10000.0, mrope_section=[1, 1, 2], partial_rotary_factor=0.5),
+                rope_scaling=dict(rope_type="default", mrope_section=[1, 1, 2]), partial_rotary_factor=0.5),  # 4.x
+            vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                               patch_size=2, spatial_merge_size=2, temporal_patch_size=2, image_size=8),
+            image_token_id=IMAGE_TOKEN, video_token_id=VOCAB - 4, image_start_token_id=VOCAB - 3,
+            image_end_token_id=VOCAB - 2)), _qwen_vl),
         ("mistral3", _model("Mistral3ForConditionalGeneration", lambda: t.Mistral3Config(
             vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                num_attention_heads=2, head_dim=8, image_size=16, patch_size=4),

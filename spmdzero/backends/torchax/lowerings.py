@@ -313,7 +313,9 @@ def _index_bounds(indexes, env):
 def _slices_with_index_bounds(env) -> None:
     """``env``'s ``Tensor.__getitem__`` takes tensor slice bounds as ints, and index tensors on
     the host (``_index_bounds``); it indexes a lazy view's values (torchax's read the tensor's
-    ``_elem``, which a view lacks: Qwen2-VL's ``token_types[attention_mask[row].bool()]``)."""
+    ``_elem``, which a view lacks: Qwen2-VL's ``token_types[attention_mask[row].bool()]``), and a
+    host tensor by device indices as a constant (GLM-4V's ``image_shapes[seq_ids, 1]``, its grid
+    kept on the host by ``shape_inputs``)."""
     import dataclasses
 
     from torchax import view as tview
@@ -323,6 +325,8 @@ def _slices_with_index_bounds(env) -> None:
     def getitem(self, indexes, *args, **kwargs):
         if isinstance(self, tview.View):
             self = self.torch()
+        elif type(self) is torch.Tensor:  # a host tensor (an image grid) indexed by device indices
+            self = _index_bounds(self, env)
         return original.func(self, _index_bounds(indexes, env), *args, **kwargs)
 
     env._ops[torch.Tensor.__getitem__] = dataclasses.replace(original, func=getitem)

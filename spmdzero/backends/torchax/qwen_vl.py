@@ -141,6 +141,9 @@ def positions(kinds: torch.Tensor, valid: torch.Tensor, tables: dict, transforme
 # classes whose get_rope_index splits a video's grid into its frames (Qwen3-VL puts a timestamp
 # between them): a video's run is then a frame, and its items are the frames' grids
 _FRAMES_APART = frozenset({"Qwen3VLModel", "Qwen3VLMoeModel"})
+# GLM-4V marks a video's frames with image tokens between video tokens: computed here on 5.x's
+# token types and for images only; its videos, and its 4.x method, are transformers' own
+_IMAGES_BY_TYPES = frozenset({"Glm4vModel", "Glm4vMoeModel"})
 _touched: list = []  # the models whose positions were computed in this trace (``computed``)
 
 
@@ -156,6 +159,8 @@ def _traced(original):
         types = arguments.get("mm_token_type_ids")
         if not (_is_traced(ids) and all(_is_host(g) for g in grids) and _is_host(spacings)) \
                 or ids.dim() != 2 or (mask is not None and mask.dim() != 2):
+            return original(self, *args, **kwargs)
+        if type(self).__name__ in _IMAGES_BY_TYPES and (grids[1] is not None or types is None):
             return original(self, *args, **kwargs)
         if grids[1] is not None and type(self).__name__ in _FRAMES_APART:
             frames = grids[1].repeat_interleave(grids[1][:, 0], dim=0)
