@@ -64,9 +64,10 @@ MOE = zoo.moe_names() if TRANSFORMERS_4 else ["jamba", "mixtral-lora-experts", "
 # checks with torch._check_tensor_all_with, 4.x with a boolean index's shape), Gemma 3 on 5.x (4.x's
 # loss picks its logits by a mask: eager, as any read). Qwen2-VL, Qwen2.5-VL and Qwen3-VL compile
 # with their image grids on the host (shape_inputs.py) and their positions and deepstack features
-# from tensor ops (qwen_vl.py); their rows' grids differ. GLM-4V too on 5.x (on 4.x its positions are
-# transformers' own, read on the host: eager, the benchmark's only).
-VLM = ["llava", "paligemma", "qwen2-vl", "qwen2.5-vl", "qwen3-vl"] + ([] if TRANSFORMERS_4 else ["gemma3-mm", "glm4v"])
+# from tensor ops (vision_language.py); their rows' grids differ. On 5.x GLM-4V too, and Idefics3 and
+# SmolVLM with a padding image in odd rows (on 4.x these read on the host: eager, the benchmark's only).
+VLM = ["llava", "paligemma", "qwen2-vl", "qwen2.5-vl", "qwen3-vl"] + (
+    [] if TRANSFORMERS_4 else ["gemma3-mm", "glm4v", "idefics3", "smolvlm"])
 assert set(VLM) <= set(zoo.vlm_names())
 
 
@@ -117,18 +118,18 @@ def _mrope_rows(model, video: bool) -> dict:
 
 
 MROPE = [(name, video) for name in ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"] for video in (False, True)] + (
-    [] if TRANSFORMERS_4 else [("glm4v", False)])  # GLM-4V: 5.x's token types, images (qwen_vl.py)
+    [] if TRANSFORMERS_4 else [("glm4v", False)])  # GLM-4V: 5.x's token types, images (vision_language.py)
 
 
 @pytest.mark.parametrize("name, video", MROPE, ids=[f"{n}-{'video' if v else 'images'}" for n, v in MROPE])
 def test_qwen_vl_positions_computed_in_a_trace_are_transformers_own(name, video):
-    """``qwen_vl``: the three positions of every token and each row's delta, computed with
+    """``vision_language``: the three positions of every token and each row's delta, computed with
     tensor ops in a jitted trace (the ids traced, the grids on the host), equal transformers' own
     ``get_rope_index`` run on the host, padding and all, on both versions."""
     import jax
     import torchax
 
-    from spmdzero.backends.torchax import qwen_vl
+    from spmdzero.backends.torchax import vision_language
 
     build, _ = zoo.cases()[name][:2]
     model = build().model
@@ -140,7 +141,7 @@ def test_qwen_vl_positions_computed_in_a_trace_are_transformers_own(name, video)
 
     def positions(arrays):
         with env:
-            got = qwen_vl._traced(original)(model, **{**batch, **env.j2t_iso(arrays)})
+            got = vision_language._traced(original)(model, **{**batch, **env.j2t_iso(arrays)})
             return env.t2j_iso(got)
 
     got, deltas = jax.jit(positions)({k: env.t2j_copy(v) for k, v in traced.items()})

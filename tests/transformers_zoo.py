@@ -24,8 +24,8 @@ MOE_NAMES = ["olmoe", "flex-olmo", "jamba", "hunyuan-moe", "dots1", "mixtral-lor
              "falcon-h1", "ernie4.5-moe", "glm4v-moe", "granite-moe-shared", "dbrx", "longcat-flash",
              "switch-transformers"]
 # vision-language models, trained on images: their image tokens in each row, labels on the text
-VLM_NAMES = ["llava", "paligemma", "gemma3-mm", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "glm4v", "mistral3", "idefics3", "internvl",
-             "aya-vision"]
+VLM_NAMES = ["llava", "paligemma", "gemma3-mm", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "glm4v", "mistral3", "idefics3",
+             "smolvlm", "internvl", "aya-vision"]
 
 
 def _quiet(config):
@@ -418,6 +418,20 @@ def _one_image(seed: int, *shape: int) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels, "pixel_values": _pixels(seed, *shape)}
 
 
+def _two_image_slots(seed: int) -> dict:
+    """Idefics3's and SmolVLM's layout: two image slots per row, each image 4 tokens (4 x 4 patches
+    shuffled 2 x 2); odd rows hold one image, their second slot the processor's all-zero padding
+    image (its pixel mask zeros), where the row has text instead of that image's tokens."""
+    ids, mask, labels = _with_image_tokens(seed, 8)
+    ids[1::2, 8:12] = labels[1::2, 8:12] = 5
+    pixels = _pixels(seed, ROWS, 2, 3, 16, 16)
+    pixels[1::2, 1] = 0.0
+    pixel_mask = torch.ones(ROWS, 2, 16, 16, dtype=torch.long)
+    pixel_mask[1::2, 1] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "pixel_values": pixels,
+            "pixel_attention_mask": pixel_mask}
+
+
 def _qwen_vl(seed: int) -> dict:
     """One image per row: a grid of 1 x 4 x 4 patches (2 x 2 pixels, 2 frames) in even rows, 1 x 2 x
     8 in odd ones, merged 2 x 2 into 4 tokens; its patches flattened, as Qwen's processor hands
@@ -487,7 +501,10 @@ def _vlm_cases():
             spatial_merge_size=2, vision_feature_layer=-1)), _pixtral),
         ("idefics3", _model("Idefics3ForConditionalGeneration", lambda: t.Idefics3Config(
             vision_config=vision, text_config=dict(llama, model_type="llama"), image_token_id=IMAGE_TOKEN,
-            scale_factor=2)), lambda seed: _one_image(seed, ROWS, 1, 3, 16, 16)),
+            scale_factor=2)), _two_image_slots),
+        ("smolvlm", _model("SmolVLMForConditionalGeneration", lambda: t.SmolVLMConfig(
+            vision_config=vision, text_config=dict(llama, model_type="llama"), image_token_id=IMAGE_TOKEN,
+            scale_factor=2)), _two_image_slots),
         ("internvl", _model("InternVLForConditionalGeneration", lambda: t.InternVLConfig(
             vision_config=dict(hidden_size=16, image_size=[16, 16], patch_size=[4, 4], num_hidden_layers=1,
                                num_attention_heads=2, intermediate_size=32),

@@ -20,7 +20,7 @@ from spmdzero.train.data import model_pad_id
 from spmdzero.backends.torchax import attention, autocast, batchnorm, frozen, host_reads
 from spmdzero.backends.torchax.outside_loss import tie
 from spmdzero.backends.torchax import process_rows
-from spmdzero.backends.torchax import moe_experts, qwen_vl, recurrent_masks, shape_inputs, trace_view
+from spmdzero.backends.torchax import moe_experts, recurrent_masks, shape_inputs, trace_view, vision_language
 from spmdzero.backends.torchax import remat, traced_checks
 from spmdzero.backends.torchax import method_programs, other_engines
 from spmdzero.backends.torchax import cross_entropy
@@ -382,7 +382,7 @@ class ForwardPrograms:
                         batchnorm.updating_running_statistics(batch_norms), \
                         other_engines.tracing(self, others, traced_others, env), \
                         autocast.autocasting(env, self.precision.autocast_dtype), recurrent_masks.kept(), \
-                        traced_checks.placeholder_checks_left_out(), qwen_vl.computed(), \
+                        traced_checks.placeholder_checks_left_out(), vision_language.computed(), \
                         moe_experts.grouped(self.expert_matmuls):
                     output = torch.func.functional_call(entry, method_programs.keyed(entry, tensors), inputs, kwargs)
             finally:

@@ -1,9 +1,10 @@
-"""The Qwen-VL family's forward, computed with tensor ops while a step is traced: its multimodal
-rotary positions (M-RoPE) and Qwen3-VL's deepstack features.
+"""Vision-language models' forwards, computed with tensor ops while a step is traced: the Qwen-VL
+family's multimodal rotary positions (M-RoPE), Qwen3-VL's deepstack features, and the padding
+images of Idefics3 and SmolVLM.
 
 Why: these models' forwards read values on the host where tensor ops compute the same thing, so
-under ``jax.jit`` every one went eagerly (``host_reads``), op by op, even with their image grids
-kept on the host (``shape_inputs``).
+under ``jax.jit`` every one went eagerly (``host_reads``), op by op, even with the Qwen models'
+image grids kept on the host (``shape_inputs``).
 
 **Positions.** ``get_rope_index`` of Qwen2-VL, Qwen2.5-VL, Qwen3-VL and GLM-4V gives every token
 three positions (time, height, width): text counts up by one, an image's tokens take its patch
@@ -30,6 +31,15 @@ positions come from tensor ops over the whole batch, given the grids on the host
 hidden states in its first layers: ``hidden_states[visual_pos_masks, :] + visual_embeds``, a
 boolean index, whose shape is a value. Here they are scattered into place in the mask's order, as
 ``masked_scatter`` puts image features, and added.
+
+**Padding images.** Idefics3 and SmolVLM take ``pixel_values`` of shape (rows, images, C, H,
+W), a row with fewer images padded by all-zero ones, and drop those before the vision tower
+(``pixel_values[real_images_inds]``, a boolean index). On transformers 5.x, here every image goes
+through the tower (a padding one with a whole pixel mask, so that its features are finite), and
+the real images' features are put first, in order (a stable sort): the features the image tokens
+take (``masked_scatter`` takes them in order) are the same. The padding images cost their compute,
+none when every row has as many images. transformers 4.x's Idefics3 reads in its vision
+embeddings too: its forward stays eager there.
 
 Swapped in for the trace only (``transformers_methods``); otherwise, and in plain torch,
 transformers' own methods run. Positions are computed here only where the grids are host tensors
@@ -200,12 +210,42 @@ def _scattered(original):
     return _deepstack_process
 
 
+def _padding_kept(original):
+    signature = inspect.signature(original)
+
+    def get_image_features(self, *args, **kwargs):
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        pixels, pixel_mask = arguments.get("pixel_values"), arguments.get("pixel_attention_mask")
+        if not _is_traced(pixels) or pixels.dim() != 5:
+            return original(self, *args, **kwargs)
+        rows, images, channels, height, width = pixels.shape
+        pixels = pixels.to(dtype=self.dtype).reshape(rows * images, channels, height, width)
+        real = (pixels == 0.0).sum(dim=(-1, -2, -3)) != channels * height * width
+        whole = torch.ones(rows * images, height, width, dtype=torch.bool, device=pixels.device)
+        pixel_mask = whole if pixel_mask is None else \
+            pixel_mask.reshape(rows * images, height, width).bool() | ~real[:, None, None]
+        size = self.config.vision_config.patch_size
+        patches = pixel_mask.unfold(dimension=1, size=size, step=size).unfold(dimension=2, size=size, step=size)
+        extra = {k: v for k, v in arguments.get("kwargs", {}).items() if k != "return_dict"}  # outputs, as asked
+        outputs = self.vision_model(pixel_values=pixels, patch_attention_mask=patches.sum(dim=(-1, -2)) > 0,
+                                    return_dict=True, **extra)
+        features = self.connector(outputs.last_hidden_state)
+        first = torch.argsort((~real).int(), stable=True)  # the real images first, in their order
+        outputs.pooler_output = [features[first].reshape(-1, features.shape[-1])]
+        return outputs
+
+    return get_image_features
+
+
 # (model, class, method, replacement), on both transformers releases where the class has the method
 REPLACED = (*((model, cls, "get_rope_index", _traced) for model, cls in (
                 ("qwen2_vl", "Qwen2VLModel"), ("qwen2_5_vl", "Qwen2_5_VLModel"), ("qwen3_vl", "Qwen3VLModel"),
                 ("qwen3_vl_moe", "Qwen3VLMoeModel"), ("glm4v", "Glm4vModel"), ("glm4v_moe", "Glm4vMoeModel"))),
             ("qwen3_vl", "Qwen3VLTextModel", "_deepstack_process", _scattered),
             ("qwen3_vl_moe", "Qwen3VLMoeTextModel", "_deepstack_process", _scattered))
+# transformers 5.x's Idefics3 and SmolVLM (4.x's read in their vision embeddings too)
+PADDING_KEPT = (("idefics3", "Idefics3Model", "get_image_features", _padding_kept),
+                ("smolvlm", "SmolVLMModel", "get_image_features", _padding_kept))
 
 
 @contextlib.contextmanager
@@ -214,7 +254,7 @@ def computed():
     transformers keeps on the model (``rope_deltas``, for generation to continue from) are the
     trace's values: dropped after it, so that the module's next host call computes its own."""
     try:
-        with transformers_methods.replaced(REPLACED):
+        with transformers_methods.replaced(REPLACED + (() if transformers_methods.transformers_4() else PADDING_KEPT)):
             yield
     finally:
         for model in _touched:
