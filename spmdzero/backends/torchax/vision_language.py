@@ -27,6 +27,10 @@ positions come from tensor ops over the whole batch, given the grids on the host
   deltas that generation continues from: each row's largest position + 1 - its length (4.x: with
   the padding, 5.x: without).
 
+GLM-4V marks a video's frames with image tokens between video tokens, so its positions are
+computed here only on 5.x's token types and for images; Qwen3-VL's frames, each its own run
+between timestamps, are items of their own, as transformers splits its grids.
+
 **Deepstack.** Qwen3-VL adds features of its vision tower's inner layers to the image tokens'
 hidden states in its first layers: ``hidden_states[visual_pos_masks, :] + visual_embeds``, a
 boolean index, whose shape is a value. Here they are scattered into place in the mask's order, as
@@ -70,9 +74,9 @@ def _is_host(t) -> bool:
 
 def _one_item(model, original, kind: int, grid: tuple, spacing, lead: int):
     """transformers' positions for one row: ``lead`` text tokens, a vision start token, one image
-    (``kind`` IMAGE) or video of ``grid``, one text token. Returns (its tokens' positions less
-    the run's start, shape (3, n); how far the text after it moves on) or None for a rule that
-    is not additive in the start."""
+    (``kind`` IMAGE) or video of ``grid`` (``spacing``: its seconds per grid, Qwen2.5-VL's), one
+    text token. Returns (its tokens' positions less the run's start, shape (3, n); how far the
+    text after it moves on); ``_items`` compares two leads to find a rule that is not additive."""
     config = model.config
     m = config.vision_config.spatial_merge_size
     n = int(np.prod(grid)) // (m * m)
@@ -191,7 +195,8 @@ def _traced(original):
             kinds = types.long()
         else:
             config = self.config
-            kinds = torch.where(ids == config.image_token_id, IMAGE, torch.where(ids == config.video_token_id, VIDEO, 0))
+            videos = torch.where(ids == config.video_token_id, VIDEO, 0)
+            kinds = torch.where(ids == config.image_token_id, IMAGE, videos)
         valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
         _touched.append(self)
         return positions(kinds, valid, tables, transformers_4=not by_types)
