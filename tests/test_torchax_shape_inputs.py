@@ -1,7 +1,8 @@
 """Inputs whose values are shapes (``shape_inputs``): an image grid given to the forward stays on
 the host and joins the program's key, so a forward that reads it compiles, once per grid, and
-trains as in torch; and a factory of Python numbers inside a trace, with the shape ops on it, is
-evaluated while tracing (``lowerings``), as transformers 4.x's Qwen2.5-VL needs."""
+trains as in torch; ``image_sizes`` too, for a model with Pixtral's tower only. A factory of
+Python numbers inside a trace, the shape ops on it, and a host tensor moved to the devices there
+are evaluated while tracing (``known_values``), as transformers' Qwen2.5-VL and Mistral 3 need."""
 
 import copy
 
@@ -75,4 +76,44 @@ def test_a_factory_of_numbers_and_a_shape_op_on_it_are_evaluated_while_tracing()
     from test_torchax_host_reads import _trains_as_torch
 
     engine = _trains_as_torch(Boundaries())
+    assert not engine._host_reads.noted and engine.traces["train_forward"] == 1
+
+
+class PixtralTransformer(torch.nn.Module):
+    """Named as transformers' Pixtral vision tower, which crops each image by ``image_sizes``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 8)
+
+
+class CropsBySizes(torch.nn.Module):
+    """Mistral 3's ways with ``image_sizes``: moved to the device, then read (``.tolist()``) to
+    split the rows per image."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tower = PixtralTransformer()
+
+    def forward(self, x, y, image_sizes):
+        rows = (torch.as_tensor(image_sizes, device=x.device) // 4).prod(dim=-1).tolist()
+        out = torch.cat([part * (1 + i) for i, part in enumerate(torch.split(self.tower.fc(x), rows))])
+        return torch.nn.functional.mse_loss(out, y)
+
+
+def test_image_sizes_are_kept_for_a_model_that_crops_by_them_and_only_there():
+    from spmdzero.backends.torchax import shape_inputs
+    from test_torchax_host_reads import HostReads
+
+    assert "image_sizes" in shape_inputs.names(CropsBySizes())
+    assert "image_sizes" not in shape_inputs.names(HostReads())  # LLaVA-NeXT's are original sizes: inputs
+    model = CropsBySizes()
+    reference = copy.deepcopy(model)
+    engine, *_ = spmdzero.initialize(model=model, config={
+        "train_batch_size": 16, "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": LR}}})
+    sizes = torch.tensor([[8, 8], [8, 16], [8, 8]])  # patches of 4: 4 + 8 + 4 rows
+    x, y = data(1)[0]
+    loss = engine(x, y, image_sizes=sizes)
+    assert loss.item() == pytest.approx(reference(x, y, sizes).item(), rel=1e-5)
     assert not engine._host_reads.noted and engine.traces["train_forward"] == 1

@@ -66,7 +66,8 @@ MOE = zoo.moe_names() if TRANSFORMERS_4 else ["jamba", "mixtral-lora-experts", "
 # with their image grids on the host (shape_inputs.py) and their positions and deepstack features
 # from tensor ops (vision_language.py); their rows' grids differ. On 5.x GLM-4V too, and Idefics3 and
 # SmolVLM with a padding image in odd rows (on 4.x these read on the host: eager, the benchmark's only).
-VLM = ["llava", "paligemma", "qwen2-vl", "qwen2.5-vl", "qwen3-vl"] + (
+# Mistral 3 (Pixtral's tower crops each image by image_sizes, kept on the host) with two image sizes.
+VLM = ["llava", "paligemma", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "mistral3"] + (
     [] if TRANSFORMERS_4 else ["gemma3-mm", "glm4v", "idefics3", "smolvlm"])
 assert set(VLM) <= set(zoo.vlm_names())
 

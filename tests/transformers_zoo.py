@@ -408,9 +408,15 @@ def _gemma3(seed: int) -> dict:
 
 
 def _pixtral(seed: int) -> dict:
-    ids, mask, labels = _with_image_tokens(seed, 4)  # 4 x 4 patches of 4 pixels, merged 2 x 2
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "pixel_values": _pixels(seed, ROWS, 3, 16, 16),
-            "image_sizes": torch.tensor([[16, 16]] * ROWS)}
+    """Pixtral's layout: each image resized to its own size, padded to the batch's largest, its
+    size in ``image_sizes``. Even rows: 16 x 16 pixels, 4 x 4 patches of 4, merged 2 x 2 into 4
+    tokens; odd rows: 16 x 8, 2 tokens, text where the others' last two are."""
+    ids, mask, labels = _with_image_tokens(seed, 4)
+    ids[1::2, 6:8] = labels[1::2, 6:8] = 5
+    pixels = _pixels(seed, ROWS, 3, 16, 16)
+    pixels[1::2, :, :, 8:] = 0.0
+    sizes = torch.tensor([[16, 16] if row % 2 == 0 else [16, 8] for row in range(ROWS)])
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "pixel_values": pixels, "image_sizes": sizes}
 
 
 def _one_image(seed: int, *shape: int) -> dict:

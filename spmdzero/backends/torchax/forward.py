@@ -235,7 +235,8 @@ class ForwardPrograms:
         # a mapping that is not a dict (transformers' BatchEncoding) is one leaf to torch's pytree
         inputs, kwargs = _as_dicts(inputs), _as_dicts(kwargs)
         if self._processes == 1:  # values that are shapes (image grids) join the program's key
-            inputs, kwargs = shape_inputs.kept_on_host((inputs, kwargs), _is_torchax_tensor)
+            inputs, kwargs = shape_inputs.kept_on_host((inputs, kwargs), _is_torchax_tensor,
+                                                       shape_inputs.names(self._module))
         leaves, treespec = torch_pytree.tree_flatten((inputs, kwargs))
         static = tuple((i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor))
         self._take_host_changes()

@@ -8,7 +8,9 @@ device=...)`` of Python numbers became a traced value, and a size computed from 
 in its attention).
 
 ``install`` makes torchax's ``torch.tensor`` of numbers, and every op whose tensors are all known
-small integers or booleans (at most ``_SMALL`` values each: sizes, offsets, boundaries), run under
+small integers or booleans (at most ``_SMALL`` values each: sizes, offsets, boundaries; host
+tensors too, so Mistral 3's ``torch.as_tensor(image_sizes, device=...)`` of its host sizes, kept
+there by ``shape_inputs``, stays known), run under
 ``jax.ensure_compile_time_eval``: what they make is a constant of the program. What is computed
 from the inputs, and anything large or of floats, is traced as before: a mask is not folded into
 the program as a constant.
@@ -38,12 +40,16 @@ def install(env) -> None:
             t = t.parent
         return getattr(t, "_elem", None)
 
+    def small_integers(t) -> bool:
+        if type(t) is torch.Tensor:  # a host tensor (an image grid moved to the device: as_tensor, .to)
+            return t.numel() <= _SMALL and not (t.is_floating_point() or t.is_complex())
+        v = value(t)
+        return (isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer) and v.size <= _SMALL
+                and (jnp.issubdtype(v.dtype, jnp.integer) or v.dtype == jnp.bool_))
+
     def known(args, kwargs) -> bool:
-        values = [value(t) for t in jax.tree_util.tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor) and type(t) is not torch.Tensor]
-        return bool(values) and all(
-            isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer) and v.size <= _SMALL
-            and (jnp.issubdtype(v.dtype, jnp.integer) or v.dtype == jnp.bool_) for v in values)
+        tensors = [t for t in jax.tree_util.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        return bool(tensors) and all(small_integers(t) for t in tensors)
 
     @contextlib.contextmanager
     def evaluated():

@@ -11,7 +11,13 @@ so a batch of other image sizes compiles anyway. Kept as a host tensor and keyed
 each read sees the numbers in the trace, and the program compiles once per set of grids (for
 images of one size, once).
 
-``kept_on_host`` wraps such a tensor, where the forward gets it by one of ``NAMES``, as a
+Pixtral's vision tower (Mistral 3, and LLaVA checkpoints built on it) crops each image's patch
+grid by ``image_sizes``, each image's size after the processor resized it, which ``pixel_values``
+holds padded to the batch's largest: a model with that tower keeps ``image_sizes`` too. Other
+models' ``image_sizes`` are the images' original sizes (LLaVA-NeXT), which differ from image to
+image while the shapes stay: kept, they would compile a program per batch, so they are not.
+
+``kept_on_host`` wraps such a tensor, where the forward gets it by one of those names, as a
 ``HostValue``: a non-tensor leaf, so the program's key holds it (``ForwardPrograms._program``) and
 the trace gets it back as a host tensor (``unwrapped``). Only with one process: each process's
 images are its own, and every process must run the same program.
@@ -27,6 +33,18 @@ import torch
 # a video's frames (Qwen2.5-VL), as transformers' Qwen-VL processors name them
 NAMES = frozenset({"image_grid_thw", "video_grid_thw", "second_per_grid_ts"})
 _MOST_VALUES = 1 << 14  # a grid per image: far fewer numbers than this
+_CROPPED_BY_SIZES = frozenset({"PixtralTransformer"})  # vision towers that crop by image_sizes
+
+
+def names(module: torch.nn.Module) -> frozenset:
+    """The argument names kept for ``module``'s forward: ``NAMES``, and ``image_sizes`` where a
+    submodule crops by them."""
+    found = getattr(module, "_spmdzero_shape_inputs", None)
+    if found is None:
+        crops = any(type(m).__name__ in _CROPPED_BY_SIZES for m in module.modules())
+        found = NAMES | {"image_sizes"} if crops else NAMES
+        module.__dict__["_spmdzero_shape_inputs"] = found
+    return found
 
 
 class HostValue:
@@ -54,14 +72,14 @@ def _keepable(value, is_device_tensor) -> bool:
             and value.numel() <= _MOST_VALUES)
 
 
-def kept_on_host(tree, is_device_tensor):
+def kept_on_host(tree, is_device_tensor, kept: frozenset = NAMES):
     """``tree`` (a forward's inputs or keyword arguments, their mappings plain dicts already) with
-    each host tensor named by ``NAMES``, at any depth, as a ``HostValue``."""
+    each host tensor named by one of ``kept`` (``names``), at any depth, as a ``HostValue``."""
     if isinstance(tree, Mapping):
-        return type(tree)((k, HostValue(v) if k in NAMES and _keepable(v, is_device_tensor)
-                           else kept_on_host(v, is_device_tensor)) for k, v in tree.items())
+        return type(tree)((k, HostValue(v) if k in kept and _keepable(v, is_device_tensor)
+                           else kept_on_host(v, is_device_tensor, kept)) for k, v in tree.items())
     if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
-        return type(tree)(kept_on_host(v, is_device_tensor) for v in tree)
+        return type(tree)(kept_on_host(v, is_device_tensor, kept) for v in tree)
     return tree
 
 
