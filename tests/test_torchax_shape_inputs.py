@@ -104,10 +104,9 @@ class CropsBySizes(torch.nn.Module):
 
 def test_image_sizes_are_kept_for_a_model_that_crops_by_them_and_only_there():
     from spmdzero.backends.torchax import shape_inputs
-    from test_torchax_host_reads import HostReads
 
     assert "image_sizes" in shape_inputs.names(CropsBySizes())
-    assert "image_sizes" not in shape_inputs.names(HostReads())  # LLaVA-NeXT's are original sizes: inputs
+    assert "image_sizes" not in shape_inputs.names(ByGrid())  # LLaVA-NeXT's are original sizes: inputs
     model = CropsBySizes()
     reference = copy.deepcopy(model)
     engine, *_ = spmdzero.initialize(model=model, config={
