@@ -543,3 +543,23 @@ def test_a_parametrized_weight_trains_as_in_torch():
     assert "weight" not in dict(engine.module.fc.named_buffers())
     np.testing.assert_allclose(on_host(engine.module.fc.weight).numpy(), reference.fc.weight.detach().numpy(),
                                atol=1e-6)
+
+
+class _ReadsARow(torch.nn.Module):
+    """LLaVA-NeXT's ``image_size.tolist()`` of a row of ``image_sizes``: a lazy view's values read
+    on the host, on the eager path (torch refused ``.tolist()`` on the view)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        row = x[0, :2]  # a lazy view of the input
+        scale = 1 + 0.1 * sum(abs(v) for v in row.tolist()) + 0.1 * float(np.abs(row.detach().numpy()).sum())
+        return self.head(x * scale).square().mean()
+
+
+def test_a_views_values_read_as_a_list_or_an_array_are_torchs():
+    engine, _ = _trains_as_torch(_ReadsARow(), steps=2)
+    assert engine._host_reads.noted  # a read: the eager path, where the view has values

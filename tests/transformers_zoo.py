@@ -24,8 +24,8 @@ MOE_NAMES = ["olmoe", "flex-olmo", "jamba", "hunyuan-moe", "dots1", "mixtral-lor
              "falcon-h1", "ernie4.5-moe", "glm4v-moe", "granite-moe-shared", "dbrx", "longcat-flash",
              "switch-transformers"]
 # vision-language models, trained on images: their image tokens in each row, labels on the text
-VLM_NAMES = ["llava", "paligemma", "gemma3-mm", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "glm4v", "mistral3", "idefics3",
-             "smolvlm", "internvl", "aya-vision"]
+VLM_NAMES = ["llava", "llava-next", "paligemma", "gemma3-mm", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "glm4v", "mistral3",
+             "idefics3", "smolvlm", "internvl", "aya-vision"]
 
 
 def _quiet(config):
@@ -438,6 +438,15 @@ def _two_image_slots(seed: int) -> dict:
             "pixel_attention_mask": pixel_mask}
 
 
+def _llava_next(seed: int) -> dict:
+    """LLaVA-NeXT's layout: each 16 x 16 image as its base view and one tile of the best of its
+    grid pinpoints, 16 tokens each, plus a newline token per row of the tile: 36 tokens; its
+    original size in ``image_sizes``, read on the host (eager)."""
+    ids, mask, labels = _with_image_tokens(seed, 36)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "pixel_values": _pixels(seed, ROWS, 2, 3, 16, 16),
+            "image_sizes": torch.tensor([[16, 16]] * ROWS)}
+
+
 def _qwen_vl(seed: int) -> dict:
     """One image per row: a grid of 1 x 4 x 4 patches (2 x 2 pixels, 2 frames) in even rows, 1 x 2 x
     8 in odd ones, merged 2 x 2 into 4 tokens; its patches flattened, as Qwen's processor hands
@@ -469,6 +478,10 @@ def _vlm_cases():
         ("llava", _model("LlavaForConditionalGeneration", lambda: t.LlavaConfig(
             vision_config=t.CLIPVisionConfig(**vision), text_config=t.LlamaConfig(**llama),
             image_token_index=IMAGE_TOKEN, vision_feature_layer=-1, image_seq_length=16)), _llava),
+        ("llava-next", _model("LlavaNextForConditionalGeneration", lambda: t.LlavaNextConfig(
+            vision_config=t.CLIPVisionConfig(**vision), text_config=t.LlamaConfig(**llama),
+            image_token_index=IMAGE_TOKEN, vision_feature_layer=-1, image_grid_pinpoints=[[16, 16], [16, 32]])),
+            _llava_next),
         ("paligemma", _model("PaliGemmaForConditionalGeneration", lambda: t.PaliGemmaConfig(
             vision_config=dict(vision, model_type="siglip_vision_model", projection_dim=32),
             text_config=dict(llama, model_type="gemma", num_key_value_heads=1, head_dim=8),

@@ -44,6 +44,9 @@ Each replacement is installed on torchax's process-wide environment once, at the
   indexes its targets with the Hungarian matching that SciPy computes on the host) indexes a
   device tensor in torch; torchax asserted that it was not one of its own. Here it becomes one.
 
+* ``v.tolist()``, ``v.numpy()`` of a lazy view (a row of a device tensor): torch refused them on
+  the view; they read its values, as the tensor's do (``_views_read``).
+
 * ``x.copy_(v)`` where ``v`` is a slice torchax keeps as a lazy view: torchax's ``copy_`` read an
   attribute that views lack (transformers 5.x's Jamba, whose Mamba cache copies a slice, stopped
   with AttributeError). The view's values are copied.
@@ -253,6 +256,17 @@ def _numbers_copy_to_arrays(env) -> None:
     env._torch_Tensor_to = to_or_number
 
 
+def _views_read() -> None:
+    """A lazy view's ``.tolist()`` and ``.numpy()`` read its values, as the tensor's do: torchax
+    defines them on its tensors only, and torch's own refused the view ("tolist() is not supported
+    for tensor subclasses, got View": LLaVA-NeXT's ``image_size.tolist()`` of a row of
+    ``image_sizes``, on the eager path)."""
+    from torchax import view as tview
+
+    tview.View.tolist = lambda self: self.torch().tolist()
+    tview.View.numpy = lambda self: self.torch().numpy()
+
+
 def _copies_from_views(env) -> None:
     """``x.copy_(v)`` where ``v`` is a lazy view (a slice torchax has not materialized) copies the
     view's values: torchax's ``copy_`` read ``v._elem``, which a view lacks (transformers 5.x's
@@ -433,6 +447,7 @@ def install(env) -> None:
     _slices_with_index_bounds(env)
     _setitem_in_the_tensors_dtype()
     _copies_from_views(env)
+    _views_read()
     env._ops[torch.ops.aten.set_.source_Tensor] = ops_registry.Operator(
         torch.ops.aten.set_.source_Tensor, set_to_tensor, is_jax_function=False, is_user_defined=True,
         needs_env=False, is_view_op=True)
