@@ -64,11 +64,12 @@ MOE = zoo.moe_names() if TRANSFORMERS_4 else ["jamba", "mixtral-lora-experts", "
 # checks with torch._check_tensor_all_with, 4.x with a boolean index's shape), Gemma 3 on 5.x (4.x's
 # loss picks its logits by a mask: eager, as any read). Qwen2-VL, Qwen2.5-VL and Qwen3-VL compile
 # with their image grids on the host (shape_inputs.py) and their positions and deepstack features
-# from tensor ops (vision_language.py); their rows' grids differ. On 5.x GLM-4V too, and Idefics3 and
-# SmolVLM with a padding image in odd rows (on 4.x these read on the host: eager, the benchmark's only).
+# from tensor ops (vision_language.py); their rows' grids differ. On 5.x GLM-4V too, and SmolVLM with a
+# padding image in odd rows (Idefics3, the same code, is the benchmark's; on 4.x these read on the host:
+# eager, the benchmark's only).
 # Mistral 3 (Pixtral's tower crops each image by image_sizes, kept on the host) with two image sizes.
 VLM = ["llava", "paligemma", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "mistral3"] + (
-    [] if TRANSFORMERS_4 else ["gemma3-mm", "glm4v", "idefics3", "smolvlm"])
+    [] if TRANSFORMERS_4 else ["gemma3-mm", "glm4v", "smolvlm"])
 assert set(VLM) <= set(zoo.vlm_names())
 
 
