@@ -25,6 +25,7 @@ images are its own, and every process must run the same program.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -36,14 +37,16 @@ _MOST_VALUES = 1 << 14  # a grid per image: far fewer numbers than this
 _CROPPED_BY_SIZES = frozenset({"PixtralTransformer"})  # vision towers that crop by image_sizes
 
 
+_names_of: "weakref.WeakKeyDictionary[torch.nn.Module, frozenset]" = weakref.WeakKeyDictionary()
+
+
 def names(module: torch.nn.Module) -> frozenset:
     """The argument names kept for ``module``'s forward: ``NAMES``, and ``image_sizes`` where a
-    submodule crops by them."""
-    found = getattr(module, "_spmdzero_shape_inputs", None)
+    submodule crops by them (found once per module)."""
+    found = _names_of.get(module)
     if found is None:
         crops = any(type(m).__name__ in _CROPPED_BY_SIZES for m in module.modules())
-        found = NAMES | {"image_sizes"} if crops else NAMES
-        module.__dict__["_spmdzero_shape_inputs"] = found
+        found = _names_of[module] = NAMES | {"image_sizes"} if crops else NAMES
     return found
 
 
