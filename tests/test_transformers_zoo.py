@@ -68,8 +68,10 @@ MOE = zoo.moe_names() if TRANSFORMERS_4 else ["jamba", "mixtral-lora-experts", "
 # padding image in odd rows (Idefics3, the same code, is the benchmark's; on 4.x these read on the host:
 # eager, the benchmark's only).
 # Mistral 3 (Pixtral's tower crops each image by image_sizes, kept on the host) with two image sizes.
-VLM = ["llava", "paligemma", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "mistral3"] + (
-    [] if TRANSFORMERS_4 else ["gemma3-mm", "glm4v", "smolvlm"])
+# Qwen2.5-VL (window attention) and Qwen3-VL (deepstack) run on 4.x, whose window boundaries are the
+# harder path (known_values.py); on 5.x, for the suite's time, the benchmark's, their positions tested below.
+VLM = ["llava", "paligemma", "qwen2-vl", "mistral3"] + (
+    ["qwen2.5-vl", "qwen3-vl"] if TRANSFORMERS_4 else ["gemma3-mm", "glm4v", "smolvlm"])
 assert set(VLM) <= set(zoo.vlm_names())
 
 
