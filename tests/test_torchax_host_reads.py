@@ -387,3 +387,28 @@ def test_transformers_methods_are_swapped_for_the_trace_only():
         assert Block().forward() == "transformers" and "forward" in vars(Block)
     finally:
         del sys.modules[module.__name__]
+
+
+def test_a_read_of_a_value_other_hosts_hold_says_so_and_names_the_model():
+    """On several hosts an eager forward's read of a value that spans other hosts' devices (2 x 4
+    CPU devices, a Qwen2-VL reading its image grid) stopped with JAX's words alone; other errors
+    pass as they are."""
+    import collections
+    from types import SimpleNamespace
+
+    from spmdzero.backends.torchax import host_reads
+
+    fallback = host_reads.Fallback(SimpleNamespace(traces=collections.Counter()), "Qwen2VLForConditionalGeneration")
+
+    def spans_hosts():
+        raise RuntimeError("Fetching value for `jax.Array` that spans non-addressable (non process local) devices "
+                           "is not possible.")
+
+    def fails():
+        raise RuntimeError("something else")
+
+    with pytest.raises(RuntimeError, match=r"Qwen2VLForConditionalGeneration's forward reads a tensor's value on the "
+                                           r"host.*several hosts.*JAX said: Fetching value"):
+        fallback.run_eagerly(spans_hosts, ())
+    with pytest.raises(RuntimeError, match="^something else$"):
+        fallback.run_eagerly(fails, ())

@@ -26,8 +26,9 @@ compiled programs where their trace succeeds (evaluation, another input structur
 Programs whose trace failed are not traced again (``Program.eager``), and an eager run counts no
 trace (``engine.traces``): the recompile guard sees a compiled step's retraces only.
 
-Limits: with several hosts, reading a value that spans other hosts' devices fails (JAX cannot
-fetch it; untested). A module whose output holds no loss runs its forward once more in each of
+Limits: with several hosts, reading a value that spans other hosts' devices fails: JAX cannot
+fetch it, and ``Fallback.run_eagerly`` says so, naming the line (2 hosts of 4 CPU devices, a
+Qwen2-VL reading its image grid). A module whose output holds no loss runs its forward once more in each of
 its first two micro-steps (the training program's eager run finds no loss, then the VJP program
 runs).
 
@@ -191,6 +192,9 @@ class Program:
         return self._fallback.run_eagerly(self._fn, args)
 
 
+_SPANS_HOSTS = "spans non-addressable"  # JAX's words for a read of an array other hosts hold parts of
+
+
 class Fallback:
     """One engine's programs that may run eagerly, and the note said once when one first does."""
 
@@ -227,6 +231,15 @@ class Fallback:
             with concrete_reads(), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", INT64_TRUNCATED, UserWarning)
                 return fn(*args)
+        except RuntimeError as err:
+            if _SPANS_HOSTS not in str(err):
+                raise
+            raise RuntimeError(
+                f"spmdzero: {self._module_name}'s forward reads a tensor's value on the host{where(err)}, and with "
+                "several hosts that value spans other hosts' devices, which this host cannot read. A forward that "
+                "reads values trains on one host only for now on the default backend (vision-language models that "
+                "take image_grid_thw among them, with several hosts). JAX said: "
+                f"{str(err).strip().splitlines()[0]}") from err
         finally:
             engine.traces.clear()
             engine.traces.update(counted)
