@@ -690,12 +690,13 @@ def test_every_aot_option_reaches_the_child_process():
 @pytest.mark.slow
 def test_gradient_checkpointing_cuts_the_temporaries(tmp_path):
     """--gradient-checkpointing: the torchax step rematerializes each GPT-2 block
-    (spmdzero.backends.torchax.remat), so what the backward keeps of the blocks is their inputs. An
-    8-layer GPT-2 whose blocks' activations dominate (small vocabulary), 4 x 512 tokens per chip,
+    (spmdzero.backends.torchax.remat), so what the backward keeps of the blocks is their inputs. A
+    4-layer GPT-2 whose blocks' activations dominate (small vocabulary), 4 x 512 tokens per chip,
     ZeRO-2 on v5e:2x2, the exact attention path (its [L, S] scores in the blocks; the flash
-    kernels keep none): 32% of the temporaries without it when measured (242 -> 76 MiB). The
-    dropouts are off, which shortens libtpu's compile (about 37 s a compile here)."""
-    model = {"model_type": "gpt2", "vocab_size": 2048, "n_positions": 512, "n_embd": 256, "n_layer": 8, "n_head": 4,
+    kernels keep none): 41% of the temporaries without it when measured (80 -> 33 MiB; 8 layers:
+    32%, 242 -> 76 MiB). The dropouts are off, which shortens libtpu's compile (about 25 s a
+    compile here)."""
+    model = {"model_type": "gpt2", "vocab_size": 2048, "n_positions": 512, "n_embd": 256, "n_layer": 4, "n_head": 4,
              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
     config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "spmd": {"attention": "exact"}}
@@ -711,7 +712,7 @@ def test_gradient_checkpointing_cuts_the_temporaries(tmp_path):
         report = json.loads(out[out.index("{"):])["reports"][0]
         assert report["backend"] == "torchax"
         temps[bool(flag)] = report["memory"]["temp"]
-    assert temps[True] <= 0.4 * temps[False], temps
+    assert temps[True] <= 0.5 * temps[False], temps
 
 
 def _aot_report(tmp_path, model: dict, topology: str, stage: int, backend: str = "torchax", bf16: bool = True,

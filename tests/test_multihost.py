@@ -159,6 +159,11 @@ if __name__ == "__main__":
 '''
 
 
+class _Launched(list):
+    """The launched processes' Popen objects, and how to launch them again (``again``)."""
+    again = None
+
+
 def _launch_hosts(tmp_path, *script_args, hosts: int = 2, script_text: str = SCRIPT, launch_args: tuple = ()):
     """``spmdzero launch --num_nodes 2 --node_rank I ...`` for each I, as on two hosts of 4 CPU
     devices each; returns the Popen objects (stdout and stderr to files in tmp_path)."""
@@ -176,7 +181,9 @@ def _launch_hosts(tmp_path, *script_args, hosts: int = 2, script_text: str = SCR
                 "CPU_NUM_DEVICES": "4", "SPMDZERO_DISTRIBUTED_INIT_TIMEOUT": "60",
                 "SPMDZERO_DISTRIBUTED_HEARTBEAT_TIMEOUT": "10", "PYTHONUNBUFFERED": "1"})
     port = free_port_pair()
-    procs = []
+    procs = _Launched()
+    procs.again = lambda: _launch_hosts(tmp_path, *script_args, hosts=hosts, script_text=script_text,
+                                        launch_args=launch_args)
     for i in range(hosts):
         command = [sys.executable, "-c", "import sys, spmdzero_cli; sys.exit(spmdzero_cli.main())", "launch", *launch_args,
                    "--num_nodes", str(hosts), "--node_rank", str(i), "--master_addr", "127.0.0.1",
@@ -186,14 +193,29 @@ def _launch_hosts(tmp_path, *script_args, hosts: int = 2, script_text: str = SCR
     return procs
 
 
+# gloo's own rendezvous on localhost fails now and then on a loaded machine, before any of our
+# code runs between the processes (pytorch/pytorch#53270 is the same in torch's own tests): one
+# process stuck in torch's connectFullMesh while its peer had passed it and timed out in JAX's.
+RENDEZVOUS_FAILURES = ("Gloo connectFullMesh failed", "Gloo context initialization failed")
+
+
 def _all_succeed(procs, tmp_path, timeout: int = 240) -> None:
     """Wait for every launched process; on a failure show each one's log, since the first to
-    report is often only the peer of the one that failed (a rendezvous error names the other)."""
+    report is often only the peer of the one that failed (a rendezvous error names the other).
+    Processes that failed in gloo's rendezvous alone are launched once more, with a warning."""
     codes = [proc.wait(timeout=timeout) for proc in procs]
+    logs = [(tmp_path / f"log{i}.txt").read_text() for i in range(len(procs))]
+    rendezvous = any(failure in log for log in logs for failure in RENDEZVOUS_FAILURES)
+    if any(codes) and rendezvous and getattr(procs, "again", None) is not None:
+        import warnings
+        warnings.warn(f"gloo's rendezvous failed (exit codes {codes}); the processes were launched once more")
+        relaunched = procs.again()
+        relaunched.again = None  # once
+        return _all_succeed(relaunched, tmp_path, timeout)
     if any(codes):
-        logs = "\n".join(f"--- process {i} (exit {code}):\n" + (tmp_path / f"log{i}.txt").read_text()[-3000:]
-                         for i, code in enumerate(codes))
-        pytest.fail(f"exit codes {codes}\n{logs}")
+        shown = "\n".join(f"--- process {i} (exit {code}):\n" + log[-3000:]
+                          for i, (code, log) in enumerate(zip(codes, logs)))
+        pytest.fail(f"exit codes {codes}\n{shown}")
 
 
 def _reference(tmp_path):

@@ -1,8 +1,9 @@
 """Forwards that read a tensor's value on the host train on the default (torchax) backend as in
 plain torch: their programs run eagerly (``spmdzero/backends/torchax/host_reads.py``), said once
 in the log, and the optimizer step stays compiled. Errors that are not host reads surface as
-before. DeBERTa-v2's classification loss (a stock model that reads) is in the transformers zoo
-(``test_transformers_zoo.py``, on transformers 5.x and 4.57); here it is checked for the note."""
+before. wav2vec2's CTC loss (a stock model that reads) is in the transformers zoo
+(``test_transformers_zoo.py``, on transformers 5.x and 4.57). DeBERTa's classification loss read
+too; it compiles now, checked here."""
 
 import copy
 import re
@@ -315,27 +316,43 @@ def test_a_traced_step_of_a_forward_that_reads_says_it_cannot_be_one_program():
 
 
 @pytest.mark.slow
-def test_deberta_v2_classification_runs_eagerly_said_once_naming_transformers_line():
-    """DeBERTa-v2's classification loss indexes the labels by ``(labels >= 0).nonzero()`` (a
-    data-dependent shape) on transformers 5.x and 4.57 alike; its training against plain torch is
-    the zoo's ``deberta-v2-cls`` case."""
-    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+@pytest.mark.parametrize("name", ["DebertaV2", "Deberta"])
+def test_debertas_classification_loss_over_its_labeled_rows_compiles_and_trains_as_in_plain_torch(name):
+    """DeBERTa's (and DeBERTa-v2's and v3's) classification loss picks the rows with a label by
+    ``(labels >= 0).nonzero()``, a data-dependent shape: every step ran eagerly. While traced it
+    takes the same loss with a mask (``labeled_rows.py``). Two rows unlabeled (-1) in each batch,
+    then a batch with none labeled, whose loss transformers makes 0."""
+    import transformers
 
-    config = DebertaV2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                             intermediate_size=64, max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0,
-                             attention_probs_dropout_prob=0.0)
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
-    engine, *_ = spmdzero.initialize(model=DebertaV2ForSequenceClassification(config), config={
-        "train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": LR}}})
+    model = getattr(transformers, f"{name}ForSequenceClassification")(config)
+    reference = copy.deepcopy(model)
+    engine, *_ = spmdzero.initialize(model=model, config={
+        "train_batch_size": 8, "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": LR}}})
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
     g = torch.Generator().manual_seed(1)
     with spmdzero_log() as records:
-        for _ in range(2):
-            out = engine(input_ids=torch.randint(0, 64, (8, 12), generator=g),
-                         labels=torch.randint(0, 3, (8,), generator=g))
-            engine.backward(out.loss)
+        for step in range(3):
+            labels = torch.randint(0, 3, (8,), generator=g)
+            labels[step:step + 2] = -1
+            inputs = {"input_ids": torch.randint(0, 64, (8, 12), generator=g), "labels": labels}
+            loss = engine(**inputs).loss
+            engine.backward(loss)
             engine.step()
-    notes = [r.getMessage() for r in records if NOTE in r.getMessage()]
-    assert len(notes) == 1 and "modeling_deberta_v2.py" in notes[0] and "nonzero()" in notes[0], notes
+            theirs = reference(**inputs).loss
+            theirs.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            assert abs(float(loss) - float(theirs)) <= 1e-5 * abs(float(theirs)), (step, float(loss), float(theirs))
+        inputs["labels"] = torch.full((8,), -1)
+        assert float(engine(**inputs).loss) == 0.0 == float(reference(**inputs).loss)
+    assert not [r for r in records if NOTE in r.getMessage()] and not engine._host_reads.noted
+    assert engine.traces["train_forward"] == 1, engine.traces
+    for (n, p), q in zip(engine.module.named_parameters(), reference.parameters()):
+        assert torch.allclose(p.detach().cpu(), q.detach(), atol=1e-5), n
 
 
 def test_concrete_reads_give_an_eager_tracers_value_and_still_refuse_an_abstract_one():

@@ -26,7 +26,6 @@ KNOWN: dict[str, str] = {}
 # (spmdzero/backends/torchax/host_reads.py), noted once
 READS_VALUES = {
     "wav2vec2": "its forward reads labels.max() on the host, and its CTC loss selects targets by a mask",
-    "deberta-v2-cls": "its classification loss indexes labels by (labels >= 0).nonzero(), a data-dependent shape",
 }
 if TRANSFORMERS_4:
     READS_VALUES["jamba"] = "transformers 4.x's Jamba sizes its causal mask by cache_position[-1] + 1, a value"
