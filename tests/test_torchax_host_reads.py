@@ -429,3 +429,72 @@ def test_a_read_of_a_value_other_hosts_hold_says_so_and_names_the_model():
         fallback.run_eagerly(spans_hosts, ())
     with pytest.raises(RuntimeError, match="^something else$"):
         fallback.run_eagerly(fails, ())
+
+
+def _speech_rows(g, inputs: str) -> dict:
+    """Eight rows of audio (or Wav2Vec2-BERT's features) whose labels are padded as the CTC
+    collators pad them, with -100 at the end, and here with -100 and the blank (0) inside a row
+    too: each kept label must keep its place in its row."""
+    labels = torch.randint(1, 20, (8, 6), generator=g)
+    labels[1, -3:] = -100
+    labels[2, 2] = -100
+    labels[3, 1] = 0  # the blank: 5.x drops it from the targets, 4.x keeps it
+    batch = {"labels": labels}
+    if inputs == "input_features":
+        batch["input_features"] = torch.randn(8, 20, 8, generator=g)
+        batch["attention_mask"] = torch.ones(8, 20, dtype=torch.long)
+        batch["attention_mask"][0, 15:] = 0
+    else:
+        batch["input_values"] = torch.randn(8, 1600, generator=g)
+    return batch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,inputs,reduction", [("Wav2Vec2", "input_values", "mean"),
+                                                   ("Hubert", "input_values", "sum"),
+                                                   ("Wav2Vec2Bert", "input_features", "mean")])
+def test_the_ctc_loss_of_speech_models_compiles_and_trains_as_in_plain_torch(name, inputs, reduction):
+    """wav2vec2 and its kin check ``labels.max()`` and concatenate the targets by
+    ``masked_select``, two reads: every step ran eagerly. While traced, their loss takes the
+    targets padded (``ctc_targets.py``): one program, the same losses and weights as plain torch,
+    and the range check noted as left out."""
+    import transformers
+
+    common = dict(vocab_size=24, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                  pad_token_id=0, ctc_loss_reduction=reduction, hidden_dropout=0.0, attention_dropout=0.0,
+                  activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0,
+                  mask_time_prob=0.0)
+    if inputs == "input_features":
+        common.update(feature_projection_input_dim=8, conv_depthwise_kernel_size=3, add_adapter=False,
+                      conformer_conv_dropout=0.0)
+    else:
+        common.update(conv_dim=(16, 16), conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=16,
+                      num_conv_pos_embedding_groups=4)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{name}ForCTC")(getattr(transformers, f"{name}Config")(**common))
+    reference = copy.deepcopy(model)
+    engine, *_ = spmdzero.initialize(model=model, config={
+        "train_batch_size": 8, "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 1e-3}}})
+    optimizer = torch.optim.SGD(reference.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    with spmdzero_log() as records:
+        for step in range(3):
+            batch = _speech_rows(g, inputs)
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            engine.step()
+            theirs = reference(**batch).loss
+            theirs.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            # the first step to 1e-5; the next after updates, whose rounding CTC's steep start magnifies
+            tolerance = 1e-5 if step == 0 else 1e-4
+            assert abs(float(loss) - float(theirs)) <= tolerance * abs(float(theirs)), (step, float(loss), float(theirs))
+        assert engine.traces["train_forward"] == 1, engine.traces
+        ours, theirs = engine(**batch, return_dict=False), reference(**batch, return_dict=False)  # a tuple
+        assert len(ours) == len(theirs) and abs(float(ours[0]) - float(theirs[0])) <= 1e-4 * abs(float(theirs[0]))
+    messages = [r.getMessage() for r in records]
+    assert not [m for m in messages if NOTE in m] and not engine._host_reads.noted, messages
+    assert len([m for m in messages if "below vocab_size" in m]) == 1, messages
+    for (n, p), q in zip(engine.module.named_parameters(), reference.parameters()):
+        assert torch.allclose(p.detach().cpu(), q.detach(), atol=1e-5, rtol=1e-4), n

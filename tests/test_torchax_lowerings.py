@@ -330,14 +330,16 @@ def test_a_slice_taken_under_no_grad_passes_no_gradient():
 @pytest.mark.parametrize("zero_infinity", [False, True])
 @pytest.mark.parametrize("concatenated", [False, True])
 def test_ctc_loss_gives_torchs_values_and_gradients(reduction, zero_infinity, concatenated):
-    """Padded and concatenated targets, an empty target, rows shorter than the input, and a row
-    too short for its targets (infinite, or 0 with zero_infinity)."""
+    """Padded and concatenated targets, an empty target, rows shorter than the input, a row
+    too short for its targets (infinite, or 0 with zero_infinity), and a target equal to the blank
+    (transformers 4.x's speech models keep one)."""
     import jax
     import jax.numpy as jnp
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(12, 5, 6, generator=g, requires_grad=True)
     targets = torch.randint(1, 6, (5, 4), generator=g)
+    targets[0, 2] = 0  # the blank
     input_lengths, target_lengths = torch.tensor([12, 10, 7, 3, 1]), torch.tensor([4, 3, 0, 2, 3])
     if concatenated:
         targets = torch.cat([targets[b, :target_lengths[b]] for b in range(5)])

@@ -24,9 +24,7 @@ KNOWN: dict[str, str] = {}
 
 # cases whose forward reads a tensor's value on the host: their training program runs eagerly
 # (spmdzero/backends/torchax/host_reads.py), noted once
-READS_VALUES = {
-    "wav2vec2": "its forward reads labels.max() on the host, and its CTC loss selects targets by a mask",
-}
+READS_VALUES: dict[str, str] = {}
 if TRANSFORMERS_4:
     READS_VALUES["jamba"] = "transformers 4.x's Jamba sizes its causal mask by cache_position[-1] + 1, a value"
 # transformers 4.x's mixtures of experts loop over torch.where's data-dependent indices: while

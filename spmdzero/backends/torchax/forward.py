@@ -21,7 +21,7 @@ from spmdzero.backends.torchax import attention, autocast, batchnorm, frozen, ho
 from spmdzero.backends.torchax.outside_loss import tie
 from spmdzero.backends.torchax import process_rows
 from spmdzero.backends.torchax import moe_experts, recurrent_masks, shape_inputs, trace_view, vision_language
-from spmdzero.backends.torchax import labeled_rows, remat, traced_checks
+from spmdzero.backends.torchax import ctc_targets, labeled_rows, remat, traced_checks
 from spmdzero.backends.torchax import method_programs, other_engines
 from spmdzero.backends.torchax import cross_entropy
 from spmdzero.backends.torchax import zero3_gather
@@ -384,7 +384,7 @@ class ForwardPrograms:
                         other_engines.tracing(self, others, traced_others, env), \
                         autocast.autocasting(env, self.precision.autocast_dtype), recurrent_masks.kept(), \
                         traced_checks.placeholder_checks_left_out(), vision_language.computed(), \
-                        moe_experts.grouped(self.expert_matmuls), labeled_rows.masked():
+                        moe_experts.grouped(self.expert_matmuls), labeled_rows.masked(), ctc_targets.restated():
                     output = torch.func.functional_call(entry, method_programs.keyed(entry, tensors), inputs, kwargs)
             finally:
                 for m, params, buffers in held:

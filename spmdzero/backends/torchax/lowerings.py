@@ -150,7 +150,9 @@ def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reducti
     # blank, t0, blank, t1, ...; labels past a row's targets are blanks that no path reaches
     labels = jnp.where(position % 2 == 0, blank, targets[:, jnp.clip((position - 1) // 2, 0, max(width - 1, 0))])
     labels = jnp.where((position[None] - 1) // 2 < target_lengths[:, None], labels, blank)
-    skip = (position >= 2) & (labels != blank) & (labels != jnp.roll(labels, 2, axis=1))
+    # a path may skip the label two back unless it is the same symbol (torch's rule: a target equal to the
+    # blank included, which the 4.x speech models keep)
+    skip = (position >= 2) & (labels != jnp.roll(labels, 2, axis=1))
     log_probs = log_probs.astype(jnp.float32)
     emit = jnp.take_along_axis(log_probs, jnp.broadcast_to(labels[None], (steps, rows, length)), axis=2)
     start = jnp.where(position[None] < jnp.minimum(2, 2 * target_lengths[:, None] + 1), emit[0], _IMPOSSIBLE)

@@ -17,7 +17,8 @@ import sys
 from typing import Callable, Iterable
 
 # (model, class, method, replacement): transformers.models.<model>.modeling_<model>.<class>.<method>
-# becomes replacement(the original function)
+# becomes replacement(the original function); a model "<package>/<name>" is in
+# transformers.models.<package>.modeling_<name> (data2vec/data2vec_audio)
 Replacement = tuple[str, str, str, Callable[[Callable], Callable]]
 
 
@@ -32,7 +33,8 @@ def replaced(entries: Iterable[Replacement]):
     """Each entry's method replaced, where its module is imported and its class defines it."""
     saved = []
     for model, class_name, method, replacement in entries:
-        cls = getattr(sys.modules.get(f"transformers.models.{model}.modeling_{model}"), class_name, None)
+        package, _, name = model.partition("/")
+        cls = getattr(sys.modules.get(f"transformers.models.{package}.modeling_{name or package}"), class_name, None)
         if cls is None or method not in cls.__dict__:
             continue
         original = cls.__dict__[method]
