@@ -85,16 +85,20 @@ def references(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["torch_xla", "torchax"])
 def trainer_runs(request, references, tmp_path_factory):
+    """Each backend's Trainer runs. The Trainer's own optimizer and bf16 run on the default backend
+    only (the suite's time): on torch_xla, a torch optimizer and bf16 against DeepSpeed are
+    test_deepspeed_parity's."""
     backend = request.param
     tmp = str(tmp_path_factory.mktemp(f"hf_{backend}"))
     runs = {
         "backend": backend,
         "config": _trainer(tmp, "config", CONFIG_OPTIMIZER, backend=backend),
-        "trainer": _trainer(tmp, "trainer", TRAINER_OPTIMIZER, "--scheduler", "linear", backend=backend),
-        "bf16": _trainer(tmp, "bf16", TRAINER_OPTIMIZER, "--scheduler", "linear", "--bf16", backend=backend),
         "zero3": _trainer(tmp, "zero3", CONFIG_ZERO3, backend=backend),
         **references,
     }
+    if backend == "torchax":
+        runs["trainer"] = _trainer(tmp, "trainer", TRAINER_OPTIMIZER, "--scheduler", "linear", backend=backend)
+        runs["bf16"] = _trainer(tmp, "bf16", TRAINER_OPTIMIZER, "--scheduler", "linear", "--bf16", backend=backend)
     # resumed: a copy of the config run's directory without checkpoint-6, resumed from checkpoint-3
     resumed = os.path.join(tmp, "resumed")
     subprocess.run(["cp", "-r", os.path.join(tmp, "config"), resumed], check=True)
@@ -115,7 +119,8 @@ def test_the_trainer_reaches_the_engine_with_hfs_auto_values_filled(trainer_runs
     # TrainingArguments: per_device_train_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=0.5
     assert (engine["micro"], engine["gas"], engine["clipping"], engine["bf16"]) == (4, 2, 0.5, False)
     assert engine["deepspeed_version"].split("+")[1].startswith("spmdzero")  # says it is spmdzero's layer
-    assert trainer_runs["bf16"]["engine"]["bf16"] is True
+    if "bf16" in trainer_runs:
+        assert trainer_runs["bf16"]["engine"]["bf16"] is True
 
 
 def test_the_configs_optimizer_and_scheduler_train_as_plain_torch_would(trainer_runs):
@@ -127,6 +132,8 @@ def test_the_configs_optimizer_and_scheduler_train_as_plain_torch_would(trainer_
 
 
 def test_the_trainers_own_optimizer_and_schedule_train_as_plain_torch_would(trainer_runs):
+    if "trainer" not in trainer_runs:
+        pytest.skip("the Trainer's own optimizer runs on the default backend (trainer_runs)")
     run, reference = trainer_runs["trainer"], trainer_runs["trainer_reference"]
     assert _close(run["loss"], reference["loss"], 1e-5), (run["loss"], reference["loss"])
     assert _close(run["lr"], reference["lr"], 1e-9)
@@ -134,6 +141,8 @@ def test_the_trainers_own_optimizer_and_schedule_train_as_plain_torch_would(trai
 
 
 def test_bf16_trains_close_to_fp32(trainer_runs):
+    if "bf16" not in trainer_runs:
+        pytest.skip("bf16 runs on the default backend (trainer_runs)")
     run, reference = trainer_runs["bf16"], trainer_runs["trainer_reference"]
     assert run["loss"] != reference["loss"]  # bf16 compute
     assert _close(run["loss"], reference["loss"], 2e-3), (run["loss"], reference["loss"])
@@ -161,7 +170,8 @@ def test_zero_3_trains_as_stage_2_and_saves_whole_weights(trainer_runs):
 
 def test_save_model_writes_what_from_pretrained_loads(trainer_runs):
     for name in ("config", "bf16"):
-        assert trainer_runs[name]["reloaded_equal"], trainer_runs[name]["reloaded_max_diff"]
+        if name in trainer_runs:
+            assert trainer_runs[name]["reloaded_equal"], trainer_runs[name]["reloaded_max_diff"]
 
 
 @pytest.mark.parametrize("backend,plugin", [("torch_xla", "hf_ds_config"), ("torch_xla", "arguments"),
