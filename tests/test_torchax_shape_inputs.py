@@ -79,6 +79,35 @@ def test_a_factory_of_numbers_and_a_shape_op_on_it_are_evaluated_while_tracing()
     assert not engine._host_reads.noted and engine.traces["train_forward"] == 1
 
 
+class CachePositions(torch.nn.Module):
+    """transformers 4.x's Jamba (Zamba, Zamba2): ``cache_position = torch.arange(length)`` in a
+    forward without a cache, a causal mask sized by ``cache_position[-1] + 1`` (here over the
+    rows); and a comparison of known ranges larger than a constant may be (800 x 800), which stays
+    in the program."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(16, 8)
+
+    def forward(self, x, y):
+        cache_position = torch.arange(x.shape[0], device=x.device)
+        target = cache_position[-1] + 1
+        mask = torch.full((x.shape[0], target), -1e9, device=x.device).triu(1)
+        mask = mask * (torch.arange(target, device=x.device) > cache_position.reshape(-1, 1))
+        pairs = (torch.arange(800, device=x.device)[:, None] > torch.arange(800, device=x.device)[None]).sum()
+        h = self.fc(x)
+        out = torch.softmax(h @ h.T + mask, -1) @ h * (pairs / 319600)
+        return torch.nn.functional.mse_loss(out, y)
+
+
+def test_a_range_of_numbers_is_known_while_tracing_and_sizes_a_mask():
+    from test_torchax_host_reads import _trains_as_torch
+
+    engine = _trains_as_torch(CachePositions())
+    assert not engine._host_reads.noted and engine.traces["train_forward"] == 1
+
+
 class PixtralTransformer(torch.nn.Module):
     """Named as transformers' Pixtral vision tower, which crops each image by ``image_sizes``."""
 

@@ -24,9 +24,9 @@ KNOWN: dict[str, str] = {}
 
 # cases whose forward reads a tensor's value on the host: their training program runs eagerly
 # (spmdzero/backends/torchax/host_reads.py), noted once
+# (none now: 4.x's Jamba sized its causal mask by cache_position[-1] + 1, known since
+# known_values.py evaluates torch.arange of numbers while tracing)
 READS_VALUES: dict[str, str] = {}
-if TRANSFORMERS_4:
-    READS_VALUES["jamba"] = "transformers 4.x's Jamba sizes its causal mask by cache_position[-1] + 1, a value"
 # transformers 4.x's mixtures of experts loop over torch.where's data-dependent indices: while
 # traced, their experts run as grouped matmuls instead (spmdzero/backends/torchax/moe_experts.py),
 # so they compile as 5.x's do
