@@ -2,6 +2,7 @@
 partition specs -> each host's batch slice."""
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -206,8 +207,7 @@ def _all_succeed(procs, tmp_path, timeout: int = 240) -> None:
     codes = [proc.wait(timeout=timeout) for proc in procs]
     logs = [(tmp_path / f"log{i}.txt").read_text() for i in range(len(procs))]
     rendezvous = any(failure in log for log in logs for failure in RENDEZVOUS_FAILURES)
-    if any(codes) and rendezvous and getattr(procs, "again", None) is not None:
-        import warnings
+    if any(codes) and rendezvous and procs.again is not None:
         warnings.warn(f"gloo's rendezvous failed (exit codes {codes}); the processes were launched once more")
         relaunched = procs.again()
         relaunched.again = None  # once

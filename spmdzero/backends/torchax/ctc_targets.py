@@ -23,7 +23,6 @@ runs, plain torch) run transformers' lines, check included.
 from __future__ import annotations
 
 import contextlib
-import inspect
 
 import torch
 
@@ -33,7 +32,12 @@ from spmdzero.observe.console import ensure_handler, logger
 _NOTED: set = set()
 
 
-def _loss(model, logits: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def _loss(model, logits: torch.Tensor, labels: torch.Tensor, bound) -> torch.Tensor:
+    _note(type(model))
+    attention_mask = bound.arguments.get("attention_mask")
+    if attention_mask is None:  # every frame: transformers' ones over the inputs' first two dimensions
+        inputs = bound.arguments[list(bound.signature.parameters)[1]]  # input_values (Wav2Vec2-BERT: input_features)
+        attention_mask = torch.ones(inputs.shape[:2], dtype=torch.long, device=inputs.device)
     blank = model.config.pad_token_id
     kept = labels >= 0 if transformers_methods.transformers_4() else (labels != -100) & (labels != blank)
     order = torch.argsort((~kept).to(torch.int32), dim=-1, stable=True)  # kept labels first, in order
@@ -55,26 +59,8 @@ def _note(cls) -> None:
 
 
 def _restated(original):
-    signature = inspect.signature(original)
-    inputs_name = list(signature.parameters)[1]  # input_values, or Wav2Vec2-BERT's input_features
-
-    def forward(self, *args, **kwargs):
-        bound = signature.bind(self, *args, **kwargs)
-        labels = bound.arguments.get("labels")
-        if labels is None or not traced_checks.abstract(labels):
-            return original(self, *args, **kwargs)
-        _note(type(self))
-        bound.arguments["labels"] = None
-        outputs = original(*bound.args, **bound.kwargs)
-        mask = bound.arguments.get("attention_mask")
-        if mask is None:  # every frame: transformers' ones over the inputs' first two dimensions
-            inputs = bound.arguments[inputs_name]
-            mask = torch.ones(inputs.shape[:2], dtype=torch.long, device=inputs.device)
-        if isinstance(outputs, tuple):
-            return (_loss(self, outputs[0], labels, mask),) + outputs
-        return type(outputs)(loss=_loss(self, outputs.logits, labels, mask), **dict(outputs.items()))
-
-    return forward
+    # traced labels only: with values (an eager run), transformers' lines, its check included
+    return transformers_methods.loss_outside(original, lambda model, labels: traced_checks.abstract(labels), _loss)
 
 
 # transformers_methods.Replacement, on both releases

@@ -16,36 +16,26 @@ Every other case (regression, a ``problem_type``, soft labels) is transformers' 
 from __future__ import annotations
 
 import contextlib
-import inspect
 
 import torch
 
 from spmdzero.backends.torchax import transformers_methods
 
 
-def _loss(logits: torch.Tensor, labels: torch.Tensor, classes: int) -> torch.Tensor:
+def _loss(model, logits: torch.Tensor, labels: torch.Tensor, bound) -> torch.Tensor:
     labeled = labels >= 0
     target = torch.where(labeled, labels.long(), torch.zeros_like(labels, dtype=torch.long))
-    rows = torch.nn.functional.cross_entropy(logits.view(-1, classes).float(), target, reduction="none")
+    rows = torch.nn.functional.cross_entropy(logits.view(-1, model.num_labels).float(), target, reduction="none")
     return torch.where(labeled, rows, torch.zeros_like(rows)).sum() / labeled.sum().clamp(min=1)
 
 
+def _reads(model, labels: torch.Tensor) -> bool:
+    """The case transformers picks by ``nonzero``: no ``problem_type``, several labels, one per row."""
+    return model.config.problem_type is None and model.num_labels != 1 and labels.dim() == 1
+
+
 def _masked(original):
-    signature = inspect.signature(original)
-
-    def forward(self, *args, **kwargs):
-        bound = signature.bind(self, *args, **kwargs)
-        labels = bound.arguments.get("labels")
-        if (labels is None or self.config.problem_type is not None or self.num_labels == 1
-                or labels.dim() != 1):  # the cases transformers computes without reading
-            return original(self, *args, **kwargs)
-        bound.arguments["labels"] = None
-        outputs = original(*bound.args, **bound.kwargs)
-        if isinstance(outputs, tuple):
-            return (_loss(outputs[0], labels, self.num_labels),) + outputs
-        return type(outputs)(loss=_loss(outputs.logits, labels, self.num_labels), **dict(outputs.items()))
-
-    return forward
+    return transformers_methods.loss_outside(original, _reads, _loss)
 
 
 # transformers_methods.Replacement, on both releases

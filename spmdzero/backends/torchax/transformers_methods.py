@@ -13,6 +13,7 @@ transformers' lines.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from typing import Callable, Iterable
 
@@ -45,3 +46,24 @@ def replaced(entries: Iterable[Replacement]):
     finally:
         for cls, method, original in reversed(saved):
             setattr(cls, method, original)
+
+
+def loss_outside(original: Callable, applies: Callable, loss: Callable) -> Callable:
+    """``original``, a forward that takes ``labels=``, as one that, where ``applies(model, labels)``,
+    runs without its labels and puts ``loss(model, logits, labels, bound)`` (``bound``: the call's
+    ``inspect.BoundArguments``) first in its outputs, where transformers puts its own loss: as the
+    output's ``loss``, or first in a ``return_dict=False`` tuple."""
+    signature = inspect.signature(original)
+
+    def forward(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        labels = bound.arguments.get("labels")
+        if labels is None or not applies(self, labels):
+            return original(self, *args, **kwargs)
+        bound.arguments["labels"] = None
+        outputs = original(*bound.args, **bound.kwargs)
+        if isinstance(outputs, tuple):
+            return (loss(self, outputs[0], labels, bound),) + outputs
+        return type(outputs)(loss=loss(self, outputs.logits, labels, bound), **dict(outputs.items()))
+
+    return forward
