@@ -93,7 +93,8 @@ def test_more_rows_than_the_config_says_are_trained_and_counted_as_deepspeed_wou
         warnings.simplefilter("error")  # nothing to warn about
         train_step_on(engine, x)
         train_step_on(engine, x)
-    assert engine.global_samples == 64 and engine.samples_last_step == 32
+    # DeepSpeed's count: train_batch_size() per optimizer step; samples/s: the rows fed
+    assert engine.global_samples == 2 * engine.train_batch_size() == 32 and engine.samples_last_step == 32
     noted = [r.getMessage() for r in records if "32 rows per process, more than the 16" in r.getMessage()]
     assert len(noted) == 1  # once, in the log
     sgd_steps(reference, x, 2, lr=0.01)
@@ -101,7 +102,10 @@ def test_more_rows_than_the_config_says_are_trained_and_counted_as_deepspeed_wou
         torch.testing.assert_close(ours.detach().cpu(), theirs.detach(), rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_fewer_rows_warn_once_and_global_samples_counts_the_rows_fed():
+def test_fewer_rows_warn_once_and_global_samples_counts_as_deepspeed_counts():
+    """DeepSpeed adds ``train_batch_size()`` to ``global_samples`` at each optimizer step, whatever
+    the tensors' shapes (engine.py, ``_take_model_step``); samples/s count the rows fed. It used
+    to count the rows fed: 16 + 8 + 8."""
     engine = engine_for("device", micro=2)
     train_step(engine, 16)
     with warnings.catch_warnings(record=True) as caught:
@@ -110,7 +114,7 @@ def test_fewer_rows_warn_once_and_global_samples_counts_the_rows_fed():
         train_step(engine, 8)
     fewer = [w for w in caught if "fewer than the 16" in str(w.message)]
     assert len(fewer) == 1 and fewer[0].filename == __file__
-    assert engine.train_batch_size() == 16 and engine.global_samples == 16 + 8 + 8
+    assert engine.train_batch_size() == 16 and engine.global_samples == 3 * 16
     assert engine.samples_last_step == 8
 
 
@@ -126,7 +130,7 @@ def test_a_batch_that_does_not_divide_over_the_devices_runs_replicated():
         engine(x[:3])
     replicated = [w for w in caught if "does not divide over the 8 data-parallel devices" in str(w.message)]
     assert len(replicated) == 2  # once per shape: 12 rows, 3 rows
-    assert engine.global_samples == 12
+    assert engine.global_samples == engine.train_batch_size() == 16
     engine2 = engine_for("device", micro=2)
     engine2.eval()
     torch.testing.assert_close(engine2(x[:3]).cpu(), reference(x[:3]), rtol=1e-5, atol=1e-5)
@@ -366,7 +370,8 @@ def test_a_sequence_first_model_says_its_batch_dim(seq):
     engine = engine_for("device", micro=1, model=SequenceFirst(), **SGD)
     with pytest.warns(UserWarning, match='set "spmd": {"batch_dim": 1}'):
         train_step_on(engine, src)
-    assert engine.global_samples == seq  # as fed: dim 0, the documented default
+    assert engine.samples_last_step == seq  # trained as fed: dim 0, the documented default
+    assert engine.global_samples == 8  # DeepSpeed's count: train_batch_size() per step (it counted seq)
 
 
 def test_a_lookup_table_passed_before_the_batch_is_not_taken_for_it():

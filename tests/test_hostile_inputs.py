@@ -309,3 +309,33 @@ def test_adams_fp32_optimizer_states_is_taken_out_as_deepspeed_takes_it_out(valu
     with pytest.raises(ConfigError, match="fp32_optimizer_states must be true or false"):
         build_optimizer(OptimizerConfig(type="Adam", params={"fp32_optimizer_states": "yes"}),
                         [torch.nn.Parameter(torch.zeros(2))])
+
+
+class _NoLoss(torch.nn.Module):
+    """A forward that returns None (a loss computed only when some argument is given)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 4)
+
+    def forward(self, x, labels=None):
+        return None if labels is None else self.layer(x).sub(labels).pow(2).mean()
+
+
+@pytest.mark.parametrize("backend", ["torchax", "torch_xla"])
+def test_backward_of_none_says_the_loss_is_none(backend):
+    """``engine.backward(None)``: the torchax backend said the loss "depends on no output of this
+    engine's forward", torch_xla named the type only. Both now say the loss is None."""
+    import spmdzero
+
+    engine, *_ = spmdzero.initialize(model=_NoLoss(), config={
+        "train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "spmd": {"backend": backend}})
+    with pytest.raises(TypeError, match=r"engine.backward\(loss\) was given None: the loss is None\. The forward "
+                                        r"returned no loss .*labels="):
+        engine.backward(engine(torch.randn(8, 4)))
+    with pytest.raises(TypeError, match=r"engine.backward\(loss\) expects the loss tensor, got a float"):
+        engine.backward(1.0)
+    x = torch.randn(8, 4)
+    engine.backward(engine(x, labels=x))  # nothing was lost: the engine still trains
+    engine.step()
+    assert engine.global_steps == 1 and engine.global_samples == 8

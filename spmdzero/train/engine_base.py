@@ -33,6 +33,18 @@ def no_gradients(call: str = "engine.step() at a gradient accumulation boundary"
 NO_GRADIENTS = no_gradients()
 
 
+def check_loss_given(loss) -> None:
+    """What ``engine.backward(loss)`` is handed must be a tensor. None says more than its type:
+    the forward returned no loss (a Hugging Face model computes one only when it is given
+    ``labels``), or the script's own loss function returned nothing."""
+    if loss is None:
+        raise TypeError("engine.backward(loss) was given None: the loss is None. The forward returned no loss (a "
+                        "Hugging Face model computes one only when it is given labels=), or the code computing "
+                        "it returned nothing; pass the loss tensor")
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"engine.backward(loss) expects the loss tensor, got a {type(loss).__name__}")
+
+
 def check_scalable(engine, loss) -> None:
     """What DeepSpeed's ``engine.scale(loss)`` asks of its call: an optimizer (the loss scale is
     its), and a scalar loss that autograd can take back (a non-scalar's backward needs its own
@@ -220,7 +232,8 @@ class EngineBase:
     def _check_training_rows(self, global_rows: int) -> None:
         """A training forward's rows against the configured micro-batch. DeepSpeed never
         compares them (``train_micro_batch_size_per_gpu`` is accounting), so any number is
-        trained and counted (``global_samples``, samples/s count the rows fed). More rows (a
+        trained (samples/s count the rows fed; ``global_samples`` counts ``train_batch_size()``
+        per optimizer step, as DeepSpeed does). More rows (a
         reward model's chosen and rejected sequences in one batch) are noted once in the log;
         fewer, once in a warning, since a config that disagrees with the loader on every batch
         makes ``train_batch_size()`` and the LR schedule's notion of an epoch mislead. Needs
@@ -228,13 +241,14 @@ class EngineBase:
         batch = self._batch
         if global_rows > batch.rows_per_micro_step and not getattr(self, "_noted_more_rows", False):
             self._noted_more_rows = True
-            logger.info("spmdzero: %s; trained as fed: global_samples and samples/s count the rows fed (noted once)",
+            logger.info("spmdzero: %s; trained as fed: samples/s count the rows fed (noted once)",
                         batch.mismatch(global_rows))
         if global_rows < batch.rows_per_micro_step and not self._warned_fewer_rows:
             self._warned_fewer_rows = True
             warnings.warn(f"spmdzero: {batch.mismatch(global_rows)} This is normal for the last, partial batch "
                           "of an epoch (drop_last=False); if every batch is this small, the config and your "
-                          "DataLoader disagree. global_samples and samples/s count the rows actually fed. "
+                          "DataLoader disagree. samples/s count the rows actually fed; global_samples adds "
+                          "train_batch_size() per optimizer step, as DeepSpeed's does. "
                           "(warned once)", stacklevel=caller_stacklevel())
 
     def get_data_parallel_rank(self) -> int:
@@ -335,8 +349,11 @@ class EngineBase:
         return any(zero.get(name) is True for name in names)
 
     def _consume_samples(self) -> int:
-        """Samples this optimizer step trained on: the rows its training forwards fed, or the
-        configured global batch when the module was called directly (rows unseen)."""
+        """What this optimizer step adds to ``global_samples``: ``train_batch_size()``, as
+        DeepSpeed counts at each optimizer step whatever the tensors' shapes (engine.py,
+        ``_take_model_step``). ``samples_last_step`` (samples/s, the monitors' throughput) keeps
+        the rows the step's training forwards actually fed, or that same number when the
+        module was called directly (rows unseen)."""
         rows, self._rows_since_step = self._rows_since_step, 0
         self.samples_last_step = rows or self.train_batch_size()
-        return self.samples_last_step
+        return self.train_batch_size()

@@ -43,7 +43,7 @@ from spmdzero.config.schema import DeepSpeedConfig
 from spmdzero.train import module_methods
 from spmdzero.train.data import map_tensors, model_pad_id
 from spmdzero.backends.torch_xla.batches import to_device_sharded
-from spmdzero.train.engine_base import EngineBase, check_scalable, no_gradients
+from spmdzero.train.engine_base import EngineBase, check_loss_given, check_scalable, no_gradients
 from spmdzero.observe.monitor import RecompileGuard, StepLogger, ThroughputTimer, compile_count, notice_nonfinite
 from spmdzero.optim.ops import TORCH_OPS
 from spmdzero.optim.optimizers import SpmdOptimizer, ZeroOptimizer, drop_state, is_lazy, placeholder_state
@@ -224,8 +224,7 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backprop ``loss / gradient_accumulation_steps`` (times the loss scale) and
         accumulate into the ZeRO buffers. Returns the gas-scaled loss, as DeepSpeed does."""
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"engine.backward expects the loss tensor, got {type(loss).__name__}")
+        check_loss_given(loss)
         if self._overwrite_at_backward:  # DeepSpeed's stage-3 optimizer.zero_grad() came since the last one
             self._drop_gradients()
         self._last_loss = loss.detach()

@@ -18,7 +18,7 @@ from spmdzero.backends.torchax import process_rows
 from spmdzero.backends.torchax.forward import SPECULATED
 from spmdzero.backends.torchax.release import release_in_background
 from spmdzero.backends.torchax.placement import _as_jax, _is_torchax_tensor, _jax_dtype
-from spmdzero.train.engine_base import check_scalable
+from spmdzero.train.engine_base import check_loss_given, check_scalable
 from spmdzero.runtime.out_of_memory import raises_torch_out_of_memory
 
 
@@ -63,7 +63,8 @@ class BackwardPrograms:
         module from the outputs, or the module's loss written in place since): torch autograd
         takes it back to the outputs, and the compiled backward takes it on (``outside_loss``).
         Returns the loss scaled by 1/gradient_accumulation_steps, as DeepSpeed does."""
-        forward = getattr(loss, "_spmdzero_forward", None) if isinstance(loss, torch.Tensor) else None
+        check_loss_given(loss)
+        forward = getattr(loss, "_spmdzero_forward", None)
         if forward is _COMMITTED:
             raise RuntimeError(BACKWARD_TWICE)
         if forward is not None and getattr(forward, "loss_version", loss._version) != loss._version:
@@ -76,7 +77,7 @@ class BackwardPrograms:
             release_in_background(self._accum)
             self._set_accum(None)  # this forward's gradient, if already added, is taken again
         if forward is None:
-            if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+            if loss.grad_fn is None:
                 raise RuntimeError(NOT_FROM_ENGINE)
             rows = self._backward_outside(loss, retain_graph, gas if scale_wrt_gas else 1)
         else:
