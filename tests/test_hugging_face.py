@@ -99,12 +99,14 @@ def trainer_runs(request, references, tmp_path_factory):
     if backend == "torchax":
         runs["trainer"] = _trainer(tmp, "trainer", TRAINER_OPTIMIZER, "--scheduler", "linear", backend=backend)
         runs["bf16"] = _trainer(tmp, "bf16", TRAINER_OPTIMIZER, "--scheduler", "linear", "--bf16", backend=backend)
-    # resumed: a copy of the config run's directory without checkpoint-6, resumed from checkpoint-3
+    # with GPT-2's stock dropout (0.1), then resumed: a copy of that run's directory without
+    # checkpoint-6, resumed from checkpoint-3
+    runs["dropout"] = _trainer(tmp, "dropout", CONFIG_OPTIMIZER, "--dropout", "0.1", backend=backend)
     resumed = os.path.join(tmp, "resumed")
-    subprocess.run(["cp", "-r", os.path.join(tmp, "config"), resumed], check=True)
+    subprocess.run(["cp", "-r", os.path.join(tmp, "dropout"), resumed], check=True)
     subprocess.run(["rm", "-r", os.path.join(resumed, "checkpoint-6")], check=True)
-    runs["resumed"] = _trainer(tmp, "resumed", CONFIG_OPTIMIZER, "--resume", os.path.join(resumed, "checkpoint-3"),
-                               backend=backend)
+    runs["resumed"] = _trainer(tmp, "resumed", CONFIG_OPTIMIZER, "--dropout", "0.1", "--resume",
+                               os.path.join(resumed, "checkpoint-3"), backend=backend)
     runs["dir"] = tmp
     return runs
 
@@ -148,9 +150,14 @@ def test_bf16_trains_close_to_fp32(trainer_runs):
     assert _close(run["loss"], reference["loss"], 2e-3), (run["loss"], reference["loss"])
 
 
-def test_checkpoint_n_resumes_as_the_uninterrupted_run(trainer_runs):
-    uninterrupted, resumed = trainer_runs["config"], trainer_runs["resumed"]
-    checkpoint = os.path.join(trainer_runs["dir"], "config", "checkpoint-3")
+def test_checkpoint_n_resumes_as_the_uninterrupted_run_dropout_included(trainer_runs):
+    """With dropout on, the resumed steps draw the uninterrupted run's masks: on the torchax
+    backend the dropout key folds a count of micro-steps, which a load used to set to
+    global_steps x gradient_accumulation_steps while the Trainer's engine counts one per optimizer
+    step (5.4e-4 apart at step 4); it is saved and restored as rng.position now."""
+    uninterrupted, resumed = trainer_runs["dropout"], trainer_runs["resumed"]
+    assert uninterrupted["loss"] != trainer_runs["config"]["loss"]  # the dropout is on
+    checkpoint = os.path.join(trainer_runs["dir"], "dropout", "checkpoint-3")
     assert os.path.isfile(os.path.join(checkpoint, "latest"))  # DeepSpeed's layout: engine.save_checkpoint
     assert os.path.isdir(os.path.join(checkpoint, "global_step3"))
     assert not os.path.exists(os.path.join(checkpoint, "optimizer.pt"))  # not the Trainer's own (or XLA's) save

@@ -243,3 +243,50 @@ def test_checkpoints_move_between_zero_stages_2_and_3_and_device_counts(runs, tm
     assert train(stage1, SAVED_AT + 1) == pytest.approx(rest, abs=1e-5)
     for name, value in host_params(stage1).items():
         torch.testing.assert_close(value, runs["params"][name], atol=1e-5, rtol=1e-5)
+
+
+class DropoutMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Dropout(0.3), torch.nn.Tanh(),
+                                        torch.nn.Linear(64, 8))
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.body(x), y)
+
+
+def _accelerate_steps(engine, pairs) -> list[float]:
+    """accelerate's ``DeepSpeedEngineWrapper.backward``: the boundary set by the caller, and
+    ``engine.step()`` at the boundary only (the Trainer's path), 2 micro-batches a step."""
+    losses = []
+    for i, (x, y) in enumerate(pairs):
+        boundary = i % 2 == 1
+        engine.set_gradient_accumulation_boundary(boundary)
+        loss = engine(x, y)
+        engine.backward(loss)
+        if boundary:
+            engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_run_with_dropout_resumes_exactly_when_the_caller_owns_the_boundary(tmp_path):
+    """The dropout key folds a count of micro-steps. A load used to set it to global_steps x
+    gradient_accumulation_steps, but the engine counts one micro-step per ``step()`` call, and
+    accelerate and the Trainer call it at the boundary only: the resumed masks were other masks
+    (the Trainer's GPT-2 with dropout 0.1 parted by 5.4e-4 in loss). It is saved as rng.position."""
+    pairs = batches(12, 16, seed=5)
+    cfg = {"train_batch_size": 32, "gradient_accumulation_steps": 2, "optimizer": {"type": "SGD",
+           "params": {"lr": 0.1}}, "spmd": {"backend": "torchax"}}
+    engine, *_ = spmdzero.initialize(model=DropoutMLP(), config=cfg)
+    first = _accelerate_steps(engine, pairs[:6])
+    engine.save_checkpoint(str(tmp_path), tag="three")
+    uninterrupted = _accelerate_steps(engine, pairs[6:])
+    resumed_engine, *_ = spmdzero.initialize(model=DropoutMLP(), config=cfg)
+    resumed_engine.load_checkpoint(str(tmp_path), tag="three")
+    resumed = _accelerate_steps(resumed_engine, pairs[6:])
+    assert resumed == uninterrupted
+    assert len(set(first)) == len(first)  # the masks differ from micro-step to micro-step
+    with open(os.path.join(tmp_path, "three", "meta.json")) as f:
+        assert json.load(f)["rng"]["position"] == 3  # one micro-step per step() call: 3 steps of 2 micro-batches

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 ROWS, LENGTH, VOCAB = 8, 16, 96
-NAMES = ["llama-lora", "gpt2", "gpt2-eager", "llama", "llama-eager", "qwen2", "mistral", "gemma", "opt", "gpt-neox", "phi", "bloom", "mixtral", "qwen2-moe", "bert", "roberta", "distilbert", "albert", "electra", "deberta-v2", "deberta-v2-cls", "t5", "bart", "vit", "convnext", "resnet", "wav2vec2", "whisper"]
+NAMES = ["llama-lora", "gpt2", "gpt2-eager", "llama", "llama-eager", "qwen2", "mistral", "gemma", "opt", "biogpt", "gpt-neox", "phi", "bloom", "mixtral", "qwen2-moe", "bert", "roberta", "distilbert", "albert", "electra", "deberta-v2", "deberta-v2-cls", "t5", "bart", "vit", "convnext", "resnet", "wav2vec2", "whisper"]
 MORE_NAMES = ["qwen3", "qwen3-moe", "gemma2", "gemma3", "phi3", "olmo2", "starcoder2", "granite", "cohere", "smollm3",
               "falcon", "gptj", "gpt-bigcode", "deepseek-v3", "gpt-oss", "mamba", "modernbert", "xlm-roberta", "mt5",
               "swin", "glm4-moe", "minimax", "recurrent-gemma"]
@@ -78,13 +78,22 @@ def _padded_lm(seed: int, pad_id: int = 0) -> dict:
     mask = torch.ones(ROWS, LENGTH, dtype=torch.long)
     mask[0, :5], mask[1, :9], mask[2, :1], mask[3, -4:], mask[4, -11:] = 0, 0, 0, 0, 0
     ids = ids.masked_fill(mask == 0, pad_id)
+    # The last pad of a left-padded row predicts the row's first token (its label is kept, as a
+    # collator keeps it) from a query whose keys are all masked. transformers 4.x's own masks (OPT,
+    # BioGPT) put the dtype's minimum there, and torch's CPU kernel takes that row's gradient S
+    # times (spmdzero/backends/torchax/attention.py); it used to be left out here.
     labels = ids.masked_fill(mask == 0, -100)
-    # The last pad of a left-padded row predicts the row's first token from a query whose keys are
-    # all masked. transformers 4.x masks with the dtype's minimum there, so that position's
-    # weights are uniform only by rounding, and its gradient is ill-defined: torch's own flash and
-    # math kernels differ 6x on it (OPT). Its label is left out, as the other padding's.
-    labels[0, 5], labels[1, 9], labels[2, 1] = -100, -100, -100
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _padded_lm_first_labels_left_out(seed: int) -> dict:
+    """``_padded_lm`` without the labels a padding query predicts (each left-padded row's first
+    token). JetMoE on 4.57 computes that position's logits 5e-4 away from torch in loss (its
+    mixture of attention heads routes the padding's queries); cause not found. The other padded
+    models match torch there."""
+    batch = _padded_lm(seed)
+    batch["labels"][0, 5], batch["labels"][1, 9], batch["labels"][2, 1] = -100, -100, -100
+    return batch
 
 
 def _unpadded_lm(seed: int) -> dict:
@@ -163,6 +172,8 @@ def _cases():
                                                               ffn_dim=64, num_attention_heads=4,
                                                               max_position_embeddings=64, word_embed_proj_dim=32)),
          _padded_lm),
+        # positions from the mask, as OPT's (4.x: an additive mask of the dtype's minimum)
+        ("biogpt", _model("BioGptForCausalLM", lambda: t.BioGptConfig(**small)), _padded_lm),
         ("gpt-neox", _model("GPTNeoXForCausalLM", lambda: t.GPTNeoXConfig(**small)), _padded_lm),
         ("phi", _model("PhiForCausalLM", lambda: t.PhiConfig(**small)), _padded_lm),
         ("bloom", _model("BloomForCausalLM", lambda: t.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2,
@@ -316,7 +327,7 @@ def _moe_cases():
         ("jetmoe", _model("JetMoeForCausalLM", lambda: t.JetMoeConfig(
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, kv_channels=8,
             intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-            pad_token_id=0)), _padded_lm),
+            pad_token_id=0)), _padded_lm_first_labels_left_out),
         ("bamba", _model("BambaForCausalLM", lambda: t.BambaConfig(
             **llama, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8,
             attn_layer_indices=[1], pad_token_id=0)), _padded_lm),

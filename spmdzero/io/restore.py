@@ -104,7 +104,10 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
         engine.drop_optimizer_state(unsaved)  # as torch's load_state_dict: no saved state, none live
         engine.loaded(new_window=not load_module_only)  # module_only restores no counters; drops pending gradients
         if device_seed is not None:  # after loaded(): its sync would advance the device's seed one step
-            engine.state_shards().set_rng_state(device_seed)
+            seed, position = device_seed
+            engine.state_shards().set_rng_state(seed)
+            if isinstance(position, int):
+                engine.state_shards().set_rng_position(position)
         return path, client_state
 
 
@@ -420,7 +423,10 @@ def _host_state_restorer(engine, meta: dict, where: str, full_state: bool, sched
             torch.set_rng_state(rng["torch"])
             random.setstate(rng["python"])
             np.random.set_state(rng["numpy"])
-        return rng["xla"]  # the device's seed: set by the caller once the engine's last sync is done
+        # the device's seed and where its stream stands (saved before rng.position existed: the
+        # micro-step count the stream folded), set by the caller once the engine's last sync is done
+        position = rng.get("position")
+        return rng["xla"], meta.get("micro_steps") if position is None else position
 
     return restore
 
@@ -433,6 +439,9 @@ def _check_rng(rng: dict, bad) -> None:
 
     checks = {"torch": lambda v: torch.Generator().set_state(v), "python": lambda v: random.Random().setstate(v),
               "numpy": lambda v: np.random.RandomState().set_state(v), "xla": xla_seed}
+    position = rng.get("position")
+    if position is not None and (not isinstance(position, int) or isinstance(position, bool) or position < 0):
+        raise bad("rng.position", f"is {position!r}, not a count")
     for key, check in checks.items():
         if key not in rng:
             raise bad(f"rng.{key}", "is missing")

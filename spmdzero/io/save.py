@@ -118,7 +118,7 @@ def _host_state(engine, shards, tensors: dict, tag: str, has_client_state: bool)
         "optimizer": {"type": type(optimizer).__name__ if optimizer is not None else None,
                       "param_groups": groups, "host_state": host_state},
         "rng": {"torch": torch.get_rng_state(), "xla": shards.rng_state(), "python": random.getstate(),
-                "numpy": np.random.get_state()},
+                "numpy": np.random.get_state(), "position": shards.rng_position()},
         "client_state": CLIENT_FILE if has_client_state else None,
         "ds_config": json.loads(json.dumps(engine.validated_config.model_dump(mode="json"), default=repr)),
         "mesh": dict(engine.plan.mesh_shape),

@@ -11,7 +11,7 @@ by one process): nothing is gathered whole onto one host.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -47,3 +47,11 @@ class StateShards(Protocol):
 
     def set_rng_state(self, seed: int) -> None:
         """Seed the device's random numbers from a saved ``rng.xla``."""
+
+    def rng_position(self) -> Optional[int]:
+        """Where the device's random stream stands, when the seed alone does not say it (the
+        torchax backend folds a count of micro-steps into its key), saved as ``rng.position``;
+        None where the seed says it all (torch_xla's advances with the seed)."""
+
+    def set_rng_position(self, position: int) -> None:
+        """Put the device's random stream where a saved ``rng.position`` says."""

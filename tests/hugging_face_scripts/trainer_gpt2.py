@@ -21,6 +21,7 @@ parser.add_argument("--save_steps", type=int, default=3)
 parser.add_argument("--resume", default=None)
 parser.add_argument("--bf16", action="store_true")
 parser.add_argument("--scheduler", default="constant_with_warmup")
+parser.add_argument("--dropout", type=float, default=0.0)  # GPT-2's stock dropouts (0.1) when set
 args = parser.parse_args()
 
 
@@ -36,8 +37,8 @@ class Tokens(torch.utils.data.Dataset):
 
 
 torch.manual_seed(0)
-config = GPT2Config(vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                    embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+config = GPT2Config(vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=args.dropout,
+                    embd_pdrop=args.dropout, attn_pdrop=args.dropout, bos_token_id=0, eos_token_id=0)
 model = GPT2LMHeadModel(config)
 training = TrainingArguments(
     output_dir=args.out, deepspeed=None if args.deepspeed == "none" else args.deepspeed,

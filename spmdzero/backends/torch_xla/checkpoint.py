@@ -73,3 +73,9 @@ class XlaStateShards:
         import torch_xla.core.xla_model as xm
 
         xm.set_rng_state(seed)
+
+    def rng_position(self) -> None:
+        return None  # torch_xla's seed advances with the stream: rng.xla says it all
+
+    def set_rng_position(self, position: int) -> None:
+        pass

@@ -14,6 +14,19 @@ an additive float mask, ``enable_gqa``'s repeated key/value heads, and dropout o
 the same weights, ``flash_dropout.py``). A mask of the dtype's minimum, as
 transformers' eager path builds, is not -inf and gives torch's uniform weights, as in torch.
 
+The gradient of such a row is torch's too. transformers 4.x's own masks (OPT, BioGPT, XGLM and
+the other models that build theirs in ``_update_causal_mask``) are additive, the dtype's minimum
+where masked, so a left-padded batch's padding rows are that minimum everywhere. torch's CPU SDPA
+runs its flash kernel there, whose backward recomputes the weights as ``exp(s - lse)`` with
+``lse = max + log(sum)`` in float32: next to 3.4e38 the log is lost, ``lse`` is the max, and each
+weight is taken as 1 instead of 1/S. The forward is the true softmax; the backward takes that row's
+gradient S times (S: the keys). The last padding position's logits predict the first real token,
+so the loss reaches such a row: OPT on 4.57 trained away from torch from its second step (7e-3 in
+the loss). ``_torch_cpu_row_gradient`` scales those rows' gradients as torch does, on the same
+float32 test (``max + log(sum) == max``), and leaves every other row's exactly alone. On a GPU,
+transformers 4.x unmasks such rows instead (``_unmask_unattended``): a third answer, which the
+padding rows' logits alone see.
+
 The softmax runs in float32 for half-precision inputs, as torch's CPU kernels accumulate.
 This path holds the ``[L, S]`` scores. While an engine traces its step (``choosing``), a call
 the flash kernel covers goes to Pallas's kernel instead (``flash_attention.py``): by default on
@@ -152,13 +165,41 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             scores = scores + attn_mask.astype(compute)
     # rows with every key masked: torch gives zeros, and so must the gradient stay finite
     dead = jnp.all(scores == -jnp.inf, axis=-1, keepdims=True)
-    weights = jax.nn.softmax(jnp.where(dead, 0.0, scores), axis=-1)
+    scores = jnp.where(dead, 0.0, scores)
+    weights = jax.nn.softmax(scores, axis=-1)
     weights = jnp.where(dead, 0.0, weights)
     if dropout_p > 0.0:  # the flash kernel's masks, drawn by the same hash: either path drops the same weights
         seeds = flash_dropout.row_seeds(env.get_and_rotate_prng_key(), weights.shape[:-2])
         keep = flash_dropout.keep_mask(seeds, length, source, dropout_p)
         weights = jnp.where(keep, weights / (1.0 - dropout_p), 0.0)
-    return jnp.einsum("...ls,...se->...le", weights.astype(value.dtype), value)
+    out = jnp.einsum("...ls,...se->...le", weights.astype(value.dtype), value)
+    if attn_mask is None or attn_mask.dtype == jnp.bool_:  # no finite minimum to lose the log next to
+        return out
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    total = jnp.sum(jnp.exp(scores - top), axis=-1, keepdims=True)
+    lost = (top.astype(jnp.float32) + jnp.log(total).astype(jnp.float32) == top.astype(jnp.float32)) & ~dead
+    return _torch_cpu_row_gradient()(out, jax.lax.stop_gradient(jnp.where(lost, total, 1.0).astype(out.dtype)))
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_cpu_row_gradient():
+    """The identity on ``out`` whose cotangent is multiplied by ``factor`` (one per query row):
+    torch's CPU kernel's gradient on rows whose ``lse`` lost its log (the module docstring). The
+    forward is exactly ``out``."""
+    import jax
+
+    @jax.custom_vjp
+    def scaled(out, factor):
+        return out
+
+    def forward(out, factor):
+        return out, factor
+
+    def backward(factor, grad):
+        return grad * factor, jax.numpy.zeros_like(factor)
+
+    scaled.defvjp(forward, backward)
+    return scaled
 
 
 def install(env) -> None:

@@ -168,3 +168,9 @@ class TorchaxStateShards:
 
     def set_rng_state(self, seed: int) -> None:
         self._engine._seed(seed)
+
+    def rng_position(self) -> int:
+        return self._engine._draw_step
+
+    def set_rng_position(self, position: int) -> None:
+        self._engine._draw_step = position

@@ -217,6 +217,10 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         self._subtract_program = None  # built at the first such forward taken out again
         self._generation = 0  # changes with the parameters (an update, a change taken from the host)
         self._draws_at, self._draws = None, [0, 0]  # forwards of the micro-step so far, by stream (_next_draw)
+        # micro-steps the random stream has passed, folded into each forward's key: micro_steps as
+        # counted here, saved as a checkpoint's rng.position and restored exactly (a load puts
+        # micro_steps at the window's start instead, global_steps x gradient_accumulation_steps)
+        self._draw_step = 0
         self._window_reduced = False  # the last backward was at a boundary (zero_grad_keeps_gradients)
         self._overwrite_at_backward = False  # zero_grad_overwrites_next_backward
         self._retired_inputs: tuple = ()  # the last update's inputs

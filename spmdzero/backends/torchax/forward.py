@@ -7,6 +7,7 @@ torch autograd (``outside_loss``). Outputs come back as torchax tensors (``outpu
 
 from __future__ import annotations
 
+import functools
 import gc
 from collections.abc import Mapping
 from types import SimpleNamespace
@@ -46,7 +47,8 @@ def _belongs_to(loss: torch.Tensor, forward) -> None:
 
 
 def _forward_key(key, micro_step, draw):
-    """The random key of one forward: the engine's, folded with the micro-step and the draw."""
+    """The random key of one forward: the engine's, folded with the micro-step (``_draw_step``)
+    and the draw."""
     import jax
 
     return jax.random.fold_in(jax.random.fold_in(key, micro_step), draw)
@@ -172,8 +174,8 @@ class ForwardPrograms:
         forwards (grad on, training mode) count apart from the others, so an evaluation between
         two steps leaves the training draws as they are. The index restarts at each micro-step:
         a resumed run draws as the uninterrupted one did."""
-        if self._draws_at != self.micro_steps:
-            self._draws_at, self._draws = self.micro_steps, [0, 0]
+        if self._draws_at != self._draw_step:
+            self._draws_at, self._draws = self._draw_step, [0, 0]
         stream = 0 if training else 1
         index = self._draws[stream]
         self._draws[stream] += 1
@@ -242,7 +244,7 @@ class ForwardPrograms:
         self._take_host_changes()
         layout = self._batch_layout(self._module, inputs, kwargs, on_device=_is_torchax_tensor)
         arrays = self._place_inputs(leaves, layout)
-        rng = (self._rng, np.uint32(self.micro_steps), np.uint32(draw))  # drawn anew at every call
+        rng = (self._rng, np.uint32(self._draw_step), np.uint32(draw))  # drawn anew at every call
         rows = layout.rows if layout.on_device else None if layout.rows is None else layout.rows * self._batch.processes
         return leaves, treespec, static, layout, arrays, rng, rows
 
@@ -357,9 +359,22 @@ class ForwardPrograms:
                 return params
             # a scanned stack's weights are not gathered all at once ahead of the loop (the whole
             # stack's, every layer, whole on every device): the loop takes them as laid out
-            return {n: zero3_gather.gathered(tuple(self._sharding(s) for s in zero3_gather.layouts(
-                        self.plan[n].grad_layouts)))(p)
-                    if n in self._param_specs and n not in scanned else p for n, p in params.items()}
+            return {n: gather_of(n)(p) if n in self._param_specs and n not in scanned else p
+                    for n, p in params.items()}
+
+        def gather_of(name: str):
+            return zero3_gather.gathered(tuple(self._sharding(s) for s in zero3_gather.layouts(
+                self.plan[name].grad_layouts)))
+
+        def regathers(params: dict, tensors: dict) -> dict:
+            """ZeRO-3: each gathered parameter's tensor (by ``id``) -> a function that gathers it
+            again from its shard. A checkpointed region (``remat``) calls it where a module reads
+            the parameter inside the region, which then keeps the shard, not the whole weight,
+            for the backward."""
+            if self.plan.stage < 3:
+                return {}
+            return {id(tensors[n]): functools.partial(lambda gather, shard: gather(shard), gather_of(n), p)
+                    for n, p in params.items() if n in self._param_specs and n not in scanned and n in tensors}
 
         others = list(self._other_engines)  # their values come in under other_engines.KEY
 
@@ -378,7 +393,8 @@ class ForwardPrograms:
             held = [(m, dict(m._parameters), dict(m._buffers)) for m in module.modules()]
             try:
                 with env, env.override_property(prng=_forward_key(*rng)), trace_view.tracing(differentiated), \
-                        remat.rematerializing(env, tensors.values()), cross_entropy.fused(env), \
+                        remat.rematerializing(env, tensors.values(), regathers(params, tensors)), \
+                        cross_entropy.fused(env), \
                         attention.choosing(self.attention_kernels, env), \
                         batchnorm.updating_running_statistics(batch_norms), \
                         other_engines.tracing(self, others, traced_others, env), \

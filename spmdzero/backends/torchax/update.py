@@ -38,6 +38,7 @@ class UpdateProgram:
                 raise RuntimeError(NO_GRADIENTS)
             self._take_model_step(lr_kwargs)
         self.micro_steps += 1
+        self._draw_step += 1
         # the training programs traced since the last step (a trace is a compile); an evaluation
         # forward's program is not the step's
         traces = sum(n for kind, n in self.traces.items() if kind != "forward")
