@@ -175,12 +175,19 @@ def lm_batch(length, rows=8, seed=0):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("pad", [None, 16])
+@pytest.mark.parametrize("pad", ["default", "off", 16])
 def test_shape_buckets_stop_recompiles_from_variable_lengths(pad, backend):
-    spmd = {"rank": "device", "backend": backend, **({"pad_to_multiple_of": pad} if pad else {})}
+    """With no key, the torchax backend pads to shape buckets (powers of two from 128), torch_xla
+    does not (its outputs would be cut inside its traced step); ``"shape_buckets": false`` feeds
+    the lengths as they are, and ``pad_to_multiple_of`` chooses the multiple on either backend."""
+    keys = {"default": {}, "off": {"shape_buckets": False}}.get(pad, {"pad_to_multiple_of": pad})
+    spmd = {"rank": "device", "backend": backend, **keys}
     engine = spmdzero.initialize(model=TinyLM(), config={
         "train_micro_batch_size_per_gpu": 1, "optimizer": ADAMW, "spmd": spmd})[0]
-    lengths = [5, 5, 5, 5, 9, 13]  # warm-up at one length, then the lengths change
+    # warm-up at one length, then the lengths change (torch_xla caches the programs of the process:
+    # each case its own lengths)
+    first = {"default": 5, "off": 6}.get(pad, 7)
+    lengths = [first] * 4 + [first + 4, first + 8]
     compiles = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -190,7 +197,7 @@ def test_shape_buckets_stop_recompiles_from_variable_lengths(pad, backend):
             engine.step()
             compiles.append(compile_count(engine) - before)
     guard = [str(w.message) for w in caught if "recompiled after warm-up" in str(w.message)]
-    if pad:
+    if pad == 16 or (pad == "default" and backend == "torchax"):
         assert compiles[4:] == [0, 0]
         assert not guard
     else:
@@ -398,3 +405,59 @@ def test_a_lookup_table_passed_before_the_batch_is_not_taken_for_it():
     reference(prototypes, x).pow(2).mean().backward()
     optimizer.step()
     assert_trained_like(engine, reference)
+
+
+def test_torchax_shape_buckets_by_default_keep_torchs_losses_and_cut_outputs_back():
+    """No key: a GPT-2 fed rows of 5 to 40 tokens trains as plain torch does on the same rows (the
+    loss of the module and one computed outside from the logits), compiles one training program
+    (the model's 64 positions cap the bucket), hands back logits of the length fed, evaluates
+    without a compile per length, and says the buckets once."""
+    import transformers
+
+    def gpt2():
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0))
+
+    def batch(length, seed):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(1, 64, (8, length), generator=g)
+        mask = torch.ones_like(ids)
+        mask[1, length // 2:] = 0  # a row the collator padded already
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+    reference = gpt2()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    engine, *_ = spmdzero.initialize(model=gpt2(), config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "spmd": {"backend": "torchax"},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    with spmdzero_log() as records:
+        for step, length in enumerate([5, 17, 40, 9]):
+            fed = batch(length, step)
+            out = engine(**fed)
+            assert out.logits.shape == (8, length, 64)  # cut back to the length fed
+            if step % 2:  # a loss computed outside the module, from the cut logits
+                loss = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1),
+                                                         fed["labels"][:, 1:].flatten(), ignore_index=-100)
+            else:
+                loss = out.loss
+            engine.backward(loss)
+            engine.step()
+            theirs = reference(**fed)
+            expected = theirs.loss if step % 2 == 0 else torch.nn.functional.cross_entropy(
+                theirs.logits[:, :-1].flatten(0, 1), fed["labels"][:, 1:].flatten(), ignore_index=-100)
+            expected.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item()), step
+        engine.eval()
+        with torch.no_grad():
+            evals = [engine(**batch(length, 9)).logits.shape for length in (6, 30)]
+    assert evals == [(8, 6, 64), (8, 30, 64)]
+    assert engine.traces == {"train_forward": 1, "vjp_forward": 1, "backward": 1, "update": 1, "forward": 1}, \
+        engine.traces
+    said = [r.getMessage() for r in records if "shape buckets" in r.getMessage()]
+    assert len(said) == 1 and "128, 256, 512, ... up to 64 (the model's positions)" in said[0], said
+    for (name, ours), theirs in zip(engine.module.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.detach().cpu(), theirs.detach(), rtol=1e-4, atol=1e-5, msg=name)

@@ -93,7 +93,7 @@ def test_bert_style_script_with_its_own_loader_trains_saves_and_resumes(tmp_path
                  "--batch_size", "8", cwd=tmp_path)
     # its DataLoader's batch_size is train_micro_batch_size_per_gpu: 8 rows per step, as on 1 GPU
     assert steps(out) == [(1, 8, 8), (2, 8, 16)]
-    assert out.count("spmd.pad_to_multiple_of leaves a batch with keys ['src_tokens', 'tgt_tokens'] unpadded") == 1
+    assert out.count("shape buckets leave a batch with keys ['src_tokens', 'tgt_tokens'] unpadded") == 1
     out = launch(script, "--load_checkpoint_dir", ckpt, "--num_iterations", "3", cwd=tmp_path)
     assert "RESUMED checkpoint_step=2 global_steps=2" in out
     assert steps(out) == [(3, 8, 24)]

@@ -213,7 +213,11 @@ class SpmdConfig(Section):
     # Which dim of the forward's inputs is the batch (spmdzero.train.batch_inputs): one for every input
     # (1: a sequence-first model), or per forward argument ({"src": 1, "prototypes": null}; null: not a batch).
     batch_dim: Union[NonNegativeInt, dict[str, Optional[NonNegativeInt]]] = 0
-    # Shape buckets: pad the sequence dim of dict inputs to a multiple of this (data.PAD_VALUES).
+    # Shape buckets (spmdzero.train.shape_buckets): dict inputs with an attention_mask padded along
+    # their sequence dim (data.PAD_VALUES) to powers of two from 128 up to the model's positions; on
+    # by default on the torchax backend (None), off on torch_xla; false: as fed.
+    shape_buckets: Optional[bool] = None
+    # ... to a multiple of this instead (on either backend).
     pad_to_multiple_of: Optional[int] = Field(None, gt=0)
     mesh: Optional[MeshConfig] = None
     dcn_mesh: Optional[DcnMeshConfig] = None

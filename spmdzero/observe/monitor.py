@@ -141,8 +141,9 @@ class RecompileGuard:
             cause = f"The forward's input shapes changed: {list(previous)} -> {list(input_shapes)}. " + (
                 "Only the rows changed: a last, smaller batch? DataLoader(..., drop_last=True) keeps every "
                 "batch whole; otherwise each new batch size compiles once." if _only_rows_changed(previous, input_shapes)
-                else "Variable sequence lengths? Set \"spmd\": {\"pad_to_multiple_of\": 64} in the config to pad "
-                "dict inputs (input_ids, attention_mask, labels, ...) to a few shapes (docs/config.md).")
+                else "Variable sequence lengths? Set \"spmd\": {\"shape_buckets\": true} (powers of two) or "
+                "{\"pad_to_multiple_of\": 64} in the config to pad dict inputs with an attention_mask (input_ids, "
+                "labels, ...) to a few shapes (docs/config.md, Shape buckets; the torchax backend's default).")
         elif evaluated:
             cause = ("An evaluation forward (engine.eval() or torch.no_grad()) ran since the last step: if its "
                      "results were not read before training went on, its pending graph ran together with this "

@@ -21,6 +21,7 @@ from spmdzero.sharding.batch import BatchSizes, resolve_batch
 from spmdzero.sharding.mesh import data_parallel_size
 from spmdzero.sharding.plan import ShardingPlan, make_plan
 from spmdzero.train.data import ShardedDataLoader, model_pad_id
+from spmdzero.train.shape_buckets import buckets_for
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,10 @@ def setup_training(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh_shape: dic
     if training_data is not None:
         loader = ShardedDataLoader(training_data, batch, placement(plan, batch) if placement else None,
                                    collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last,
-                                   process_index=process_index, pad_to_multiple_of=cfg.spmd.pad_to_multiple_of,
-                                   pad_id=model_pad_id(model))
+                                   process_index=process_index, pad_id=model_pad_id(model),
+                                   # the buckets the config asks for; the torchax engine's default ones
+                                   # pad at the forward, which cuts its outputs back
+                                   buckets=buckets_for(cfg.spmd, model, on_by_default=False))
     return TrainingSetup(batch, plan, built, scheduler, loader)
 
 

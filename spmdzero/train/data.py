@@ -6,14 +6,14 @@ draws each rank's samples with the same ``DistributedSampler`` DeepSpeed's loade
 (shuffled, seed 0) and concatenates them in rank order, so the host trains on exactly
 what those DeepSpeed ranks would.
 
-Shape buckets (``spmd.pad_to_multiple_of``): XLA compiles one program per input shape, so
-batches padded to the longest sequence recompile at almost every step. ``pad_sequences``
-pads the sequence dim of the named dict inputs (``PAD_VALUES``) to a multiple of N,
-consistently with the attention mask, so the losses are unchanged."""
+Shape buckets (``shape_buckets``): XLA compiles one program per input shape, so batches
+padded to the longest sequence recompile at almost every step. ``pad_sequences`` pads the
+sequence dim of the named dict inputs (``PAD_VALUES``) to a bucket's length, consistently with
+the attention mask, so the losses are unchanged."""
 
 from __future__ import annotations
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 from spmdzero.sharding.batch import BatchSizes
@@ -50,7 +50,7 @@ def _first_batch_size(obj: Any) -> Optional[int]:
 PAD_ID = "pad_id"  # stands for the model's pad token id (config.pad_token_id, else 0)
 
 
-# The dict inputs spmd.pad_to_multiple_of pads along dim 1 (the sequence), and with what:
+# The dict inputs the shape buckets pad along dim 1 (the sequence), and with what:
 # ids with the pad token, masks and segment/position ids with 0, labels with -100 (the
 # ignore index of Hugging Face losses). Other keys, 1-D tensors (classification labels)
 # and positional tensors are left alone.
@@ -66,22 +66,30 @@ def model_pad_id(module: torch.nn.Module) -> int:
     return pad_id if isinstance(pad_id, int) else 0
 
 
-def pad_sequences(obj: Any, multiple: int, pad_id: int = 0) -> Any:
+def pad_sequences(obj: Any, length: Union[int, Callable[[int], int]], pad_id: int = 0,
+                  cuts: Optional[list] = None) -> Any:
     """Pad every dict in ``obj`` that has an ``attention_mask`` (the mask is what keeps the
-    padding out of the result) to a sequence length that is a multiple of ``multiple``.
-    Host tensors only: padding a tensor already on the device would not change the
-    step's input shapes."""
+    padding out of the result) to a sequence length of ``length(fed)`` (a bucket's,
+    ``shape_buckets.SequenceBuckets.length``), or a multiple of ``length`` when it is an int.
+    Host tensors only: padding a tensor already on the device would not change the step's
+    input shapes. ``cuts`` collects ``(rows, padded length, length fed)`` of each padded key."""
+    if isinstance(length, int):
+        multiple = length
+        length = lambda fed: fed + -fed % multiple  # noqa: E731
     if _has_host_mask(obj):
         unknown = _unknown_sequences(obj)
         if unknown:  # padding the mask and not these would give the model sequences of two lengths
             _say_unpadded(unknown)
             return obj
-        return like(obj, ((k, _pad_dim1(v, v.shape[1] + -v.shape[1] % multiple, _pad_value(k, pad_id)))
-                          if k in _sequence_keys(obj) else (k, v) for k, v in obj.items()))
+        keys = _sequence_keys(obj)
+        if cuts is not None:
+            cuts.extend((v.shape[0], length(v.shape[1]), v.shape[1]) for k, v in obj.items() if k in keys)
+        return like(obj, ((k, _pad_dim1(v, length(v.shape[1]), _pad_value(k, pad_id)))
+                          if k in keys else (k, v) for k, v in obj.items()))
     if isinstance(obj, Mapping):
-        return like(obj, ((k, pad_sequences(v, multiple, pad_id)) for k, v in obj.items()))
+        return like(obj, ((k, pad_sequences(v, length, pad_id, cuts)) for k, v in obj.items()))
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(pad_sequences(o, multiple, pad_id) for o in obj)
+        return type(obj)(pad_sequences(o, length, pad_id, cuts) for o in obj)
     return obj
 
 
@@ -124,12 +132,12 @@ _TOLD_UNPADDED: set = set()
 
 
 def _say_unpadded(keys: list[str]) -> None:
-    """Said once per set of keys: a dict left unpadded by ``spmd.pad_to_multiple_of``."""
+    """Said once per set of keys: a dict left unpadded by the shape buckets."""
     if tuple(keys) not in _TOLD_UNPADDED:
         _TOLD_UNPADDED.add(tuple(keys))
         import warnings
 
-        warnings.warn(f"spmdzero: spmd.pad_to_multiple_of leaves a batch with keys {keys} unpadded: their dim 1 "
+        warnings.warn(f"spmdzero: shape buckets leave a batch with keys {keys} unpadded: their dim 1 "
                       "is the attention_mask's sequence length, and spmdzero does not know their padding value "
                       "(it pads input_ids, labels, attention_mask, ...: docs/config.md, Shape buckets). Pad them in "
                       "your collator (to a multiple of N) for fixed shapes (noted once)", stacklevel=5)
@@ -174,9 +182,9 @@ class ShardedDataLoader:
 
     def __init__(self, dataset, batch: BatchSizes, place: Optional[Callable] = None,
                  collate_fn: Optional[Callable] = None, drop_last: bool = False, process_index: int = 0,
-                 pad_to_multiple_of: Optional[int] = None, pad_id: int = 0):
+                 buckets=None, pad_id: int = 0):
         self.batch, self.place = batch, place
-        self.pad_to_multiple_of, self.pad_id = pad_to_multiple_of, pad_id
+        self.buckets, self.pad_id = buckets, pad_id  # shape_buckets.SequenceBuckets, or None: as collated
         self.rank_loaders = [
             DataLoader(dataset, batch_size=batch.rows_per_rank, collate_fn=collate_fn, drop_last=drop_last,
                        sampler=DistributedSampler(dataset, num_replicas=batch.ranks, rank=r))
@@ -189,8 +197,8 @@ class ShardedDataLoader:
     def __iter__(self):
         for per_rank in zip(*self.rank_loaders):
             host_batch = _concat(per_rank, pad_id=self.pad_id)
-            if self.pad_to_multiple_of:
-                host_batch = pad_sequences(host_batch, self.pad_to_multiple_of, self.pad_id)
+            if self.buckets is not None:
+                host_batch = pad_sequences(host_batch, self.buckets.length, self.pad_id)
             yield host_batch if self.place is None else self.place(host_batch)
 
     # ---- DeepSpeedDataLoader's attributes, read by scripts ---------------------------------

@@ -15,7 +15,9 @@ import logging
 import torch
 from spmdzero import runtime
 from spmdzero.train.batch_inputs import BatchLayout, batch_layout, forward_argument_names
+from spmdzero.observe.console import say_once
 from spmdzero.train.data import caller_stacklevel, map_tensors, pad_sequences
+from spmdzero.train.shape_buckets import buckets_for
 
 
 # Keyword inputs that are loss targets (transformers' ``labels``, the usual names): both engines
@@ -78,6 +80,10 @@ class EngineBase:
     the last optimizer step), and implements the step core: ``forward``, ``backward``,
     ``step``, ``zero_grad``."""
 
+    # whether dict inputs are padded to shape buckets when the config does not say
+    # (train.shape_buckets: a backend that cuts its outputs back outside the compiled step)
+    SHAPE_BUCKETS_BY_DEFAULT = False
+
     @property
     def __class__(self):
         """DeepSpeed's engine is a ``torch.nn.Module``, and libraries branch on that: TRL's GRPO,
@@ -112,11 +118,24 @@ class EngineBase:
         return self._config
 
     # ---- a forward's inputs, before the backend places them ------------------------
-    def _padded(self, inputs: tuple, kwargs: dict, pad_id: int) -> tuple[tuple, dict]:
-        """``spmd.pad_to_multiple_of``: host sequences padded so that their lengths, and so the
-        step's shapes, take few values (``train.data.pad_sequences``)."""
-        multiple = self._config.spmd.pad_to_multiple_of
-        return pad_sequences((inputs, kwargs), multiple, pad_id) if multiple else (inputs, kwargs)
+    def _padded(self, inputs: tuple, kwargs: dict, pad_id: int) -> tuple[tuple, dict, tuple]:
+        """Shape buckets (``train.shape_buckets``): host sequences padded so that their lengths,
+        and so the step's shapes, take few values. Returns the inputs and the cuts that take
+        the outputs back to the lengths fed (``shape_buckets.cut_back``); the default buckets
+        are said once, the first time they pad."""
+        if "_buckets" not in self.__dict__:
+            self._buckets = buckets_for(self._config.spmd, self.module, self.SHAPE_BUCKETS_BY_DEFAULT)
+        if self._buckets is None:
+            return inputs, kwargs, ()
+        cuts: list = []
+        inputs, kwargs = pad_sequences((inputs, kwargs), self._buckets.length, pad_id, cuts)
+        if not self._buckets.multiple and self._config.spmd.shape_buckets is None and \
+                any(padded != fed for _, padded, fed in cuts):
+            say_once([f"shape buckets: sequences padded to {self._buckets.describe()}, the mask with 0 and the "
+                      "labels with -100, outputs cut back to the length fed: a program per bucket, not per length. "
+                      '"spmd": {"shape_buckets": false} feeds them as they are; "pad_to_multiple_of": N pads to '
+                      "multiples of N"])
+        return inputs, kwargs, tuple(cuts)
 
     def _in_model_dtype(self, inputs: tuple, kwargs: dict, keep=lambda t: False) -> tuple[tuple, dict]:
         """Floating inputs cast to the model dtype, as DeepSpeed's ``fp16.auto_cast`` does; not

@@ -191,7 +191,7 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
             return map_tensors(output, torch.clone)
         start = time.perf_counter()
         self.recompile_guard.step_started()
-        inputs, kwargs = self._padded(inputs, kwargs, self._pad_id)
+        inputs, kwargs, _ = self._padded(inputs, kwargs, self._pad_id)  # its outputs keep the padded length
         shapes = []
         map_tensors((inputs, kwargs), lambda t: shapes.append(tuple(t.shape)))
         self._input_shapes = tuple(shapes)

@@ -105,6 +105,8 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
                     EngineBase):
     """DeepSpeed's engine API over two jitted programs (see the module docstring)."""
 
+    SHAPE_BUCKETS_BY_DEFAULT = True  # its outputs are cut back outside the compiled step (train.shape_buckets)
+
     def __init__(self, module: torch.nn.Module, optimizer: SpmdOptimizer, lr_scheduler: Any, cfg: DeepSpeedConfig,
                  batch: BatchSizes, plan: ShardingPlan, mesh_shape: dict[str, int], device_count: int,
                  training_dataloader: Any = None, config_dict: Optional[dict] = None, devices=None,

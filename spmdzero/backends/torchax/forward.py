@@ -18,6 +18,7 @@ import torch
 from torch.utils import _pytree as torch_pytree
 
 from spmdzero.train.data import model_pad_id
+from spmdzero.train.shape_buckets import cut_back
 from spmdzero.backends.torchax import attention, autocast, batchnorm, frozen, host_reads
 from spmdzero.backends.torchax.outside_loss import tie
 from spmdzero.backends.torchax import process_rows
@@ -182,7 +183,13 @@ class ForwardPrograms:
         return index | stream << 31
 
     def _forward_once(self, inputs: tuple, kwargs: dict, method: str, draw: int):
-        leaves, treespec, static, layout, arrays, rng, rows = self._placed(inputs, kwargs, draw)
+        """One forward's program run, its outputs cut back from the shape buckets' lengths to
+        the lengths fed (``train.shape_buckets``: after the program, outside it)."""
+        placed = self._placed(inputs, kwargs, draw)
+        return cut_back(self._run_forward(placed, method), placed[-1])
+
+    def _run_forward(self, placed: tuple, method: str):
+        leaves, treespec, static, layout, arrays, rng, rows, _ = placed
         training = self._module.training
         grad_enabled = torch.is_grad_enabled()
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
@@ -230,8 +237,9 @@ class ForwardPrograms:
         """A forward's inputs as its program takes them: (leaves, their treespec, the non-tensor
         leaves by position, the batch layout, the tensors placed as JAX arrays, the random key
         with the micro-step and the forward's ``draw`` (``_next_draw``), the global rows when
-        known). Changes made on the host go to the devices first."""
-        inputs, kwargs = self._padded(inputs, kwargs, model_pad_id(self._module))
+        known, the shape buckets' cuts back to the lengths fed). Changes made on the host go to
+        the devices first."""
+        inputs, kwargs, cuts = self._padded(inputs, kwargs, model_pad_id(self._module))
         # host tensors only: a torchax tensor (an earlier output) is the model's already
         inputs, kwargs = self._in_model_dtype(inputs, kwargs, keep=_is_torchax_tensor)
         # a mapping that is not a dict (transformers' BatchEncoding) is one leaf to torch's pytree
@@ -246,7 +254,7 @@ class ForwardPrograms:
         arrays = self._place_inputs(leaves, layout)
         rng = (self._rng, np.uint32(self._draw_step), np.uint32(draw))  # drawn anew at every call
         rows = layout.rows if layout.on_device else None if layout.rows is None else layout.rows * self._batch.processes
-        return leaves, treespec, static, layout, arrays, rng, rows
+        return leaves, treespec, static, layout, arrays, rng, rows, cuts
 
     def _take_constants(self, changed: dict) -> None:
         """Buffers a forward changed: the devices' values, copied to the module when it is read."""

@@ -105,6 +105,16 @@ def output_tensor_class():
                 root._elem = output_views.scatter(root._elem, state[output_views.CHAIN], value, env)
                 state[output_views.SEEN] = output_views.version(root)
 
+        # torchax's Tensor writes these two in Python, past torch's dispatch: its flatten returned a
+        # plain torchax tensor with no autograd (``logits.flatten(0, 1)`` in a loss computed outside
+        # the module: unusable outside the environment, and cut from the backward), and its
+        # type_as cast the tensor itself in place. torch's own run through the dispatch above
+        def flatten(self, start_dim=0, end_dim=-1):
+            return torch.flatten(self, start_dim, end_dim)
+
+        def type_as(self, other):
+            return self.to(other.dtype)
+
         def detach(self):
             # shares the values, as torch's detach: a write to either shows in the other
             detached = Output(jax.lax.stop_gradient(self._elem), env)

@@ -58,7 +58,7 @@ class TracedSteps:
                              "initialize() or add an 'optimizer' section to the config")
         traces = collections.Counter(self.traces)
         try:
-            _, treespec, static, _, arrays, rng, rows = self._placed(inputs, kwargs)
+            _, treespec, static, _, arrays, rng, rows, _ = self._placed(inputs, kwargs)
             accumulate = self.gradient_accumulation_steps() > 1  # the boundary's gradient joins the window's
             program = self._program("accumulate" if accumulate else "train", treespec, static, self._module.training)
             rep = self._replicated
