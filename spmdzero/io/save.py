@@ -98,6 +98,16 @@ def module_keys(module: torch.nn.Module) -> dict[str, str]:
     return {name: keys[id(t)] for name, t in module.state_dict(keep_vars=True).items() if id(t) in keys}
 
 
+def _rng_states(shards) -> dict:
+    """The RNG states a load restores: the host's (torch, Python, NumPy), the device's seed
+    (``rng.xla``), and, on a backend whose seed does not say it, where its stream stands
+    (``rng.position``)."""
+    states = {"torch": torch.get_rng_state(), "xla": shards.rng_state(), "python": random.getstate(),
+              "numpy": np.random.get_state()}
+    position = shards.rng_position()
+    return states if position is None else {**states, "position": position}
+
+
 def _host_state(engine, shards, tensors: dict, tag: str, has_client_state: bool) -> dict:
     optimizer = engine.basic_optimizer if engine.optimizer is not None else None
     groups, host_state = [], {}
@@ -117,8 +127,7 @@ def _host_state(engine, shards, tensors: dict, tag: str, has_client_state: bool)
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "optimizer": {"type": type(optimizer).__name__ if optimizer is not None else None,
                       "param_groups": groups, "host_state": host_state},
-        "rng": {"torch": torch.get_rng_state(), "xla": shards.rng_state(), "python": random.getstate(),
-                "numpy": np.random.get_state(), "position": shards.rng_position()},
+        "rng": _rng_states(shards),
         "client_state": CLIENT_FILE if has_client_state else None,
         "ds_config": json.loads(json.dumps(engine.validated_config.model_dump(mode="json"), default=repr)),
         "mesh": dict(engine.plan.mesh_shape),

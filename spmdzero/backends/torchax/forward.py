@@ -7,7 +7,6 @@ torch autograd (``outside_loss``). Outputs come back as torchax tensors (``outpu
 
 from __future__ import annotations
 
-import functools
 import gc
 from collections.abc import Mapping
 from types import SimpleNamespace
@@ -351,38 +350,9 @@ class ForwardPrograms:
                                   if not isinstance(v, torch.Tensor)]]
             return [env.t2j_iso(t) for t in leaves if isinstance(t, torch.Tensor)]
 
-        scanned = scanned_parameters(module)
-
-        def gathered(params: dict) -> dict:
-            """ZeRO-3: each sharded parameter gathered whole where the module reads it, as FSDP
-            does (its gradient's transpose is then the reduce-scatter). Left to itself, the SPMD
-            partitioner kept weights sharded and moved the activations instead (tensor-parallel
-            style): a 2-layer GPT-2 sent 2.26x FSDP's minimum on v5e:2x2, 1.07x with this. The VJP
-            program (a loss outside the module) must not keep them as residuals until its
-            backward, a whole copy of the parameters (2.1x the stage-3 accounting in
-            tests/test_torchax_memory.py): its forward is checkpointed to save everything but the
-            gathered weights (``GATHERED``), which the backward gathers again. A ``scan_layers``
-            loop gathers each layer's own (``scan.py``)."""
-            if self.plan.stage < 3:
-                return params
-            # a scanned stack's weights are not gathered all at once ahead of the loop (the whole
-            # stack's, every layer, whole on every device): the loop takes them as laid out
-            return {n: gather_of(n)(p) if n in self._param_specs and n not in scanned else p
-                    for n, p in params.items()}
-
-        def gather_of(name: str):
-            return zero3_gather.gathered(tuple(self._sharding(s) for s in zero3_gather.layouts(
-                self.plan[name].grad_layouts)))
-
-        def regathers(params: dict, tensors: dict) -> dict:
-            """ZeRO-3: each gathered parameter's tensor (by ``id``) -> a function that gathers it
-            again from its shard. A checkpointed region (``remat``) calls it where a module reads
-            the parameter inside the region, which then keeps the shard, not the whole weight,
-            for the backward."""
-            if self.plan.stage < 3:
-                return {}
-            return {id(tensors[n]): functools.partial(lambda gather, shard: gather(shard), gather_of(n), p)
-                    for n, p in params.items() if n in self._param_specs and n not in scanned and n in tensors}
+        # ZeRO-3: each sharded parameter gathered whole where the module reads it (zero3_gather);
+        # a scanned stack's weights are gathered by its loop, one layer per trip (``scan.py``)
+        gathers = zero3_gather.gathers(self.plan, self._param_specs, self._sharding, scanned_parameters(module))
 
         others = list(self._other_engines)  # their values come in under other_engines.KEY
 
@@ -393,7 +363,8 @@ class ForwardPrograms:
             for i, value in static:
                 leaves.insert(i, shape_inputs.unwrapped(value))
             inputs, kwargs = torch_pytree.tree_unflatten(leaves, treespec)
-            tensors = env.j2t_iso({**frozen.held(gathered(params), frozen_now), **constants})
+            tensors = env.j2t_iso({**frozen.held(zero3_gather.gathered_all(gathers, params), frozen_now),
+                                   **constants})
             inputs, kwargs = env.j2t_iso((inputs, kwargs))
             # functional_call puts the host tensors back when it returns, except under a submodule
             # registered twice (``self.alias = self.shared``): there the traced ones stayed. Put back here,
@@ -401,7 +372,7 @@ class ForwardPrograms:
             held = [(m, dict(m._parameters), dict(m._buffers)) for m in module.modules()]
             try:
                 with env, env.override_property(prng=_forward_key(*rng)), trace_view.tracing(differentiated), \
-                        remat.rematerializing(env, tensors.values(), regathers(params, tensors)), \
+                        remat.rematerializing(env, tensors.values(), zero3_gather.regathers(gathers, params, tensors)), \
                         cross_entropy.fused(env), \
                         attention.choosing(self.attention_kernels, env), \
                         batchnorm.updating_running_statistics(batch_norms), \
