@@ -187,7 +187,9 @@ def test_shape_buckets_stop_recompiles_from_variable_lengths(pad, backend):
     # warm-up at one length, then the lengths change (torch_xla caches the programs of the process:
     # each case its own lengths)
     first = {"default": 5, "off": 6}.get(pad, 7)
-    lengths = [first] * 4 + [first + 4, first + 8]
+    bucketed = pad == 16 or (pad == "default" and backend == "torchax")
+    # past the first bucket (128): a new bucket compiles once, as warm-up, not a recompile to warn of
+    lengths = [first] * 4 + [first + 4, first + 8] + ([150, 140] if pad == "default" and bucketed else [])
     compiles = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -197,8 +199,9 @@ def test_shape_buckets_stop_recompiles_from_variable_lengths(pad, backend):
             engine.step()
             compiles.append(compile_count(engine) - before)
     guard = [str(w.message) for w in caught if "recompiled after warm-up" in str(w.message)]
-    if pad == 16 or (pad == "default" and backend == "torchax"):
-        assert compiles[4:] == [0, 0]
+    if bucketed:
+        assert compiles[4:6] == [0, 0] and compiles[7:] in ([], [0])
+        assert compiles[6:7] in ([], [1])  # the 256 bucket: its training forward (the update is the same)
         assert not guard
     else:
         assert all(c > 0 for c in compiles[4:])

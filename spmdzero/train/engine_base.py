@@ -137,6 +137,17 @@ class EngineBase:
                       "multiples of N"])
         return inputs, kwargs, tuple(cuts)
 
+    def _new_shape_bucket(self) -> bool:
+        """Whether this step's training forward fed input shapes that the shape buckets had not
+        fed before: its compile is one of a bounded few (a program per bucket), which the
+        recompile guard takes as warm-up, not as a recompile to warn of."""
+        if self.__dict__.get("_buckets") is None:
+            return False
+        seen = self.__dict__.setdefault("_bucket_shapes", set())
+        new = self._input_shapes not in seen
+        seen.add(self._input_shapes)
+        return new
+
     def _in_model_dtype(self, inputs: tuple, kwargs: dict, keep=lambda t: False) -> tuple[tuple, dict]:
         """Floating inputs cast to the model dtype, as DeepSpeed's ``fp16.auto_cast`` does; not
         the targets named in ``TARGET_NAMES`` (an fp16 cast can overflow a regression target),

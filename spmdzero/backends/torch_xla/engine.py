@@ -349,7 +349,7 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         torch_xla.sync()
         warmup, self._creating_state = self._creating_state, False
         self.recompile_guard.check(compile_count() - compiles, self.global_steps, boundary, self._input_shapes,
-                                   warmup=warmup)
+                                   warmup=warmup or self._new_shape_bucket())
         self.recompile_guard.check_graphs(self.global_steps, warmup=warmup)
 
     def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:

@@ -42,7 +42,8 @@ class UpdateProgram:
         # the training programs traced since the last step (a trace is a compile); an evaluation
         # forward's program is not the step's
         traces = sum(n for kind, n in self.traces.items() if kind != "forward")
-        self.recompile_guard.check(traces - self._traces_at_step, self.global_steps, boundary, self._input_shapes)
+        self.recompile_guard.check(traces - self._traces_at_step, self.global_steps, boundary, self._input_shapes,
+                                   warmup=self._new_shape_bucket())
         self._traces_at_step = traces
 
     def _hyper_array(self, values: list):
