@@ -67,16 +67,19 @@ def model_pad_id(module: torch.nn.Module) -> int:
 
 
 def pad_sequences(obj: Any, length: Union[int, Callable[[int], int]], pad_id: int = 0,
-                  cuts: Optional[list] = None) -> Any:
+                  cuts: Optional[list] = None, skip: Optional[Callable[[Mapping], bool]] = None) -> Any:
     """Pad every dict in ``obj`` that has an ``attention_mask`` (the mask is what keeps the
     padding out of the result) to a sequence length of ``length(fed)`` (a bucket's,
     ``shape_buckets.SequenceBuckets.length``), or a multiple of ``length`` when it is an int.
     Host tensors only: padding a tensor already on the device would not change the step's
-    input shapes. ``cuts`` collects ``(rows, padded length, length fed)`` of each padded key."""
+    input shapes. ``cuts`` collects ``(rows, padded length, length fed)`` of each padded key;
+    a dict that ``skip`` picks is left as it is."""
     if isinstance(length, int):
         multiple = length
         length = lambda fed: fed + -fed % multiple  # noqa: E731
     if _has_host_mask(obj):
+        if skip is not None and skip(obj):
+            return obj
         unknown = _unknown_sequences(obj)
         if unknown:  # padding the mask and not these would give the model sequences of two lengths
             _say_unpadded(unknown)
@@ -87,9 +90,9 @@ def pad_sequences(obj: Any, length: Union[int, Callable[[int], int]], pad_id: in
         return like(obj, ((k, _pad_dim1(v, length(v.shape[1]), _pad_value(k, pad_id)))
                           if k in keys else (k, v) for k, v in obj.items()))
     if isinstance(obj, Mapping):
-        return like(obj, ((k, pad_sequences(v, length, pad_id, cuts)) for k, v in obj.items()))
+        return like(obj, ((k, pad_sequences(v, length, pad_id, cuts, skip)) for k, v in obj.items()))
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(pad_sequences(o, length, pad_id, cuts) for o in obj)
+        return type(obj)(pad_sequences(o, length, pad_id, cuts, skip) for o in obj)
     return obj
 
 

@@ -17,7 +17,7 @@ from spmdzero import runtime
 from spmdzero.train.batch_inputs import BatchLayout, batch_layout, forward_argument_names
 from spmdzero.observe.console import say_once
 from spmdzero.train.data import caller_stacklevel, map_tensors, pad_sequences
-from spmdzero.train.shape_buckets import buckets_for
+from spmdzero.train.shape_buckets import buckets_for, tower_inputs
 
 
 # Keyword inputs that are loss targets (transformers' ``labels``, the usual names): both engines
@@ -128,7 +128,8 @@ class EngineBase:
         if self._buckets is None:
             return inputs, kwargs, ()
         cuts: list = []
-        inputs, kwargs = pad_sequences((inputs, kwargs), self._buckets.length, pad_id, cuts)
+        inputs, kwargs = pad_sequences((inputs, kwargs), self._buckets.length, pad_id, cuts,
+                                       skip=None if self._buckets.multiple else tower_inputs)
         if not self._buckets.multiple and self._config.spmd.shape_buckets is None and \
                 any(padded != fed for _, padded, fed in cuts):
             say_once([f"shape buckets: sequences padded to {self._buckets.describe()}, the mask with 0 and the "
@@ -139,9 +140,10 @@ class EngineBase:
 
     def _new_shape_bucket(self) -> bool:
         """Whether this step's training forward fed input shapes that the shape buckets had not
-        fed before: its compile is one of a bounded few (a program per bucket), which the
-        recompile guard takes as warm-up, not as a recompile to warn of."""
-        if self.__dict__.get("_buckets") is None:
+        fed before (``_inputs_bucketed``: the backend's forward padded them to a bucket): its
+        compile is one of a bounded few (a program per bucket), which the recompile guard takes
+        as warm-up, not as a recompile to warn of."""
+        if self.__dict__.get("_buckets") is None or not self.__dict__.get("_inputs_bucketed"):
             return False
         seen = self.__dict__.setdefault("_bucket_shapes", set())
         new = self._input_shapes not in seen

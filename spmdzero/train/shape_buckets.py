@@ -38,6 +38,17 @@ _POSITION_LIMITS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_
 _SUB_CONFIGS = ("text_config", "encoder", "decoder")
 
 
+# inputs of a vision or speech tower beside the text: their token counts and positions are tied
+# to the text's (image tokens, padding images), and the default buckets leave such a batch as fed
+# (SmolVLM's padding images gave NaN losses padded); pad_to_multiple_of still pads them
+_TOWER_INPUTS = ("pixel_", "image_", "video_", "input_features", "input_values")
+
+
+def tower_inputs(batch) -> bool:
+    """Whether a dict batch carries inputs of a vision or speech tower (``_TOWER_INPUTS``)."""
+    return any(isinstance(k, str) and k.startswith(_TOWER_INPUTS) and v is not None for k, v in batch.items())
+
+
 @dataclass(frozen=True)
 class SequenceBuckets:
     """Where a sequence of a given length is padded to: a multiple of ``multiple`` when set,

@@ -191,10 +191,11 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
             return map_tensors(output, torch.clone)
         start = time.perf_counter()
         self.recompile_guard.step_started()
-        inputs, kwargs, _ = self._padded(inputs, kwargs, self._pad_id)  # its outputs keep the padded length
+        inputs, kwargs, cuts = self._padded(inputs, kwargs, self._pad_id)  # its outputs keep the padded length
         shapes = []
         map_tensors((inputs, kwargs), lambda t: shapes.append(tuple(t.shape)))
         self._input_shapes = tuple(shapes)
+        self._inputs_bucketed = bool(cuts)  # padded to a shape bucket (_new_shape_bucket)
         layout = self._batch_layout(self.module, inputs, kwargs)
         if self.module.training and torch.is_grad_enabled():
             self._count_training_rows(layout.rows, layout.on_device)

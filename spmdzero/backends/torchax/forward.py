@@ -204,6 +204,7 @@ class ForwardPrograms:
             if rows is not None:
                 self._check_training_rows(rows)
             self._input_shapes = tuple(tuple(a.shape) for a in arrays)  # named by the recompile guard
+            self._inputs_bucketed = bool(placed[-1])  # padded to a shape bucket (_new_shape_bucket)
             ran = None if which else self._gradient(forward)
             if ran is not None:
                 outputs, constants, program = ran
