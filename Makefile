@@ -1,20 +1,32 @@
 # Every target sets up its own virtual environment first (a fresh machine needs nothing else
-# than python3 with venv). The environment is rebuilt when pyproject.toml changes.
+# than python3 with venv). An environment is rebuilt when pyproject.toml or its constraints change.
 PYTHON ?= python3
 VENV   ?= .venv
-STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints/pinned.txt | sha1sum | cut -c1-12)
 TRANSFORMERS_4 := $(VENV)/transformers4
+# The newest stack pyproject.toml accepts that installs here (constraints/newest.txt: torch 2.12,
+# jax 0.10.2, libtpu 0.0.42; no torch_xla, which needs torch 2.9), for NEWEST_STACK_TESTS
+VENV_NEWEST  ?= .venv-newest
+STAMP_NEWEST := $(VENV_NEWEST)/.installed-$(shell cat pyproject.toml constraints/newest.txt | sha1sum | cut -c1-12)
 
-.PHONY: setup train test test-torch-xla test-fast bench
+.PHONY: setup setup-newest train test test-newest test-torch-xla test-fast bench
 
-$(STAMP): pyproject.toml
+# The pinned stack (constraints/pinned.txt: the oldest versions the ranges accept), with torch_xla
+$(STAMP): pyproject.toml constraints/pinned.txt
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
-	# the test extra installs torch_xla (the torch_xla backend), whose 2.9 wheel also carries an older
-	# torchax copy (it imports flax); torchax's own files must win, whatever order pip chose
+	$(VENV)/bin/python -m pip install --quiet -c constraints/pinned.txt -e '.[test,torch_xla,aot]'
+	# the torch_xla extra's 2.9 wheel also carries an older torchax copy (it imports flax);
+	# torchax's own files must win, whatever order pip chose
 	$(VENV)/bin/python -m pip install --quiet --no-deps --force-reinstall torchax==0.0.13
+	touch $@
+
+$(STAMP_NEWEST): pyproject.toml constraints/newest.txt
+	rm -rf $(VENV_NEWEST)
+	$(PYTHON) -m venv $(VENV_NEWEST)
+	$(VENV_NEWEST)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_NEWEST)/bin/python -m pip install --quiet -c constraints/newest.txt -e '.[test,aot]'
 	touch $@
 
 # transformers 4.57 (and the hub client and tokenizers it pins) beside the venv's 5.x, for the
@@ -25,9 +37,11 @@ $(TRANSFORMERS_4)/.installed-4.57.6: $(STAMP)
 		huggingface_hub==0.36.0 tokenizers==0.22.1
 	touch $@
 
-setup: $(STAMP) $(TRANSFORMERS_4)/.installed-4.57.6
+setup: $(STAMP) $(TRANSFORMERS_4)/.installed-4.57.6 $(STAMP_NEWEST)
 
-train: setup  ## the main job: a small GPT-style LM, ZeRO-2, 8 CPU devices unless a TPU is present
+setup-newest: $(STAMP_NEWEST)
+
+train: $(STAMP)  ## the main job: a small GPT-style LM, ZeRO-2, 8 CPU devices unless a TPU is present
 	$(VENV)/bin/python examples/train.py --deepspeed_config examples/configs/zero2.json
 
 # Tests that name no backend run on the default, torchax. These files hold such tests of engine
@@ -48,16 +62,31 @@ PYTEST := $(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 PYTEST_ON_TORCH_XLA := SPMDZERO_BACKEND=torch_xla $(PYTEST) -k "not torchax"
 
-# The three pytest runs of `make test` share one JAX compilation cache (tests/conftest.py), made
-# empty for the run and removed after it. The zoo's file has no shared fixtures: with workers,
-# its tests split one by one (--dist load).
-test: setup  ## the full suite (what CI runs): the layers contract, every test, the zoo on transformers 4.57, then ON_TORCH_XLA_TOO on torch_xla
+# The default backend's engine tests again on the newest stack (.venv-newest), where torch_xla
+# is not installed and its tests are skipped, saying so: the engine, checkpoints, `aot` on libtpu
+# 0.0.42 (TPU7x included), jax.distributed across two processes, the lowerings and the example
+# job. About 6 minutes in two workers here (2026-11-29); the transformers zoo, the Hugging Face
+# integrations and the torch_xla comparisons stay on the pinned stack.
+NEWEST_STACK_TESTS := tests/test_torchax_backend.py tests/test_torchax_checkpoint.py tests/test_checkpoint.py \
+                      tests/test_aot.py tests/test_jax_private.py tests/test_example.py tests/test_multihost.py \
+                      tests/test_runtime.py tests/test_tpu_collectives.py $(wildcard tests/test_torchax_*.py)
+PYTEST_NEWEST := $(VENV_NEWEST)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+
+# The four pytest runs of `make test` share one JAX compilation cache (tests/conftest.py), made
+# empty for the run and removed after it (JAX's cache keys hold its version: the two stacks do
+# not share entries). The zoo's file has no shared fixtures: with workers, its tests split one
+# by one (--dist load).
+test: setup  ## the full suite (what CI runs): the layers contract, every test, the zoo on transformers 4.57, ON_TORCH_XLA_TOO on torch_xla, then NEWEST_STACK_TESTS on the newest stack
 	$(VENV)/bin/lint-imports
 	cache=$$(mktemp -d -t spmdzero-tests-jax-cache-XXXXXX) && trap 'rm -rf "$$cache"' EXIT && \
 	export SPMDZERO_TEST_COMPILE_CACHE="$$cache" && \
 	$(PYTEST) && \
 	PYTHONPATH=$(TRANSFORMERS_4) $(PYTEST) --dist load tests/test_transformers_zoo.py && \
-	$(PYTEST_ON_TORCH_XLA) $(ON_TORCH_XLA_TOO)
+	$(PYTEST_ON_TORCH_XLA) $(ON_TORCH_XLA_TOO) && \
+	$(PYTEST_NEWEST) $(sort $(NEWEST_STACK_TESTS))
+
+test-newest: setup-newest  ## NEWEST_STACK_TESTS on the newest stack only (about 6 minutes)
+	$(PYTEST_NEWEST) $(sort $(NEWEST_STACK_TESTS))
 
 test-torch-xla: setup  ## every test that names no backend, on torch_xla (about 16 minutes; not in CI)
 	$(PYTEST_ON_TORCH_XLA)

@@ -25,8 +25,11 @@ BACKENDS = {"torch_xla": "spmdzero.backends.torch_xla.build", "torchax": "spmdze
 def backend_builder(name: str):
     """The ``build`` module of backend ``name``; a missing torch_xla install is named, with the fix."""
     if name == "torch_xla" and importlib.util.find_spec("torch_xla") is None:
+        import torch
+
         raise ConfigError("spmd.backend='torch_xla' needs torch_xla, which is not installed: pip install "
-                          "'spmdzero[torch_xla]' (torch_xla==2.9.0), or use spmd.backend='torchax' (the default)")
+                          f"'spmdzero[torch_xla]' (torch_xla==2.9.0, which runs on torch 2.9 only; this is torch "
+                          f"{torch.__version__}), or use spmd.backend='torchax' (the default)")
     return importlib.import_module(BACKENDS[name])
 
 

@@ -5,6 +5,7 @@ Tests needing another device count run in a subprocess (``run_python``)."""
 
 import atexit
 import contextlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -49,11 +50,18 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 import spmdzero  # noqa: E402,F401  (starts the runtime before any test creates tensors)
 
 
+# torch_xla is frozen at torch 2.9: the newest stack `make test` runs (tests/newest_stack.txt)
+# has none, and there every test of the torch_xla backend is skipped, saying so.
+TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
+NO_TORCH_XLA = "torch_xla is not installed (it needs torch 2.9; this is the newest stack's run)"
+
+
 def pytest_configure(config):
     """torch_xla's runtime beside JAX's devices, before any test runs a backward on the host, in
     the pytest process only (a test's subprocess that imports this module for its helpers stays
     a default process)."""
-    spmdzero.runtime.start_torch_xla("the torch_xla backend's tests")
+    if TORCH_XLA:
+        spmdzero.runtime.start_torch_xla("the torch_xla backend's tests")
     if config.option.durations is None:  # the slowest tests in every run's summary: the suite's time budget
         config.option.durations = 15
 
@@ -106,6 +114,8 @@ def run_python(*code: str, env: dict | None = None, timeout: int = 600) -> str:
     # others through jax.distributed (spmdzero.runtime.jax_runtime)
     inherited = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     full_env = {**inherited, **(env or {})}
+    if full_env.get("SPMDZERO_BACKEND") == "torch_xla" and not TORCH_XLA:
+        pytest.skip(NO_TORCH_XLA)
     source = "\n".join(textwrap.dedent(c) for c in code)
     proc = subprocess.run([sys.executable, "-c", source], cwd=REPO, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
@@ -145,6 +155,35 @@ def spmdzero_log():
 
 
 BACKENDS = ["torchax", "torch_xla"]  # the default first
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Without torch_xla, a test that turns out to need it (an engine of ``spmd.backend:
+    "torch_xla"``, a comparison with that backend, ``import torch_xla`` in the test or in its
+    subprocess) is reported skipped, saying why, not failed: what it checks runs on the pinned
+    stack, where torch_xla is installed."""
+    outcome = yield
+    report = outcome.get_result()
+    if TORCH_XLA or call.excinfo is None or not report.failed:
+        return
+    error = call.excinfo.value
+    text = str(error)
+    if (isinstance(error, ModuleNotFoundError) and error.name and error.name.split(".")[0] == "torch_xla") or \
+            "needs torch_xla, which is not installed" in text or "No module named 'torch_xla'" in text:
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {NO_TORCH_XLA}")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without torch_xla, its backend's tests are skipped: those named for it (a ``torch_xla``
+    parameter or name) and those marked ``torch_xla``."""
+    if TORCH_XLA:
+        return
+    skip = pytest.mark.skip(reason=NO_TORCH_XLA)
+    for item in items:
+        if "torch_xla" in item.name or item.get_closest_marker("torch_xla"):
+            item.add_marker(skip)
 
 
 def compile_count(engine) -> int:

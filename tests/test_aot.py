@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from conftest import aot_json, run_python
+from conftest import NO_TORCH_XLA, TORCH_XLA as TORCH_XLA_INSTALLED, aot_json, run_python
 
 TORCH_XLA = {"SPMDZERO_BACKEND": "torch_xla"}  # the torch_xla backend's runtime holds the child's devices
 
@@ -27,6 +27,8 @@ STAGES = """
 
 @pytest.fixture(scope="module")
 def compiled():
+    if not TORCH_XLA_INSTALLED:
+        pytest.skip(NO_TORCH_XLA)
     out = run_python(STAGES, env={**TORCH_XLA, "CPU_NUM_DEVICES": "4", "PJRT_DEVICE": "CPU"})
     return json.loads(out.strip().splitlines()[-1])
 
@@ -319,6 +321,7 @@ def test_find_max_batch_on_real_compiles_stops_where_libtpu_runs_out_of_memory(t
     assert result["reports"][0]["micro_batch"] == 1 and result["reports"][0]["fits"]
 
 
+@pytest.mark.torch_xla
 def test_capture_leaves_the_engine_state_untouched():
     """The traced update is dropped: the next sync must not execute it."""
     import torch
@@ -345,6 +348,7 @@ def test_capture_leaves_the_engine_state_untouched():
     assert engine.global_steps == 1
 
 
+@pytest.mark.torch_xla
 def test_capture_inside_an_accumulation_window_keeps_the_pending_gradients():
     """Capturing between two micro-steps of a window changes nothing: the window's gradients,
     counters and last loss are as they were, so the boundary applies exactly the update of an
@@ -872,6 +876,7 @@ def test_find_max_batch_says_when_it_stopped_at_its_limit_and_reuses_known_compi
     assert f">= {aot.steps.SEARCH_LIMIT} (the search limit; larger sizes were not tried)" in line
 
 
+@pytest.mark.torch_xla
 def test_training_after_a_collectives_report_does_not_recompile():
     """The report traces a step and puts the engine back: a bf16 config schedule (its step
     count on the device) and the restored state must not make the next training step a new
@@ -985,6 +990,7 @@ def test_the_command_asks_for_micro_batch_when_the_config_has_no_batch_size(tmp_
                     "absent (an integration fills them in): pass --micro-batch"], said
 
 
+@pytest.mark.torch_xla
 def test_a_captured_step_without_an_optimizer_says_so():
     import torch
 
@@ -1218,3 +1224,57 @@ def test_the_command_compiles_the_torchax_step_for_16_chips_without_retargeting(
     # the gradients go through the plan's two stages (rows over fsdp, then columns over
     # fsdp_inner): libtpu reduce-scatters them, where straight to their spec it all-reduced all
     assert stage2["collectives"]["reduce-scatter"]["tensors"] >= 8
+
+
+def test_tpu7x_counts_two_devices_a_chip_and_takes_its_other_names():
+    """A TPU7x chip is two JAX devices (libtpu's compile-only client lists 8 for ``2x2x1``);
+    the mesh and every per-chip figure count devices."""
+    from spmdzero import aot
+    from spmdzero.tpu.chips import canonical
+
+    assert aot.topology_chips("tpu7x:2x2x1") == aot.topology_chips("v7x:2x2x1") == 8
+    assert aot.chip_spec("v7:2x2x2").generation == "tpu7x" and canonical("V7X:2x2x2") == "tpu7x:2x2x2"
+    assert aot.chip_spec("tpu7x:2x2x1").hbm_bytes == 96 * 2**30
+    assert aot.topology_chips("v6e:2x2") == 4 and aot.topology_chips("v5p:2x2x1") == 4
+
+
+def test_a_generation_newer_than_the_installed_libtpu_names_the_version_that_knows_it(monkeypatch):
+    from spmdzero.tpu import compile as tpu_compile
+
+    monkeypatch.setattr(tpu_compile, "_libtpu_version", lambda: "0.0.21")
+    assert "tpu7x needs libtpu 0.0.42 or newer" in tpu_compile._newer_libtpu_needed("v7x:2x2x1")
+    assert tpu_compile._newer_libtpu_needed("v6e:2x2") is None
+    assert tpu_compile._newer_libtpu_needed("v9z:2x2") is None  # not a generation spmdzero knows
+    monkeypatch.setattr(tpu_compile, "_libtpu_version", lambda: "0.0.42.1")
+    assert tpu_compile._newer_libtpu_needed("tpu7x:2x2x1") is None
+
+
+@pytest.mark.slow
+def test_v6e_and_tpu7x_compile_or_name_the_libtpu_that_does(tmp_path, capsys):
+    """The same small Llama step on v6e:2x2 and on TPU7x (4 chips, 8 devices) with the installed
+    libtpu: a report with its chips, or, where libtpu predates TPU7x (0.0.21), one line naming
+    the version that knows it. `make test` runs this on both stacks."""
+    import importlib.metadata
+
+    from spmdzero.tpu.compile import _version_tuple
+
+    model = {"model_type": "llama", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+             "max_position_embeddings": 128}
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+              "bf16": {"enabled": True}}
+    v6e = aot_json(tmp_path, model, config, "--topology", "v6e:2x2", "--stages", "2", "--seq-len", "128")
+    assert v6e["reports"][0]["chips"] == 4 and "v6" in v6e["reports"][0]["device_kind"]
+    if _version_tuple(importlib.metadata.version("libtpu")) >= (0, 0, 42):
+        v7 = aot_json(tmp_path, model, config, "--topology", "v7x:2x2x1", "--stages", "2", "--seq-len", "128")
+        report = v7["reports"][0]
+        assert report["chips"] == 8 and report["device_kind"] == "TPU7x" and report["fits"]
+        assert report["traffic"]["sent_per_chip"] > 0 and report["roofline"]["step_s"] > 0, report
+    else:
+        from spmdzero.aot import command
+
+        code = command.main(["--topology", "v7x:2x2x1", "--deepspeed_config", str(tmp_path / "ds.json"),
+                             "--model", str(tmp_path), "--stages", "2", "--seq-len", "128"])
+        err = capsys.readouterr().err
+        assert code == 1 and "tpu7x needs libtpu 0.0.42 or newer" in err, err
+        assert "Traceback" not in err

@@ -56,10 +56,14 @@ def test_benchmark_runs_and_prints_both_ratios():
 
 
 def test_comparison_benchmark_writes_its_table(tmp_path):
+    """The torch_xla backend's benchmark (torch_xla's hand-written loop and FSDPv2 beside it)."""
     import subprocess
     import sys
 
-    from conftest import REPO
+    from conftest import NO_TORCH_XLA, REPO, TORCH_XLA
+
+    if not TORCH_XLA:
+        pytest.skip(NO_TORCH_XLA)
 
     out_file = tmp_path / "results.md"
     proc = subprocess.run([sys.executable, "benchmarks/compare.py", "--devices", "2", "--widths", "64",

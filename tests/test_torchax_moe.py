@@ -30,12 +30,15 @@ def test_each_chip_sorts_and_multiplies_its_own_tokens_pairs(transformers_4):
     """A Mixtral's step at ZeRO-2 on 8 devices sends what a dense model's does: the gradients
     reduce-scattered and the parameters gathered. Sorted over the whole batch, the pairs went
     between the chips (2.7x the minimum on libtpu, all-gathered on XLA:CPU)."""
-    env = {"PYTHONPATH": ".venv/transformers4"} if transformers_4 else {}
+    import os
+    import sys
+
+    overlay = os.path.join(sys.prefix, "transformers4")  # beside the pinned stack's venv only
+    env = {"PYTHONPATH": overlay} if transformers_4 else {}
     if transformers_4:
         pytest.importorskip("transformers")
-        import os
-        if not os.path.isdir(".venv/transformers4"):
-            pytest.skip("transformers 4.x is installed by `make test` (.venv/transformers4)")
+        if not os.path.isdir(overlay):
+            pytest.skip("transformers 4.x is installed by `make test` beside the pinned stack (.venv/transformers4)")
     result = json.loads(run_python(MIXTRAL, env=env).strip().splitlines()[-1])
     kinds = set(result["collectives"])
     assert kinds <= {"all-gather", "reduce-scatter (CPU: all-reduce + slice)", "all-reduce"}, kinds

@@ -52,6 +52,46 @@ ENTRY %main (g: f32[2048,256]) -> f32[128,256] {
 """
 
 
+# The same collectives as libtpu 0.0.42 prints them: replica groups named by mesh axes (with the
+# devices' order where it is not the iota), and a Pallas kernel's metadata over two lines.
+MESH_AXES_HLO = """
+ENTRY %main (g: f32[64,128]) -> f32[8,64] {
+  %k = f32[64,128]{1,0} custom-call(%g), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+"xprof_metadata":"{\\"block_q\\": 256}"
+}}, metadata={op_name="splash"}
+  %rs = f32[8,128]{1,0} reduce-scatter(%k), replica_groups=mesh['axis_0'=8,'axis_1'=2] {'axis_0'}, dimensions={0}
+  %rs.1 = f32[8,64]{1,0} reduce-scatter(%rs), replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=8], device_ids=([8,2]T(1,0)) {'axis_1'}, dimensions={1}
+  %ag = f32[64,128]{1,0} all-gather(%rs.1), replica_groups=mesh['axis_0'=8,'axis_1'=2] {'axis_0','axis_1'}, dimensions={0}
+}
+"""
+
+
+def test_replica_groups_named_by_mesh_axes_count_as_their_lists_do():
+    """libtpu 0.0.42 writes a group as the mesh axes it spans; an instruction split over lines
+    does not end its computation. The figures are those of the listed groups above."""
+    assert summarize_collectives(MESH_AXES_HLO) == summarize_collectives(TWO_STAGE_HLO)
+
+
+def test_a_cpu_tuple_all_reduce_splits_into_the_scattered_gradient_and_the_scalar():
+    """XLA 0.10's combiner reduces a loss's scalar and a gradient in one tuple all-reduce; only
+    the gradient's element feeds the partition-indexed slice of a reduce-scatter."""
+    hlo = """
+ENTRY %main (g: f32[64,16], l: f32[]) -> f32[8,16] {
+  %g = f32[64,16]{1,0} parameter(0)
+  %l = f32[] parameter(1)
+  %ar = (f32[], f32[64,16]{1,0}) all-reduce(%l, %g), replica_groups=[1,8]<=[8], to_apply=%add
+  %s = f32[] get-tuple-element(%ar), index=0
+  %g1 = f32[64,16]{1,0} get-tuple-element(%ar), index=1
+  %pid = u32[] partition-id()
+  %ds = f32[8,16]{1,0} dynamic-slice(%g1, %pid, %pid), dynamic_slice_sizes={8,16}
+  ROOT %n = f32[] negate(%s)
+}
+"""
+    got = summarize_collectives(hlo, cpu_program=True)
+    assert got["reduce-scatter (CPU: all-reduce + slice)"]["bytes"] == 64 * 16 * 4
+    assert got["all-reduce"]["bytes"] == 4 and got["all-reduce"]["tensors"] == 1
+
+
 def test_a_sliced_all_reduce_is_an_all_reduce_in_a_tpu_program_and_a_reduce_scatter_on_cpu():
     """In a TPU program it sends what an all-reduce sends, 2 x 15/16 of the array, and is
     listed among the arrays all-reduced in full; XLA:CPU has no reduce-scatter, so there the

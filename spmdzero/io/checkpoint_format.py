@@ -53,10 +53,10 @@ def _is_writer() -> bool:
     Device-free tools (consolidation, import) never start the runtime: they are the writer."""
     import sys
 
-    from spmdzero.runtime import jax_runtime
+    from spmdzero.runtime import jax_private, jax_runtime
 
     if jax_runtime.selected():  # JAX's process index, once JAX has started
-        if "jax" not in sys.modules or not sys.modules["jax"]._src.xla_bridge.backends_are_initialized():
+        if "jax" not in sys.modules or not jax_private.backends_started():
             return True
         return sys.modules["jax"].process_index() == 0
     if "torch_xla.runtime" not in sys.modules:

@@ -28,19 +28,28 @@ class Instruction:
 
 def computation_blocks(text: str) -> dict[str, list[str]]:
     """HLO module text -> {computation name: its lines, header to closing brace}, in order.
-    The entry is under 'ENTRY'."""
+    The entry is under 'ENTRY'. An instruction printed over several lines (a Pallas kernel's
+    ``kernel_metadata`` holds a newline since JAX 0.8) is joined into one: a computation's
+    lines each start with ``%`` or ``ROOT``, and only a line that is ``}`` closes it."""
     blocks: dict[str, list[str]] = {}
     current = None
     for line in text.splitlines():
         header = re.match(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$", line)
-        if header:
+        if header and current is None:
             current = "ENTRY" if header.group(1) else header.group(2)
             blocks[current] = [line]
         elif current is not None:
-            blocks[current].append(line)
-            if line.startswith("}"):
+            if line.rstrip() == "}":
+                blocks[current].append(line)
                 current = None
+            elif _INSTRUCTION_START.match(line) or len(blocks[current]) == 1:
+                blocks[current].append(line)
+            else:  # the rest of the instruction above
+                blocks[current][-1] += " " + line.strip()
     return blocks
+
+
+_INSTRUCTION_START = re.compile(r"^\s*(?:ROOT\s+)?%")
 
 
 def split_computations(text: str) -> dict[str, list[Instruction]]:
@@ -67,9 +76,30 @@ def collective_counts(text: str) -> dict[str, int]:
 
 
 def is_cpu_reduce_scatter(comps, entry: list[Instruction], ins: Instruction) -> bool:
-    """A non-scalar all-reduce whose only consumers are partition-indexed slices."""
-    scalar = ins.shape.split("{")[0].endswith("[]")
-    return not scalar and _feeds_only_partition_slices(comps, entry, ins)
+    """A non-scalar all-reduce whose only consumers are partition-indexed slices (of a tuple
+    all-reduce: every non-scalar element's)."""
+    parts = cpu_all_reduce_parts(comps, entry, ins)
+    return any(scattered for _, scattered in parts) and all(scattered or shape.endswith("[]")
+                                                            for shape, scattered in parts)
+
+
+def cpu_all_reduce_parts(comps, entry: list[Instruction], ins: Instruction) -> list[tuple[str, bool]]:
+    """``(shape, reduce-scattered)`` for each array an XLA:CPU all-reduce reduces: one, or each
+    element of a tuple. XLA 0.10's combiner puts a step's scalars (a loss's sum) and a gradient
+    in one tuple all-reduce; the gradient's element alone feeds the partition-indexed slices of
+    a reduce-scatter, the scalar is all-reduced."""
+    arrays = re.findall(r"\b[a-z]+\d*\[[\d,]*\]", ins.shape)
+    if not ins.shape.startswith("("):
+        scalar = arrays[0].endswith("[]") if arrays else True
+        return [(arrays[0] if arrays else ins.shape, not scalar and _feeds_only_partition_slices(comps, entry, ins))]
+    parts = []
+    for index, shape in enumerate(arrays):
+        element = [u for u in entry if u.opcode == "get-tuple-element" and u.uses(ins.name)
+                   and re.search(rf"\bindex={index}\b", u.rest)]
+        scattered = not shape.endswith("[]") and bool(element) and \
+            all(_feeds_only_partition_slices(comps, entry, e) for e in element)
+        parts.append((shape, scattered))
+    return parts
 
 
 def collectives(text: str, opcode: str) -> list[Instruction]:

@@ -21,10 +21,12 @@ TPU VM without ``WORLD_SIZE``, JAX's own discovery from the TPU runtime.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Mapping
 from typing import Optional
+from spmdzero.runtime import jax_private
 from spmdzero.runtime.devices import EnvironmentSettingError, _select_device_type, cpu_device_count, size_cpu_thread_pool
 
 VARIABLE = "SPMDZERO_BACKEND"
@@ -139,24 +141,20 @@ def distributed_settings(environ: Mapping[str, str] | None = None, device_type: 
 def joined_processes() -> int:
     """How many processes ``jax.distributed`` joined (1 when none), without starting the devices."""
     import jax
-    from jax._src import distributed
 
-    return distributed.global_state.num_processes if jax.distributed.is_initialized() else 1
+    return jax_private.joined_process()[1] if jax.distributed.is_initialized() else 1
 
 
 def _on_cloud_tpu_vm() -> bool:
     """Whether JAX found TPU chips and libtpu when it was imported: where its discovery of the
     TPU VM's hosts (the TPU runtime's metadata) can work."""
-    from jax._src import cloud_tpu_init
-
-    return cloud_tpu_init.running_in_cloud_tpu_vm
+    return jax_private.on_cloud_tpu_vm()
 
 
 def join_processes(settings: dict) -> None:
     """``jax.distributed.initialize(**settings)``: blocks until every process has joined (or the
     initialization timeout passes, an error naming the coordinator)."""
     import jax
-    from jax._src import distributed
 
     if jax.distributed.is_initialized():
         return
@@ -182,9 +180,9 @@ def join_processes(settings: dict) -> None:
                            "MASTER_PORT + 1, served by the RANK 0 process). Did every host start, with the same "
                            f"WORLD_SIZE, MASTER_ADDR and MASTER_PORT and its own RANK? ({INIT_TIMEOUT} sets how long "
                            f"to wait.) {type(err).__name__}: {err}") from err
-    # JAX names a lost process "task:N" when it stops the others (docs/multihost.md)
-    joined = distributed.global_state  # jax.process_index() would start the devices
-    print(f"[spmdzero] process {joined.process_id} of {joined.num_processes} joined the others", file=sys.stderr)
+    # JAX names a lost process when it stops the others ("task:N"; docs/multihost.md)
+    index, count = jax_private.joined_process()  # jax.process_index() would start the devices
+    print(f"[spmdzero] process {index} of {count} joined the others", file=sys.stderr)
 
 
 def _wait_for_coordinator(address: str, timeout: int) -> int:
@@ -210,9 +208,8 @@ def configure() -> None:
     processes, ``distributed_settings``): on a TPU VM only TPU and CPU, so that a TPU JAX cannot
     open (held by another process) is an error rather than a silent fallback to one CPU device."""
     import jax
-    from jax._src import xla_bridge
 
-    if xla_bridge.backends_are_initialized():
+    if jax_private.backends_started():
         if not jax.distributed.is_initialized() and (distributed_settings() or {}).get("num_processes"):
             raise RuntimeError(f"spmdzero with WORLD_SIZE={os.environ['WORLD_SIZE']}: JAX started its "
                                "devices before `import spmdzero`, so this process can no longer join the others "
@@ -282,10 +279,8 @@ def cpu_devices(count: int) -> list:
     import jax
     import jax.extend.backend
     import torch
-    from jax._src import xla_bridge
-
     reseed = None
-    if xla_bridge.backends_are_initialized() and len(jax.devices("cpu")) < count:
+    if jax_private.backends_started() and len(jax.devices("cpu")) < count:
         # torchax's environment, once created (torch_xla's assume_pure does), holds a PRNG key
         env = sys.modules["torchax"].default_env() if "torchax" in sys.modules else None
         key = None if env is None else getattr(env.param.prng, "_base_array", env.param.prng)
@@ -293,7 +288,7 @@ def cpu_devices(count: int) -> list:
         if not live:
             jax.extend.backend.clear_backends()
             reseed = env
-    if not xla_bridge.backends_are_initialized():
+    if not jax_private.backends_started():
         size_cpu_thread_pool(count)
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", count)
@@ -324,3 +319,19 @@ def enable_compile_cache(path: str) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # every entry (0 means JAX's default)
     compilation_cache.reset_cache()
+
+
+@contextlib.contextmanager
+def shardy_partitioner(enabled: bool):
+    """JAX's partitioner for the lowerings inside: Shardy (``sdy.sharding``, what a TPU VM's
+    JAX runs by default) or GSPMD (``mhlo.sharding``, which torch_xla's partitioner reads). A
+    process where torch_xla used JAX has Shardy switched off for good
+    (``jax_workarounds.maybe_get_jax``), so each lowering says which it writes."""
+    import jax
+
+    before = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", enabled)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", before)

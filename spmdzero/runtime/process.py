@@ -89,6 +89,12 @@ def bootstrap() -> None:
 
         libtpu_flags.apply()
 
+    import importlib.util
+
+    if importlib.util.find_spec("torch_xla") is None:
+        raise RuntimeError(f"the torch_xla backend needs torch_xla, which is not installed: pip install "
+                           f"'spmdzero[torch_xla]' (torch_xla 2.9, which runs on torch 2.9 only; this is torch "
+                           f"{_torch_version()}), or use the default backend (spmd.backend 'torchax')")
     import torch_xla.runtime as xr
 
     if not xr.is_spmd():
@@ -192,3 +198,9 @@ def explain_backward_trap(err: RuntimeError) -> RuntimeError | None:
         "runtime started in this process (PyTorch's autograd engine then never creates "
         f"its XLA device queues). {fix}; in a notebook, restart the kernel and do it in the first cell."
     )
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__

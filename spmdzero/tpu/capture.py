@@ -18,6 +18,8 @@ from spmdzero.tpu.chips import GIB, ChipSpec, chip_spec, topology_chips  # noqa:
 from spmdzero.tpu.compile import LIBTPU_HINT
 from spmdzero.tpu.report import AotReport, CollectivesReport, HLO_DTYPES
 from spmdzero.sharding.mesh import mesh_shape
+from spmdzero.runtime import jax_private
+from spmdzero.runtime.jax_runtime import shardy_partitioner
 
 
 class StepCapture:
@@ -106,27 +108,6 @@ class StepCapture:
 LIBTPU_MOSAIC_IR_VERSION = 7
 
 
-@contextlib.contextmanager
-def _mosaic_for_libtpu():
-    """Pallas kernels (the flash attention) serialized for the pinned libtpu. On a TPU VM JAX
-    picks the version from the runtime's build date (``tpu_custom_call.get_ir_version``); a
-    lowering for TPU on a machine without one has no date and takes JAX's newest. Version 7 is
-    what JAX itself emits in forward-compatibility mode."""
-    from jax._src import tpu_custom_call
-
-    newest = tpu_custom_call.get_ir_version
-
-    def version(ctx):
-        chosen = newest(ctx)
-        return LIBTPU_MOSAIC_IR_VERSION if chosen is None else min(chosen, LIBTPU_MOSAIC_IR_VERSION)
-
-    tpu_custom_call.get_ir_version = version
-    try:
-        yield
-    finally:
-        tpu_custom_call.get_ir_version = newest
-
-
 class JaxStepCapture:
     """One step of a torchax engine (``spmd.backend: "torchax"``) as StableHLO: the engine's
     training and update programs composed into one ``jax.jit`` function and traced
@@ -142,15 +123,13 @@ class JaxStepCapture:
     backend = "torchax"
 
     def __init__(self, engine, traced_step):
-        from jax._src import config
-
         self.engine = engine
         self.step = traced_step  # TorchaxEngine.trace_step's TracedStep
         # The TPU lowering (its own rules for a few ops, e.g. the RNG), not this machine's, with
         # JAX's default partitioner, Shardy, as the engine runs on a TPU VM (SPMDZERO_BACKEND=
         # torchax): a process where torch_xla used JAX has it switched off for good (torch_xla's
         # jax_workarounds.maybe_get_jax), and would lower GSPMD's annotations instead.
-        with config.use_shardy_partitioner(True), _mosaic_for_libtpu():
+        with shardy_partitioner(True), jax_private.mosaic_ir_version_at_most(LIBTPU_MOSAIC_IR_VERSION):
             self.mlir: str = traced_step.traced.lower(lowering_platforms=("tpu",)).as_text()
         self.donate: list[tuple[int, int]] = []  # in the module already
 
@@ -173,9 +152,7 @@ class JaxStepCapture:
     def collectives_report(self, timeout: int = 1800) -> CollectivesReport:
         """The collectives of this step compiled for XLA:CPU on the engine's devices (lowered for
         the CPU, with Shardy as for the TPU), reported as ``StepCapture.collectives_report`` does."""
-        from jax._src import config
-
-        with config.use_shardy_partitioner(True):
+        with shardy_partitioner(True):
             mlir = self.step.traced.lower(lowering_platforms=("cpu",)).as_text()
         result = compile_mlir(mlir, f"cpu:{self.devices}", (), timeout, fixed_outputs=True)
         return CollectivesReport(self.devices, result["collectives"], self.gradient_bytes(), self.engine.plan.stage)

@@ -3,8 +3,9 @@ a ring algorithm, and the trip counts of the loops they run in (a scanned layer 
 collectives once per layer)."""
 
 from __future__ import annotations
+import math
 import re
-from spmdzero.observe.hlo import COLLECTIVE_OPS, is_cpu_reduce_scatter, split_computations
+from spmdzero.observe.hlo import COLLECTIVE_OPS, cpu_all_reduce_parts, split_computations
 
 
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "pred": 1, "s8": 1, "u8": 1}
@@ -74,8 +75,13 @@ def _collectives(hlo_text: str, cpu_program: bool):
         nonlocal found
         for ins in body:
             op = ins.opcode.removesuffix("-start")
-            if op == "all-reduce" and cpu_program and is_cpu_reduce_scatter(computations, body, ins):
-                add("reduce-scatter (CPU: all-reduce + slice)", ins.shape, group_size(ins.rest), times)
+            if op == "all-reduce" and cpu_program:
+                parts = cpu_all_reduce_parts(computations, body, ins)
+                for kind, scattered in (("reduce-scatter (CPU: all-reduce + slice)", True), ("all-reduce", False)):
+                    shapes = [shape for shape, s in parts if s == scattered]
+                    if shapes:
+                        add(kind, shapes[0] if len(shapes) == 1 else f"({', '.join(shapes)})", group_size(ins.rest),
+                            times)
             elif op in COLLECTIVE_OPS:
                 add(op, _output_shape(ins), group_size(ins.rest), times)
             elif op == "fusion" and (called := re.search(r"calls=%([\w.\-]+)", ins.rest)):
@@ -129,12 +135,22 @@ def _output_shape(ins) -> str:
 
 def group_size(attributes: str) -> int:
     """Devices in one replica group of a collective (0 when it does not say).
-    Groups are written ``{{0,2},{1,3}}`` or as an iota ``[groups,size]<=[...]``."""
+    Groups are written ``{{0,2},{1,3}}``, as an iota ``[groups,size]<=[...]``, or (libtpu
+    0.0.42) by mesh axes, ``mesh['axis_0'=16,'axis_1'=8] {'axis_1'}`` (with the devices'
+    order, ``device_ids=(...)``, between them where it is not the iota): a group spans the
+    axes named in braces."""
     listed = re.search(r"replica_groups=\{\{([\d,]*)\}", attributes)
     if listed:
         return len(listed.group(1).split(","))
     iota = re.search(r"replica_groups=\[(?:\d+,)*(\d+)\]<=", attributes)
-    return int(iota.group(1)) if iota else 0
+    if iota:
+        return int(iota.group(1))
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\S*\))?\s*\{([^}]*)\}", attributes)
+    if not mesh:
+        return 0
+    sizes = {name: int(size) for name, size in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))}
+    named = re.findall(r"'([^']+)'", mesh.group(2))
+    return math.prod(sizes.get(name, 0) for name in named) if named else 0
 
 
 def sent_per_device(kind: str, size: int, group: int) -> int | None:

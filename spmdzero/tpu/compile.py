@@ -16,10 +16,10 @@ import re
 import sys
 import time
 
-from spmdzero.runtime import libtpu_flags
+from spmdzero.runtime import jax_private, libtpu_flags
 from spmdzero.runtime.devices import size_cpu_thread_pool
 from spmdzero.tpu.collectives import largest_all_reduces, loop_trip_counts, summarize_collectives, trip_count
-from spmdzero.tpu.chips import known_topologies
+from spmdzero.tpu.chips import canonical, chip_spec, known_topologies
 from spmdzero.observe.hlo import computation_blocks, split_computations
 
 LIBTPU_HINT = "install it with: pip install 'spmdzero[aot]' (libtpu==0.0.21, the version torch_xla 2.9 pins)"
@@ -45,18 +45,48 @@ def _tpu_devices(topology: str) -> list:
     from jax.experimental import topologies
 
     try:
-        return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=canonical(topology)).devices)
     except Exception as err:
         message = str(err)
         if LOCKFILE_MARK in message or "libtpu" in message.lower() and "in use" in message.lower():
             raise RuntimeError(f"libtpu is in use by another process ({message.strip()}); set "
                                "ALLOW_MULTIPLE_LIBTPU_LOAD=1 to let this compile share it, or wait for that "
                                "process to finish") from None
+        newer = _newer_libtpu_needed(topology)
+        if newer:
+            raise ValueError(f"unknown TPU topology {topology!r} to libtpu {_libtpu_version()}: {newer}") from None
         raise ValueError(f"unknown TPU topology {topology!r} ({message.strip()}); valid names include "
                          f"{', '.join(known_topologies())}") from None
 
 
 LOCKFILE_MARK = "libtpu_lockfile"
+
+
+def _libtpu_version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
+
+
+def _newer_libtpu_needed(topology: str) -> str | None:
+    """What to install when the topology's generation is one spmdzero knows but the installed
+    libtpu predates it (TPU7x on libtpu 0.0.21); None otherwise."""
+    try:
+        spec = chip_spec(topology)
+    except ValueError:
+        return None
+    installed = _libtpu_version()
+    if _version_tuple(installed) >= _version_tuple(spec.libtpu):
+        return None
+    return (f"{spec.generation} needs libtpu {spec.libtpu} or newer (spmdzero compiled it with libtpu "
+            f"{spec.libtpu}, which jax 0.10.2 pins: pip install 'jax[tpu]==0.10.2' or 'spmdzero[aot-newest]')")
+
+
+def _version_tuple(version: str) -> tuple:
+    return tuple(int(part) for part in version.split(".") if part.isdigit())
 
 
 def prepare_module(module, donate: list[tuple[int, int]], fixed_outputs: bool = False) -> list[bool]:
@@ -73,9 +103,8 @@ def prepare_module(module, donate: list[tuple[int, int]], fixed_outputs: bool = 
       ``main``): an output with a sharding keeps it, as ``jax.jit`` compiles an output whose
       sharding was given; the others are the compiler's choice.
     """
-    from jax._src.interpreters import mlir
+    from jax.interpreters.mlir import ir
 
-    ir = mlir.ir
     main = next(op for op in module.body.operations if ir.StringAttr(op.attributes["sym_name"]).value == "main")
     block = main.regions[0].blocks[0]
     arg_attrs = [_attr_dict(a) for a in main.attributes["arg_attrs"]] if "arg_attrs" in main.attributes \
@@ -105,9 +134,9 @@ def prepare_module(module, donate: list[tuple[int, int]], fixed_outputs: bool = 
 
 
 def _attr_dict(attr) -> dict:
-    from jax._src.interpreters import mlir
+    from jax.interpreters.mlir import ir
 
-    d = mlir.ir.DictAttr(attr)
+    d = ir.DictAttr(attr)
     return {d[i].name: d[i].attr for i in range(len(d))}
 
 
@@ -116,10 +145,9 @@ def compile_for_tpu(mlir_text: str, topology: str, donate: list[tuple[int, int]]
     """Compile for ``topology``: a TPU topology name, or ``cpu:N`` for XLA:CPU with N devices.
     A program that does not fit comes back as a report with ``out_of_memory`` set.
     ``fixed_outputs``: as ``prepare_module`` takes it."""
+    import jax.interpreters.mlir as mlir
     import numpy as np
-    from jax._src import compiler
-    from jax._src.interpreters import mlir
-    from jax._src.lib import xla_client as xc
+    from jax.extend.backend import get_compile_options
 
     on_cpu = topology.startswith("cpu:")
     devices = _cpu_devices(int(topology[4:])) if on_cpu else _tpu_devices(topology)
@@ -129,17 +157,16 @@ def compile_for_tpu(mlir_text: str, topology: str, donate: list[tuple[int, int]]
     with mlir.make_ir_context():
         module = mlir.ir.Module.parse(mlir_text)
         propagate = prepare_module(module, list(donate), fixed_outputs)
-        options = compiler.get_compile_options(num_replicas=1, num_partitions=len(devices),
-                                               device_assignment=np.array([[d.id for d in devices]]),
-                                               use_spmd_partitioning=True, backend=devices[0].client)
+        # SPMD partitioning is on in every JAX version's options (0.10 no longer takes the key)
+        options = get_compile_options(num_replicas=1, num_partitions=len(devices),
+                                      device_assignment=np.array([[d.id for d in devices]]),
+                                      backend=devices[0].client)
         # The export carries input shardings only; let the other outputs take the propagated
         # ones (else they compile replicated and the output bytes are overstated).
         options.executable_build_options.allow_spmd_sharding_propagation_to_output = propagate
         start = time.perf_counter()
-        compile_fn = compiler.backend_compile_and_load if on_cpu else compiler.backend_compile
-        extra = ([],) if on_cpu else ()  # a live CPU client loads; TPU's is compile-only
-        try:
-            executable = compile_fn(devices[0].client, module, xc.DeviceList(tuple(devices)), options, *extra)
+        try:  # a live CPU client loads; TPU's is compile-only
+            executable = jax_private.compile_module(devices[0].client, module, devices, options, load=on_cpu)
         except Exception as err:  # jax raises its own XlaRuntimeError; the message says which
             out_of_memory = parse_resource_exhausted(str(err))
             if out_of_memory is None:
@@ -187,7 +214,7 @@ def per_step_cost(hlo_text: str, cost: dict, client=None) -> dict:
     (XLA's cost analysis of the body as a program of its own, less that of the loops nested
     in it) times its trip count and those of the loops around it. The body's analysis runs on
     an XLA:CPU client, which gives a TPU program the same FLOPs and bytes as libtpu does."""
-    from jax._src.lib import xla_client as xc
+    from jaxlib import xla_client as xc
 
     client = client or xc.make_cpu_client()
     computations = split_computations(hlo_text)
@@ -237,9 +264,7 @@ def _as_program(blocks: dict, body: str) -> str:
 
 
 def _program_cost(client, text: str) -> dict:
-    from jax._src.lib import xla_client as xc
-
-    analysis = xc._xla.hlo_module_cost_analysis(client, xc._xla.hlo_module_from_text(text))
+    analysis = jax_private.hlo_cost_analysis(client, text)
     return {key: float(analysis[key]) for key in _COST_KEYS if key in analysis}
 
 

@@ -29,6 +29,8 @@ import torch
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 from spmdzero.optim.ops import jax_ops
+from spmdzero.runtime import jax_private
+from spmdzero.runtime.jax_runtime import shardy_partitioner
 from spmdzero.optim.update import GradScale, update_group
 
 _CACHE: dict[tuple, Any] = {}
@@ -272,7 +274,6 @@ def _lower(fn, flat: list[torch.Tensor], out_shardings: Optional[list[str]]):
     finally:
         np.random.set_state(numpy_rng)
     import jax.numpy as jnp
-    from jax._src import config
 
     ops = jax_ops(layout=lambda x, sharding: _layout_primitive().bind(x, sharding=sharding))
     shapes = [jax.ShapeDtypeStruct(tuple(t.shape), jnp.dtype(str(t.dtype).removeprefix("torch."))) for t in flat]
@@ -288,7 +289,7 @@ def _lower(fn, flat: list[torch.Tensor], out_shardings: Optional[list[str]]):
         return results
 
     # GSPMD's sharding custom calls, which torch_xla's partitioner reads (not Shardy's)
-    with config.use_shardy_partitioner(False):
+    with shardy_partitioner(False):
         traced = jax.jit(constrained, keep_unused=True).trace(shapes)
         proto = traced.lower(lowering_platforms=(platform,)).compiler_ir("hlo").as_serialized_hlo_module_proto()
     return xb.computation_from_module_proto("spmdzero_fused", proto)
@@ -303,16 +304,16 @@ def _layout_primitive():
     ``with_sharding_constraint`` needs devices of JAX's backend, which here is not the
     runtime's."""
     if not _LAYOUT:
-        from jax._src import core
-        from jax._src.interpreters import mlir
-        from jax._src.lib import xla_client
+        import jax.interpreters.mlir as mlir
+        from jax.extend import core
+        from jaxlib import xla_client
 
         layout = core.Primitive("spmdzero_layout")
         layout.def_abstract_eval(lambda x, *, sharding: x)
 
         def lowering(ctx, x, *, sharding):
             proto = xla_client.HloSharding.from_string(sharding).to_proto()
-            return [mlir.wrap_with_sharding_op(ctx, x, ctx.avals_out[0], proto)]
+            return [jax_private.wrap_with_sharding_op(ctx, x, ctx.avals_out[0], proto)]
 
         mlir.register_lowering(layout, lowering)
         _LAYOUT.append(layout)
