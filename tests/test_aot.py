@@ -1269,7 +1269,8 @@ def test_v6e_and_tpu7x_compile_or_name_the_libtpu_that_does(tmp_path, capsys):
         v7 = aot_json(tmp_path, model, config, "--topology", "v7x:2x2x1", "--stages", "2", "--seq-len", "128")
         report = v7["reports"][0]
         assert report["chips"] == 8 and report["device_kind"] == "TPU7x" and report["fits"]
-        assert report["traffic"]["sent_per_chip"] > 0 and report["roofline"]["step_s"] > 0, report
+        # its collectives run on the SparseCores, called through async-starts: counted as on v6e
+        assert report["collectives"]["reduce-scatter"]["bytes"] > 0 and report["traffic"]["ratio"] > 0.9, report
     else:
         from spmdzero.aot import command
 

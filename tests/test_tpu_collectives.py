@@ -92,6 +92,41 @@ ENTRY %main (g: f32[64,16], l: f32[]) -> f32[8,16] {
     assert got["all-reduce"]["bytes"] == 4 and got["all-reduce"]["tensors"] == 1
 
 
+# TPU7x (libtpu 0.0.42) runs the collectives on its SparseCores: an async-start calls a computation
+# that calls the one holding the collective, each closed by `}, execution_thread="sparsecore"`.
+SPARSECORE_HLO = """
+%called_computation.1 (p: f32[64,128], t: token[]) -> f32[8,128] {
+  %p = f32[64,128]{1,0} parameter(0)
+  %t = token[] parameter(1)
+  ROOT %rs = f32[8,128]{1,0} reduce-scatter(%p), replica_groups=mesh['axis_0'=8] {'axis_0'}, dimensions={0}
+}, execution_thread="sparsecore"
+
+%async_computation.1 (p.1: f32[64,128], t.1: token[]) -> f32[8,128] {
+  %p.1 = f32[64,128]{1,0} parameter(0)
+  %t.1 = token[] parameter(1)
+  ROOT %rs.call = f32[8,128]{1,0} call(%p.1, %t.1), to_apply=%called_computation.1
+}, execution_thread="sparsecore"
+
+ENTRY %main (g: f32[64,128], t.2: token[]) -> f32[8,128] {
+  %g = f32[64,128]{1,0} parameter(0)
+  %t.2 = token[] parameter(1)
+  %start = ((f32[64,128]{1,0}, token[]), f32[8,128]{1,0}) async-start(%g, %t.2), async_execution_thread="sparsecore", calls=%async_computation.1
+  ROOT %done = f32[8,128]{1,0} async-done(%start)
+}
+"""
+
+
+def test_a_collective_offloaded_to_the_sparsecores_is_counted_once():
+    """As the pass dumps print it (async-start) and as the executable does (call-start)."""
+    size = 64 * 128 * 4
+    expected = {"reduce-scatter": {"count": 1, "tensors": 1, "bytes": size // 8, "sent": 7 * size // 8}}
+    assert summarize_collectives(SPARSECORE_HLO) == expected
+    printed = SPARSECORE_HLO.replace(
+        'async-start(%g, %t.2), async_execution_thread="sparsecore", calls=%async_computation.1',
+        'call-start(%g, %t.2), async_execution_thread="sparsecore", to_apply=%called_computation.1')
+    assert "call-start" in printed and summarize_collectives(printed) == expected
+
+
 def test_a_sliced_all_reduce_is_an_all_reduce_in_a_tpu_program_and_a_reduce_scatter_on_cpu():
     """In a TPU program it sends what an all-reduce sends, 2 x 15/16 of the array, and is
     listed among the arrays all-reduced in full; XLA:CPU has no reduce-scatter, so there the

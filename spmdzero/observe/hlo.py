@@ -30,7 +30,8 @@ def computation_blocks(text: str) -> dict[str, list[str]]:
     """HLO module text -> {computation name: its lines, header to closing brace}, in order.
     The entry is under 'ENTRY'. An instruction printed over several lines (a Pallas kernel's
     ``kernel_metadata`` holds a newline since JAX 0.8) is joined into one: a computation's
-    lines each start with ``%`` or ``ROOT``, and only a line that is ``}`` closes it."""
+    lines each start with ``%`` or ``ROOT``, and only a line that is ``}`` (with the thread it
+    runs on, on TPU7x) closes it."""
     blocks: dict[str, list[str]] = {}
     current = None
     for line in text.splitlines():
@@ -39,7 +40,7 @@ def computation_blocks(text: str) -> dict[str, list[str]]:
             current = "ENTRY" if header.group(1) else header.group(2)
             blocks[current] = [line]
         elif current is not None:
-            if line.rstrip() == "}":
+            if _COMPUTATION_END.match(line):
                 blocks[current].append(line)
                 current = None
             elif _INSTRUCTION_START.match(line) or len(blocks[current]) == 1:
@@ -50,6 +51,9 @@ def computation_blocks(text: str) -> dict[str, list[str]]:
 
 
 _INSTRUCTION_START = re.compile(r"^\s*(?:ROOT\s+)?%")
+# "}" alone, or with the thread it runs on (TPU7x's SparseCore computations: `}, execution_thread=
+# "sparsecore"`); an instruction's continuation starts "}}," instead
+_COMPUTATION_END = re.compile(r"^\}\s*(?:,\s*execution_thread=.*)?$")
 
 
 def split_computations(text: str) -> dict[str, list[Instruction]]:

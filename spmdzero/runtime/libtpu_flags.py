@@ -6,7 +6,7 @@ runtime (``spmdzero.runtime.process.bootstrap``, before torch_xla starts libtpu)
 ``spmdzero aot`` reports the program the real run compiles. libtpu reads
 ``LIBTPU_INIT_ARGS`` once, when it loads, and stops the process on a flag it does not know
 ("ERROR: Unknown command line flag"): each flag here was checked against
-``LIBTPU_VERSION``.
+``LIBTPU_VERSIONS``.
 
 A flag the user sets in ``LIBTPU_INIT_ARGS`` wins over ours. ``SPMDZERO_LIBTPU_FLAGS=0``
 applies none of them (the AOT compile, inheriting the environment, then agrees).
@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import os
 
-LIBTPU_VERSION = "0.0.21"  # the libtpu torch_xla 2.9 pins; what FLAGS were measured on
+# torch_xla 2.9's libtpu, which FLAGS were measured on, and jax 0.10.2's, which loads them and
+# compiles docs/tpu.md's table to the same collectives with them (`make test` runs `aot` on both)
+LIBTPU_VERSIONS = ("0.0.21", "0.0.42")
 OPT_OUT = "SPMDZERO_LIBTPU_FLAGS"
 
 FLAGS: dict[str, str] = {

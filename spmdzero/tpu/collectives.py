@@ -26,7 +26,8 @@ def summarize_collectives(hlo_text: str, cpu_program: bool = False) -> dict[str,
     """Collectives of the program by kind: count, tensors, bytes (output size) and bytes sent
     per device, per step. TPU's reduce-scatter is a ``kCustom`` fusion calling an
     ``all-reduce-scatter`` computation; it is reported as ``reduce-scatter``. Other
-    collectives may start inside a fusion too (``async-collective-start``). A while loop's
+    collectives may start inside a fusion too (``async-collective-start``), or, on TPU7x, in a
+    computation an ``async-start`` calls (SparseCore offload). A while loop's
     body (a scanned layer stack, a windowed einsum's ring of collective-permutes) counts as
     many times as its trip count.
 
@@ -95,6 +96,12 @@ def _collectives(hlo_text: str, cpu_program: bool):
                 for i in inner if ins.name.startswith("async-collective-start") else ():
                     if i.opcode.removesuffix("-start") in COLLECTIVE_OPS:
                         add(i.opcode.removesuffix("-start"), i.shape, group_size(i.rest), times)
+            elif ins.opcode in ("async-start", "call-start", "call") and \
+                    (called := re.search(r"(?:calls|to_apply)=%([\w.\-]+)", ins.rest)) and called.group(1) in computations:
+                # TPU7x runs collectives on its SparseCores: an async-start calls a computation that
+                # calls the one holding the collective (the executable prints the pair as one
+                # `call-start(...), to_apply=%...`, the pass dumps as `async-start(...), calls=%...`)
+                walk(computations[called.group(1)], times, trips)
             elif op == "while":
                 loop = re.search(r"body=%([\w.\-]+)", ins.rest)
                 if loop and loop.group(1) in computations:

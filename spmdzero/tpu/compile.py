@@ -22,7 +22,7 @@ from spmdzero.tpu.collectives import largest_all_reduces, loop_trip_counts, summ
 from spmdzero.tpu.chips import canonical, chip_spec, known_topologies
 from spmdzero.observe.hlo import computation_blocks, split_computations
 
-LIBTPU_HINT = "install it with: pip install 'spmdzero[aot]' (libtpu==0.0.21, the version torch_xla 2.9 pins)"
+LIBTPU_HINT = "install it with: pip install 'spmdzero[aot]' (libtpu 0.0.21 to 0.0.42; docs/aot.md)"
 
 
 def _cpu_devices(count: int) -> list:
@@ -81,8 +81,9 @@ def _newer_libtpu_needed(topology: str) -> str | None:
     installed = _libtpu_version()
     if _version_tuple(installed) >= _version_tuple(spec.libtpu):
         return None
-    return (f"{spec.generation} needs libtpu {spec.libtpu} or newer (spmdzero compiled it with libtpu "
-            f"{spec.libtpu}, which jax 0.10.2 pins: pip install 'jax[tpu]==0.10.2' or 'spmdzero[aot-newest]')")
+    return (f"{spec.generation} needs libtpu {spec.libtpu} or newer (the oldest spmdzero compiled it with): "
+            f"pip install 'libtpu>={spec.libtpu}' (what `pip install 'spmdzero[aot]'` picks where nothing holds "
+            "libtpu back, and what jax 0.10.2 pins)")
 
 
 def _version_tuple(version: str) -> tuple:
