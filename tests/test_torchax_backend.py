@@ -1632,8 +1632,9 @@ def test_without_torch_xla_installed_the_default_backend_trains_and_the_extra_is
     assert out["engine"] == "TorchaxEngine" and out["steps"] == 2 and len(out["losses"]) == 4
     assert out["torch_xla"] == []
     assert out["torch_xla_config"] == ("spmd.backend='torch_xla' needs torch_xla, which is not installed: pip "
-                                       "install 'spmdzero[torch_xla]' (torch_xla==2.9.0), or use "
-                                       "spmd.backend='torchax' (the default)")
+                                       "install 'spmdzero[torch_xla]' (torch_xla==2.9.0, which runs on torch 2.9 "
+                                       f"only; this is torch {torch.__version__}), or use spmd.backend='torchax' "
+                                       "(the default)")
 
 
 def _clipped_ratio(module, x, y):
