@@ -1,5 +1,5 @@
 """What a host read in the forward costs on the torchax backend: the step time of a model whose
-forward reads a value (its programs run eagerly, ``spmdzero/backends/torchax/host_reads.py``)
+forward reads a value (its programs run eagerly, ``spmdzero/backends/torchax/engine/host_reads.py``)
 over the same model's compiled step, on 8 CPU devices, ZeRO-2, fp32, AdamW.
 
     python benchmarks/host_reads.py                  # both cases, 20 timed steps each

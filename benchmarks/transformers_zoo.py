@@ -8,7 +8,7 @@
 It prints, per architecture: steps, the largest relative loss difference, the largest parameter
 difference over the tensor's scale, the programs compiled (a training program and an update for
 four batches; more would be recompiles), and whether the training program runs eagerly (its
-forward reads a value on the host: ``backends/torchax/host_reads.py``). A case that fails prints
+forward reads a value on the host: ``backends/torchax/engine/host_reads.py``). A case that fails prints
 its error instead."""
 
 from __future__ import annotations

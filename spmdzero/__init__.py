@@ -31,7 +31,7 @@ def __getattr__(name: str):
 
         return SpmdZeroEngine
     if name == "TorchaxEngine":
-        from spmdzero.backends.torchax.engine import TorchaxEngine
+        from spmdzero.backends.torchax.engine.engine import TorchaxEngine
 
         return TorchaxEngine
     raise AttributeError(f"module 'spmdzero' has no attribute {name!r}")

@@ -694,7 +694,7 @@ def test_every_aot_option_reaches_the_child_process():
 @pytest.mark.slow
 def test_gradient_checkpointing_cuts_the_temporaries(tmp_path):
     """--gradient-checkpointing: the torchax step rematerializes each GPT-2 block
-    (spmdzero.backends.torchax.remat), so what the backward keeps of the blocks is their inputs. A
+    (spmdzero.backends.torchax.lowering.remat), so what the backward keeps of the blocks is their inputs. A
     4-layer GPT-2 whose blocks' activations dominate (small vocabulary), 4 x 512 tokens per chip,
     ZeRO-2 on v5e:2x2, the exact attention path (its [L, S] scores in the blocks; the flash
     kernels keep none): 41% of the temporaries without it when measured (80 -> 33 MiB; 8 layers:

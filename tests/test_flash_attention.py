@@ -1,4 +1,4 @@
-"""SDPA through Pallas's flash kernel (spmdzero.backends.torchax.flash_attention): values and
+"""SDPA through Pallas's flash kernel (spmdzero.backends.torchax.lowering.flash_attention): values and
 gradients against torch's own SDPA, run here in Pallas's interpreter on the 8 CPU devices (the
 same kernel, blocks and arithmetic the TPU runs), under the step's shard_map over the batch; the
 calls it does not cover take the exact path and say why once; a model trains on it as on torch."""
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from jax.sharding import Mesh
 
 import spmdzero
-from spmdzero.backends.torchax import attention, flash_dropout
+from spmdzero.backends.torchax.lowering import attention, flash_dropout
 
 BATCH, HEADS, LENGTH, DIM = 8, 4, 128, 32
 

@@ -220,7 +220,7 @@ def test_a_seq2seq_trainer_that_generates_at_zero_3_trains_and_predicts_as_plain
     _run(script, "--deepspeed", str(config), "--out", str(tmp_path / "run"), "--results", str(tmp_path / "run.json"),
          launch=True, cwd=tmp_path, backend="torchax")
     run, reference = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("run", "ref"))
-    assert run["engine"] == "spmdzero.backends.torchax.engine"
+    assert run["engine"] == "spmdzero.backends.torchax.engine.engine"
     assert len(run["loss"]) == 24 and run["loss"][-1] < run["loss"][0]
     assert len({tuple(g) for g in reference["generated"]}) > 8  # it learned: not one sequence for all
     assert _close(run["loss"], reference["loss"], 1e-5), (run["loss"], reference["loss"])

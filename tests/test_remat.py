@@ -1,4 +1,4 @@
-"""Activation checkpointing on the torchax backend (spmdzero.backends.torchax.remat):
+"""Activation checkpointing on the torchax backend (spmdzero.backends.torchax.lowering.remat):
 ``torch.utils.checkpoint`` and Hugging Face's ``gradient_checkpointing_enable()`` rematerialize in
 the traced programs (counted in the jaxpr) and train exactly as without, dropout included."""
 
@@ -17,7 +17,7 @@ from jax._src.ad_checkpoint import remat_p
 from torch.utils.checkpoint import checkpoint as checkpoint_bound_early
 
 import spmdzero
-from spmdzero.backends.torchax import remat
+from spmdzero.backends.torchax.lowering import remat
 
 from conftest import batches
 from spmdzero.compat.deepspeed import checkpointing as ds_checkpointing
@@ -354,7 +354,7 @@ def test_zero_3_scanned_layers_gather_each_layer_and_train_as_zero_2():
 def _gathers(eqn) -> bool:
     """Whether ``eqn`` is ZeRO-3's gather of a weight (``zero3_gather.gathered``: a custom VJP
     whose body names its result ``GATHERED``)."""
-    from spmdzero.backends.torchax.zero3_gather import GATHERED
+    from spmdzero.backends.torchax.lowering.zero3_gather import GATHERED
 
     return any(inner.primitive.name == "name" and inner.params.get("name") == GATHERED
                for sub in jax_core.jaxprs_in_params(eqn.params) for inner in sub.eqns)

@@ -507,7 +507,7 @@ def test_a_checkpoint_mismatch_by_stacking_alone_is_named():
     assert stacking_mismatch(missing=["model.head.weight"], unexpected=["model.lm_head.weight"]) == ""
 
 
-# ---- the torchax backend: the stack as one jax.lax.scan (spmdzero.backends.torchax.scan) ----
+# ---- the torchax backend: the stack as one jax.lax.scan (spmdzero.backends.torchax.engine.scan) ----
 
 CLIP = 0.05  # below the gradients' norm: clipping applies at every step
 
@@ -679,7 +679,7 @@ def test_torchax_zero2_reduces_each_layers_gradient_in_its_loop_trip(scan, parti
     gradient sharded by the plan, and each trip reduces its layer's weight gradients into
     their shards (all-reduce, then the device's slice: what TPU compiles to a reduce-scatter),
     and nothing else: under GSPMD, without the layouts inside the loop
-    (``backends/torchax/scan.py``), it all-gathered the activations instead. Nothing
+    (``backends/torchax/engine/scan.py``), it all-gathered the activations instead. Nothing
     all-reduces a whole [layers, ...] gradient."""
     layers = 2
     lowered, engine = lowered_training_program(small_tiny_gpt(layers), scan, monkeypatch)

@@ -1,5 +1,5 @@
 """A custom ``torch.autograd.Function`` trains with its own ``backward`` on the default (torchax)
-backend (``spmdzero/backends/torchax/autograd_functions.py``): JAX used to differentiate its
+backend (``spmdzero/backends/torchax/lowering/autograd_functions.py``): JAX used to differentiate its
 forward instead, so a gradient reversal or a straight-through estimator trained silently on
 the wrong gradient. Each Function here has a backward that is not its forward's derivative."""
 

@@ -670,7 +670,7 @@ def test_the_training_loader_feeds_host_batches():
 def test_missing_torchax_is_a_clear_error(monkeypatch):
     import builtins
 
-    from spmdzero.backends.torchax import engine as backend_torchax
+    from spmdzero.backends.torchax.engine import engine as backend_torchax
 
     real_import = builtins.__import__
 
@@ -860,7 +860,7 @@ def test_jax_owned_devices_on_a_tpu_vm_are_its_tpu_chips(monkeypatch):
 
     import jax
 
-    from spmdzero.backends.torchax import mesh as backend_torchax
+    from spmdzero.backends.torchax.engine import mesh as backend_torchax
     from spmdzero.runtime import jax_runtime
 
     chips = [SimpleNamespace(platform="tpu", id=i) for i in range(4)]
@@ -887,7 +887,7 @@ def test_jax_owned_devices_on_a_tpu_vm_are_its_tpu_chips(monkeypatch):
 def test_the_torchax_backend_where_torch_xla_holds_the_tpu_says_to_unset_the_variable(monkeypatch):
     import torch_xla.runtime as xr
 
-    from spmdzero.backends.torchax import mesh as torchax_mesh
+    from spmdzero.backends.torchax.engine import mesh as torchax_mesh
     from spmdzero.runtime import jax_runtime
 
     monkeypatch.setattr(jax_runtime, "_decided", False)  # as if started with SPMDZERO_BACKEND=torch_xla
@@ -1210,8 +1210,8 @@ def test_the_torch_xla_only_names_are_exactly_what_the_torchax_engine_lacks():
     """The list behind "engine.X is not supported by the torchax backend" cannot fall behind
     either engine."""
     from spmdzero.backends.torch_xla.engine import SpmdZeroEngine
-    from spmdzero.backends.torchax.engine import TorchaxEngine
-    from spmdzero.backends.torchax.host_module import TORCH_XLA_ONLY
+    from spmdzero.backends.torchax.engine.engine import TorchaxEngine
+    from spmdzero.backends.torchax.engine.host_module import TORCH_XLA_ONLY
 
     public = lambda cls: {n for n in dir(cls) if not n.startswith("_")}  # noqa: E731
     assert TORCH_XLA_ONLY == public(SpmdZeroEngine) - public(torch.nn.Module) - public(TorchaxEngine)
@@ -1526,7 +1526,7 @@ def test_the_compile_cache_dir_serves_a_second_process_the_steps_programs(tmp_pa
 
 def test_a_dcn_mesh_puts_data_across_slices_and_trains_as_the_torch_xla_engine():
     """``spmd.dcn_mesh`` on the torchax backend (it was refused): ``data`` across slices, the
-    rest within one, each slice a contiguous block of devices (``backends/torchax/mesh.py``);
+    rest within one, each slice a contiguous block of devices (``backends/torchax/engine/mesh.py``);
     the same losses and parameters as the torch_xla engine on that mesh shape (its HybridMesh
     refuses one slice: "Invalid dcn_mesh_shape for single slice mesh")."""
     runs = {}

@@ -1,4 +1,4 @@
-"""F.cross_entropy on the torchax backend (spmdzero.backends.torchax.cross_entropy): the fused loss
+"""F.cross_entropy on the torchax backend (spmdzero.backends.torchax.lowering.cross_entropy): the fused loss
 trains as torchax's own lowering of torch's loss does, and the calls it does not take go to that
 lowering."""
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import spmdzero
-from spmdzero.backends.torchax import cross_entropy
+from spmdzero.backends.torchax.lowering import cross_entropy
 
 STEPS = 3
 IGNORED = -7

@@ -2,7 +2,7 @@
 device ``jax`` (the outputs' device, and ``torch.device(0)``) with nothing behind it. A move or a
 factory there is a copy on the host (``spmdzero.runtime.privateuse1``), ``torch.accelerator``
 answers as on a host without an accelerator (so DataLoaders do not pin), and a host tensor an
-output's op writes into gets the value (``backends/torchax/host_tensors.py``). Every idiom used
+output's op writes into gets the value (``backends/torchax/outputs/host_tensors.py``). Every idiom used
 to raise "Could not run 'aten::empty_strided' with arguments from the 'jax' backend"."""
 
 from collections import namedtuple

@@ -1,5 +1,5 @@
 """Forwards that read a tensor's value on the host train on the default (torchax) backend as in
-plain torch: their programs run eagerly (``spmdzero/backends/torchax/host_reads.py``), said once
+plain torch: their programs run eagerly (``spmdzero/backends/torchax/engine/host_reads.py``), said once
 in the log, and the optimizer step stays compiled. Errors that are not host reads surface as
 before. wav2vec2's CTC loss (a stock model that reads) is in the transformers zoo
 (``test_transformers_zoo.py``, on transformers 5.x and 4.57). DeBERTa's classification loss read
@@ -15,7 +15,7 @@ import torch
 
 import spmdzero
 from conftest import spmdzero_log
-from spmdzero.backends.torchax.placement import INT64_TRUNCATED
+from spmdzero.backends.torchax.engine.placement import INT64_TRUNCATED
 
 STEPS, GAS, LR = 4, 2, 0.1
 NOTE = "reads a tensor's value on the host"
@@ -368,7 +368,7 @@ def test_concrete_reads_give_an_eager_tracers_value_and_still_refuse_an_abstract
     import jax.numpy as jnp
     import numpy as np
 
-    from spmdzero.backends.torchax.host_reads import concrete_reads
+    from spmdzero.backends.torchax.engine.host_reads import concrete_reads
 
     seen = []
 
@@ -392,7 +392,7 @@ def test_transformers_methods_are_swapped_for_the_trace_only():
     import sys
     import types
 
-    from spmdzero.backends.torchax import transformers_methods
+    from spmdzero.backends.torchax.patches import transformers_methods
 
     class Block:
         def forward(self):
@@ -419,7 +419,7 @@ def test_a_read_of_a_value_other_hosts_hold_says_so_and_names_the_model():
     import collections
     from types import SimpleNamespace
 
-    from spmdzero.backends.torchax import host_reads
+    from spmdzero.backends.torchax.engine import host_reads
 
     fallback = host_reads.Fallback(SimpleNamespace(traces=collections.Counter()), "Qwen2VLForConditionalGeneration")
 
@@ -466,7 +466,7 @@ def test_the_ctc_loss_of_speech_models_compiles_and_trains_as_in_plain_torch(nam
     and the range check noted as left out."""
     import transformers
 
-    from spmdzero.backends.torchax import ctc_targets
+    from spmdzero.backends.torchax.patches import ctc_targets
 
     monkeypatch.setattr(ctc_targets, "_NOTED", set())  # noted once per class in a process: the zoo's may have been
     common = dict(vocab_size=24, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,

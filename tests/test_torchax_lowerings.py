@@ -1,4 +1,4 @@
-"""The default backend's replacements of torchax lowerings (``backends/torchax/lowerings.py``,
+"""The default backend's replacements of torchax lowerings (``backends/torchax/lowering/lowerings.py``,
 ``attention.py``) and the trace's view for libraries (``trace_view.py``), against torch."""
 
 import copy
@@ -13,7 +13,7 @@ from conftest import on_host
 
 torchax = pytest.importorskip("torchax")
 
-from spmdzero.backends.torchax import attention, lowerings, trace_view  # noqa: E402
+from spmdzero.backends.torchax.lowering import attention, lowerings, trace_view
 
 
 def _jax(t):
@@ -424,11 +424,11 @@ class _Dropped(torch.nn.Module):
 
 @pytest.mark.parametrize("stage", [0, 2])
 def test_dropout_draws_a_hash_mask_that_its_backward_draws_again(stage):
-    """nn.Dropout on this backend (``backends/torchax/dropout.py``): a fraction p of the values
+    """nn.Dropout on this backend (``backends/torchax/lowering/dropout.py``): a fraction p of the values
     dropped, the others scaled by 1/(1 - p), and the gradient taken through the forward's own
     mask, which the backward draws again from its seed (with another mask, the gradient would
     not match the output's zeros). A second call draws another mask."""
-    from spmdzero.backends.torchax import dropout
+    from spmdzero.backends.torchax.lowering import dropout
 
     p = 0.3
     env = torchax.default_env()
@@ -474,7 +474,7 @@ class _InPlace(torch.nn.Module):
 
 
 def test_in_place_ops_torchax_lowers_only_out_of_place_train_as_in_torch():
-    from spmdzero.backends.torchax import lowerings
+    from spmdzero.backends.torchax.lowering import lowerings
 
     env = torchax.default_env()
     lowerings.install(env)

@@ -94,7 +94,7 @@ def test_the_release_thread_is_stopped_at_exit_after_releasing_what_it_holds():
     out = run_python("""
         import atexit, threading
         import jax, jax.numpy as jnp
-        from spmdzero.backends.torchax import release
+        from spmdzero.backends.torchax.engine import release
         def report():  # registered before the release thread's handler: runs after it
             alive = any(t.name == "spmdzero-release" for t in threading.enumerate())
             left = sum(1 for a in jax.live_arrays() if a.shape == (512, 512))

@@ -55,7 +55,7 @@ def test_megablox_weight_gradient_is_ragged_dots(dtype):
     import jax
     import jax.numpy as jnp
 
-    from spmdzero.backends.torchax import moe_rows
+    from spmdzero.backends.torchax.patches import moe_rows
 
     rng = np.random.default_rng(0)
     dt = jnp.dtype(dtype)
@@ -78,7 +78,7 @@ def test_megablox_weight_gradient_is_ragged_dots(dtype):
 
 
 def test_megablox_tiles_divide_the_rows_or_are_not_taken():
-    from spmdzero.backends.torchax import moe_rows
+    from spmdzero.backends.torchax.patches import moe_rows
 
     assert moe_rows.megablox_tiles(8192, 4096, 14336) == (512, 1024, 1024)
     assert moe_rows.megablox_tiles(4096 + 128, 1024, 512) == (128, 1024, 512)

@@ -132,7 +132,7 @@ class CropsBySizes(torch.nn.Module):
 
 
 def test_image_sizes_are_kept_for_a_model_that_crops_by_them_and_only_there():
-    from spmdzero.backends.torchax import shape_inputs
+    from spmdzero.backends.torchax.patches import shape_inputs
 
     assert "image_sizes" in shape_inputs.names(CropsBySizes())
     assert "image_sizes" not in shape_inputs.names(ByGrid())  # LLaVA-NeXT's are original sizes: inputs

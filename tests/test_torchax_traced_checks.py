@@ -10,7 +10,7 @@ import torch
 
 import spmdzero
 from conftest import spmdzero_log
-from spmdzero.backends.torchax import traced_checks
+from spmdzero.backends.torchax.lowering import traced_checks
 from test_torchax_host_reads import LR, _trains_as_torch, data
 
 

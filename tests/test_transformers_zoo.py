@@ -23,12 +23,12 @@ TRANSFORMERS_4 = transformers.__version__.startswith("4.")
 KNOWN: dict[str, str] = {}
 
 # cases whose forward reads a tensor's value on the host: their training program runs eagerly
-# (spmdzero/backends/torchax/host_reads.py), noted once
+# (spmdzero/backends/torchax/engine/host_reads.py), noted once
 # (none now: 4.x's Jamba sized its causal mask by cache_position[-1] + 1, known since
 # known_values.py evaluates torch.arange of numbers while tracing)
 READS_VALUES: dict[str, str] = {}
 # transformers 4.x's mixtures of experts loop over torch.where's data-dependent indices: while
-# traced, their experts run as grouped matmuls instead (spmdzero/backends/torchax/moe_experts.py),
+# traced, their experts run as grouped matmuls instead (spmdzero/backends/torchax/patches/moe_experts.py),
 # so they compile as 5.x's do
 
 
@@ -57,7 +57,7 @@ MOE = zoo.moe_names() if TRANSFORMERS_4 else ["jamba", "mixtral-lora-experts", "
 
 
 # vision-language models on images, whose image-token checks a traced step leaves out
-# (spmdzero/backends/torchax/traced_checks.py): LLaVA and PaliGemma compile on both versions (5.x
+# (spmdzero/backends/torchax/lowering/traced_checks.py): LLaVA and PaliGemma compile on both versions (5.x
 # checks with torch._check_tensor_all_with, 4.x with a boolean index's shape), Gemma 3 on 5.x (4.x's
 # loss picks its logits by a mask: eager, as any read). Qwen2-VL, Qwen2.5-VL and Qwen3-VL compile
 # with their image grids on the host (shape_inputs.py) and their positions and deepstack features
@@ -130,7 +130,7 @@ def test_qwen_vl_positions_computed_in_a_trace_are_transformers_own(name, video)
     import jax
     import torchax
 
-    from spmdzero.backends.torchax import vision_language
+    from spmdzero.backends.torchax.patches import vision_language
 
     build, _ = zoo.cases()[name][:2]
     model = build().model

@@ -81,7 +81,7 @@ def _padded_lm(seed: int, pad_id: int = 0) -> dict:
     # The last pad of a left-padded row predicts the row's first token (its label is kept, as a
     # collator keeps it) from a query whose keys are all masked. transformers 4.x's own masks (OPT,
     # BioGPT) put the dtype's minimum there, and torch's CPU kernel takes that row's gradient S
-    # times (spmdzero/backends/torchax/attention.py); it used to be left out here.
+    # times (spmdzero/backends/torchax/lowering/attention.py); it used to be left out here.
     labels = ids.masked_fill(mask == 0, -100)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 

@@ -230,15 +230,15 @@ class SpmdConfig(Section):
     # Trace and compile the model's identical blocks once (spmdzero.backends.torch_xla.scan); "stacked": each block
     # parameter name is one parameter [layers, ...] (the step's cost then does not grow with depth).
     scan_layers: Union[bool, Literal["stacked"]] = False
-    # What the backward keeps of each scanned layer (torchax; spmdzero.backends.torchax.scan): "none" (everything
+    # What the backward keeps of each scanned layer (torchax; spmdzero.backends.torchax.engine.scan): "none" (everything
     # JAX saves), "full" (only the layer's input: the layer is recomputed), "save_matmuls" (the matmul results).
     remat: Literal["none", "full", "save_matmuls"] = "none"
-    # Which kernel F.scaled_dot_product_attention runs (torchax; spmdzero.backends.torchax.attention): "auto"
+    # Which kernel F.scaled_dot_product_attention runs (torchax; spmdzero.backends.torchax.lowering.attention): "auto"
     # (Pallas's flash kernel on TPU, the exact XLA path elsewhere), "flash" (the kernel everywhere: off TPU in
     # Pallas's interpreter, to check it) or "exact" (the XLA path, which holds the [L, S] scores).
     attention: Literal["auto", "flash", "exact"] = "auto"
     # "torchax" (the default): the module traced once under jax.jit through torchax
-    # (spmdzero.backends.torchax.engine); "torch_xla": re-traced by torch_xla every step. Unset, it is
+    # (spmdzero.backends.torchax.engine.engine); "torch_xla": re-traced by torch_xla every step. Unset, it is
     # the backend whose runtime holds the process's devices (SPMDZERO_BACKEND; spmdzero.initialize).
     backend: Literal["torch_xla", "torchax"] = "torchax"
 

@@ -3,7 +3,7 @@ qualify, the ``ScannedLayers`` list whose iteration in training yields one calla
 every block, stacked parameters and the optimizer groups rewritten to them, the call's
 arguments split into tensors and static values, and the template block the loop body calls.
 How the loop runs is the backend's: ``torch_xla.experimental.scan``
-(``spmdzero.backends.torch_xla.scan``) or ``jax.lax.scan`` (``spmdzero.backends.torchax.scan``),
+(``spmdzero.backends.torch_xla.scan``) or ``jax.lax.scan`` (``spmdzero.backends.torchax.engine.scan``),
 given to ``apply_scan_layers`` as ``loop``.
 
 What qualifies: a model with an ``nn.ModuleList`` of two or more blocks of one class with the

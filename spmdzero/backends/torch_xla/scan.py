@@ -6,7 +6,7 @@ Tracing and compile time then hardly grow with depth. Which models qualify (``fi
 an ``nn.ModuleList`` of two or more identical blocks called one after the other as
 ``hidden = block(hidden, ...)``), ``ScannedLayers``, stacked parameters and the optimizer
 groups over them are backend-independent (``spmdzero.train.scan_layers``, shared with the
-torchax backend's ``jax.lax.scan`` loop, ``spmdzero.backends.torchax.scan``); this module is
+torchax backend's ``jax.lax.scan`` loop, ``spmdzero.backends.torchax.engine.scan``); this module is
 torch_xla's loop, its gradient layouts and its dropout.
 
 The blocks stay where they are: parameter names, the sharding plan and checkpoints are

@@ -8,10 +8,10 @@ import torch
 from spmdzero.config.errors import ConfigError
 from spmdzero.config.schema import DeepSpeedConfig
 from spmdzero.sharding.mesh import check_user_mesh, global_shape, mesh_shape, resolve_hybrid_shape, resolve_mesh_shape
-from spmdzero.backends.torchax import batchnorm
-from spmdzero.backends.torchax.engine import TorchaxEngine
-from spmdzero.backends.torchax.mesh import user_mesh_devices
-from spmdzero.backends.torchax.scan import apply_scan_layers, lay_out_gradients
+from spmdzero.backends.torchax.patches import batchnorm
+from spmdzero.backends.torchax.engine.engine import TorchaxEngine
+from spmdzero.backends.torchax.engine.mesh import user_mesh_devices
+from spmdzero.backends.torchax.engine.scan import apply_scan_layers, lay_out_gradients
 from spmdzero.train.build import refuse_sparse_gradients, setup_training
 from spmdzero.train.scan_layers import restack_client, stacked_layers
 from spmdzero import runtime
@@ -91,7 +91,7 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
                 raise ValueError("a mesh was given twice: as initialize(mesh=...) and in the config's 'spmd' section")
             shape = mesh_shape(mesh)
             devices = user_mesh_devices(mesh, runtime.device_count())
-        elif cfg.spmd.dcn_mesh is not None:  # data across slices, the rest within one (backends/torchax/mesh.py)
+        elif cfg.spmd.dcn_mesh is not None:  # data across slices, the rest within one (backends/torchax/engine/mesh.py)
             ici, dcn = resolve_hybrid_shape(cfg.spmd.mesh, cfg.spmd.dcn_mesh, runtime.device_count())
             shape = global_shape(ici, dcn)
         else:
@@ -101,7 +101,7 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
             raise RuntimeError(f"spmd.backend='torchax' on {process_count} hosts needs {jax_runtime.VARIABLE}=torchax "
                                "before `import spmdzero` (JAX then joins the hosts into one mesh; see "
                                "docs/multihost.md); this process runs torch_xla's runtime")
-    if cfg.spmd.scan_layers:  # the block stack as one jax.lax.scan (backends/torchax/scan.py)
+    if cfg.spmd.scan_layers:  # the block stack as one jax.lax.scan (backends/torchax/engine/scan.py)
         if model_parameters is not None and not isinstance(model_parameters, (list, tuple)):
             model_parameters = list(model_parameters)  # a generator over the module, before stacking
         # the client's per-layer parameters become the stacked ones

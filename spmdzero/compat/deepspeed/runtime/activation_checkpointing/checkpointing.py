@@ -1,7 +1,7 @@
 """``deepspeed.checkpointing``: DeepSpeed's activation checkpointing API (Megatron-style scripts
 call ``deepspeed.checkpointing.configure(...)`` and ``deepspeed.checkpointing.checkpoint(fn,
 *args)``), over ``torch.utils.checkpoint``, which both backends rematerialize in the compiled
-step (the torchax backend as one ``jax.checkpoint`` region, ``backends/torchax/remat.py``).
+step (the torchax backend as one ``jax.checkpoint`` region, ``backends/torchax/lowering/remat.py``).
 
 What DeepSpeed's variant adds is about its hand-made model parallelism and memory handling, which
 the compiled SPMD step does not have; ``configure`` accepts those settings and names each once as

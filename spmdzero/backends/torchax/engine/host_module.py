@@ -1,0 +1,297 @@
+"""The host module beside the devices' parameters: the engine answers as the ``nn.Module`` it
+wraps (``train``, ``parameters``, ``state_dict``, attributes), the host parameters are brought up
+to date from the devices when something reads them, and edits made on the host (``.data``,
+in-place ops under ``no_grad``, ``requires_grad``) reach the devices at the next forward. The
+parameters' tensor class is watched (``_watch_parameters``) so that the first torch op on one
+is noticed, without a check on every step. A mixin of ``TorchaxEngine``."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+
+import torch
+from torch.utils import _pytree as torch_pytree
+
+from spmdzero.backends.torchax.engine import frozen
+from spmdzero.backends.torchax.optim import optimizer_state_dict
+from spmdzero.train import module_methods
+
+# The torch_xla engine's public names this engine lacks (tests/test_torchax_backend.py checks
+# the list against both classes): asking for one says which backend has it.
+TORCH_XLA_ONLY = frozenset({
+    "capture_steps", "lay_out_state",
+    "restore_snapshot", "snapshot", "trained_parameters",
+})
+
+
+
+def _optimizer_state_through_engine(optimizer, engine: "HostModule") -> None:
+    """The base optimizer's ``state_dict()``/``load_state_dict()`` read and write the states the
+    devices hold (``optimizer_state_dict``): its own ``state`` holds none of them. A weak
+    reference: the methods do not keep the engine alive."""
+    ref = weakref.ref(engine)
+
+    def live():
+        engine = ref()
+        if engine is None:
+            raise RuntimeError("optimizer.state_dict(): the engine that trained this optimizer's states is gone")
+        return engine
+
+    optimizer.state_dict = lambda: optimizer_state_dict.state_dict(live())
+    optimizer.load_state_dict = lambda state_dict: optimizer_state_dict.load_state_dict(live(), state_dict)
+
+
+class _SyncFromDevices:
+    """The state-dict pre-hook of ``_sync_before_state_dict``. A weak reference: the hook does
+    not keep the engine alive. Pickled or deep-copied with the model (``torch.save(model)``,
+    an EMA copy), it is a hook with no engine: the copy holds its own values."""
+
+    def __init__(self, engine: "HostModule | None"):
+        self._engine = weakref.ref(engine) if engine is not None else None
+
+    def __call__(self, *_) -> None:
+        live = self._engine() if self._engine is not None else None
+        if live is not None:
+            live.module  # noqa: B018 (the property copies device values to the host when stale)
+
+    def __reduce__(self):
+        return (_SyncFromDevices, (None,))
+
+
+def _sync_before_state_dict(module: torch.nn.Module, engine: "HostModule") -> None:
+    """``model.state_dict()`` (``save_pretrained``, ``torch.save``) on the script's own reference
+    to the model first brings the trained weights back from the devices, as ``engine.module``
+    does."""
+    sync = _SyncFromDevices(engine)
+    # one engine's hooks per model: a model initialized again (a re-run notebook cell) is the
+    # new engine's, and the old one must not write its values back into it
+    for handle in getattr(module, "_spmdzero_state_dict_hooks", ()):
+        handle.remove()
+    module._spmdzero_state_dict_hooks = [sub.register_state_dict_pre_hook(sync) for sub in module.modules()]
+
+
+def _zero_grad_through_engine(optimizer, engine: "HostModule") -> None:
+    """``engine.optimizer.zero_grad()`` is DeepSpeed's ZeRO optimizer's: it drops the
+    accumulated gradients as that optimizer's does, stage by stage (``zero_grad_keeps_gradients``);
+    the torch optimizer's own would clear the host parameters' ``.grad``, which hold nothing here."""
+    ref = weakref.ref(engine)
+
+    def zero_grad(set_to_none: bool = True):
+        live = ref()
+        if live is not None:
+            live._zero_grad(by_optimizer=True)
+
+    optimizer.zero_grad = zero_grad
+_unwatched = torch._C.DisableTorchFunctionSubclass  # the engine's own reads and writes of the host parameters
+_METADATA = frozenset({"__hash__", "size", "dim", "numel", "stride", "element_size", "is_floating_point",
+                       "is_contiguous", "data_ptr"})  # tensor methods that read no values
+
+
+@functools.cache
+def _watchers():
+    """host parameter -> a weak reference to the engine that trains it (by identity: tensors
+    compare by value)."""
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    return WeakIdKeyDictionary()
+
+
+def _host_use(func, args: tuple, kwargs: dict) -> None:
+    """Tell the engines of the watched parameters among an op's arguments, unless the op reads
+    only what a step leaves alone (a shape, ``requires_grad``, a hash: no device read for those)."""
+    owner = getattr(func, "__self__", None)
+    through_data = owner is torch._C.TensorBase.data  # its getter or setter
+    metadata = getattr(func, "__name__", None) in _METADATA or type(owner).__name__ == "getset_descriptor"
+    if metadata and not through_data:
+        return
+    for t in torch_pytree.tree_leaves((args, kwargs)):
+        if getattr(type(t), "_spmdzero_watched", False):
+            ref = _watchers().get(t)
+            engine = ref() if ref is not None else None
+            if engine is not None:
+                engine._host_use(t, through_data)
+
+
+@functools.cache
+def _watched_class(cls: type) -> type:
+    """``cls`` (``nn.Parameter`` or a subclass) whose torch ops, ``.data`` included, tell the
+    engine first. Pickled (``torch.save(model)``) or deep-copied, such a parameter is a plain
+    ``cls`` again."""
+
+    def __torch_function__(klass, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        _host_use(func, args, kwargs)
+        return cls.__torch_function__(func, types, args, kwargs)
+
+    def __repr__(self):  # as the parameter prints without the subclass
+        _host_use(None, (self,), {})
+        with _unwatched():
+            return repr(torch.Tensor._make_subclass(cls, self.detach(), self.requires_grad))
+
+    def __deepcopy__(self, memo):  # a copy (an EMA model's) holds the trained values and is no engine's
+        if id(self) not in memo:
+            _host_use(None, (self,), {})
+            with _unwatched():
+                cls.__deepcopy__(self, memo).__class__ = cls
+        return memo[id(self)]
+
+    return type(cls.__name__, (cls,), {"__torch_function__": classmethod(__torch_function__), "__repr__": __repr__,
+                                       "__deepcopy__": __deepcopy__, "_spmdzero_watched": True,
+                                       "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+
+
+def _watch_parameters(module: torch.nn.Module, engine: "HostModule") -> None:
+    """The module's parameters' torch ops tell ``engine`` first (a model initialized again is
+    the new engine's)."""
+    ref, watchers = weakref.ref(engine), _watchers()
+    for p in module.parameters():
+        if not getattr(type(p), "_spmdzero_watched", False):
+            p.__class__ = _watched_class(type(p))
+        watchers[p] = ref
+
+
+class HostModule:
+    """The host module part of ``TorchaxEngine`` (see the module docstring)."""
+
+    # ---- the module ----------------------------------------------------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        """The torch module, its parameters brought up to date from the devices when a step
+        changed them since the last read (a device-to-host copy)."""
+        if self._module_stale or self._buffers_stale:
+            from torchax.ops import mappings
+
+            with torch.no_grad(), warnings.catch_warnings(), _unwatched():
+                warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # it is copied
+                for name, t in self._host_tensors:  # a frozen parameter's value is a constant, as a buffer's
+                    if self._module_stale and name in self._params:
+                        t.copy_(mappings.j2t(self._params[name], use_dlpack=False))
+                    elif name in self._buffers_stale:
+                        t.copy_(mappings.j2t(self._constants[name], use_dlpack=False))
+            self._module_stale, self._buffers_stale = False, set()
+            self._host_versions = self._versions()
+        return self._module
+
+    def _versions(self) -> list[int]:
+        """Each host parameter's and buffer's in-place version: a change made on the host (a
+        ``load_state_dict``, an edit under ``no_grad``) shows as a new version."""
+        with _unwatched():
+            return [t._version for _, t in self._host_tensors]
+
+    def _requires_grad(self) -> list[bool]:
+        with _unwatched():
+            return [p.requires_grad for p in self._host_params]
+
+    def _take_host_changes(self) -> None:
+        """Before a forward: parameters and buffers changed on the host since the engine last
+        wrote or read them go to the devices (fp32 master weights too), as the torch_xla
+        engine's module is its device copy. A parameter frozen or unfrozen after initialize is
+        treated as DeepSpeed treats it (``frozen``)."""
+        if self._requires_grad() != self._trainable:
+            self._trainable = self._requires_grad()
+            with _unwatched():
+                self._frozen = frozen.frozen_since_initialize(self._module, self._names)
+        versions, touched = self._versions(), self._touched
+        if versions == self._host_versions and not touched:
+            return
+        self._touched = set()
+        # what the host changed wins over a step's results not yet copied back (those are the
+        # devices' own and stay there)
+        for (name, t), version, before in zip(self._host_tensors, versions, self._host_versions):
+            if version == before and (id(t) not in touched or self._same_on_devices(name, t)):
+                continue
+            with _unwatched():
+                t = t.detach()
+            self._settle()  # at the parameters the unconfirmed forwards saw
+            if name in self._params:
+                self._params[name] = self._put(t, self._param_specs[name])
+                if name in self._masters:
+                    self._masters[name] = self._put(t.float(), self._master_specs[name])
+            else:
+                self._constants[name] = self._put(t, self._replicated)
+                self._buffers_stale.discard(name)
+            self._generation += 1
+        self._host_versions = versions
+
+    def _same_on_devices(self, name: str, t: torch.Tensor) -> bool:
+        """Whether a host parameter whose ``.data`` was used holds what the devices hold (a
+        read, not an edit: the fp32 master weights keep their precision). Reads the device."""
+        from torchax.ops import mappings
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # only compared
+            device = mappings.j2t(self._params[name] if name in self._params else self._constants[name],
+                                  use_dlpack=False)
+        with _unwatched():
+            return t.shape == device.shape and t.dtype == device.dtype and torch.equal(t.detach(), device)
+
+    def _host_use(self, param: torch.Tensor, through_data: bool) -> None:
+        """A torch op on a host parameter (an edit, a read, ``.data``): the trained values are
+        brought to the host first (a device-to-host copy when a step changed them), so that it
+        sees them as torch would. An edit in place shows as a new version at the next forward;
+        one through ``.data`` does not, so the next forward compares the parameter with the
+        devices' copy."""
+        self.module  # noqa: B018 (the property copies device values to the host when stale)
+        if through_data:
+            self._touched.add(id(param))
+
+    def _script_method(self, name: str, *args, **kwargs):
+        """``engine.<name>(...)``: with a tensor, the method in a program of its own, as the
+        engine's forward; without one, on the host module. A method whose program returns no
+        tensor was called for what it does to the module (``set_scale(t)``), which a program
+        would not keep: it runs on the host module, then and from then on."""
+        configures = self.__dict__.setdefault("_configuring_methods", set())
+        if name not in configures and module_methods.computes(args, kwargs):
+            result = self._forward(args, kwargs, method=name)
+            if module_methods.computes((result,), {}):
+                return result
+            configures.add(name)
+        return getattr(self.module, name)(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> "HostModule":
+        self._module.train(mode)
+        return self
+
+    def eval(self) -> "HostModule":
+        return self.train(False)
+
+    @property
+    def training(self) -> bool:
+        return self._module.training
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """Named as DeepSpeed's engine names them, under ``module.``."""
+        return self.module.named_parameters(prefix=f"{prefix}module", recurse=recurse,
+                                            remove_duplicate=remove_duplicate)
+
+    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The module's state dict, keys under ``module.`` as DeepSpeed's engine (an nn.Module) has them."""
+        return self.module.state_dict(destination=destination, prefix=f"{prefix}module.", keep_vars=keep_vars)
+
+    @property
+    def _modules(self) -> dict:
+        """DeepSpeed's engine is an ``nn.Module`` whose child is ``module``: code that walks
+        modules (accelerate's unwrapping) finds it there."""
+        return {"module": self._module}
+
+    def __getattr__(self, name: str):
+        """Attributes the engine lacks come from the module, as in DeepSpeed; a method of the
+        model's own classes computes on the devices (``module_methods``)."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if module_methods.routed(self._module, name):
+            return functools.partial(self._script_method, name)
+        try:
+            return getattr(self.module, name)
+        except AttributeError:
+            if name in TORCH_XLA_ONLY:
+                raise AttributeError(f"engine.{name} is not supported by the torchax backend (spmd.backend="
+                                     "'torchax', see docs/config.md#the-torchax-backend); spmd.backend='torch_xla' "
+                                     "has it") from None
+            raise AttributeError(f"neither the engine nor its module ({type(self._module).__name__}) has an "
+                                 f"attribute {name!r}") from None
