@@ -24,7 +24,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 # JAX's persistent compilation cache, empty when the run starts: the suite builds the same small
 # programs over and over, in engine after engine and process after process, and each is compiled
-# once per run (tests/test_torchax_backend.py: 106 s -> 96 s, paired runs). The settings are
+# once per run (tests/backends/torchax/test_torchax_backend.py: 106 s -> 96 s, paired runs). The settings are
 # those of `spmd.compile_cache_dir` (spmdzero.runtime.jax_runtime.enable_compile_cache: every
 # program, however quick to compile), set as environment variables so that the subprocesses the
 # tests start inherit them. JAX's cache only: torch_xla's counts no compile on a hit, and its
@@ -42,7 +42,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # all of a test's time and running is nearly none. The flag reaches both backends' CPU clients
 # (JAX's and torch_xla's) and the tests' subprocesses. libtpu's compile-only client ignores it, so
 # the TPU programs that `spmdzero aot` reports stay the same. Paired whole-process runs of
-# tests/test_optim_semantics.py: 88.0 s with the optimizations, 62.2 s without (median of 2 pairs,
+# tests/optim/test_optim_semantics.py: 88.0 s with the optimizations, 62.2 s without (median of 2 pairs,
 # ratio 0.71). A level set outside is left as it is.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
@@ -50,7 +50,7 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 import spmdzero  # noqa: E402,F401  (starts the runtime before any test creates tensors)
 
 
-# torch_xla is frozen at torch 2.9: the newest stack `make test` runs (tests/newest_stack.txt)
+# torch_xla is frozen at torch 2.9: the newest stack `make test` runs (the Makefile's NEWEST_STACK_TESTS)
 # has none, and there every test of the torch_xla backend is skipped, saying so.
 TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
 NO_TORCH_XLA = "torch_xla is not installed (it needs torch 2.9; this is the newest stack's run)"
@@ -71,6 +71,24 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def tiny_mlp(seed: int = 0, d_in: int = 16, d_hidden: int = 64, d_out: int = 8) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(d_in, d_hidden), torch.nn.Tanh(), torch.nn.Linear(d_hidden, d_out))
+
+
+class ReadsBack(torch.nn.Module):
+    """A model whose forward reads a device value on the host inside the step: branches on
+    it (``bool``), or copies it to the host (``.tolist()``). The recompilation guard's tests
+    (observe/test_monitor.py) and the torchax backend's (backends/torchax/test_torchax_backend.py)."""
+
+    def __init__(self, read: str = "bool"):
+        super().__init__()
+        self.mlp = tiny_mlp()
+        self.read = read
+
+    def forward(self, x):
+        out = self.mlp(x)
+        if self.read == "tolist":
+            self.seen = out.sum().tolist()
+            return out
+        return out if bool((out.abs().sum() > 0)) else -out
 
 
 def batches(n: int, batch: int, d_in: int = 16, d_out: int = 8, seed: int = 1):

@@ -1,6 +1,6 @@
 """Overflow patterns and fp16 settings for the loss-scale comparison with DeepSpeed's
 DynamicLossScaler (recorded by ``deepspeed_loss_scale.py``, replayed by
-tests/test_precision.py)."""
+tests/optim/test_precision.py)."""
 
 PATTERN = [0, 1, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0]
 

@@ -1,5 +1,5 @@
 """LR schedule cases recorded from DeepSpeed (``deepspeed_schedules.py``) and replayed by
-tests/test_schedules.py: each names a schedule, its config params, the optimizer kind and
+tests/optim/test_schedules.py: each names a schedule, its config params, the optimizer kind and
 the param-group base lrs."""
 
 import torch

@@ -1,4 +1,5 @@
-"""The torch_xla backend: the engine over torch_xla's lazy tensors (``engine``), its build
+"""The torch_xla backend: the engine over torch_xla's lazy tensors (``engine``; its gradient
+slots ``gradients``, its boundary update ``update``, its state protocol ``state``), its build
 pipeline (``build``), the sharding annotations (``annotate``), the fused update op
 (``fused``), layers traced once (``scan``), device batches (``batches``), meshes (``mesh``)
 and the device side of checkpoints (``checkpoint``). Importing this package itself imports no

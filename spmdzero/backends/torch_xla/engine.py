@@ -1,95 +1,51 @@
 """The training engine: DeepSpeed's names and semantics over one traced SPMD step.
 
-Why one module: the step core (forward, backward, the boundary update) and the state it
-keeps between steps (gradient slots, the loss scale and counters on the device) are one unit,
-and so is the public state protocol over that state (``state_tensors``, ``lay_out_state``,
-``snapshot``/``restore_snapshot``, ``loaded``), which must change whenever the state does;
-the DeepSpeed API around it is ``train/engine_base.py``, the update's math ``optim/update.py``.
+Why one module: it is the class scripts hold, with DeepSpeed's whole public surface (the step,
+the counters' and config's accessors, checkpoints, reports, ``compile``), and the step's
+orchestration, which owns the order of everything the step changes. What it orchestrates lives
+in functions beside it, each over the state it needs: the gradient slots (``gradients``), the
+update at the boundary and the client optimizer's step (``update``), and the state protocol
+and snapshots (``state``). The DeepSpeed API shared with the torchax engine is
+``train/engine_base.py``, the update's math ``optim/update.py``.
 
 Each ``engine.step()`` call ends the trace with ``torch_xla.sync()``, so a run compiles
 two programs: a micro-step (forward, backward, gradient accumulation) and a boundary
 step (the same plus clipping, the optimizer update and the re-annotation of every
 state). Nothing inside a step reads a device value on the host: overflow skipping, loss
 scaling and the schedule's step count live on the device (see ``optim/update.py``).
-
-Every trainable parameter has a slot: its accumulated gradient, laid out by the plan
-(sharded at ZeRO-2), and the tensor the optimizer updates (the parameter itself in fp32,
-its fp32 master weight under mixed precision). ``backward`` annotates the fresh ``p.grad``
-with the plan's gradient spec, so the compiler reduce-scatters it, folds it into the slot
-and drops it, as DeepSpeed's ZeRO does with its partitioned gradients. The slot holds no
-buffer between accumulation boundaries: the first micro-step's gradient *is* the
-accumulator, so without accumulation the reduced shard goes straight to clipping and the
-optimizer, with no zero-fill, add or copy of a full-size buffer.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from spmdzero import runtime
-from spmdzero.backends.torch_xla import fused
-from spmdzero.backends.torch_xla import COMPILE_BACKEND
-from spmdzero.backends.torch_xla.annotate import constrain, shard, sharding_text
+from spmdzero.backends.torch_xla import COMPILE_BACKEND, gradients, state, update
+from spmdzero.backends.torch_xla.annotate import constrain
+from spmdzero.backends.torch_xla.batches import to_device_sharded
 from spmdzero.backends.torch_xla.checkpoint import XlaStateShards
+from spmdzero.backends.torch_xla.gradients import Slot
 from spmdzero.sharding.batch import BatchSizes
 from spmdzero.config.schema import DeepSpeedConfig
 from spmdzero.train import module_methods
 from spmdzero.train.data import map_tensors, model_pad_id
-from spmdzero.backends.torch_xla.batches import to_device_sharded
 from spmdzero.train.engine_base import EngineBase, check_loss_given, check_scalable, no_gradients
 from spmdzero.observe.monitor import RecompileGuard, StepLogger, ThroughputTimer, compile_count, notice_nonfinite
-from spmdzero.optim.ops import TORCH_OPS
-from spmdzero.optim.optimizers import SpmdOptimizer, ZeroOptimizer, drop_state, is_lazy, placeholder_state
-from spmdzero.sharding.plan import ShardingPlan, replicated
-from spmdzero.optim.precision import PrecisionPolicy, keep_unless
-from spmdzero.optim.update import GradScale, LossScale, boundary_update, init_loss_scale
+from spmdzero.optim.optimizers import ZeroOptimizer, drop_state, is_lazy, placeholder_state
+from spmdzero.sharding.plan import ShardingPlan
+from spmdzero.optim.precision import PrecisionPolicy
+from spmdzero.optim.update import LossScale, init_loss_scale
 from spmdzero.train.scan_layers import scanned_parameters, stacked_layers
-from spmdzero.optim.schedules import LRSchedule
 from spmdzero.io.save import save_checkpoint
 from spmdzero.io.restore import load_checkpoint
 from spmdzero.observe.reports import sharding_report
 from spmdzero.tpu.capture import capture
 from spmdzero.runtime.out_of_memory import raises_torch_out_of_memory
-
-
-
-@dataclass(eq=False)
-class Slot:
-    name: str
-    param: torch.Tensor  # the module's parameter (replicated, model dtype)
-    target: torch.Tensor  # what the optimizer updates: the param, or its fp32 master weight
-    grad: Optional[torch.Tensor] = None  # gradients accumulated since the last boundary (plan's grad spec,
-    #                                      grad_accum dtype); None when there are none
-    summed: bool = False  # grad is a sum of micro-steps' gradients, not one backward's
-
-
-# What a traced step changes on the engine besides its tensors (``snapshot``): copied values,
-# and objects that a step rebinds rather than updates in place.
-_STEP_ATTRIBUTES = ("global_steps", "global_samples", "micro_steps", "_step_applied", "_last_overflow",
-                    "_global_grad_norm", "_loss_scale", "_skipped_on_device", "_rows_since_step",
-                    "_backward_since_step", "_window_reduced", "_creating_state", "samples_last_step")
-_REBOUND_ATTRIBUTES = ("_last_loss", "_window_loss", "_step_loss", "_input_shapes")
-
-
-@dataclass
-class EngineSnapshot:
-    """What ``SpmdZeroEngine.snapshot`` kept; only ``restore_snapshot`` reads it."""
-
-    tensors: dict  # state key -> the live tensor
-    values: Optional[dict]  # state key -> a clone holding its value (None: not kept)
-    attrs: dict
-    pending: list  # each slot's pending gradient
-    groups: list  # copies of the optimizer's param groups
-    scheduler: Optional[dict]
-    optimizer_state: dict  # target -> a copy of its state dict (which keys it has: torch's are created lazily)
-    host_values: dict  # (target, key) -> a clone of a host tensor of its state (torch increments Adam's in place)
 
 
 class SpmdZeroEngine(EngineBase, torch.nn.Module):
@@ -141,7 +97,7 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         self._window_reduced = False
         self._creating_state = False  # this step's torch optimizer creates its state: warm-up (_end_step)
         self._input_shapes: tuple = ()
-        self._grad_orders: dict[tuple[str, str], Optional[tuple[int, ...]]] = {}  # see _memory_orders
+        self._grad_orders: dict[tuple[str, str], Optional[tuple[int, ...]]] = {}  # see gradients.memory_orders
         self.recompile_guard = RecompileGuard(config.spmd.max_recompiles)
         self._step_logger = StepLogger(config, process_index=self.global_rank)
         self.tput_timer = ThroughputTimer(self)
@@ -161,7 +117,7 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
             self._target_names.update({p: f"param{i}" for i, p in enumerate(params) if p not in self._target_names})
         self.optimizer = ZeroOptimizer(optimizer, self) if optimizer is not None else None
         self.lay_out_state()
-        self._keep_step_state_on_device()
+        state.keep_step_state_on_device(self)
         if not shape_only:  # placeholders (spmdzero.aot.shapes) have nothing to execute
             import torch_xla
 
@@ -258,43 +214,9 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         return loss * self._loss_scale.scale if self._loss_scale is not None else loss
 
     def _take_param_grads(self, divisor: int = 1) -> None:
-        """Move the gradients autograd left in ``param.grad`` into the ZeRO buffers (divided by
-        ``divisor``, reduced in ``communication_data_type``, laid out as the plan says, summed in
-        ``grad_accum_dtype``)."""
-        comm, accum = self.precision.communication_dtype, self.precision.grad_accum_dtype
-        with torch.no_grad():
-            for slot in self._slots:
-                grad = slot.param.grad
-                if grad is None:
-                    continue
-                slot.param.grad = None
-                if divisor != 1:
-                    grad = grad / divisor
-                planned = self.plan[slot.name]
-                spec = planned.grad
-                reduced = grad.to(comm)
-                if planned.grad_stages and slot.name in self._scanned:
-                    # Laid out through its stages inside the layer loop (spmdzero.backends.torch_xla.scan): a replicated
-                    # pin here would all-gather the reduce-scattered gradient again.
-                    shard(reduced, self.mesh, spec)
-                    stages = ()
-                else:
-                    # The first layout as the gradient's own (see TensorPlan.grad_layouts), the
-                    # rest as sharded copies.
-                    first, *stages = planned.grad_layouts
-                    shard(reduced, self.mesh, first)
-                for stage in stages:
-                    reduced = constrain(reduced, self.mesh, stage)
-                grad = reduced.to(accum)
-                slot.summed = slot.grad is not None
-                if slot.grad is not None:
-                    # In place: the sum's output takes the accumulator's own buffer (torch_xla
-                    # donates a tensor updated in place), not a second shard-sized allocation.
-                    grad = slot.grad.add_(grad)
-                    fused.settle([grad])
-                if grad is not reduced:  # a micro-step's output takes the compiler's layout unless annotated
-                    shard(grad, self.mesh, spec)
-                slot.grad = grad
+        """Move the gradients autograd left in ``param.grad`` into the slots (divided by
+        ``divisor``: ``gradients.take_param_grads``)."""
+        gradients.take_param_grads(self._slots, self.plan, self.mesh, self.precision, self._scanned, divisor)
         self._window_reduced = self.is_gradient_accumulation_boundary()
 
     @raises_torch_out_of_memory
@@ -356,46 +278,14 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
     def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
         """The engine's optimizer step: the update, then the schedule (not after a skipped
         step) and the counters, as DeepSpeed's ``engine._take_model_step``."""
-        overflow = self._update(self._config.gradient_clipping)
+        overflow = update.update(self, self._config.gradient_clipping)
         if overflow is not None:
             self._skipped_on_device = overflow.float() + self._skipped_on_device
-            self._step_scheduler_if(self._step_applied, lr_kwargs)
+            update.step_scheduler_if(self, self._step_applied, lr_kwargs)
         elif self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
         self.global_steps += 1
         self.global_samples += self._consume_samples()
-
-    def _update(self, clipping: float) -> Optional[torch.Tensor]:
-        """The optimizer's update with the gradients accumulated since the last one, which it
-        consumes (the next micro-step starts a new sum): the global norm, clipping to
-        ``clipping``, the overflow skip and the loss scale's update, the masters cast back
-        into the parameters, every updated state laid out by the plan. Returns the device
-        bool "this step overflowed" under overflow checks, else None."""
-        policy = self.precision
-        with torch.no_grad():
-            grads = [self._gradient(s) for s in self._slots]
-            sum_sq = fused.sum_of_squares(grads, self._memory_orders(grads)) if grads else torch.zeros((), device=self.device)
-            result = boundary_update(sum_sq, self._loss_scale, clipping, policy, TORCH_OPS,
-                                     functools.partial(self._apply_optimizer, grads))
-            laid_out = result.applied
-            for slot in self._slots:
-                slot.grad = None
-            self._window_reduced = False
-            self._step_loss, self._window_loss = self._window_loss, None
-            if policy.master_weights:  # the compiler all-gathers the cast master shards
-                params = [s.param for s in self._slots]
-                torch._foreach_copy_(params, [self._gathered_in_stages(s) for s in self._slots])
-                fused.settle(params)
-        self._global_grad_norm = result.scale.norm
-        overflow = None
-        if policy.check_overflow:
-            overflow = result.scale.skip
-            self._loss_scale = result.loss_scale
-            self._last_overflow, self._step_applied = overflow, ~overflow
-        else:
-            self._step_applied = True
-        self._annotate_updated(laid_out)
-        return overflow
 
     def optimizer_step(self) -> None:
         """``engine.optimizer.step()``: DeepSpeed's ZeRO optimizer stepped by the caller. As its
@@ -411,162 +301,17 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         Refused inside an accumulation window (the last backward not at a boundary): the
         window's gradients are incomplete, and DeepSpeed's ZeRO optimizer then has no reduced
         gradients and fails."""
-        if self._capture is not None:  # trace the update for the TPU compiler; execute nothing
-            self._update(self._optimizer_clipping())
-            self._capture.record()
-            return
-        call = "engine.optimizer.step()"
-        if self._backward_since_step and not self._window_reduced:
-            gas = self.gradient_accumulation_steps()
-            raise RuntimeError(
-                f"{call} inside a gradient accumulation window (micro-step {self.micro_steps % gas + 1} of {gas}): the "
-                "last engine.backward() was not at the accumulation boundary, so the window's gradients are "
-                "incomplete (DeepSpeed's ZeRO optimizer has none reduced then). Call engine.step() after every "
-                "micro-step; call engine.optimizer.step() only after the backward of a micro-step where "
-                "engine.is_gradient_accumulation_boundary() is True")
-        start = time.perf_counter()
-        self._take_gradients(call)
-        self._update(self._optimizer_clipping())
-        self._end_step(boundary=True)
-        self._step_logger.timers.add("step", time.perf_counter() - start)
+        update.optimizer_step(self)
 
-    def _optimizer_clipping(self) -> float:
-        """The clipping of DeepSpeed's optimizer (see ``optimizer_step``)."""
-        if self.plan.stage == 0 and self.precision.param_dtype == torch.float32:
-            return 0.0
-        return self._config.gradient_clipping
-
-    def _apply_optimizer(self, grads: list[torch.Tensor], scale: GradScale) -> set[int]:
-        """The optimizer's math for ``boundary_update``; returns the ids of the parameters whose
-        new values already carry their shardings (set inside the fused op)."""
-        if not isinstance(self.optimizer.optimizer, SpmdOptimizer):
-            self._client_optimizer_step(grads, scale.multiplier, scale.skip)
-            return set()
-        # scale, update and overflow select: one op per group. Old buffers are reused only by a
-        # step that the sync after it executes, and not under engine.compile(): dynamo's cached
-        # graphs keep reading the old ones.
-        donate = self._capture is None and not self._is_compiled
-        self.optimizer.optimizer.step(grads={s.target: g for s, g in zip(self._slots, grads)},
-                                      grad_scale=scale.multiplier, skip=scale.skip, donate=donate,
-                                      group_update=functools.partial(fused.update, gather=self._gather_text))
-        return self.optimizer.optimizer.laid_out
-
-    def _keep_step_state_on_device(self) -> None:
-        """Under overflow checks (fp16, bf16's check_grad_overflow) every optimizer step but
-        the first reads the skipped-step count and a DeepSpeed schedule's step count and lrs
-        from the device, as the previous step left them. Put them there from the start, and
-        the first step traces the same graph as the rest: the step compiles once, not twice.
-        The caller's next sync materializes them."""
-        if not self.precision.check_overflow:
-            return
-        if self._skipped_on_device is None:
-            self._skipped_on_device = torch.zeros((), dtype=torch.float32, device=self.device)
-        if isinstance(self.lr_scheduler, LRSchedule):
-            self.lr_scheduler.keep_on_device(self.device)
-
-    def _client_optimizer_step(self, grads: list, inverse: Optional[torch.Tensor],
-                               overflow: Optional[torch.Tensor]) -> None:
-        """A torch.optim optimizer reads ``.grad``; an overflowed step is undone afterwards.
-
-        Its first step creates its state (torch's lazy state: nothing is made up before, see
-        ``spmdzero.optim.optimizers``); ``_annotate_updated`` then lays the new tensors out
-        by the plan, and from the next step on the graph is the same every step. An
-        overflowed step must not leave state it created: the next step must be torch's first
-        again (SGD's momentum buffer is the first applied gradient, not one derived from
-        inf), and whether a key exists is decided on the host. So a step that creates state
-        under overflow checks (fp16, bf16's ``check_grad_overflow``) reads its overflow flag:
-        only the steps before the first applied one (warm-up), never after."""
-        grads = [g.float() if inverse is None else g.float() * inverse for g in grads]
-        state = self.optimizer.optimizer.state
-        keys_before = {s.target: set(state[s.target]) if s.target in state else None for s in self._slots}
-        updated = [s.target for s in self._slots] + [t for k, (t, _) in self.state_tensors().items()
-                                                      if k.startswith("optim.")]
-        before = [t.clone() for t in updated] if overflow is not None else None
-        for slot, grad in zip(self._slots, grads):
-            slot.target.grad = grad
-        self.optimizer.optimizer.step()
-        for slot in self._slots:
-            slot.target.grad = None
-        created = {t: keys for t, keys in keys_before.items() if set(state.get(t, ())) != (keys or set())}
-        self._creating_state = bool(created)
-        if overflow is None:
-            return
-        keep_unless(overflow, updated, before)
-        if created and self._capture is None:  # a captured step is put back as a whole (restore_snapshot)
-            import torch_xla
-
-            torch_xla.sync()  # the step so far, executed: its overflow flag is then read without a second run
-            if bool(overflow):
-                for target, keys in created.items():
-                    if keys is None:
-                        state.pop(target, None)
-                    else:
-                        for key in set(state[target]) - keys:
-                            del state[target][key]
-
-    def _step_scheduler_if(self, applied: torch.Tensor, lr_kwargs: Optional[dict]) -> None:
-        """DeepSpeed does not step the schedule on a skipped step. DeepSpeed's schedules do
-        that in the graph; other schedulers step on the host every boundary (warned)."""
-        if self.lr_scheduler is None:
-            return
-        if isinstance(self.lr_scheduler, LRSchedule) and not lr_kwargs:
-            self.lr_scheduler.step_if(applied)
-            return
-        if not getattr(self, "_warned_host_scheduler", False):
-            self._warned_host_scheduler = True
-            warnings.warn(f"spmdzero: {type(self.lr_scheduler).__name__} steps on every boundary, including steps "
-                          "skipped for overflow (DeepSpeed does not step it then); use a DeepSpeed schedule from the "
-                          "config for the exact behaviour", stacklevel=3)
-        self.lr_scheduler.step(**(lr_kwargs or {}))
-
-    def _memory_orders(self, grads: list[torch.Tensor]) -> list[Optional[tuple[int, ...]]]:
-        """Each gradient's dims in memory order (``fused.memory_order``), for the global norm to
-        read them that way. Asked once per parameter and kind of gradient (one backward's, a
-        sum of micro-steps', zeros): the step's graph, and so its layouts, are the same every
-        time."""
-        orders = []
-        for slot, grad in zip(self._slots, grads):
-            key = (slot.name, "zeros" if slot.grad is None else "sum" if slot.summed else "one")
-            if key not in self._grad_orders:
-                self._grad_orders[key] = fused.memory_order(grad)
-            orders.append(self._grad_orders[key])
-        return orders
-
-    def _gradient(self, slot: Slot) -> torch.Tensor:
-        """The slot's accumulated gradient; zeros (laid out by the plan) for a parameter that
-        took no part in any backward since the last boundary, which the optimizer still steps."""
-        if slot.grad is not None:
-            return slot.grad
-        zeros = torch.zeros(slot.param.shape, dtype=self.precision.grad_accum_dtype, device=slot.param.device)
-        shard(zeros, self.mesh, self.plan[slot.name].grad)
-        return zeros
-
+    # ---- the state protocol: what checkpoints, the TPU capture and reports use -------------------
     def state_tensors(self) -> dict[str, tuple[torch.Tensor, tuple]]:
         """Every persistent device tensor of the training state, by checkpoint key, with
         the partition spec the plan gives it: ``model.*`` params, ``buffer.*`` module
         buffers, ``master.*`` fp32 masters, ``optim.<param>.<key>`` optimizer state,
         ``loss_scale.*``. Gradient buffers are not state: they are empty between steps."""
-        out: dict[str, tuple[torch.Tensor, tuple]] = {}
-        for name, p in self.module.named_parameters():
-            planned = self.plan.get(name)
-            out[f"model.{name}"] = (p, planned.param if planned else replicated(p.dim()))
-        for name, b in self.module.named_buffers():
-            if b is not None and b.device.type == "xla":
-                out[f"buffer.{name}"] = (b, replicated(b.dim()))
-        for slot in self._slots:
-            if slot.target is not slot.param:
-                out[f"master.{slot.name}"] = (slot.target, self.plan[slot.name].master)
-        if self.optimizer is not None:
-            for target, state in self.optimizer.optimizer.state.items():
-                name = self._target_names[target]
-                for key, (value, spec) in self._optimizer_state(name, target, state):
-                    out[f"optim.{name}.{key}"] = (value, spec)
-        if self._loss_scale is not None:
-            for field, value in zip(self._loss_scale._fields, self._loss_scale):
-                out[f"loss_scale.{field}"] = (value, ())
-        return out
+        return state.state_tensors(self.module, self.plan, self._slots, self.optimizer, self._target_names,
+                                   self._loss_scale)
 
-    # ---- the state protocol: what checkpoints, the TPU capture and reports use -------------------
     def trained_parameters(self) -> list[Slot]:
         """The parameters this engine trains, in order, each with its name, its optimizer target
         (the fp32 master under mixed precision, else the parameter) and its pending gradient.
@@ -597,75 +342,19 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         self._drop_gradients()
         if new_window:
             self._window_loss = None  # its mean loss starts again
-        self._keep_step_state_on_device()
+        state.keep_step_state_on_device(self)
         torch_xla.sync()
 
-    def snapshot(self, with_tensors: bool = True) -> "EngineSnapshot":
+    def snapshot(self, with_tensors: bool = True) -> state.EngineSnapshot:
         """Everything a traced step changes, to be put back by ``restore_snapshot``: the state
         tensors' values (executed first) unless ``with_tensors`` is False (a shape-only engine
         has nothing to execute), the counters, the pending gradients, the param groups and the
         schedule."""
-        import torch_xla
+        return state.snapshot(self, with_tensors)
 
-        if with_tensors:
-            torch_xla.sync()
-        tensors = {k: t for k, (t, _) in self.state_tensors().items()}
-        tensors.update({f"grad.{k}": b for k, b in self.grad_buffers().items()})
-        # A clone shares the state's device buffer and keeps pointing at it while the traced
-        # step updates the tensor in place (``t.data`` would follow the update).
-        values = {k: t.clone() for k, t in tensors.items()} if with_tensors else None
-        attrs = {k: copy.copy(getattr(self, k)) for k in _STEP_ATTRIBUTES}
-        # Rebound, never updated in place, by a traced backward or step: the objects are kept
-        # (the gradients pending inside an accumulation window, the last loss read by last_loss()).
-        attrs.update({k: getattr(self, k) for k in _REBOUND_ATTRIBUTES})
-        groups = [dict(g) for g in self.optimizer.param_groups] if self.optimizer else []
-        optimizer_state = {t: dict(s) for t, s in self.optimizer.state.items()} if self.optimizer else {}
-        host_values = {(t, k): v.clone() for t, s in optimizer_state.items() for k, v in s.items()
-                       if isinstance(v, torch.Tensor) and v.device.type != "xla"}
-        # the schedule's own attributes, not its state_dict(): that reads a device step count back
-        # as an int, which the next step sends as a new input and so compiles a new graph
-        scheduler = {k: v if isinstance(v, torch.Tensor) else copy.copy(v)
-                     for k, v in vars(self.lr_scheduler).items()} if self.lr_scheduler is not None else None
-        return EngineSnapshot(tensors, values, attrs, [slot.grad for slot in self._slots], groups, scheduler,
-                              optimizer_state, host_values)
-
-    def restore_snapshot(self, snapshot: "EngineSnapshot") -> None:
+    def restore_snapshot(self, snapshot: state.EngineSnapshot) -> None:
         """Put the engine back as ``snapshot`` found it."""
-        import torch_xla
-
-        if snapshot.values is not None:
-            # An in-place copy, not a swap of the XLA tensor under the functional wrapper: views
-            # (a weight's transpose in the next forward) are rebuilt from the wrapper's base,
-            # which a swap would leave at the traced update.
-            with torch.no_grad():
-                for key, t in snapshot.tensors.items():
-                    t.copy_(snapshot.values[key])
-            # laid out by the plan and executed now, as a graph of its own (compiled once): left
-            # pending, the copies would join the next training step's graph and make it a new
-            # one to compile
-            self.lay_out_state()
-            torch_xla.sync()
-        for name, value in snapshot.attrs.items():
-            setattr(self, name, value)
-        for slot, grad in zip(self._slots, snapshot.pending):
-            slot.grad = grad
-        if self.optimizer:
-            for group, kept in zip(self.optimizer.param_groups, snapshot.groups):
-                group.update(kept)
-            # which state exists (a torch optimizer's first step creates it), and its host
-            # tensors' values (torch counts Adam's steps in a CPU tensor, in place)
-            state = self.optimizer.state
-            for target in [t for t in state if t not in snapshot.optimizer_state]:
-                del state[target]
-            for target, kept in snapshot.optimizer_state.items():
-                state[target] = dict(kept)
-            with torch.no_grad():
-                for (target, key), value in snapshot.host_values.items():
-                    state[target][key].copy_(value)
-        if snapshot.scheduler is not None:
-            vars(self.lr_scheduler).update(snapshot.scheduler)
-        for p in self.module.parameters():
-            p.grad = None
+        state.restore_snapshot(self, snapshot)
 
     def capture_steps(self, capture: Any) -> None:
         """Trace, not execute, the next ``step()`` calls into ``capture`` (a
@@ -682,20 +371,12 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         empty): checkpoints record it so that they load into either form of the model."""
         return stacked_layers(self.module)
 
-    def _optimizer_state(self, name: str, target: torch.Tensor, state: dict):
-        """(key, (tensor, spec)) for each device tensor of one target's optimizer state."""
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.device.type == "xla":
-                like_param = tuple(value.shape) == tuple(target.shape)
-                yield key, (value, self.plan[name].optimizer_state if like_param else replicated(value.dim()))
-
     def lay_out_state(self) -> None:
         """Params replicated, buffers, masters and states per the plan: after anything wrote
         the state (a checkpoint load, a captured step put back), and after an update, where
         output propagation would otherwise leave updated params sharded like the states they
         came from."""
-        for tensor, spec in self.state_tensors().values():
-            shard(tensor, self.mesh, spec)
+        state.lay_out(self.state_tensors(), self.mesh)
 
     @property
     def lazy_optimizer_state(self) -> bool:
@@ -718,48 +399,6 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         """Take the optimizer state of ``targets`` back to none (torch's next step creates it)."""
         if self.optimizer is not None:
             drop_state(self.optimizer.optimizer, targets)
-
-    def _gathered_in_stages(self, slot) -> torch.Tensor:
-        """The updated master, cast to the parameter's dtype and laid out through its ZeRO stages
-        backwards on two fsdp axes (``TensorPlan.gather_layouts``), so that the compiler gathers
-        it one axis at a time: over both at once, libtpu 0.0.21 all-reduced the parameters on
-        v5p:4x4x8 (a 2-layer Llama at ZeRO-2: 1.73x the minimum, no all-gather). Else the master."""
-        planned = self.plan[slot.name]
-        if self.plan.stage >= 3 or len(planned.zero_stages) < 2:
-            return slot.target
-        value = slot.target.to(slot.param.dtype)
-        for spec in planned.gather_layouts[:-1]:
-            value = constrain(value, self.mesh, spec)
-        return value
-
-    def _gather_text(self, target: torch.Tensor) -> tuple[str, ...]:
-        """For the fused update (``fused.update``'s ``gather``): the layouts, as HLO sharding text,
-        that an updated parameter passes through between its state's layout and its own
-        (``TensorPlan.gather_layouts``, less the last): one fsdp axis at a time on two fsdp axes,
-        none on one. (A master's layout is its state's: its cast is gathered by
-        ``_gathered_in_stages``.)"""
-        planned = self.plan.get(self._target_names.get(target, ""))
-        if planned is None or self.plan.stage >= 3 or len(planned.zero_stages) < 2:
-            return ()
-        return tuple(sharding_text(self.mesh, spec) for spec in planned.gather_layouts[:-1])
-
-    def _annotate_updated(self, laid_out: set[int]) -> None:
-        """``lay_out_state`` for what an update changed, less the targets (by id) whose new values
-        and states already carry their shardings (the fused update sets them inside its op):
-        ~20 us per annotation, which for 700 tensors was most of the update's tracing."""
-        mesh, state = self.mesh, self.optimizer.optimizer.state
-        for slot in self._slots:
-            planned = self.plan[slot.name]
-            if slot.target is not slot.param:  # the param is a fresh cast of the master
-                shard(slot.param, mesh, planned.param)
-            if id(slot.target) in laid_out:
-                continue
-            shard(slot.target, mesh, planned.param if slot.target is slot.param else planned.master)
-            for _, (value, spec) in self._optimizer_state(slot.name, slot.target, state[slot.target]):
-                shard(value, mesh, spec)
-        if self._loss_scale is not None:
-            for value in self._loss_scale:
-                shard(value, mesh, ())
 
     def zero_grad(self) -> None:
         """DeepSpeed's ``engine.zero_grad()``: it sets the parameters' ``.grad`` to None, which
@@ -810,7 +449,7 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
         self._skipped_on_host, self._skipped_on_device = int(value), None
-        self._keep_step_state_on_device()
+        state.keep_step_state_on_device(self)
 
     def get_global_grad_norm(self) -> Optional[float]:
         """Pre-clip, unscaled global gradient norm of the last boundary step (reads the device;

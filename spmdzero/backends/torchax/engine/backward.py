@@ -17,7 +17,7 @@ from spmdzero.backends.torchax.lowering import autograd_factories
 from spmdzero.backends.torchax.outputs import process_rows
 from spmdzero.backends.torchax.engine.forward import SPECULATED
 from spmdzero.backends.torchax.engine.release import release_in_background
-from spmdzero.backends.torchax.engine.placement import _as_jax, _is_torchax_tensor, _jax_dtype
+from spmdzero.backends.torchax.lowering.values import as_jax, is_torchax_tensor, jax_dtype
 from spmdzero.train.engine_base import check_loss_given, check_scalable
 from spmdzero.runtime.out_of_memory import raises_torch_out_of_memory
 
@@ -74,7 +74,7 @@ class BackwardPrograms:
             forward = None
         gas = self.gradient_accumulation_steps()
         if self._overwrite_at_backward:  # DeepSpeed's stage-3 optimizer.zero_grad() came since the last one
-            release_in_background(self._accum)
+            release_in_background(self.state.accum)
             self._set_accum(None)  # this forward's gradient, if already added, is taken again
         if forward is None:
             if loss.grad_fn is None:
@@ -91,7 +91,7 @@ class BackwardPrograms:
         self._last_loss = loss
         self._rows_since_step += rows
         self._window_reduced = self.is_gradient_accumulation_boundary()
-        term = _as_jax(loss, self._env).astype("float32") / gas  # a JAX op: no device read
+        term = as_jax(loss, self._env).astype("float32") / gas  # a JAX op: no device read
         self._window_loss = term if self._window_loss is None else self._window_loss + term
         return loss / gas if gas > 1 else loss
 
@@ -101,9 +101,9 @@ class BackwardPrograms:
         scale, which the update divides out; ``loss`` itself in bf16 and fp32. The backward
         divides the outputs' gradients by the accumulation steps, as DeepSpeed's does."""
         check_scalable(self, loss)
-        if self._loss_scale is None:
+        if self.state.loss_scale is None:
             return loss
-        return loss * self._Output(self._loss_scale.scale, self._env)
+        return loss * self._Output(self.state.loss_scale.scale, self._env)
 
     def _commit_traced(self, forward: SimpleNamespace) -> None:
         """Commit the gradient a training forward took of the module's loss (taking it again when
@@ -152,12 +152,12 @@ class BackwardPrograms:
         dropout draw and loss divisor, at the parameters it saw) from the accumulation."""
         self._confirm(forward)  # no longer in it
         program = self._program("train", forward.treespec, forward.static, forward.training, method=forward.method)
-        _, _, gradients = program(self._params, forward.constants, None, forward.rng, forward.arrays,
+        _, _, gradients = program(self.state.params, forward.constants, None, forward.rng, forward.arrays,
                                   divisor=forward.divisor)
         self.runs["retract"] += 1
         if self._subtract_program is None:
             self._subtract_program = self._build_subtract()
-        self._replace_accum(self._subtract_program(self._accum, gradients))
+        self._replace_accum(self._subtract_program(self.state.accum, gradients))
 
     def _build_subtract(self):
         """``(accum, gradients) -> accum - gradients``, jitted, the accumulation donated."""
@@ -172,7 +172,7 @@ class BackwardPrograms:
     def _take_accum(self, accum: dict) -> None:
         # the sum this one replaces is released now (off this thread): kept a micro-step longer it
         # was a second gradient held between micro-steps (ZeRO's accounting holds one)
-        release_in_background(self._accum)
+        release_in_background(self.state.accum)
         self._set_accum(accum)
 
     def _replace_accum(self, accum: dict) -> None:
@@ -187,8 +187,8 @@ class BackwardPrograms:
         scale, over ``divide``) back to the engine's outputs, whose nodes run the compiled backward
         (``_backward_through``). Returns the training rows of the forwards it reached."""
         scaled = loss.float()
-        if self._loss_scale is not None:
-            scaled = scaled * self._Output(self._loss_scale.scale, self._env)
+        if self.state.loss_scale is not None:
+            scaled = scaled * self._Output(self.state.loss_scale.scale, self._env)
         if divide > 1:
             scaled = scaled / divide
         state = self._backward_state = SimpleNamespace(retain=retain_graph, rows=0, forwards=0)
@@ -215,20 +215,20 @@ class BackwardPrograms:
                 self._check_training_rows(record.rows)  # an eval-mode forward trains only now
             program = self._program("vjp", record.treespec, record.static, record.training, record.which,
                                     record.method)
-            _, _, vjp = program(self._params, record.constants, record.rng, record.arrays)
+            _, _, vjp = program(self.state.params, record.constants, record.rng, record.arrays)
         state = self._backward_state
         # a backward the script ran itself (``loss.backward()``, DeepSpeed 0.19's PyTorch-style
         # backward): DeepSpeed divides the outputs' gradients by the accumulation steps there
         # (its output hooks, ``_backward_prologue_per_tensor``), as engine.backward divides the loss
         divisor = np.float32(1 if state is not None else self.gradient_accumulation_steps())
-        cts = tuple(None if cotangents[i] is None else _as_jax(cotangents[i], self._env) for i in record.floats)
+        cts = tuple(None if cotangents[i] is None else as_jax(cotangents[i], self._env) for i in record.floats)
         if self._processes > 1:  # this process's cotangents, onto the global mesh
             cts = tuple(None if c is None else process_rows.global_cotangent(c, view, whole, shape, kind, self.mesh)
                         for c, (view, whole), (shape, _, kind) in zip(cts, record.shardings, record.avals))
         if self._backward_program is None:
             self._backward_program = self._build_backward()
         self.runs["backward"] += 1
-        grads, input_grads = self._backward_program(vjp, cts, self._accum, record.avals, divisor)
+        grads, input_grads = self._backward_program(vjp, cts, self.state.accum, record.avals, divisor)
         self._replace_accum(grads)  # it was donated
         if state is not None:
             state.rows += record.rows or 0
@@ -243,7 +243,7 @@ class BackwardPrograms:
         from torchax.ops import mappings
 
         t = record.inputs[k]
-        if _is_torchax_tensor(t):
+        if is_torchax_tensor(t):
             return self._Output(grad, self._env)
         array = record.arrays[record.which[k]]
         if self._processes > 1 and record.dims[k] is not None:  # this process's rows of the global gradient
@@ -271,7 +271,7 @@ class BackwardPrograms:
         import jax.numpy as jnp
 
         policy = self.precision
-        comm, accumulated = _jax_dtype(policy.communication_dtype), _jax_dtype(policy.grad_accum_dtype)
+        comm, accumulated = jax_dtype(policy.communication_dtype), jax_dtype(policy.grad_accum_dtype)
 
         def backward(vjp, cotangents, accum, avals, divisor):
             self.traces["backward"] += 1
@@ -307,7 +307,7 @@ class BackwardPrograms:
         """The gradients accumulated since the last optimizer step; a new token tells the
         forwards whose gradient was added to the old ones that it must be taken again (and so
         does dropping the forwards whose gradient was added before their backward)."""
-        self._accum = accum
+        self.state = self.state._replace(accum=accum)
         self._accum_token += 1
         self._unconfirmed = []
         if accum is None:  # a step, a drop or a load: no gradients left for a backward to replace

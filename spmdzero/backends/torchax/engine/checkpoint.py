@@ -170,7 +170,7 @@ class TorchaxStateShards:
         self._engine._seed(seed)
 
     def rng_position(self) -> int:
-        return self._engine._draw_step
+        return self._engine.state.draw_step
 
     def set_rng_position(self, position: int) -> None:
-        self._engine._draw_step = position
+        self._engine.state = self._engine.state._replace(draw_step=position)

@@ -89,13 +89,15 @@ from spmdzero.backends.torchax.engine.release import drain
 from spmdzero.backends.torchax.outputs.output_tensor import output_tensor_class
 from spmdzero.backends.torchax.engine.host_module import (_optimizer_state_through_engine, _sync_before_state_dict,
                                                    _watch_parameters, _zero_grad_through_engine)
-from spmdzero.backends.torchax.engine.placement import _as_jax, _broadcast_from_first_process
+from spmdzero.backends.torchax.engine.placement import _broadcast_from_first_process
+from spmdzero.backends.torchax.lowering.values import as_jax
 from spmdzero.backends.torchax.engine.backward import BackwardPrograms
 from spmdzero.backends.torchax.engine.forward import ForwardPrograms
 from spmdzero.backends.torchax.engine.host_module import HostModule
 from spmdzero.backends.torchax.engine.placement import Placement
 from spmdzero.backends.torchax.engine.state import StateProtocol
 from spmdzero.backends.torchax.engine.traced_step import TracedSteps
+from spmdzero.backends.torchax.engine.train_state import TrainState
 from spmdzero.backends.torchax.engine.update import UpdateProgram
 
 
@@ -183,13 +185,13 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         # Under bf16 the optimizer updates fp32 master weights laid out like its states (plan.master)
         # and the module's parameters are their bf16 casts, as in the torch_xla engine.
         self._master_specs = {n: spec(plan[n].master) for n in self._names} if self.precision.master_weights else {}
-        self._masters = {n: self._put(p.float(), self._master_specs[n]) for n, p in module.named_parameters()
+        masters = {n: self._put(p.float(), self._master_specs[n]) for n, p in module.named_parameters()
                          if n in self._master_specs}
         if self.precision.param_dtype != torch.float32:  # with fp32 masters, or bf16 ones (the parameters)
             move_in_place(module, self.precision.param_dtype)
-        self._params = {n: self._put(p.detach(), self._param_specs[n]) for n, p in module.named_parameters()
+        params = {n: self._put(p.detach(), self._param_specs[n]) for n, p in module.named_parameters()
                         if n in trained}
-        self._constants = {n: self._put(t.detach(), self._replicated)
+        constants = {n: self._put(t.detach(), self._replicated)
                            for n, t in [*module.named_parameters(), *module.named_buffers()] if n not in trained}
         states, self._state_specs = {}, {}
         # a torch.optim optimizer's own step runs in the update (torch_optim): its first step
@@ -210,22 +212,17 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         # Every parameter steps together here (one update, one overflow skip): the optimizer's step
         # counters are one array, not one per parameter, so fewer arrays pass through every update.
         first = states.get(self._names[0], {}) if self._names else {}
-        self._shared_state = {"step": first["step"]} if "step" in first else {}
-        self._opt_state = {n: {k: v for k, v in st.items() if k not in self._shared_state} for n, st in states.items()}
-        self._state_specs = {n: {k: v for k, v in st.items() if k not in self._shared_state}
+        shared_state = {"step": first["step"]} if "step" in first else {}
+        opt_state = {n: {k: v for k, v in st.items() if k not in shared_state} for n, st in states.items()}
+        self._state_specs = {n: {k: v for k, v in st.items() if k not in shared_state}
                              for n, st in self._state_specs.items()}
         # A training forward's gradient belongs to the loss it returned (``loss._spmdzero_forward``,
         # its inputs and the accumulation with its gradient added), until backward commits it.
-        self._accum: Optional[dict] = None  # gradients committed since the last boundary (plan's grad spec)
         self._accum_token = 0  # changes with _accum (_set_accum)
         self._unconfirmed: list = []  # forwards whose gradient _accum holds before their backward (_settle)
         self._subtract_program = None  # built at the first such forward taken out again
         self._generation = 0  # changes with the parameters (an update, a change taken from the host)
         self._draws_at, self._draws = None, [0, 0]  # forwards of the micro-step so far, by stream (_next_draw)
-        # micro-steps the random stream has passed, folded into each forward's key: micro_steps as
-        # counted here, saved as a checkpoint's rng.position and restored exactly (a load puts
-        # micro_steps at the window's start instead, global_steps x gradient_accumulation_steps)
-        self._draw_step = 0
         self._window_reduced = False  # the last backward was at a boundary (zero_grad_keeps_gradients)
         self._overwrite_at_backward = False  # zero_grad_overwrites_next_backward
         self._retired_inputs: tuple = ()  # the last update's inputs
@@ -239,12 +236,17 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         self.tput_timer = ThroughputTimer(self)  # DeepSpeed's; here the time between dispatched steps
         self._rows_since_step = 0  # training rows fed: global_samples
         self._global_grad_norm = None
-        self._skipped = self._put(torch.zeros(()), self._replicated)  # steps skipped for non-finite gradients
         # fp16's loss scaler (DeepSpeed's DynamicLossScaler, or a static scale): device scalars that
         # the training program multiplies the loss by and the update program steps (optim/update.py)
         initial = init_loss_scale(self.precision)
-        self._loss_scale = None if initial is None else LossScale(
+        loss_scale = None if initial is None else LossScale(
             *(self._put(torch.tensor(v, dtype=torch.float32), self._replicated) for v in initial))
+        # draw_step: micro-steps the random stream has passed, folded into each forward's key:
+        # micro_steps as counted here, saved as a checkpoint's rng.position and restored exactly (a
+        # load puts micro_steps at the window's start instead, global_steps x gradient_accumulation_steps)
+        self.state = TrainState(params=params, masters=masters, opt_state=opt_state, shared_state=shared_state,
+                                skipped=self._put(torch.zeros(()), self._replicated), loss_scale=loss_scale,
+                                constants=constants, accum=None, rng=None, draw_step=0)
         self._last_skip = None
         self._module_stale = False
         self._buffers_stale: set[str] = set()  # buffers a forward changed on the devices
@@ -286,6 +288,10 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
                           "every boundary, including steps skipped for overflow (DeepSpeed does not step it then; "
                           "DeepSpeed's own schedules, from the config, do not either)", stacklevel=4)
 
+    def _count_trace(self, kind: str) -> None:
+        """A program of ``kind`` is being traced (a trace is a compile: the recompile guard reads the count)."""
+        self.traces[kind] += 1
+
     # ---- reporting -------------------------------------------------------------------------------
     def get_global_grad_norm(self) -> Optional[float]:
         """The pre-clip global gradient norm of the last boundary step (reads the device; a
@@ -304,11 +310,11 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
     @property
     def skipped_steps(self) -> int:
         """Steps skipped for non-finite gradients (fp16, bf16's overflow check); reads the device."""
-        return int(self._skipped)
+        return int(self.state.skipped)
 
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
-        self._skipped = self._put(torch.tensor(float(value)), self._replicated)
+        self.state = self.state._replace(skipped=self._put(torch.tensor(float(value)), self._replicated))
 
     def was_step_applied(self) -> bool:
         """Whether the last optimizer step changed the parameters (False before the first)."""
@@ -344,18 +350,18 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
 
     def current_loss_scale(self) -> float:
         """The loss scale in use (reads the device under fp16 scaling); 1.0 without one."""
-        return 1.0 if self._loss_scale is None else float(self._loss_scale.scale)
+        return 1.0 if self.state.loss_scale is None else float(self.state.loss_scale.scale)
 
     def last_loss(self) -> Optional[float]:
         """The loss last passed to ``backward``; reads the device."""
-        loss = None if self._last_loss is None else float(_as_jax(self._last_loss, self._env))
+        loss = None if self._last_loss is None else float(as_jax(self._last_loss, self._env))
         notice_nonfinite(self, loss, "loss")
         return loss
 
     def optimizer_states(self) -> dict[str, dict[str, Any]]:
         """The optimizer states by parameter name and key, as JAX arrays (laid out by the plan);
         the step counter is one array, the same in every parameter's states."""
-        return {n: {**st, **self._shared_state} for n, st in self._opt_state.items()}
+        return {n: {**st, **self.state.shared_state} for n, st in self.state.opt_state.items()}
 
     def state_tensors(self) -> dict[str, tuple[Any, tuple]]:
         """Every device array of the training state by checkpoint key, with the partition spec
@@ -365,41 +371,41 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         out: dict[str, tuple[Any, tuple]] = {}
         parameters = {name for name, _ in self._module.named_parameters()}
         for name, _ in self._host_tensors:
-            if name in self._params:
-                out[f"model.{name}"] = (self._params[name], tuple(self.plan[name].param))
-            elif name in self._constants:
+            if name in self.state.params:
+                out[f"model.{name}"] = (self.state.params[name], tuple(self.plan[name].param))
+            elif name in self.state.constants:
                 kind = "model" if name in parameters else "buffer"
-                out[f"{kind}.{name}"] = (self._constants[name], replicated(self._constants[name].ndim))
-        for name, master in self._masters.items():
+                out[f"{kind}.{name}"] = (self.state.constants[name], replicated(self.state.constants[name].ndim))
+        for name, master in self.state.masters.items():
             out[f"master.{name}"] = (master, tuple(self.plan[name].master))
         for name, states in self.optimizer_states().items():
-            shape = tuple(self._params[name].shape)
+            shape = tuple(self.state.params[name].shape)
             for key, value in states.items():
                 if self._torch_optimizer and key in torch_optim.HOST_KEYS:
                     continue  # in the host state (save_checkpoint), as torch_xla's torch optimizer keeps it
                 spec = self.plan[name].optimizer_state if tuple(value.shape) == shape else replicated(value.ndim)
                 out[f"optim.{name}.{key}"] = (value, tuple(spec))
-        if self._loss_scale is not None:
-            for field, value in zip(self._loss_scale._fields, self._loss_scale):
+        if self.state.loss_scale is not None:
+            for field, value in zip(self.state.loss_scale._fields, self.state.loss_scale):
                 out[f"loss_scale.{field}"] = (value, ())
         return out
 
     def master_weights(self) -> dict[str, torch.Tensor]:
         """The fp32 master weights by parameter name (empty in fp32 training), as torchax tensors
         over the JAX arrays (laid out by the plan's master spec), as the engine's outputs are."""
-        return {n: self._Output(a, self._env) for n, a in self._masters.items()}
+        return {n: self._Output(a, self._env) for n, a in self.state.masters.items()}
 
     def grad_buffers(self) -> dict[str, torch.Tensor]:
         """The gradients accumulated since the last optimizer step by parameter name, as torchax
         tensors (``accumulated_gradients`` as JAX arrays); empty between steps."""
         self._settle()
-        return {n: self._Output(a, self._env) for n, a in (self._accum or {}).items()}
+        return {n: self._Output(a, self._env) for n, a in (self.state.accum or {}).items()}
 
     def accumulated_gradients(self) -> dict[str, Any]:
         """The gradients committed since the last optimizer step, by parameter name, as JAX
         arrays laid out by the plan's gradient spec; empty between steps."""
         self._settle()
-        return dict(self._accum or {})
+        return dict(self.state.accum or {})
 
     def sharding_report(self):
         """Per parameter: the layout and per-device bytes of the param, its gradient, master
@@ -409,10 +415,10 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
 
     def params(self) -> dict[str, Any]:
         """The trainable parameters by name, as JAX arrays (replicated)."""
-        return self._params
+        return self.state.params
 
     def wait(self) -> None:
         """Block until the dispatched programs have run and the arrays they consumed are released
         (``release.drain``: what the devices hold is then what the engine keeps)."""
-        self._jax.block_until_ready((self._params, self._opt_state, self._accum))
+        self._jax.block_until_ready((self.state.params, self.state.opt_state, self.state.accum))
         drain()

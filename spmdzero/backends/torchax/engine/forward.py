@@ -23,16 +23,16 @@ from spmdzero.backends.torchax.patches import batchnorm
 from spmdzero.backends.torchax.engine import frozen, host_reads
 from spmdzero.backends.torchax.engine.outside_loss import tie
 from spmdzero.backends.torchax.outputs import process_rows
-from spmdzero.backends.torchax.patches import moe_experts, recurrent_masks, shape_inputs, vision_language
-from spmdzero.backends.torchax.lowering import trace_view
-from spmdzero.backends.torchax.patches import ctc_targets, labeled_rows
+from spmdzero.backends.torchax.patches import registry, shape_inputs
+from spmdzero.backends.torchax.patches import trace_view
 from spmdzero.backends.torchax.lowering import remat, traced_checks
 from spmdzero.backends.torchax.engine import method_programs, other_engines
 from spmdzero.backends.torchax.lowering import cross_entropy
 from spmdzero.backends.torchax.lowering import zero3_gather
 from spmdzero.train.scan_layers import scanned_parameters
-from spmdzero.backends.torchax.engine.placement import _as_dicts, _is_torchax_tensor, _jax_dtype
+from spmdzero.backends.torchax.lowering.values import as_dicts, is_torchax_tensor, jax_dtype
 from spmdzero.runtime.out_of_memory import raises_torch_out_of_memory
+from spmdzero.backends.torchax.lowering import trace_reads
 
 
 # ``forward.pending`` of a training forward whose gradient was added to the accumulated ones when
@@ -105,7 +105,7 @@ def _host_tensors_as_constants(fn, output):
                 dtype = kwargs.get("dtype", next((a for a in args[1:] if isinstance(a, torch.dtype)), None))
                 args, kwargs = (args[0],) if dtype is None else (args[0], dtype), {}
             args, kwargs = torch_pytree.tree_map_only(
-                torch.Tensor, lambda t: t if _is_torchax_tensor(t) else ttensor.Tensor(env.t2j_copy(t.detach()), env),
+                torch.Tensor, lambda t: t if is_torchax_tensor(t) else ttensor.Tensor(env.t2j_copy(t.detach()), env),
                 (args, kwargs))
             return func(*args, **kwargs)
 
@@ -168,8 +168,8 @@ class ForwardPrograms:
         """The constants a program takes: the buffers and untrained parameters, and the values of
         the other engines it met (``other_engines``)."""
         if not self._other_engines:
-            return self._constants
-        return {**self._constants, other_engines.KEY: other_engines.values(self._other_engines)}
+            return self.state.constants
+        return {**self.state.constants, other_engines.KEY: other_engines.values(self._other_engines)}
 
     def _next_draw(self, training: bool) -> int:
         """Which of its micro-step's forwards this one is, for its random draws (dropout,
@@ -178,8 +178,8 @@ class ForwardPrograms:
         forwards (grad on, training mode) count apart from the others, so an evaluation between
         two steps leaves the training draws as they are. The index restarts at each micro-step:
         a resumed run draws as the uninterrupted one did."""
-        if self._draws_at != self._draw_step:
-            self._draws_at, self._draws = self._draw_step, [0, 0]
+        if self._draws_at != self.state.draw_step:
+            self._draws_at, self._draws = self.state.draw_step, [0, 0]
         stream = 0 if training else 1
         index = self._draws[stream]
         self._draws[stream] += 1
@@ -220,12 +220,12 @@ class ForwardPrograms:
             # VJP program, whose backward engine.backward runs from the loss the script computes
             program = self._program("vjp", treespec, static, training, which, method)
             self.runs["forward"] += 1
-            outputs, constants, forward.vjp = program(self._params, self._program_constants(), rng, arrays)
+            outputs, constants, forward.vjp = program(self.state.params, self._program_constants(), rng, arrays)
             self._take_constants(constants)
             return self._outputs(outputs, program, forward)
         program = self._program("forward", treespec, static, training, method=method)
         self.runs["forward"] += 1
-        outputs, constants = program(self._params, self._program_constants(), rng, arrays)
+        outputs, constants = program(self.state.params, self._program_constants(), rng, arrays)
         self._take_constants(constants)
         if not grad_enabled:
             return self._outputs(outputs, program)
@@ -245,25 +245,25 @@ class ForwardPrograms:
         the devices first."""
         inputs, kwargs, cuts = self._padded(inputs, kwargs, model_pad_id(self._module))
         # host tensors only: a torchax tensor (an earlier output) is the model's already
-        inputs, kwargs = self._in_model_dtype(inputs, kwargs, keep=_is_torchax_tensor)
+        inputs, kwargs = self._in_model_dtype(inputs, kwargs, keep=is_torchax_tensor)
         # a mapping that is not a dict (transformers' BatchEncoding) is one leaf to torch's pytree
-        inputs, kwargs = _as_dicts(inputs), _as_dicts(kwargs)
+        inputs, kwargs = as_dicts(inputs), as_dicts(kwargs)
         if self._processes == 1:  # values that are shapes (image grids) join the program's key
-            inputs, kwargs = shape_inputs.kept_on_host((inputs, kwargs), _is_torchax_tensor,
+            inputs, kwargs = shape_inputs.kept_on_host((inputs, kwargs), is_torchax_tensor,
                                                        shape_inputs.names(self._module))
         leaves, treespec = torch_pytree.tree_flatten((inputs, kwargs))
         static = tuple((i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor))
         self._take_host_changes()
-        layout = self._batch_layout(self._module, inputs, kwargs, on_device=_is_torchax_tensor)
+        layout = self._batch_layout(self._module, inputs, kwargs, on_device=is_torchax_tensor)
         arrays = self._place_inputs(leaves, layout)
-        rng = (self._rng, np.uint32(self._draw_step), np.uint32(draw))  # drawn anew at every call
+        rng = (self.state.rng, np.uint32(self.state.draw_step), np.uint32(draw))  # drawn anew at every call
         rows = layout.rows if layout.on_device else None if layout.rows is None else layout.rows * self._batch.processes
         return leaves, treespec, static, layout, arrays, rng, rows, cuts
 
     def _take_constants(self, changed: dict) -> None:
         """Buffers a forward changed: the devices' values, copied to the module when it is read."""
         if changed:
-            self._constants = {**self._constants, **changed}
+            self.state = self.state._replace(constants={**self.state.constants, **changed})
             self._buffers_stale.update(changed)
 
     def _gradient(self, forward: SimpleNamespace):
@@ -277,10 +277,10 @@ class ForwardPrograms:
         gradient is counted before its backward, and taken out again if none comes
         (``BackwardPrograms._settle``). Kept beside the sum until the backward, it was a second
         copy of the gradients on every device between a forward and its backward (issue 42)."""
-        accumulate = self._accum is not None
+        accumulate = self.state.accum is not None
         program = self._program("accumulate" if accumulate else "train", forward.treespec, forward.static,
                                 forward.training, method=forward.method)
-        ran = None if program.no_loss else program(self._params, forward.constants, self._accum, forward.rng,
+        ran = None if program.no_loss else program(self.state.params, forward.constants, self.state.accum, forward.rng,
                                                     forward.arrays)
         if ran is None:
             return None
@@ -343,7 +343,8 @@ class ForwardPrograms:
         entry = method_programs.entry(module, method)  # what functional_call runs: the module, or its method
         frozen_now = self._frozen  # part of the program's key (_program)
         out_spec: list = []  # (treespec, [(index, non-tensor leaf)]), filled while tracing
-        batch_norms = [bn for _, bn in batchnorm.tracked(module)]  # their running statistics are updated in training
+        # the batch norms' running statistics are updated in training
+        facts = registry.TraceFacts([bn for _, bn in batchnorm.tracked(module)], self.expert_matmuls)
         loss_leaf: list = []
 
         def flatten_output(output) -> list:
@@ -380,11 +381,9 @@ class ForwardPrograms:
                         remat.rematerializing(env, tensors.values(), zero3_gather.regathers(gathers, params, tensors)), \
                         cross_entropy.fused(env), \
                         attention.choosing(self.attention_kernels, env), \
-                        batchnorm.updating_running_statistics(batch_norms), \
                         other_engines.tracing(self, others, traced_others, env), \
-                        autocast.autocasting(env, self.precision.autocast_dtype), recurrent_masks.kept(), \
-                        traced_checks.placeholder_checks_left_out(), vision_language.computed(), \
-                        moe_experts.grouped(self.expert_matmuls), labeled_rows.masked(), ctc_targets.restated():
+                        autocast.autocasting(env, self.precision.autocast_dtype), \
+                        traced_checks.placeholder_checks_left_out(), registry.entered(facts):
                     output = torch.func.functional_call(entry, method_programs.keyed(entry, tensors), inputs, kwargs)
             finally:
                 for m, params, buffers in held:
@@ -421,7 +420,7 @@ class ForwardPrograms:
 
             grads, (outputs, changed) = jax.grad(objective, has_aux=True)(params)
             # reduced in communication_data_type, accumulated in grad_accum_dtype (both the model's by default)
-            comm, accumulated = _jax_dtype(policy.communication_dtype), _jax_dtype(policy.grad_accum_dtype)
+            comm, accumulated = jax_dtype(policy.communication_dtype), jax_dtype(policy.grad_accum_dtype)
             grads = {n: self._laid_out_gradient(n, g.astype(comm)).astype(accumulated) for n, g in grads.items()}
             if kind == "accumulate":
                 grads = {n: jax.lax.with_sharding_constraint(accum[n] + g, self._grad_specs[n])
@@ -442,7 +441,7 @@ class ForwardPrograms:
                 return [outputs[i] for i in floats], (outputs, changed)
 
             # ZeRO-3's gathered weights gathered again in the backward; not eagerly (jax.checkpoint traces)
-            if self.plan.stage >= 3 and not host_reads.concrete((params, arrays)):
+            if self.plan.stage >= 3 and not trace_reads.concrete((params, arrays)):
                 differentiable = jax.checkpoint(differentiable, policy=zero3_gather.not_saving_gathered_weights)
 
             _, vjp, (outputs, changed) = jax.vjp(differentiable, params, [arrays[i] for i in which], has_aux=True)
@@ -474,7 +473,7 @@ class ForwardPrograms:
                                               **({"donate_argnums": (2,)} if kind == "accumulate" else {}))
 
             def call(params, constants, accum, rng, arrays, divisor=None):
-                scale = None if self._loss_scale is None else self._loss_scale.scale
+                scale = None if self.state.loss_scale is None else self.state.loss_scale.scale
                 divisor = self._loss_divisor if divisor is None else divisor
                 try:
                     return jitted(params, constants, accum, rng, arrays, scale, np.float32(divisor))

@@ -166,10 +166,10 @@ class HostModule:
             with torch.no_grad(), warnings.catch_warnings(), _unwatched():
                 warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # it is copied
                 for name, t in self._host_tensors:  # a frozen parameter's value is a constant, as a buffer's
-                    if self._module_stale and name in self._params:
-                        t.copy_(mappings.j2t(self._params[name], use_dlpack=False))
+                    if self._module_stale and name in self.state.params:
+                        t.copy_(mappings.j2t(self.state.params[name], use_dlpack=False))
                     elif name in self._buffers_stale:
-                        t.copy_(mappings.j2t(self._constants[name], use_dlpack=False))
+                        t.copy_(mappings.j2t(self.state.constants[name], use_dlpack=False))
             self._module_stale, self._buffers_stale = False, set()
             self._host_versions = self._versions()
         return self._module
@@ -205,12 +205,14 @@ class HostModule:
             with _unwatched():
                 t = t.detach()
             self._settle()  # at the parameters the unconfirmed forwards saw
-            if name in self._params:
-                self._params[name] = self._put(t, self._param_specs[name])
-                if name in self._masters:
-                    self._masters[name] = self._put(t.float(), self._master_specs[name])
+            state = self.state
+            if name in state.params:
+                masters = state.masters if name not in state.masters else {
+                    **state.masters, name: self._put(t.float(), self._master_specs[name])}
+                self.state = state._replace(params={**state.params, name: self._put(t, self._param_specs[name])},
+                                            masters=masters)
             else:
-                self._constants[name] = self._put(t, self._replicated)
+                self.state = state._replace(constants={**state.constants, name: self._put(t, self._replicated)})
                 self._buffers_stale.discard(name)
             self._generation += 1
         self._host_versions = versions
@@ -222,7 +224,7 @@ class HostModule:
 
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # only compared
-            device = mappings.j2t(self._params[name] if name in self._params else self._constants[name],
+            device = mappings.j2t(self.state.params[name] if name in self.state.params else self.state.constants[name],
                                   use_dlpack=False)
         with _unwatched():
             return t.shape == device.shape and t.dtype == device.dtype and torch.equal(t.detach(), device)

@@ -44,42 +44,17 @@ carries, as ``bool`` and ``int`` already do.
 from __future__ import annotations
 
 import collections
-import contextlib
-import functools
 import os
+import pathlib
 import warnings
 from typing import Any, Callable
 
 import torch
 
 from spmdzero.backends.torchax.lowering import traced_checks
-from spmdzero.backends.torchax.engine.placement import INT64_TRUNCATED
+from spmdzero.backends.torchax.lowering.trace_reads import concrete_reads, host_read_errors, reads_a_value
+from spmdzero.backends.torchax.lowering.values import INT64_TRUNCATED
 from spmdzero.observe.console import ensure_handler, logger
-
-
-def host_read_errors() -> tuple:
-    """JAX's errors for a value or shape that a trace does not know: what the eager run answers."""
-    import jax
-
-    errors = jax.errors
-    return (errors.ConcretizationTypeError,  # bool(t), t.item(), int(t), nonzero (and TracerBoolConversionError)
-            errors.NonConcreteBooleanIndexError,  # x[mask]
-            errors.TracerArrayConversionError,  # np.asarray(t), t.numpy(), t.cpu()
-            errors.TracerIntegerConversionError,  # operator.index(t): a tensor as a size or an index
-            TypeError)  # only as ``reads_a_value`` says: a tensor as one of a factory's sizes
-
-
-# JAX's TypeError for a shape that holds a traced value (``jax._src.core._invalid_shape_error``):
-# ``torch.full((n, t[-1] + 1), ...)``, which Jamba's causal mask in transformers 4.x makes, where an
-# eager run has the value
-_TRACED_SHAPE = ("Shapes must be 1D sequences of concrete values of integer type", "If using `jit`")
-
-
-def reads_a_value(err: Exception) -> bool:
-    """Whether ``err`` (one of ``host_read_errors``) is a trace's read of a value it does not have."""
-    if type(err) is TypeError:
-        return all(part in str(err) for part in _TRACED_SHAPE)
-    return True
 
 
 def _traced(args) -> bool:
@@ -88,44 +63,6 @@ def _traced(args) -> bool:
     import jax
 
     return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(args))
-
-
-def concrete(tree) -> bool:
-    """Whether every array in ``tree`` has its value: a plain array, or the tracer of an eager
-    ``jax.vjp`` that carries one (an eager run), not a ``jax.jit`` trace's."""
-    import jax
-
-    return all(not isinstance(leaf, jax.core.Tracer) or leaf.to_concrete_value() is not None
-               for leaf in jax.tree_util.tree_leaves(tree))
-
-
-@contextlib.contextmanager
-def concrete_reads():
-    """``.tolist()``, ``__array__`` and ``.tobytes()`` of a tracer that carries a concrete value
-    (eager ``jax.grad``/``jax.vjp``) give that value, as its ``bool``/``int`` do; an abstract
-    tracer still raises. Process-wide for the duration (the backend runs a step on one thread)."""
-    import jax
-
-    tracer = jax.core.Tracer
-    originals = {name: getattr(tracer, name) for name in ("tolist", "__array__", "tobytes")}
-
-    def concrete(name: str, original: Callable) -> Callable:
-        @functools.wraps(original)
-        def method(self, *args, **kwargs):
-            value = self.to_concrete_value()
-            if value is None:
-                return original(self, *args, **kwargs)
-            return getattr(value, name)(*args, **kwargs)
-
-        return method
-
-    for name, original in originals.items():
-        setattr(tracer, name, concrete(name, original))
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(tracer, name, original)
 
 
 class EagerVJP:
@@ -280,7 +217,7 @@ def _internal_directories() -> tuple:
     import jaxlib
     import torchax
 
-    spmdzero_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spmdzero_dir = str(pathlib.Path(__file__).resolve().parents[3])  # engine/ -> torchax/ -> backends/ -> spmdzero/
     return tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, jaxlib, torch, torchax)) + (spmdzero_dir + os.sep,)
 
 

@@ -71,7 +71,7 @@ class Met(Exception):
 
 def values(engines: list) -> dict:
     """What a program takes of ``engines``: each one's parameters and buffers by name."""
-    return {i: {**e._params, **e._constants} for i, e in enumerate(engines)}
+    return {i: {**e.state.params, **e.state.constants} for i, e in enumerate(engines)}
 
 
 def tracing_engine():

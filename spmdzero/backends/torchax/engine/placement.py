@@ -7,55 +7,13 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Mapping
 
 import numpy as np
 import torch
 
 from spmdzero.train.batch_inputs import note_replicated
-from spmdzero.train.data import like
+from spmdzero.backends.torchax.lowering.values import READ_ONLY_HOST_VALUE, placed_dtype
 
-
-
-def _as_dicts(obj):
-    """Every non-dict mapping in ``obj`` (a ``BatchEncoding``) as a dict, for torch's pytree."""
-    if isinstance(obj, Mapping):
-        pairs = ((k, _as_dicts(v)) for k, v in obj.items())
-        return like(obj, pairs) if isinstance(obj, dict) else dict(pairs)
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_as_dicts(v) for v in obj)
-    return obj
-
-
-def _as_jax(t: torch.Tensor, env):
-    """A tensor's value as a JAX array: a torchax tensor's own, a host tensor's copy."""
-    return t._elem if _is_torchax_tensor(t) else env.t2j_copy(t.detach())
-
-
-def _is_torchax_tensor(t: torch.Tensor) -> bool:
-    from torchax import tensor as ttensor
-
-    return isinstance(t, ttensor.Tensor)
-
-
-def _jax_dtype(dtype: torch.dtype):
-    import jax.numpy as jnp
-
-    return jnp.dtype(str(dtype).removeprefix("torch."))
-
-
-def _placed_dtype(dtype: torch.dtype):
-    """The dtype of the JAX array ``_put`` makes of a tensor of ``dtype`` (int64 is int32 unless
-    JAX runs with x64), for a shape-only engine, which makes none."""
-    import jax
-    from torchax.ops import mappings
-
-    return jax.dtypes.canonicalize_dtype(mappings.t2j_dtype(dtype))
-
-
-INT64_TRUNCATED = r"Explicitly requested dtype .*int64.* requested in .* is not available"
-# torch's warning when it wraps a read-only host value (JAX's cached one): silenced where the value is copied or only read
-READ_ONLY_HOST_VALUE = "The given NumPy array is not writable"
 
 
 def _broadcast_from_first_process(module: torch.nn.Module, seed: int) -> int:
@@ -89,10 +47,10 @@ class Placement:
         key = functools.partial(self._jax.random.key, self._rng_seed % (1 << 63))
         if self._shape_only:
             shape = self._jax.eval_shape(key)
-            self._rng = self._jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=self._replicated)
+            self.state = self.state._replace(rng=self._jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=self._replicated))
             return
         # one key for every process: a global array when the mesh spans processes
-        self._rng = key() if self._processes == 1 else self._jax.jit(key, out_shardings=self._replicated)()
+        self.state = self.state._replace(rng=key() if self._processes == 1 else self._jax.jit(key, out_shardings=self._replicated)())
 
     # ---- placement ---------------------------------------------------------------------
     def _put(self, t: torch.Tensor, sharding):
@@ -103,7 +61,7 @@ class Placement:
         from torchax.ops import mappings
 
         if self._shape_only:
-            return self._jax.ShapeDtypeStruct(tuple(t.shape), _placed_dtype(t.dtype), sharding=sharding)
+            return self._jax.ShapeDtypeStruct(tuple(t.shape), placed_dtype(t.dtype), sharding=sharding)
         value = mappings.t2j(t.detach().cpu().clone())
         if self._processes == 1:
             return self._jax.device_put(value, sharding)

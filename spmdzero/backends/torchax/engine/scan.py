@@ -56,7 +56,7 @@ import functools
 
 import torch
 
-from spmdzero.backends.torchax.patches import hf_masks
+from spmdzero.backends.torchax.lowering import hf_masks
 from spmdzero.backends.torchax.lowering import zero3_gather
 
 from spmdzero.train import scan_layers

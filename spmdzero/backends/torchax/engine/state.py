@@ -36,7 +36,7 @@ class StateProtocol:
     @property
     def scales_loss(self) -> bool:
         """Whether the loss is scaled (fp16): the loss scaler is then part of the state."""
-        return self._loss_scale is not None
+        return self.state.loss_scale is not None
 
     @property
     def lazy_optimizer_state(self) -> bool:
@@ -53,10 +53,10 @@ class StateProtocol:
         (what ``trace_step`` traces). Returns those parameters."""
         if not self._torch_optimizer:
             return []
-        pending = [n for n in self._names if not self._opt_state[n]]
+        pending = [n for n in self._names if not self.state.opt_state[n]]
         if not pending:
             return []
-        shapes = torch_optim.state_shapes(self.basic_optimizer, self._groups, self._masters or self._params, self._env,
+        shapes = torch_optim.state_shapes(self.basic_optimizer, self._groups, self.state.masters or self.state.params, self._env,
                                           self._lr_mode)
         hosts = {name: p for p, name in self.optimized_names().items()}
         jax = self._jax
@@ -70,7 +70,7 @@ class StateProtocol:
                 else:
                     device[key] = jax.jit(functools.partial(jax.numpy.zeros, shape.shape, shape.dtype),
                                           out_shardings=self._state_spec(name, shape))()
-            self._opt_state = {**self._opt_state, name: device}
+            self.state = self.state._replace(opt_state={**self.state.opt_state, name: device})
             if host:
                 self.basic_optimizer.state[hosts[name]] = host
         return [hosts[name] for name in pending]
@@ -79,14 +79,14 @@ class StateProtocol:
         """Take the optimizer states of ``targets`` back to none (the next step creates them)."""
         names = self.optimized_names()
         for target in targets:
-            self._opt_state = {**self._opt_state, names[target]: {}}
+            self.state = self.state._replace(opt_state={**self.state.opt_state, names[target]: {}})
             self.basic_optimizer.state.pop(target, None)
 
     def _host_optimizer_state(self) -> None:
         """A torch optimizer's host-kept states (``torch_optim.HOST_KEYS``) copied into
         ``optimizer.state``, where a checkpoint saves them (a device read)."""
         for target, name in self.optimized_names().items():
-            kept = {k: torch.tensor(np.asarray(v)) for k, v in self._opt_state[name].items()
+            kept = {k: torch.tensor(np.asarray(v)) for k, v in self.state.opt_state[name].items()
                     if k in torch_optim.HOST_KEYS}
             if kept:
                 self.basic_optimizer.state[target] = kept
@@ -98,7 +98,7 @@ class StateProtocol:
             values = {k: self._put(torch.as_tensor(v, dtype=torch.float32), self._replicated) for k, v in kept.items()
                       if k in torch_optim.HOST_KEYS}
             if values:
-                self._opt_state = {**self._opt_state, name: {**self._opt_state[name], **values}}
+                self.state = self.state._replace(opt_state={**self.state.opt_state, name: {**self.state.opt_state[name], **values}})
 
     def state_shards(self):
         """The device side of checkpoints (``spmdzero.io.shards.StateShards``)."""
@@ -117,27 +117,27 @@ class StateProtocol:
 
         for key, value in values.items():
             kind, _, rest = key.partition(".")
-            if kind == "model" and rest in self._params:
-                self._params = {**self._params, rest: like(self._params[rest], value)}
+            if kind == "model" and rest in self.state.params:
+                self.state = self.state._replace(params={**self.state.params, rest: like(self.state.params[rest], value)})
                 self._module_stale = True
-            elif kind in ("model", "buffer") and rest in self._constants:
-                self._constants = {**self._constants, rest: like(self._constants[rest], value)}
+            elif kind in ("model", "buffer") and rest in self.state.constants:
+                self.state = self.state._replace(constants={**self.state.constants, rest: like(self.state.constants[rest], value)})
                 self._buffers_stale.add(rest)
-            elif kind == "loss_scale" and self._loss_scale is not None:
-                self._loss_scale = self._loss_scale._replace(**{rest: like(getattr(self._loss_scale, rest), value)})
+            elif kind == "loss_scale" and self.state.loss_scale is not None:
+                self.state = self.state._replace(loss_scale=self.state.loss_scale._replace(**{rest: like(getattr(self.state.loss_scale, rest), value)}))
             elif kind == "master":
-                self._masters = {**self._masters, rest: like(self._masters[rest], value)}
+                self.state = self.state._replace(masters={**self.state.masters, rest: like(self.state.masters[rest], value)})
             elif kind == "optim":
                 name, _, state = rest.rpartition(".")
-                if state in self._shared_state:  # one counter for every parameter: each saved copy is the same
-                    self._shared_state = {**self._shared_state, state: like(self._shared_state[state], value)}
+                if state in self.state.shared_state:  # one counter for every parameter: each saved copy is the same
+                    self.state = self.state._replace(shared_state={**self.state.shared_state, state: like(self.state.shared_state[state], value)})
                 else:
-                    self._opt_state = {**self._opt_state,
-                                       name: {**self._opt_state[name], state: like(self._opt_state[name][state], value)}}
+                    self.state = self.state._replace(opt_state={**self.state.opt_state,
+                                       name: {**self.state.opt_state[name], state: like(self.state.opt_state[name][state], value)}})
             else:
                 raise KeyError(f"{key!r} is not a state tensor of this engine")  # _select picks live keys only
-        jax.block_until_ready((self._params, self._constants, self._masters, self._opt_state, self._shared_state,
-                               self._loss_scale))
+        jax.block_until_ready((self.state.params, self.state.constants, self.state.masters, self.state.opt_state, self.state.shared_state,
+                               self.state.loss_scale))
 
     def loaded(self, new_window: bool) -> None:
         """A checkpoint load has written the state: drop the gradients accumulated before it (they

@@ -15,7 +15,8 @@ import torch
 from spmdzero.sharding.plan import replicated
 from spmdzero.backends.torchax.optim import torch_optim
 from spmdzero.backends.torchax.engine.forward import _NoLoss, _host_tensors_as_constants
-from spmdzero.backends.torchax.engine.placement import _jax_dtype
+from spmdzero.backends.torchax.lowering.values import jax_dtype
+from spmdzero.backends.torchax.engine.train_state import StepReport
 
 
 
@@ -64,28 +65,28 @@ class TracedSteps:
             rep = self._replicated
             accum = None
             if accumulate:
-                dtype = _jax_dtype(self.precision.grad_accum_dtype)
+                dtype = jax_dtype(self.precision.grad_accum_dtype)
                 accum = {n: jax.ShapeDtypeStruct(tuple(self.plan[n].shape), dtype, sharding=self._grad_specs[n])
                          for n in self._names}
             scalar = jax.ShapeDtypeStruct((), np.float32, sharding=rep)
 
-            def step(params, masters, states, shared, accum, skipped, loss_scale, constants, rng, arrays, divisor,
-                     hyper):
-                scale = None if loss_scale is None else loss_scale.scale
-                outputs, changed, grads = program.jitted(params, constants, accum, rng, arrays, scale, divisor)
-                return self._update(params, masters, states, shared, grads, skipped, loss_scale, hyper), changed, \
-                    outputs
+            def step(stepped, accum, constants, rng, arrays, divisor, hyper):
+                scale = None if stepped.loss_scale is None else stepped.loss_scale.scale
+                outputs, changed, grads = program.jitted(stepped.params, constants, accum, rng, arrays, scale, divisor)
+                return self._update(stepped, grads, hyper), changed, outputs
 
             def traced():
-                shardings = self._update_shardings
-                if shardings[2] is None and self._opt_state and all(self._opt_state.values()):
+                shardings = self._stepped_shardings()
+                states = self.state.opt_state
+                if shardings.opt_state is None and states and all(states.values()):
                     # a torch optimizer's states, once they exist, come out as they went in: laid out
                     # so, each updates its input in place (donated) instead of being a new buffer
-                    states = {n: {k: v.sharding for k, v in st.items()} for n, st in self._opt_state.items()}
-                    shardings = (*shardings[:2], states, *shardings[3:])
-                jitted = jax.jit(step, out_shardings=(shardings, None, None), donate_argnums=(0, 1, 2, 3, 4, 5, 6))
-                return jitted.trace(self._params, self._masters, self._opt_state, self._shared_state, accum,
-                                    self._skipped, self._loss_scale, self._constants, rng, arrays, scalar,
+                    shardings = shardings._replace(opt_state={n: {k: v.sharding for k, v in st.items()}
+                                                              for n, st in states.items()})
+                rep = self._replicated
+                jitted = jax.jit(step, out_shardings=((shardings, StepReport(rep, rep)), None, None),
+                                 donate_argnums=(0, 1))
+                return jitted.trace(self.state.stepped(), accum, self.state.constants, rng, arrays, scalar,
                                     self._abstract_hyper())
 
             try:

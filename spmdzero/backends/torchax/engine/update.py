@@ -6,17 +6,20 @@ traced inputs, so that a changing lr never recompiles; and ``zero_grad``. A mixi
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from spmdzero.optim.ops import jax_ops
 from spmdzero.optim.update import LossScale, boundary_update, sum_of_squares, update_group
+from spmdzero.sharding.plan import replicated
 from spmdzero.train.engine_base import NO_GRADIENTS
 from spmdzero.backends.torchax.optim import torch_optim
 from spmdzero.backends.torchax.engine.release import release_in_background
-from spmdzero.backends.torchax.engine.placement import _jax_dtype
+from spmdzero.backends.torchax.lowering.values import jax_dtype
+from spmdzero.backends.torchax.engine.train_state import StepReport, Stepped
 from spmdzero.runtime.out_of_memory import raises_torch_out_of_memory
 
 
@@ -34,11 +37,11 @@ class UpdateProgram:
             if self.optimizer is None:
                 raise RuntimeError("engine.step() needs an optimizer: pass optimizer= to initialize() or add an "
                                    "'optimizer' section to the config")
-            if self._accum is None:
+            if self.state.accum is None:
                 raise RuntimeError(NO_GRADIENTS)
             self._take_model_step(lr_kwargs)
         self.micro_steps += 1
-        self._draw_step += 1
+        self.state = self.state._replace(draw_step=self.state.draw_step + 1)
         # the training programs traced since the last step (a trace is a compile); an evaluation
         # forward's program is not the step's
         traces = sum(n for kind, n in self.traces.items() if kind != "forward")
@@ -98,8 +101,8 @@ class UpdateProgram:
         # The inputs, donated, are released at the next boundary: dropping the last reference to an
         # array that a dispatched program still uses blocks the host until that program has run.
         release_in_background(self._retired_inputs)
-        self._retired_inputs = (self._params, self._masters, self._opt_state, self._shared_state, self._accum,
-                                self._skipped, self._loss_scale)
+        stepped, grads = self.state.stepped(), self.state.accum
+        self._retired_inputs = (stepped, grads)
         self._set_accum(None)
         self._window_reduced = False
         self._generation += 1
@@ -107,7 +110,7 @@ class UpdateProgram:
         with warnings.catch_warnings():  # the gradients are donated to be freed, not to hold results
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
             try:
-                updated = update(*self._retired_inputs, hyper)
+                stepped, report = update(stepped, grads, hyper)
             except self._jax.errors.ConcretizationTypeError:
                 if not self._torch_optimizer or self._lr_mode != "traced":
                     raise
@@ -122,13 +125,13 @@ class UpdateProgram:
                 self._static_hyper = torch_optim.static_hyperparameters(self.basic_optimizer,
                                                                         with_lr=self._lr_mode == "constant")
                 self._update, self._unclipped_update = self._build_update(), None
-                updated = update(*self._retired_inputs, hyper)
-            (self._params, self._masters, self._opt_state, self._shared_state, self._global_grad_norm, self._skipped,
-             self._last_skip, self._loss_scale) = updated
+                stepped, report = update(stepped, grads, hyper)
+        self.state = self.state.with_stepped(stepped)
+        self._global_grad_norm, self._last_skip = report
         # the gradients are the one donated input no output reuses (JAX keeps such a buffer): released
         # now, off this thread, not held to the next boundary beside the next window's gradients
-        release_in_background(self._retired_inputs[4])
-        self._retired_inputs = (*self._retired_inputs[:4], None, *self._retired_inputs[5:])
+        release_in_background(grads)
+        self._retired_inputs = (self._retired_inputs[0], None)
         self._module_stale = True
         self._step_loss, self._window_loss = self._window_loss, None
 
@@ -140,100 +143,22 @@ class UpdateProgram:
         return self._unclipped_update
 
     def _build_update(self, clipping: Optional[float] = None):
-        """``(params, masters, states, shared states, grads, skipped, loss scale, hyperparameters) ->
-        (params, masters, states, shared states, norm, skipped, skip, loss scale)``, jitted, all but
-        the hyperparameters donated: the engine's boundary step (clipping, the optimizer's math, the
-        overflow skip under fp16 and bf16's check, fp16's loss scaler). The shared states (the step
-        counter) are every parameter's."""
-        import jax
-        import jax.numpy as jnp
+        """The update program for this engine's optimizer, plan and precision (``build_update``)."""
+        return build_update(UpdateSetup(
+            optimizer=self.basic_optimizer, groups=self._groups, order=self._names, plan=self.plan,
+            sharding=self._sharding, policy=self.precision,
+            clipping=self._config.gradient_clipping if clipping is None else clipping,
+            torch_optimizer=self._torch_optimizer, lr_mode=self._lr_mode, env=self._env, count_trace=self._count_trace,
+            stepped_shardings=self._stepped_shardings()))
 
-        optimizer, ops = self.basic_optimizer, jax_ops()
-        clipping = self._config.gradient_clipping if clipping is None else clipping
-        groups = [] if self._torch_optimizer else [
-            (names, list(optimizer._hyper_values(g)), {k: v for k, v in g.items() if isinstance(v, bool)})
-            for names, g in zip(self._groups, optimizer.param_groups)]
-        order, policy = self._names, self.precision
-        param_dtype = _jax_dtype(policy.param_dtype)
-        # stages 1-2 on two fsdp axes: each parameter is gathered from its shard one axis at a
-        # time (on v5p:4x4x8 libtpu all-reduced the 7B's whole parameters instead: ZeRO-2 sent
-        # 1.52x the minimum)
-        staged = {} if self.plan.stage >= 3 else {
-            n: [self._sharding(self.plan[n].optimizer_state)] +
-               [self._sharding(s) for s in self.plan[n].gather_layouts[:-1]]
-            for n in order if len(self.plan[n].zero_stages) > 1}
-
-        def gathered(name, value):
-            for sharding in staged.get(name, ()):
-                value = jax.lax.with_sharding_constraint(value, sharding)
-            return value
-
-        # bf16 master weights (policy.low_precision_masters): the math in fp32 on the bf16
-        # parameters, gradients and states, as DeepSpeed's Adam kernels load and store them
-        low = policy.low_precision_masters
-        state_dtype = _jax_dtype(policy.state_dtype)
-
-        def up(tree):
-            return jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, tree)
-
-        def stored(state):  # per-element states in the state dtype; step counters stay as they are
-            return {k: v.astype(state_dtype) if v.ndim and jnp.issubdtype(v.dtype, jnp.floating) else v
-                    for k, v in state.items()}
-
-        def update(params, masters, states, shared, grads, skipped, loss_scale, hyper):
-            self.traces["update"] += 1
-            targets = masters if masters else params
-            if low:
-                targets, grads, states = up(targets), up(grads), up(states)
-
-            def apply(scale):
-                if self._torch_optimizer:
-                    lrs = [[g["lr"]] for g in optimizer.param_groups] if self._lr_mode == "constant" else hyper
-                    new_targets, new_states = torch_optim.traced_step(
-                        optimizer, self._groups, targets, grads, states, lrs, scale.multiplier, scale.skip, self._env,
-                        self._lr_mode)
-                    new_states = {n: {k: jax.lax.with_sharding_constraint(v, self._state_spec(n, v))
-                                      for k, v in st.items()} for n, st in new_states.items()}
-                    return {**targets, **new_targets}, {**states, **new_states}, dict(shared)
-                new_targets, new_states, new_shared = dict(targets), dict(states), dict(shared)
-                for (names, keys, static), values in zip(groups, hyper):
-                    hp = {k: values[i] for i, k in enumerate(keys)}
-                    group_targets, group_states = update_group(
-                        optimizer, [targets[n] for n in names], [grads[n] for n in names],
-                        [{**states[n], **shared} for n in names], hp, static, scale, ops)
-                    for name, new_target, new_state in zip(names, group_targets, group_states):
-                        new_shared.update((k, new_state.pop(k)) for k in shared)  # the same value for every parameter
-                        new_targets[name], new_states[name] = new_target, new_state
-                return new_targets, new_states, new_shared
-
-            # the torch_xla engine's global norm: fp32, in parameter order
-            sum_sq = sum_of_squares([grads[name] for name in order], ops)
-            result = boundary_update(sum_sq, loss_scale, clipping, policy, ops, apply)
-            new_targets, new_states, new_shared = result.applied
-            if low:
-                new_targets = {n: t.astype(param_dtype) for n, t in new_targets.items()}
-                new_states = {n: stored(st) for n, st in new_states.items()}
-            norm, skip = result.scale.norm, result.scale.skip
-            skip = jnp.zeros((), bool) if skip is None else skip
-            if not masters:
-                # each in its own dtype: a bf16 parameter of an fp32 model (Apertus' xIELU) took its
-                # fp32 gradient's dtype, and the next step retraced on it
-                new_targets = {n: gathered(n, t.astype(params[n].dtype)) for n, t in new_targets.items()}
-                return new_targets, masters, new_states, new_shared, norm, skipped + skip, skip, result.loss_scale
-            new_params = {n: gathered(n, t.astype(params[n].dtype if n in params else param_dtype))  # all-gathered
-                          for n, t in new_targets.items()}  # in bf16/fp16
-            return new_params, new_targets, new_states, new_shared, norm, skipped + skip, skip, result.loss_scale
-
+    def _stepped_shardings(self) -> Stepped:
+        """The layouts the update gives its outputs: the plan's, replicated scalars; a torch
+        optimizer's states appear at its first step and are laid out inside the program."""
         rep = self._replicated
-        scaler = None if self._loss_scale is None else LossScale(*(rep,) * len(LossScale._fields))
-        # a torch optimizer's states appear at its first step: laid out inside the program (_state_spec)
-        states = None if self._torch_optimizer else self._state_specs
-        shardings = (self._param_specs, self._master_specs, states, {k: rep for k in self._shared_state},
-                     rep, rep, rep, scaler)
-        self._update_shardings = shardings  # trace_step's outputs are laid out as the update's
-        # keep_unused: under master weights the update reads no parameter, and an input jit prunes is
-        # not donated: the old bf16 parameters stayed beside the new ones until the next boundary
-        return jax.jit(update, out_shardings=shardings, donate_argnums=(0, 1, 2, 3, 4, 5, 6), keep_unused=True)
+        scaler = None if self.state.loss_scale is None else LossScale(*(rep,) * len(LossScale._fields))
+        return Stepped(params=self._param_specs, masters=self._master_specs,
+                       opt_state=None if self._torch_optimizer else self._state_specs,
+                       shared_state={k: rep for k in self.state.shared_state}, skipped=rep, loss_scale=scaler)
 
     def zero_grad(self) -> None:
         """DeepSpeed's ``engine.zero_grad()``: it sets the parameters' ``.grad`` to None, which
@@ -244,9 +169,126 @@ class UpdateProgram:
         self._zero_grad(by_optimizer=False)
 
     def _zero_grad(self, by_optimizer: bool) -> None:
-        if self._accum is not None and self.zero_grad_overwrites_next_backward(by_optimizer):
+        if self.state.accum is not None and self.zero_grad_overwrites_next_backward(by_optimizer):
             self._overwrite_at_backward = True  # the next backward drops them (backward.py)
-        elif self._accum is not None and not self.zero_grad_keeps_gradients(by_optimizer, self._window_reduced):
-            release_in_background(self._accum)
+        elif self.state.accum is not None and not self.zero_grad_keeps_gradients(by_optimizer, self._window_reduced):
+            release_in_background(self.state.accum)
             self._set_accum(None)
             self._window_reduced = False
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateSetup:
+    """What the update program is built from: the optimizer and its groups, the plan's layouts,
+    the precision policy and the clipping."""
+
+    optimizer: Any  # spmdzero's optimizer (its math), or a torch.optim one (its traced step)
+    groups: list  # each param group's parameter names
+    order: list  # the trained parameter names, in the order the global norm sums them
+    plan: Any  # the sharding plan
+    sharding: Callable  # partition spec -> NamedSharding on the engine's mesh
+    policy: Any  # the precision policy
+    clipping: float  # DeepSpeed's gradient_clipping (0: none)
+    torch_optimizer: bool
+    lr_mode: str  # how a torch optimizer's step gets its lr (torch_optim.LR_MODES)
+    env: Any  # torchax's environment (a torch optimizer's step runs in it)
+    count_trace: Callable[[str], None]  # counts a trace of a program kind on the engine
+    stepped_shardings: Stepped  # the outputs' layouts
+
+
+def build_update(setup: UpdateSetup):
+    """``(stepped, grads, hyperparameters) -> (stepped, StepReport)``, jitted, the state and the
+    gradients donated: the engine's boundary step (clipping, the optimizer's math, the overflow
+    skip under fp16 and bf16's check, fp16's loss scaler). ``stepped`` is the ``Stepped`` part of
+    the engine's ``TrainState``; its shared states (the step counter) are every parameter's."""
+    import jax
+    import jax.numpy as jnp
+
+    optimizer, ops, plan, sharding, policy = setup.optimizer, jax_ops(), setup.plan, setup.sharding, setup.policy
+    groups = [] if setup.torch_optimizer else [
+        (names, list(optimizer._hyper_values(g)), {k: v for k, v in g.items() if isinstance(v, bool)})
+        for names, g in zip(setup.groups, optimizer.param_groups)]
+    order = setup.order
+    param_dtype = jax_dtype(policy.param_dtype)
+    # stages 1-2 on two fsdp axes: each parameter is gathered from its shard one axis at a
+    # time (on v5p:4x4x8 libtpu all-reduced the 7B's whole parameters instead: ZeRO-2 sent
+    # 1.52x the minimum)
+    staged = {} if plan.stage >= 3 else {
+        n: [sharding(plan[n].optimizer_state)] + [sharding(s) for s in plan[n].gather_layouts[:-1]]
+        for n in order if len(plan[n].zero_stages) > 1}
+
+    def gathered(name, value):
+        for layout in staged.get(name, ()):
+            value = jax.lax.with_sharding_constraint(value, layout)
+        return value
+
+    def state_layout(name, value):  # a torch optimizer's state: the plan's if parameter-shaped, else replicated
+        planned = plan[name]
+        return sharding(planned.optimizer_state if tuple(value.shape) == tuple(planned.shape)
+                        else replicated(value.ndim))
+
+    # bf16 master weights (policy.low_precision_masters): the math in fp32 on the bf16
+    # parameters, gradients and states, as DeepSpeed's Adam kernels load and store them
+    low = policy.low_precision_masters
+    state_dtype = jax_dtype(policy.state_dtype)
+
+    def up(tree):
+        return jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, tree)
+
+    def stored(state):  # per-element states in the state dtype; step counters stay as they are
+        return {k: v.astype(state_dtype) if v.ndim and jnp.issubdtype(v.dtype, jnp.floating) else v
+                for k, v in state.items()}
+
+    def update(stepped: Stepped, grads, hyper):
+        setup.count_trace("update")
+        params, masters, states, shared = stepped.params, stepped.masters, stepped.opt_state, stepped.shared_state
+        targets = masters if masters else params
+        if low:
+            targets, grads, states = up(targets), up(grads), up(states)
+
+        def apply(scale):
+            if setup.torch_optimizer:
+                lrs = [[g["lr"]] for g in optimizer.param_groups] if setup.lr_mode == "constant" else hyper
+                new_targets, new_states = torch_optim.traced_step(
+                    optimizer, setup.groups, targets, grads, states, lrs, scale.multiplier, scale.skip, setup.env,
+                    setup.lr_mode)
+                new_states = {n: {k: jax.lax.with_sharding_constraint(v, state_layout(n, v)) for k, v in st.items()}
+                              for n, st in new_states.items()}
+                return {**targets, **new_targets}, {**states, **new_states}, dict(shared)
+            new_targets, new_states, new_shared = dict(targets), dict(states), dict(shared)
+            for (names, keys, static), values in zip(groups, hyper):
+                hp = {k: values[i] for i, k in enumerate(keys)}
+                group_targets, group_states = update_group(
+                    optimizer, [targets[n] for n in names], [grads[n] for n in names],
+                    [{**states[n], **shared} for n in names], hp, static, scale, ops)
+                for name, new_target, new_state in zip(names, group_targets, group_states):
+                    new_shared.update((k, new_state.pop(k)) for k in shared)  # the same value for every parameter
+                    new_targets[name], new_states[name] = new_target, new_state
+            return new_targets, new_states, new_shared
+
+        # the torch_xla engine's global norm: fp32, in parameter order
+        sum_sq = sum_of_squares([grads[name] for name in order], ops)
+        result = boundary_update(sum_sq, stepped.loss_scale, setup.clipping, policy, ops, apply)
+        new_targets, new_states, new_shared = result.applied
+        if low:
+            new_targets = {n: t.astype(param_dtype) for n, t in new_targets.items()}
+            new_states = {n: stored(st) for n, st in new_states.items()}
+        skip = result.scale.skip
+        skip = jnp.zeros((), bool) if skip is None else skip
+        report = StepReport(grad_norm=result.scale.norm, skip=skip)
+        if not masters:
+            # each in its own dtype: a bf16 parameter of an fp32 model (Apertus' xIELU) took its
+            # fp32 gradient's dtype, and the next step retraced on it
+            new_params, new_masters = {n: gathered(n, t.astype(params[n].dtype)) for n, t in new_targets.items()}, masters
+        else:
+            new_params = {n: gathered(n, t.astype(params[n].dtype if n in params else param_dtype))  # all-gathered
+                          for n, t in new_targets.items()}  # in bf16/fp16
+            new_masters = new_targets
+        return Stepped(new_params, new_masters, new_states, new_shared, stepped.skipped + skip,
+                       result.loss_scale), report
+
+    rep = sharding(())
+    # keep_unused: under master weights the update reads no parameter, and an input jit prunes is
+    # not donated: the old bf16 parameters stayed beside the new ones until the next boundary
+    return jax.jit(update, out_shardings=(setup.stepped_shardings, StepReport(rep, rep)), donate_argnums=(0, 1),
+                   keep_unused=True)

@@ -47,7 +47,7 @@ from typing import Any, Optional
 import torch
 
 from spmdzero.backends.torchax.lowering import flash_attention, flash_dropout
-from spmdzero.backends.torchax.patches import hf_masks
+from spmdzero.backends.torchax.lowering import hf_masks
 
 _INSTALLED = "_spmdzero_exact_sdpa"
 

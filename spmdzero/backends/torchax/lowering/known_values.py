@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-from spmdzero.backends.torchax.engine.placement import INT64_TRUNCATED
+from spmdzero.backends.torchax.lowering.values import INT64_TRUNCATED
 
 _SMALL = 4096
 # ranges of Python numbers: known too (the cache positions a forward without a cache makes)

@@ -80,7 +80,7 @@ import torch
 import torch.utils.checkpoint
 from torch.utils import _pytree as torch_pytree
 
-from spmdzero.backends.torchax.engine import host_reads
+from spmdzero.backends.torchax.lowering import trace_reads
 
 _CACHE = "__dynamo_disable"  # the attribute torch's _disable_dynamo wrapper calls through
 _warned: set = set()
@@ -245,8 +245,8 @@ def rematerialized(env, function, args: tuple, kwargs: dict, state: list = (), r
     saved = [t._elem for t in state]
     try:
         key, arrays, updates, kept_arrays = jax.checkpoint(region)(env.prng_key, arrays_in)
-    except host_reads.host_read_errors() as err:
-        if not (host_reads.reads_a_value(err) and host_reads.concrete((arrays_in, saved))):
+    except trace_reads.host_read_errors() as err:
+        if not (trace_reads.reads_a_value(err) and trace_reads.concrete((arrays_in, saved))):
             raise
         for t, array in zip(state, saved):  # the failed trace's values do not stay
             t._elem = array

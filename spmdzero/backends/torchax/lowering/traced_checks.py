@@ -79,7 +79,7 @@ def _caller() -> str:
     """``file.py:line``: the innermost frame outside torch and transformers' utilities (the model's
     line that checks)."""
     skip = (os.path.dirname(torch.__file__) + os.sep, os.sep + os.path.join("transformers", "utils") + os.sep,
-            os.path.dirname(os.path.abspath(__file__)) + os.sep)
+            os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)  # the torchax backend
     for frame in reversed(traceback.extract_stack()[:-2]):
         if not any(part in frame.filename for part in skip):
             return f"{os.path.basename(frame.filename)}:{frame.lineno}"

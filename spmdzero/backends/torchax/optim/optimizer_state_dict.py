@@ -48,8 +48,8 @@ def state_dict(engine) -> dict:
             warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # copied
             for target, name in names.items():
                 saved = {key: mappings.j2t(value, use_dlpack=False).clone() for key, value in states[name].items()}
-                if name in engine._masters:
-                    saved[MASTER] = mappings.j2t(engine._masters[name], use_dlpack=False).clone()
+                if name in engine.state.masters:
+                    saved[MASTER] = mappings.j2t(engine.state.masters[name], use_dlpack=False).clone()
                 if saved:
                     optimizer.state[target] = saved
             return type(optimizer).state_dict(optimizer)
@@ -87,11 +87,11 @@ def load_state_dict(engine, saved: dict) -> None:
         name = names.get(targets.get(index))
         if name is None:
             continue  # a parameter the engine does not train (frozen): no states on the devices
-        live = {**engine._opt_state[name], **engine._shared_state}
+        live = {**engine.state.opt_state[name], **engine.state.shared_state}
         host = optimizer.state.get(targets[index], {})
         for key, value in states.items():
             array = torch_optim.host_array(value)
-            if key == MASTER and name in engine._masters:
+            if key == MASTER and name in engine.state.masters:
                 values[f"master.{name}"] = values[f"model.{name}"] = array
                 masters = True
             elif key in live:

@@ -27,7 +27,7 @@ def optimizer_step(engine) -> None:
     if engine.optimizer is None:
         raise RuntimeError(f"{CALL} needs an optimizer: pass optimizer= to initialize() or add an 'optimizer' "
                            "section to the config")
-    if engine._accum is None:
+    if engine.state.accum is None:
         raise RuntimeError(no_gradients(CALL, "the last optimizer step (or since a checkpoint load, or a zero_grad() "
                                               "that dropped the gradients)"))
     if not engine._window_reduced:
@@ -41,6 +41,6 @@ def optimizer_step(engine) -> None:
     clipped = not (engine.plan.stage == 0 and engine.precision.param_dtype == torch.float32)
     # the skipped-step count is the engine's (its _take_model_step counts it): the update program
     # adds to it, so the count before is kept aside (a device copy, no host read)
-    skipped = engine._jax.numpy.copy(engine._skipped)
+    skipped = engine._jax.numpy.copy(engine.state.skipped)
     engine._apply_update(None, clipped=clipped)
-    engine._skipped = skipped
+    engine.state = engine.state._replace(skipped=skipped)

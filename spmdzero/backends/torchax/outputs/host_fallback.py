@@ -19,7 +19,7 @@ import warnings
 import torch
 from torch.utils import _pytree as torch_pytree
 
-from spmdzero.backends.torchax.engine.placement import READ_ONLY_HOST_VALUE
+from spmdzero.backends.torchax.lowering.values import READ_ONLY_HOST_VALUE
 
 _SAID: set = set()
 

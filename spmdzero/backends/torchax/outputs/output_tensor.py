@@ -16,7 +16,7 @@ from spmdzero.backends.torchax.outputs import host_fallback
 from spmdzero.backends.torchax.outputs import host_tensors
 from spmdzero.backends.torchax.outputs import output_functions
 from spmdzero.backends.torchax.outputs import output_views
-from spmdzero.backends.torchax.engine.placement import INT64_TRUNCATED, READ_ONLY_HOST_VALUE
+from spmdzero.backends.torchax.lowering.values import INT64_TRUNCATED, READ_ONLY_HOST_VALUE
 from spmdzero.runtime import out_of_memory
 
 _VALUE = "_spmdzero_value"  # where an output keeps its JAX array (``Output._elem``)

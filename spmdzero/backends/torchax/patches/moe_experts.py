@@ -408,3 +408,8 @@ def grouped(split: moe_rows.Split):
     with moe_rows.splitting(split), transformers_methods.replaced(replacements), \
             _experts_interface():
         yield
+
+
+def patched(trace):
+    """This family's adaptation, entered for every traced program (``patches.registry``)."""
+    return grouped(trace.expert_matmuls)

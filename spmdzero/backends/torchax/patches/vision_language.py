@@ -266,3 +266,8 @@ def computed():
             if not _is_host(getattr(model, "rope_deltas", None)):
                 model.rope_deltas = None
         _touched.clear()
+
+
+def patched(trace):
+    """This family's adaptation, entered for every traced program (``patches.registry``)."""
+    return computed()

@@ -13,7 +13,8 @@ from conftest import on_host
 
 torchax = pytest.importorskip("torchax")
 
-from spmdzero.backends.torchax.lowering import attention, lowerings, trace_view
+from spmdzero.backends.torchax.lowering import attention, lowerings
+from spmdzero.backends.torchax.patches import trace_view
 
 
 def _jax(t):

@@ -385,4 +385,4 @@ def test_a_parameter_keeps_its_own_dtype_and_the_step_compiles_once(stage):
         engine.backward(loss)
         engine.step()
     assert dict(engine.traces) == {"train_forward": 1, "update": 1}
-    assert str(engine._params["alpha"].dtype) == "bfloat16"  # on the devices, as the module holds it
+    assert str(engine.state.params["alpha"].dtype) == "bfloat16"  # on the devices, as the module holds it

@@ -1,6 +1,6 @@
 """A device that runs out of memory raises torch's OutOfMemoryError, the error accelerate's
 ``find_executable_batch_size`` (the Trainer's ``--auto_find_batch_size``) shrinks the batch on
-(spmdzero/runtime/out_of_memory.py). The Trainer's run: tests/test_hugging_face.py."""
+(spmdzero/runtime/out_of_memory.py). The Trainer's run: tests/compat/test_hugging_face.py."""
 
 import jax
 import pytest

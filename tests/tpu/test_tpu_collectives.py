@@ -199,7 +199,7 @@ def compiled(request):
     cases = ((0, False), (2, False), (2, True)) if topology == "v5e:2x2" else ((2, False), (2, True))  # ZeRO-0 once
     out = run_python(f"TOPOLOGY, CASES = {topology!r}, {cases!r}", CAPTURE, env={
         "CPU_NUM_DEVICES": str(TOPOLOGIES[topology]), "PJRT_DEVICE": "CPU", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-        "SPMDZERO_BACKEND": "torch_xla"})  # the torch_xla capture (tests/test_aot.py compiles the torchax step)
+        "SPMDZERO_BACKEND": "torch_xla"})  # the torch_xla capture (tests/tpu/test_aot.py compiles the torchax step)
     return topology, json.loads(out.strip().splitlines()[-1])
 
 

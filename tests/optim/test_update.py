@@ -15,7 +15,7 @@ from spmdzero.optim.precision import precision_policy
 from spmdzero.optim.update import boundary_update, init_loss_scale, next_loss_scale, sum_of_squares, update_group
 from tests.oracle.loss_scale_cases import CASES, PATTERN
 
-RECORDED = json.loads((pathlib.Path(__file__).parent / "fixtures" / "deepspeed_loss_scale.json").read_text())
+RECORDED = json.loads((pathlib.Path(__file__).parents[1] / "fixtures" / "deepspeed_loss_scale.json").read_text())
 
 
 def _policy(**fp16):

@@ -95,7 +95,7 @@ def test_scanned_layers_train_like_the_loop(make):
 def test_zero2_lays_out_each_block_gradient_inside_the_scanned_backward(make, scan):
     """The per-iteration backward graph gives each block weight's gradient its ZeRO layout
     (after a replicated pin): on TPU each loop trip reduce-scatters it
-    (tests/test_tpu_collectives.py). Annotated only after the loop, libtpu all-reduced it in
+    (tests/tpu/test_tpu_collectives.py). Annotated only after the loop, libtpu all-reduced it in
     every trip. Llama iterates over a slice of its layers (``self.layers[:n]``), a new list
     every forward, which must keep the layouts."""
     import torch_xla

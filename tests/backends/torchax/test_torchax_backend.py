@@ -11,7 +11,7 @@ import torch
 import spmdzero
 from spmdzero.config.errors import ConfigError
 
-from conftest import batches, tiny_mlp
+from conftest import ReadsBack, batches, tiny_mlp
 
 STEPS = 4
 
@@ -120,7 +120,7 @@ def test_eval_forward_leaves_the_gradients_alone(trained):
         loss = engine(x, y)
     engine.train()
     assert torch.isfinite(torch.tensor(loss.item()))
-    assert engine._accum is None
+    assert engine.state.accum is None
     with pytest.raises(RuntimeError, match="no engine.backward"):
         engine.set_gradient_accumulation_boundary(True)
         try:
@@ -571,7 +571,7 @@ def test_bf16_matches_the_torch_xla_engine():
     for name, value in results["torch_xla"][1].items():
         assert results["torchax"][1][name].dtype == torch.bfloat16
         torch.testing.assert_close(results["torchax"][1][name], value, atol=1e-2, rtol=1e-2)
-    for name, master in engine._masters.items():
+    for name, master in engine.state.masters.items():
         assert master.dtype == "float32"
         assert master.sharding.spec == PartitionSpec(*engine.plan[name].master)
 
@@ -586,11 +586,11 @@ def test_bf16_skips_a_step_with_non_finite_gradients():
     assert engine.skipped_steps == 1 and not engine.was_step_applied() and engine.global_steps == 1
     for name, p in engine.module.named_parameters():
         assert torch.equal(p, before[name])
-    masters = dict(engine._masters)
+    masters = dict(engine.state.masters)
     assert all(p.data.dtype == torch.bfloat16 for p in engine.module.parameters())  # a read through .data
     x[0, 0] = 0.0
     engine(x, y)
-    assert all(engine._masters[n] is m for n, m in masters.items())  # not replaced by their bf16 casts
+    assert all(engine.state.masters[n] is m for n, m in masters.items())  # not replaced by their bf16 casts
 
 
 def test_fp16_loss_scaling_matches_the_torch_xla_engine(tmp_path):
@@ -733,7 +733,7 @@ def test_torchax_files_overwritten_by_torch_xlas_copy_get_the_repair_command(mon
 
 JAX_OWNED = """
     import json, sys
-    sys.path.insert(0, "tests")
+    sys.path[:0] = ["tests", "tests/backends/torchax"]  # conftest, and this folder's test modules
     import jax, numpy as np, torch
     import spmdzero
     from conftest import tiny_mlp
@@ -810,7 +810,7 @@ def test_in_the_default_process_torch_xla_is_imported_only_for_its_backend(jax_o
     assert "mesh must be a jax.sharding.Mesh or a torch_xla.distributed.spmd.Mesh, got object" in jax_owned["mesh"]
     assert jax_owned["jax_mesh"] == [{"data": 2, "fsdp": 2}, [3, 2, 1, 0]]  # the given mesh, in its order
     assert jax_owned["torch_xla_backend"] == "SpmdZeroEngine" and jax_owned["torch_xla_devices"] == 4
-    # several hosts: tests/test_multihost.py
+    # several hosts: tests/sharding/test_multihost.py
 
 
 def test_the_backend_variable_is_checked(monkeypatch):
@@ -845,7 +845,7 @@ def test_jax_is_told_which_devices_to_take(monkeypatch, device_type, jax_platfor
     monkeypatch.setattr(jax.config, "update", lambda key, value: updates.append((key, value)))
     monkeypatch.setattr(jax_runtime, "_device_type", lambda: device_type)
     monkeypatch.setenv("CPU_NUM_DEVICES", "4")
-    monkeypatch.setenv("SPMDZERO_DISTRIBUTED", "0")  # joining the hosts of a TPU VM: tests/test_multihost.py
+    monkeypatch.setenv("SPMDZERO_DISTRIBUTED", "0")  # joining the hosts of a TPU VM: tests/sharding/test_multihost.py
     if jax_platforms is None:
         monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     else:
@@ -1491,7 +1491,7 @@ def test_the_sharding_report_reads_as_the_torch_xla_engines(trained):
 
 COMPILE_CACHE = """
     import collections, json, os, sys
-    sys.path.insert(0, "tests")
+    sys.path[:0] = ["tests", "tests/backends/torchax"]  # conftest, and this folder's test modules
     import jax
     events = collections.Counter()
     jax.monitoring.register_event_listener(lambda name, **kwargs: events.update([name]))
@@ -1552,10 +1552,8 @@ def test_a_dcn_mesh_puts_data_across_slices_and_trains_as_the_torch_xla_engine()
 @pytest.mark.parametrize("read", ["bool", "tolist"])
 def test_a_forward_that_reads_a_value_on_the_host_trains_eagerly_as_on_torch_xla(read):
     """JAX traces the forward once and cannot stop for a value: the torchax backend runs that
-    forward eagerly (host_reads, tests/test_torchax_host_reads.py) and trains what the torch_xla
-    backend trains, which cuts the step in two there (test_monitor.py)."""
-    from test_monitor import ReadsBack
-
+    forward eagerly (host_reads, tests/backends/torchax/test_torchax_host_reads.py) and trains what the torch_xla
+    backend trains, which cuts the step in two there (observe/test_monitor.py)."""
     losses, engines = {}, {}
     for backend in ("torchax", "torch_xla"):
         engine, *_ = spmdzero.initialize(model=ReadsBack(read), config={

@@ -232,7 +232,7 @@ def test_two_d_mesh_shards_states_on_fsdp_and_batch_on_both(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_data_only_mesh_trains_as_plain_torch(backend):
     """``fsdp: 1``: every device holds whole states (nothing to shard over), the batch split 8
-    ways. It stopped at initialize once (the fsdp_inner check, tests/test_mesh.py)."""
+    ways. It stopped at initialize once (the fsdp_inner check, tests/sharding/test_mesh.py)."""
     model = tiny_mlp()
     data = batches(4, MICRO_PER_DEVICE * N)
     engine, *_ = spmdzero.initialize(model=copy.deepcopy(model),

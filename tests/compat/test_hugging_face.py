@@ -1,6 +1,6 @@
 """Hugging Face's ``Trainer(args=TrainingArguments(deepspeed=...))`` and an accelerate loop
 with ``Accelerator(deepspeed_plugin=...)``, unchanged, under ``spmdzero launch``
-(tests/hugging_face_scripts). Each is compared with the same script run as plain PyTorch on
+(tests/compat/hugging_face_scripts). Each is compared with the same script run as plain PyTorch on
 the CPU (no DeepSpeed, no spmdzero), where the math is the same: the Trainer's own optimizer,
 and the config's optimizer with DeepSpeed's WarmupLR (whose first two updates use lr 0: the
 reference schedules its torch AdamW the same way). A run resumed from ``checkpoint-3``
@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytestmark = pytest.mark.slow
 
-SCRIPTS = os.path.join(REPO, "tests", "hugging_face_scripts")
+SCRIPTS = os.path.join(REPO, "tests", "compat", "hugging_face_scripts")
 TRAINER = os.path.join(SCRIPTS, "trainer_gpt2.py")
 LOOP = os.path.join(SCRIPTS, "accelerate_loop.py")
 

@@ -122,12 +122,12 @@ def test_bf16_masters_and_states_resume_on_either_backend(tmp_path):
     expected = train(full)
     engine = engine_for("torchax", **bf16)
     train(engine, 0, SAVED_AT)
-    masters = {n: np.asarray(m) for n, m in engine._masters.items()}
+    masters = {n: np.asarray(m) for n, m in engine.state.masters.items()}
     engine.save_checkpoint(str(tmp_path), client_state={"epoch": 3})
     for backend in ("torchax", "torch_xla"):
         resumed = resume(backend, str(tmp_path), **bf16)
         if backend == "torchax":
-            for name, value in resumed._masters.items():  # fp32 masters exactly, not their bf16 casts
+            for name, value in resumed.state.masters.items():  # fp32 masters exactly, not their bf16 casts
                 assert value.dtype == "float32" and np.array_equal(np.asarray(value), masters[name])
             assert train(resumed, SAVED_AT) == expected[SAVED_AT * GAS:]  # bit for bit on the same backend
         else:
@@ -193,7 +193,7 @@ def test_elastic_a_torchax_checkpoint_from_8_devices_resumes_on_4_and_back(runs,
     ckpt, _ = runs["saved"]["torchax"]
     out = run_python(f"""
         import json, sys
-        sys.path.insert(0, "tests")
+        sys.path[:0] = ["tests", "tests/backends/torchax"]  # conftest, and this folder's test modules
         import spmdzero
         from test_torchax_checkpoint import SAVED_AT, resume, train
         engine = resume("torchax", {ckpt!r})
@@ -230,7 +230,7 @@ def test_checkpoints_move_between_zero_stages_2_and_3_and_device_counts(runs, tm
     rest = runs["losses"][(SAVED_AT + 1) * GAS:]
     out = run_python(f"""
         import json, sys
-        sys.path.insert(0, "tests")
+        sys.path[:0] = ["tests", "tests/backends/torchax"]  # conftest, and this folder's test modules
         import spmdzero
         from test_torchax_checkpoint import SAVED_AT, engine_for, train
         engine = engine_for("torchax", seed=7, zero_optimization={{"stage": 2}})

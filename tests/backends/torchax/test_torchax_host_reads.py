@@ -15,7 +15,7 @@ import torch
 
 import spmdzero
 from conftest import spmdzero_log
-from spmdzero.backends.torchax.engine.placement import INT64_TRUNCATED
+from spmdzero.backends.torchax.lowering.values import INT64_TRUNCATED
 
 STEPS, GAS, LR = 4, 2, 0.1
 NOTE = "reads a tensor's value on the host"

@@ -12,7 +12,7 @@ import torch_xla.debug.metrics as met
 
 import spmdzero
 
-from conftest import BACKENDS, batches, tiny_mlp
+from conftest import BACKENDS, ReadsBack, batches, tiny_mlp
 
 TORCH_XLA = {"backend": "torch_xla"}  # tests of what torch_xla's lazy tensors do
 
@@ -51,23 +51,6 @@ def test_the_guard_tells_a_new_batch_size_from_new_sequence_lengths():
     assert _only_rows_changed(((16, 11), (16,)), ((8, 11), (8,)))
     assert not _only_rows_changed(((16, 18), (16, 18)), ((16, 15), (16, 15)))  # a seq2seq collator's padding
     assert not _only_rows_changed(((16, 11),), ((16, 11), (16,)))
-
-
-class ReadsBack(torch.nn.Module):
-    """A model whose forward reads a device value on the host inside the step: branches on
-    it (``bool``), or copies it to the host (``.tolist()``)."""
-
-    def __init__(self, read: str = "bool"):
-        super().__init__()
-        self.mlp = tiny_mlp()
-        self.read = read
-
-    def forward(self, x):
-        out = self.mlp(x)
-        if self.read == "tolist":
-            self.seen = out.sum().tolist()
-            return out
-        return out if bool((out.abs().sum() > 0)) else -out
 
 
 @pytest.mark.parametrize("read", ["bool", "tolist"])

@@ -1,4 +1,4 @@
-"""``spmdzero launch``: DeepSpeed scripts (tests/deepspeed_scripts, which never import
+"""``spmdzero launch``: DeepSpeed scripts (tests/compat/deepspeed_scripts, which never import
 spmdzero) train, save and resume, and feed the rows per step the batch rule says.
 
 Under ``spmdzero launch`` a DeepSpeed rank is a process (one per host; one here), so
@@ -16,7 +16,7 @@ from spmdzero.cli.launch import _parser, _ignored_options
 
 from conftest import REPO, free_port_pair
 
-SCRIPTS = os.path.join(REPO, "tests", "deepspeed_scripts")
+SCRIPTS = os.path.join(REPO, "tests", "compat", "deepspeed_scripts")
 STEP = re.compile(r"^STEP (\d+) rows=(\d+) global_samples=(\d+)", re.M)
 
 
