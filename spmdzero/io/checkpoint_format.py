@@ -10,6 +10,7 @@ import warnings
 from typing import Any
 import numpy as np
 import torch
+from spmdzero.io.checkpointed_engine import CheckpointedEngine
 
 
 # the names in a checkpoint directory
@@ -76,7 +77,7 @@ def non_persistent_buffers(module: torch.nn.Module) -> set[str]:
             for prefix, sub in module.named_modules() for name in sub._non_persistent_buffers_set}
 
 
-def checkpointed(engine) -> dict[str, tuple[Any, tuple]]:
+def checkpointed(engine: CheckpointedEngine) -> dict[str, tuple[Any, tuple]]:
     """What a checkpoint holds of the engine's state: ``engine.state_tensors()`` less the
     module's non-persistent buffers."""
     skip = {f"buffer.{name}" for name in non_persistent_buffers(engine.module)}

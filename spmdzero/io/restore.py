@@ -42,10 +42,11 @@ from spmdzero.io.checkpoint_dir import reading
 from spmdzero.io.read import (_dcp_failure, locate, open_state, read_client_state, read_host_tensor, read_meta,
                               resolve_tag)
 from spmdzero.io.deepspeed_import import is_deepspeed_checkpoint, read_deepspeed_checkpoint
+from spmdzero.io.checkpointed_engine import CheckpointedEngine
 
 
 
-def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
+def load_checkpoint(engine: CheckpointedEngine, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False, trust_client_state: Optional[bool] = None):
     """DeepSpeed's ``load_checkpoint``: returns ``(load_path, client_state)``, or
@@ -117,7 +118,7 @@ _OPTIMIZER_FAMILIES = {"adam": "adam", "adamw": "adam", "fusedadam": "adam", "de
                        "adagrad": "adagrad", "deepspeedcpuadagrad": "adagrad"}
 
 
-def _check_optimizer(engine, meta: dict, path: str, full_state: bool) -> None:
+def _check_optimizer(engine: CheckpointedEngine, meta: dict, path: str, full_state: bool) -> None:
     """Moments of one optimizer are not another's: refuse to load them across types, or
     into another number of param groups or other parameters."""
     saved = (meta.get("optimizer") or {}).get("type")
@@ -142,7 +143,7 @@ def _check_optimizer(engine, meta: dict, path: str, full_state: bool) -> None:
                               f"{live}; pass load_optimizer_states=False to load the module only")
 
 
-def _loss_scale_tensors(engine, fields: dict) -> dict:
+def _loss_scale_tensors(engine: CheckpointedEngine, fields: dict) -> dict:
     """An imported DeepSpeed loss scaler as spmdzero's ``loss_scale.*`` state, when both
     sides scale the loss."""
     if not engine.scales_loss or fields.get("iteration") is None:
@@ -150,7 +151,7 @@ def _loss_scale_tensors(engine, fields: dict) -> dict:
     return {f"loss_scale.{k}": torch.tensor(float(v)) for k, v in fields.items()}
 
 
-def _layer_names(engine, meta: dict) -> tuple[dict, dict]:
+def _layer_names(engine: CheckpointedEngine, meta: dict) -> tuple[dict, dict]:
     """The engine's stacked names and the checkpoint's, each with its per-layer names
     (``restack.layer_names``); the layer counts come from the parameters' shapes."""
     live_shapes = {name: tuple(p.shape) for name, p in engine.module.named_parameters()}
@@ -162,7 +163,7 @@ def _layer_names(engine, meta: dict) -> tuple[dict, dict]:
             restack.layer_names(saved, {name: tuple(tensors[f"model.{name}"][0])[0] for name in saved}))
 
 
-def _select(engine, saved: dict, strict: bool, full_state: bool, meta: dict) -> tuple[dict, list]:
+def _select(engine: CheckpointedEngine, saved: dict, strict: bool, full_state: bool, meta: dict) -> tuple[dict, list]:
     """{live key: (restack.Source, live tensor, spec)} to load, after checking them against
     the checkpoint, and the optimized tensors whose optimizer state the checkpoint does not
     have and is to be dropped (a torch optimizer's state saved before its first step). A
@@ -252,7 +253,7 @@ def _saved_tensors(path: str, index: dict):
     return read
 
 
-def _host_values_from_tensors(engine, meta: dict, saved_tensor) -> None:
+def _host_values_from_tensors(engine: CheckpointedEngine, meta: dict, saved_tensor) -> None:
     """A state torch keeps on the host (AdamW's step count, for a torch optimizer given to
     ``initialize``: accelerate's scripts) that the checkpoint holds as a tensor instead
     (DeepSpeed's files; a checkpoint of spmdzero's own AdamW, which counts on the devices)
@@ -271,7 +272,7 @@ def _host_values_from_tensors(engine, meta: dict, saved_tensor) -> None:
             host.setdefault(name, {})[key] = value
 
 
-def _tensors_from_host_values(engine, meta: dict) -> dict:
+def _tensors_from_host_values(engine: CheckpointedEngine, meta: dict) -> dict:
     """The other way round from ``_host_values_from_tensors``: a value the checkpoint's torch
     optimizer kept on the host (AdamW's step count: the HF Trainer's own optimizer) that this
     engine keeps on the devices (the config's AdamW), as ``{key: host tensor}`` in the live
@@ -295,7 +296,7 @@ def _tensors_from_host_values(engine, meta: dict) -> dict:
     return found
 
 
-def _check_placeholders(engine, created: list, unsaved: list, meta: dict, where: str) -> None:
+def _check_placeholders(engine: CheckpointedEngine, created: list, unsaved: list, meta: dict, where: str) -> None:
     """Placeholder optimizer state (``engine.placeholder_optimizer_state``) means nothing
     until loaded. Its device tensors are (``_select`` refuses a checkpoint without them); a
     value torch keeps on the host (Adam's step count) must be in the checkpoint's host state.
@@ -318,7 +319,7 @@ def _check_placeholders(engine, created: list, unsaved: list, meta: dict, where:
                               "load_optimizer_states=False to load the module only")
 
 
-def _stage(engine, selected: dict, saved: dict, host_tensors: Optional[dict] = None) -> dict:
+def _stage(engine: CheckpointedEngine, selected: dict, saved: dict, host_tensors: Optional[dict] = None) -> dict:
     """Targets in the checkpoint's dtype, laid out like the live ones (``engine.state_shards()``):
     empty, to read a DCP checkpoint into, or the given host tensors placed shard by shard."""
     shards = engine.state_shards()
@@ -335,14 +336,14 @@ def _stage(engine, selected: dict, saved: dict, host_tensors: Optional[dict] = N
     return staging
 
 
-def _commit(engine, selected: dict, staging: dict) -> None:
+def _commit(engine: CheckpointedEngine, selected: dict, staging: dict) -> None:
     """Write the staged values into the live state (only once everything was read)."""
     shards = engine.state_shards()
     values = shards.values(staging)
     shards.commit({key: source.assemble(values) for key, (source, _, _) in selected.items()})
 
 
-def _load_tensors(engine, path: str, selected: dict, saved: dict, from_host: Optional[dict] = None) -> None:
+def _load_tensors(engine: CheckpointedEngine, path: str, selected: dict, saved: dict, from_host: Optional[dict] = None) -> None:
     """Read the selected tensors from the checkpoint's files, except those ``from_host`` gives."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -359,7 +360,7 @@ def _load_tensors(engine, path: str, selected: dict, saved: dict, from_host: Opt
     _commit(engine, selected, staging)
 
 
-def _host_state_restorer(engine, meta: dict, where: str, full_state: bool, scheduler: bool, module_only: bool):
+def _host_state_restorer(engine: CheckpointedEngine, meta: dict, where: str, full_state: bool, scheduler: bool, module_only: bool):
     """Check everything a load sets on the host (counters, param groups, host-side optimizer
     state, the LR schedule, RNG states) against this engine, and return what sets it, to be
     called once the tensors are in: a damaged value fails here, naming ``where`` and the key,

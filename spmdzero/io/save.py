@@ -19,9 +19,10 @@ from spmdzero.io.checkpoint_format import (CLIENT_FILE, CheckpointError, FORMAT_
                                            to_json)
 from spmdzero.io.read import _dcp_failure
 from spmdzero.version import __version__
+from spmdzero.io.checkpointed_engine import CheckpointedEngine
 
 
-def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
+def save_checkpoint(engine: CheckpointedEngine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                     save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
     """The tag and the client state are checked before anything is touched; then the whole
     save, device reads included, holds the directory (``checkpoint_dir.saving``): a second
@@ -36,7 +37,7 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     return True
 
 
-def _save(engine, save_dir: str, tag: str, client_bytes: Optional[bytes], save_latest: bool,
+def _save(engine: CheckpointedEngine, save_dir: str, tag: str, client_bytes: Optional[bytes], save_latest: bool,
           exclude_frozen_parameters: bool) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
@@ -79,7 +80,7 @@ def _wait_for_the_writers_cleanup() -> None:
         torch.distributed.barrier()
 
 
-def _warn_if_mid_window(engine, tag: str) -> None:
+def _warn_if_mid_window(engine: CheckpointedEngine, tag: str) -> None:
     """The gradients accumulated so far in a window are not saved (nor by DeepSpeed): a run
     resumed from this checkpoint starts a new window without them."""
     gas = engine.gradient_accumulation_steps()
@@ -108,7 +109,7 @@ def _rng_states(shards) -> dict:
     return states if position is None else {**states, "position": position}
 
 
-def _host_state(engine, shards, tensors: dict, tag: str, has_client_state: bool) -> dict:
+def _host_state(engine: CheckpointedEngine, shards, tensors: dict, tag: str, has_client_state: bool) -> dict:
     optimizer = engine.basic_optimizer if engine.optimizer is not None else None
     groups, host_state = [], {}
     if optimizer is not None:

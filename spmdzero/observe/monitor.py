@@ -28,6 +28,7 @@ import weakref
 from typing import Callable, Optional
 
 from spmdzero.observe.console import ensure_handler, logger
+from spmdzero.observe.reported_engine import ReportedEngine
 
 WARMUP_STEPS = 3  # optimizer steps whose compiles are expected (first boundary, schedules moving to the device)
 
@@ -342,7 +343,7 @@ class _CometWriter:
 _TOLD_NONFINITE: "weakref.WeakSet" = weakref.WeakSet()
 
 
-def notice_nonfinite(engine, value: Optional[float], what: str) -> None:
+def notice_nonfinite(engine: ReportedEngine, value: Optional[float], what: str) -> None:
     """Say once that an fp32 run went non-finite. Only called where the value was read from
     the device anyway (print steps, checkpoint saves): no host sync of its own."""
     if value is None or math.isfinite(value) or engine.precision.check_overflow or engine in _TOLD_NONFINITE:
@@ -396,7 +397,7 @@ class StepLogger:
         self._since, self._samples = time.perf_counter(), 0
 
     @staticmethod
-    def _log_line(engine, loss: Optional[float], throughput: float) -> None:
+    def _log_line(engine: ReportedEngine, loss: Optional[float], throughput: float) -> None:
         ensure_handler()
         lr = ", ".join(f"{v:.4e}" for v in engine.get_lr())
         parts = [f"step={engine.global_steps}", f"skipped={engine.skipped_steps}", f"lr=[{lr}]"]
@@ -419,7 +420,7 @@ class ThroughputTimer:
     wall time between step boundaries after the first ``start_step`` steps (which compile).
     The boundary is a device sync (``engine.step()`` ends the trace), so host time is fair."""
 
-    def __init__(self, engine, start_step: int = 2):
+    def __init__(self, engine: ReportedEngine, start_step: int = 2):
         self._engine = engine
         self.start_step = start_step
         self.epoch_count = 0

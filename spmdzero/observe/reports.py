@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 import torch
 from spmdzero.sharding.mesh import fsdp_size
+from spmdzero.observe.reported_engine import ReportedEngine
 
 
 _DEVICES = re.compile(r"devices=\[([\d,]+)\]")
@@ -92,7 +93,7 @@ class ModelStateBytes:
         return self.params + self.grads + self.optimizer_states + self.master_weights
 
 
-def model_state_bytes(engine) -> ModelStateBytes:
+def model_state_bytes(engine: ReportedEngine) -> ModelStateBytes:
     """Read from the live tensors (the sharding report's totals): parameters, ZeRO gradient
     buffers, optimizer state and fp32 master weights."""
     totals = sharding_report(engine).totals()
@@ -222,7 +223,7 @@ def _planned_entry(parameter: str, role: str, shape: tuple, dtype: torch.dtype, 
                        math.prod(shape) * itemsize)
 
 
-def sharding_report(engine) -> ShardingReport:
+def sharding_report(engine: ReportedEngine) -> ShardingReport:
     """Every parameter's tensors, what each device holds of them, read from the live layouts."""
     slots = getattr(engine, "trained_parameters", None)
     if slots is None:  # the torchax backend: the state lives in JAX arrays
@@ -254,7 +255,7 @@ def sharding_report(engine) -> ShardingReport:
     return ShardingReport(engine.plan.stage, int(engine.mesh.size()), fsdp_size(shape), tuple(entries))
 
 
-def _jax_sharding_report(engine) -> ShardingReport:
+def _jax_sharding_report(engine: ReportedEngine) -> ShardingReport:
     """``sharding_report`` of an engine whose state is JAX arrays (``engine.state_tensors()``):
     layouts from each array's sharding, bytes per device from its first shard. Between steps
     there is no gradient: each step's is reported as the plan lays it out, as above."""

@@ -16,6 +16,8 @@ import torch
 from spmdzero import runtime
 from spmdzero.train.batch_inputs import BatchLayout, batch_layout, forward_argument_names
 from spmdzero.observe.console import say_once
+from spmdzero.observe.monitor import notice_nonfinite
+from spmdzero.observe.reports import sharding_report
 from spmdzero.train.data import caller_stacklevel, map_tensors, pad_sequences
 from spmdzero.train.shape_buckets import buckets_for, tower_inputs
 
@@ -77,8 +79,38 @@ class EngineBase:
     """DeepSpeed's engine API, as both backends' engines answer it. An engine sets ``_batch``
     (sharding.batch.BatchSizes), ``plan``, ``_config``, ``precision``, ``optimizer``,
     ``micro_steps``, ``_boundary_override`` and ``_rows_since_step`` (training rows fed since
-    the last optimizer step), and implements the step core: ``forward``, ``backward``,
+    the last optimizer step), ``_global_grad_norm`` and ``_step_loss`` (the last boundary's
+    device scalars, or None), and implements the step core: ``forward``, ``backward``,
     ``step``, ``zero_grad``."""
+
+    # ---- reports both backends give alike ------------------------------------------------------
+    def get_global_grad_norm(self) -> Optional[float]:
+        """The pre-clip, unscaled global gradient norm of the last boundary step (reads the
+        device; a non-finite fp32 norm is told once, as at print steps)."""
+        norm = None if self._global_grad_norm is None else float(self._global_grad_norm)
+        notice_nonfinite(self, norm, "gradient norm of the last step")
+        return norm
+
+    def step_loss(self) -> Optional[float]:
+        """The mean of the losses passed to ``backward`` in the last optimizer step's
+        accumulation window (what the step log and monitors report as ``train_loss``); reads the
+        device."""
+        loss = None if self._step_loss is None else float(self._step_loss)
+        notice_nonfinite(self, loss, "loss")
+        return loss
+
+    def loss_scale(self) -> float:
+        """DeepSpeed's: the configured static fp16 loss scale (0 for dynamic scaling), 1.0 under
+        bf16, 0 in fp32. The scale in use is ``current_loss_scale()``."""
+        if self.fp16_enabled():
+            return self._config.fp16.loss_scale
+        return 1.0 if self.bfloat16_enabled() else 0
+
+    def sharding_report(self):
+        """Per parameter: the layout and per-device bytes of the param, its gradient, master
+        weight and optimizer states, read from the live arrays' layouts; totals against stage 0
+        and ZeRO's accounting. Prints as a table, renders as HTML in Jupyter, ``.to_dict()``."""
+        return sharding_report(self)
 
     # whether dict inputs are padded to shape buckets when the config does not say
     # (train.shape_buckets: a backend that cuts its outputs back outside the compiled step)

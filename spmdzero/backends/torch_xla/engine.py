@@ -43,7 +43,6 @@ from spmdzero.optim.update import LossScale, init_loss_scale
 from spmdzero.train.scan_layers import scanned_parameters, stacked_layers
 from spmdzero.io.save import save_checkpoint
 from spmdzero.io.restore import load_checkpoint
-from spmdzero.observe.reports import sharding_report
 from spmdzero.tpu.capture import capture
 from spmdzero.runtime.out_of_memory import raises_torch_out_of_memory
 
@@ -451,22 +450,8 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         self._skipped_on_host, self._skipped_on_device = int(value), None
         state.keep_step_state_on_device(self)
 
-    def get_global_grad_norm(self) -> Optional[float]:
-        """Pre-clip, unscaled global gradient norm of the last boundary step (reads the device;
-        a non-finite fp32 norm is told once, as at print steps)."""
-        norm = None if self._global_grad_norm is None else float(self._global_grad_norm)
-        notice_nonfinite(self, norm, "gradient norm of the last step")
-        return norm
-
     def was_step_applied(self) -> bool:
         return bool(self._step_applied)
-
-    def step_loss(self) -> Optional[float]:
-        """The mean of the losses passed to ``backward`` in the last optimizer step's
-        accumulation window (what the monitors log as ``train_loss``); reads the device."""
-        loss = None if self._step_loss is None else float(self._step_loss)
-        notice_nonfinite(self, loss, "loss")
-        return loss
 
     def last_loss(self) -> Optional[float]:
         """The loss last passed to ``backward`` (before gas scaling); reads the device."""
@@ -474,25 +459,12 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         notice_nonfinite(self, loss, "loss")
         return loss
 
-    def loss_scale(self) -> float:
-        """DeepSpeed's: the configured static fp16 loss scale (0 for dynamic scaling), 1.0 under
-        bf16, 0 in fp32. The scale in use is ``optimizer.cur_scale``."""
-        if self.fp16_enabled():
-            return self._config.fp16.loss_scale
-        return 1.0 if self.bfloat16_enabled() else 0
-
     def current_loss_scale(self) -> float:
         """The loss scale in use (reads the device under dynamic fp16 scaling); 1.0 without one."""
         return 1.0 if self._loss_scale is None else float(self._loss_scale.scale)
 
     def overflow(self) -> bool:
         return bool(self._last_overflow)
-
-    def sharding_report(self):
-        """Per parameter: the layout and per-device bytes of the param, its gradient buffer,
-        master weight and optimizer states, read from the live tensors; totals against stage 0
-        and ZeRO's accounting. Prints as a table, renders as HTML in Jupyter, ``.to_dict()``."""
-        return sharding_report(self)
 
     def collectives_report(self, *inputs, loss_fn=None, **kwargs):
         """Trace one training step on these inputs (``loss_fn(output)``, or the output itself,

@@ -66,7 +66,6 @@ import torch
 from spmdzero.sharding.batch import BatchSizes
 from spmdzero.config.schema import DeepSpeedConfig
 from spmdzero.observe.monitor import RecompileGuard, StepLogger, ThroughputTimer, notice_nonfinite
-from spmdzero.observe.reports import sharding_report
 from spmdzero.optim.optimizers import SpmdOptimizer, ZeroOptimizer
 from spmdzero.optim.schedules import LRSchedule
 from spmdzero.optim.update import LossScale, init_loss_scale
@@ -235,6 +234,7 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         self._step_logger = StepLogger(cfg, device_clock=None, process_index=self.global_rank)  # no torch_xla clock
         self.tput_timer = ThroughputTimer(self)  # DeepSpeed's; here the time between dispatched steps
         self._rows_since_step = 0  # training rows fed: global_samples
+        self.samples_last_step = 0  # rows the last optimizer step trained on (the monitors' throughput)
         self._global_grad_norm = None
         # fp16's loss scaler (DeepSpeed's DynamicLossScaler, or a static scale): device scalars that
         # the training program multiplies the loss by and the update program steps (optim/update.py)
@@ -293,20 +293,6 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         self.traces[kind] += 1
 
     # ---- reporting -------------------------------------------------------------------------------
-    def get_global_grad_norm(self) -> Optional[float]:
-        """The pre-clip global gradient norm of the last boundary step (reads the device; a
-        non-finite fp32 norm is told once)."""
-        norm = None if self._global_grad_norm is None else float(self._global_grad_norm)
-        notice_nonfinite(self, norm, "gradient norm of the last step")
-        return norm
-
-    def step_loss(self) -> Optional[float]:
-        """The mean of the losses passed to ``backward`` in the last optimizer step's
-        accumulation window (what the step log and monitors report); reads the device."""
-        loss = None if self._step_loss is None else float(self._step_loss)
-        notice_nonfinite(self, loss, "loss")
-        return loss
-
     @property
     def skipped_steps(self) -> int:
         """Steps skipped for non-finite gradients (fp16, bf16's overflow check); reads the device."""
@@ -323,13 +309,6 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
     def overflow(self) -> bool:
         """Whether the last optimizer step was skipped for non-finite gradients; reads the device."""
         return self._last_skip is not None and bool(self._last_skip)
-
-    def loss_scale(self) -> float:
-        """DeepSpeed's: the configured static fp16 loss scale (0 for dynamic scaling), 1.0 under
-        bf16, 0 in fp32. The scale in use is ``current_loss_scale()``."""
-        if self.fp16_enabled():
-            return self._config.fp16.loss_scale
-        return 1.0 if self.bfloat16_enabled() else 0
 
     def optimizer_step(self) -> None:
         """``engine.optimizer.step()``: DeepSpeed's ZeRO optimizer stepped by the caller, as the
@@ -406,12 +385,6 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         arrays laid out by the plan's gradient spec; empty between steps."""
         self._settle()
         return dict(self.state.accum or {})
-
-    def sharding_report(self):
-        """Per parameter: the layout and per-device bytes of the param, its gradient, master
-        weight and optimizer states, read from the JAX arrays' shardings; totals against stage 0
-        and ZeRO's accounting (as the torch_xla backend's)."""
-        return sharding_report(self)
 
     def params(self) -> dict[str, Any]:
         """The trainable parameters by name, as JAX arrays (replicated)."""
