@@ -17,9 +17,11 @@ from spmdzero.backends.torchax.lowering import autograd_factories
 from spmdzero.backends.torchax.outputs import process_rows
 from spmdzero.backends.torchax.engine.forward import SPECULATED
 from spmdzero.backends.torchax.engine.release import release_in_background
-from spmdzero.backends.torchax.lowering.values import as_jax, is_torchax_tensor, jax_dtype
+from spmdzero.backends.torchax.lowering.values import as_jax, is_torchax_tensor
 from spmdzero.train.engine_base import check_loss_given, check_scalable
 from spmdzero.runtime.out_of_memory import raises_torch_out_of_memory
+from spmdzero.backends.torchax.programs.backward import build_backward
+from spmdzero.backends.torchax.programs.gradients import build_subtract
 
 
 NOT_FROM_ENGINE = ("engine.backward(loss) was given a loss that depends on no output of this engine's forward "
@@ -153,21 +155,11 @@ class BackwardPrograms:
         self._confirm(forward)  # no longer in it
         program = self._program("train", forward.treespec, forward.static, forward.training, method=forward.method)
         _, _, gradients = program(self.state.params, forward.constants, None, forward.rng, forward.arrays,
-                                  divisor=forward.divisor)
+                                  self._loss_scale_value(), np.float32(forward.divisor))
         self.runs["retract"] += 1
         if self._subtract_program is None:
-            self._subtract_program = self._build_subtract()
+            self._subtract_program = build_subtract(self._setup)
         self._replace_accum(self._subtract_program(self.state.accum, gradients))
-
-    def _build_subtract(self):
-        """``(accum, gradients) -> accum - gradients``, jitted, the accumulation donated."""
-        import jax
-
-        def subtract(accum, gradients):
-            return {n: jax.lax.with_sharding_constraint(accum[n] - g, self._grad_specs[n])
-                    for n, g in gradients.items()}
-
-        return jax.jit(subtract, donate_argnums=(0,))
 
     def _take_accum(self, accum: dict) -> None:
         # the sum this one replaces is released now (off this thread): kept a micro-step longer it
@@ -226,7 +218,7 @@ class BackwardPrograms:
             cts = tuple(None if c is None else process_rows.global_cotangent(c, view, whole, shape, kind, self.mesh)
                         for c, (view, whole), (shape, _, kind) in zip(cts, record.shardings, record.avals))
         if self._backward_program is None:
-            self._backward_program = self._build_backward()
+            self._backward_program = build_backward(self._setup)
         self.runs["backward"] += 1
         grads, input_grads = self._backward_program(vjp, cts, self.state.accum, record.avals, divisor)
         self._replace_accum(grads)  # it was donated
@@ -258,50 +250,6 @@ class BackwardPrograms:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # it is copied
             return mappings.j2t(np.asarray(grad), use_dlpack=False).to(t.dtype)
-
-    def _build_backward(self):
-        """``(VJP, cotangents, accum, avals, divisor) -> (accumulated gradients, input gradients)``,
-        jitted: the compiled backward of a loss computed outside the module, its cotangents divided
-        by ``divisor``. A cotangent that is None (an
-        output the loss does not use) is zeros of that output's shape; with several processes the
-        processes' cotangents make the gradient of their mean loss (``process_rows.combine``). The
-        gradients are reduced and accumulated as the training program does (the plan's gradient
-        spec)."""
-        import jax
-        import jax.numpy as jnp
-
-        policy = self.precision
-        comm, accumulated = jax_dtype(policy.communication_dtype), jax_dtype(policy.grad_accum_dtype)
-
-        def backward(vjp, cotangents, accum, avals, divisor):
-            self.traces["backward"] += 1
-            cts = [jnp.zeros(shape, dtype) if c is None else
-                   ((c if kind is None else process_rows.combine(c, kind, self._processes)).astype(jnp.float32)
-                    / divisor).astype(dtype)
-                   for c, (shape, dtype, kind) in zip(cotangents, avals)]
-            grads, input_grads = vjp(cts)
-            grads = {n: self._laid_out_gradient(n, g.astype(comm)).astype(accumulated) for n, g in grads.items()}
-            if accum is not None:
-                grads = {n: jax.lax.with_sharding_constraint(accum[n] + g, self._grad_specs[n])
-                         for n, g in grads.items()}
-            return grads, input_grads
-
-        # the accumulated gradients are donated: the sum replaces them
-        return self._host_reads.backward(backward, static_argnums=(3,), donate_argnums=(2,))
-
-    def _laid_out_gradient(self, name: str, grad):
-        """A fresh gradient laid out by the plan's gradient spec; on a mesh with two fsdp axes,
-        through the plan's stages in turn (``TensorPlan.grad_stages``: rows over ``fsdp``, then
-        columns over ``fsdp_inner``; a tall tensor's columns first), as the torch_xla engine
-        lays it out. libtpu 0.0.21 does not reduce-scatter a gradient 16 ways in one go:
-        straight to its final spec, every block matrix of a GPT-2 was all-reduced in full on
-        v5e:4x4 (1.53 x the data-parallel minimum against 1.17, ``spmdzero aot``). With one stage the gradient goes straight to its spec,
-        which libtpu reduce-scatters (a replicated pin first, as the torch_xla engine has it,
-        all-reduced a position table that this reduce-scatters on v5e:2x2)."""
-        jax = self._jax
-        for layout in self.plan[name].grad_stages[:-1]:
-            grad = jax.lax.with_sharding_constraint(grad, self._sharding(layout))
-        return jax.lax.with_sharding_constraint(grad, self._grad_specs[name])
 
     def _set_accum(self, accum: Optional[dict]) -> None:
         """The gradients accumulated since the last optimizer step; a new token tells the

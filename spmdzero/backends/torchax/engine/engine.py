@@ -96,7 +96,8 @@ from spmdzero.backends.torchax.engine.host_module import HostModule
 from spmdzero.backends.torchax.engine.placement import Placement
 from spmdzero.backends.torchax.engine.state import StateProtocol
 from spmdzero.backends.torchax.engine.traced_step import TracedSteps
-from spmdzero.backends.torchax.engine.train_state import TrainState
+from spmdzero.backends.torchax.programs.setup import ProgramSetup
+from spmdzero.backends.torchax.programs.train_state import TrainState
 from spmdzero.backends.torchax.engine.update import UpdateProgram
 
 
@@ -277,6 +278,12 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         self.recompile_guard = RecompileGuard(cfg.spmd.max_recompiles, "JAX_LOG_COMPILES=1 logs each compilation.")
         self._traces_at_step = 0
         self._input_shapes: tuple = ()  # the last training forward's, to name a shape change
+        # what the programs are built from (programs/setup.py): they read nothing else of the engine
+        self._setup = ProgramSetup(
+            env=self._env, module=module, trained=tuple(self._names), plan=plan, sharding=spec,
+            param_specs=self._param_specs, grad_specs=self._grad_specs, policy=self.precision,
+            attention_kernels=self.attention_kernels, expert_matmuls=self.expert_matmuls, processes=self._processes,
+            count_trace=self._count_trace, compile=self._host_reads)
         self._update = self._build_update() if optimizer is not None else None
         optimizer_state_dict.take_given_state(self)  # a torch optimizer resumed before initialize
         self._unclipped_update = None  # engine.optimizer.step()'s at stage 0 in fp32 (_unclipped)

@@ -7,8 +7,7 @@ torch autograd (``outside_loss``). Outputs come back as torchax tensors (``outpu
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Mapping
+import functools
 from types import SimpleNamespace
 from typing import Optional
 
@@ -18,21 +17,15 @@ from torch.utils import _pytree as torch_pytree
 
 from spmdzero.train.data import model_pad_id
 from spmdzero.train.shape_buckets import cut_back
-from spmdzero.backends.torchax.lowering import attention, autocast
-from spmdzero.backends.torchax.patches import batchnorm
-from spmdzero.backends.torchax.engine import frozen, host_reads
+from spmdzero.backends.torchax.engine import host_reads
 from spmdzero.backends.torchax.engine.outside_loss import tie
 from spmdzero.backends.torchax.outputs import process_rows
-from spmdzero.backends.torchax.patches import registry, shape_inputs
-from spmdzero.backends.torchax.patches import trace_view
-from spmdzero.backends.torchax.lowering import remat, traced_checks
-from spmdzero.backends.torchax.engine import method_programs, other_engines
-from spmdzero.backends.torchax.lowering import cross_entropy
-from spmdzero.backends.torchax.lowering import zero3_gather
-from spmdzero.train.scan_layers import scanned_parameters
-from spmdzero.backends.torchax.lowering.values import as_dicts, is_torchax_tensor, jax_dtype
+from spmdzero.backends.torchax.patches import shape_inputs
+from spmdzero.backends.torchax.engine import other_engines
+from spmdzero.backends.torchax.programs import method_programs
+from spmdzero.backends.torchax.lowering.values import as_dicts, is_torchax_tensor
 from spmdzero.runtime.out_of_memory import raises_torch_out_of_memory
-from spmdzero.backends.torchax.lowering import trace_reads
+from spmdzero.backends.torchax.programs.forward import build_forward, find_loss
 
 
 # ``forward.pending`` of a training forward whose gradient was added to the accumulated ones when
@@ -40,8 +33,6 @@ from spmdzero.backends.torchax.lowering import trace_reads
 SPECULATED = object()
 
 
-class _NoLoss(Exception):
-    """Raised while tracing a training forward whose output holds no scalar loss."""
 
 
 def _belongs_to(loss: torch.Tensor, forward) -> None:
@@ -50,27 +41,8 @@ def _belongs_to(loss: torch.Tensor, forward) -> None:
     loss._spmdzero_forward, forward.loss_version = forward, loss._version
 
 
-def _forward_key(key, micro_step, draw):
-    """The random key of one forward: the engine's, folded with the micro-step (``_draw_step``)
-    and the draw."""
-    import jax
-
-    return jax.random.fold_in(jax.random.fold_in(key, micro_step), draw)
 
 
-def _find_loss(output) -> Optional[torch.Tensor]:
-    def scalar(t):
-        return isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point()
-
-    if scalar(output):
-        return output
-    # a dict with a "loss" key, as the torch_xla backend and DeepSpeed take it
-    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-    if scalar(loss):
-        return loss
-    if isinstance(output, (tuple, list)) and output and scalar(output[0]):
-        return output[0]
-    return None
 
 
 def _hashable(static: tuple) -> tuple:
@@ -81,9 +53,6 @@ def _hashable(static: tuple) -> tuple:
         return tuple((i, repr(v)) for i, v in static)
 
 
-def _signature(arrays) -> tuple:
-    """The inputs' shapes and dtypes, as jit tells its traces apart (concrete arrays or tracers)."""
-    return tuple((tuple(a.shape), str(a.dtype)) for a in arrays)
 
 
 def _host_tensors_as_constants(fn, output):
@@ -232,7 +201,7 @@ class ForwardPrograms:
         # eval mode with grad enabled (fine-tuning with dropout off): the gradients are taken only
         # if backward asks for them, by the training or VJP program in eval mode
         result = self._outputs(outputs, program, forward)
-        loss = _find_loss(result)
+        loss = find_loss(result)
         if loss is not None and not which:
             _belongs_to(loss, forward)
         return result
@@ -281,7 +250,8 @@ class ForwardPrograms:
         program = self._program("accumulate" if accumulate else "train", forward.treespec, forward.static,
                                 forward.training, method=forward.method)
         ran = None if program.no_loss else program(self.state.params, forward.constants, self.state.accum, forward.rng,
-                                                    forward.arrays)
+                                                    forward.arrays, self._loss_scale_value(),
+                                                    np.float32(self._loss_divisor))
         if ran is None:
             return None
         self.runs["forward"] += 1
@@ -323,176 +293,14 @@ class ForwardPrograms:
                  method: str = "forward"):
         """The jitted program for ``kind``, these inputs' structure and the module's mode (traced
         in it: dropout on or off); ``which``: the inputs the VJP program differentiates;
-        ``method``: the module's method it runs."""
+        ``method``: the module's method it runs (``programs/forward.build_forward``)."""
         key = (kind, training, treespec, _hashable(static), which, self._frozen, method, len(self._other_engines))
         if key not in self._programs:
-            self._programs[key] = self._build_forward(kind, treespec, static, which, method)
+            tracing_others = functools.partial(other_engines.tracing, self, list(self._other_engines))
+            self._programs[key] = build_forward(self._setup, kind, treespec, static, which, method, self._frozen,
+                                                tracing_others)
         return self._programs[key]
 
-    def _build_forward(self, kind: str, treespec, static: tuple, which: tuple = (), method: str = "forward"):
-        """A jitted run of the module for one input structure: ``kind`` "forward":
-        ``(params, constants, rng, inputs) -> (outputs, changed buffers)``; "train" (the first
-        micro-step) and "accumulate" (later ones): ``(params, constants, accum, rng, inputs) ->
-        (outputs, changed buffers, accumulated gradients)``, or None when the output holds no loss;
-        "vjp": ``(params, constants, rng, inputs) -> (outputs, changed buffers, VJP)``, the VJP of
-        the float outputs with respect to the parameters and the inputs at positions ``which``
-        (what ``_backward_through`` gives the cotangents)."""
-        import jax
-
-        env, module, names, policy = self._env, self._module, set(self._names), self.precision
-        entry = method_programs.entry(module, method)  # what functional_call runs: the module, or its method
-        frozen_now = self._frozen  # part of the program's key (_program)
-        out_spec: list = []  # (treespec, [(index, non-tensor leaf)]), filled while tracing
-        # the batch norms' running statistics are updated in training
-        facts = registry.TraceFacts([bn for _, bn in batchnorm.tracked(module)], self.expert_matmuls)
-        loss_leaf: list = []
-
-        def flatten_output(output) -> list:
-            """The output's tensors as JAX arrays; its other leaves are kept if they are plain
-            values, else dropped (None): a transformers cache holds traced arrays."""
-            leaves, spec = torch_pytree.tree_flatten(output)
-            plain = (int, float, str, bool, type(None))
-            out_spec[:] = [spec, [(i, v if isinstance(v, plain) else None) for i, v in enumerate(leaves)
-                                  if not isinstance(v, torch.Tensor)]]
-            return [env.t2j_iso(t) for t in leaves if isinstance(t, torch.Tensor)]
-
-        # ZeRO-3: each sharded parameter gathered whole where the module reads it (zero3_gather);
-        # a scanned stack's weights are gathered by its loop, one layer per trip (``scan.py``)
-        gathers = zero3_gather.gathers(self.plan, self._param_specs, self._sharding, scanned_parameters(module))
-
-        others = list(self._other_engines)  # their values come in under other_engines.KEY
-
-        def run(params, constants, rng, arrays, differentiated: bool = True):
-            constants = dict(constants)
-            traced_others = constants.pop(other_engines.KEY, None)
-            leaves = list(arrays)
-            for i, value in static:
-                leaves.insert(i, shape_inputs.unwrapped(value))
-            inputs, kwargs = torch_pytree.tree_unflatten(leaves, treespec)
-            tensors = env.j2t_iso({**frozen.held(zero3_gather.gathered_all(gathers, params), frozen_now),
-                                   **constants})
-            inputs, kwargs = env.j2t_iso((inputs, kwargs))
-            # functional_call puts the host tensors back when it returns, except under a submodule
-            # registered twice (``self.alias = self.shared``): there the traced ones stayed. Put back here,
-            # exactly: torch's parametrize (PEFT's LoRA on 5.x experts) leaves a removed one as a buffer
-            held = [(m, dict(m._parameters), dict(m._buffers)) for m in module.modules()]
-            try:
-                with env, env.override_property(prng=_forward_key(*rng)), trace_view.tracing(differentiated), \
-                        remat.rematerializing(env, tensors.values(), zero3_gather.regathers(gathers, params, tensors)), \
-                        cross_entropy.fused(env), \
-                        attention.choosing(self.attention_kernels, env), \
-                        other_engines.tracing(self, others, traced_others, env), \
-                        autocast.autocasting(env, self.precision.autocast_dtype), \
-                        traced_checks.placeholder_checks_left_out(), registry.entered(facts):
-                    output = torch.func.functional_call(entry, method_programs.keyed(entry, tensors), inputs, kwargs)
-            finally:
-                for m, params, buffers in held:
-                    m._parameters.clear()
-                    m._parameters.update(params)
-                    m._buffers.clear()
-                    m._buffers.update(buffers)
-            # buffers the module updated in place (running statistics) are returned as new values
-            changed = {n: t._elem for n, t in tensors.items() if n not in names and t._elem is not constants[n]}
-            return output, changed
-
-        def program_forward(params, constants, rng, arrays):
-            self.traces["forward"] += 1
-            output, changed = run(params, constants, rng, arrays, differentiated=False)
-            return flatten_output(output), changed
-
-        def program_train(params, constants, accum, rng, arrays, loss_scale, divisor):
-            self.traces["train_forward"] += 1
-
-            def objective(params):
-                output, changed = run(params, constants, rng, arrays)
-                loss = _find_loss(output)
-                if loss is None:
-                    raise _NoLoss
-                outputs = flatten_output(output)
-                tensors = [t for t in torch_pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
-                loss_leaf[:] = [next(i for i, t in enumerate(tensors) if t is loss)]
-                value = env.t2j_iso(loss).reshape(())
-                # DeepSpeed's backward scales the loss by 1/gradient_accumulation_steps (unless
-                # backward(scale_wrt_gas=False): 1), then by fp16's loss scale (inputs: a new
-                # value is not a new program)
-                value = value / divisor
-                return (value if loss_scale is None else value * loss_scale), (outputs, changed)
-
-            grads, (outputs, changed) = jax.grad(objective, has_aux=True)(params)
-            # reduced in communication_data_type, accumulated in grad_accum_dtype (both the model's by default)
-            comm, accumulated = jax_dtype(policy.communication_dtype), jax_dtype(policy.grad_accum_dtype)
-            grads = {n: self._laid_out_gradient(n, g.astype(comm)).astype(accumulated) for n, g in grads.items()}
-            if kind == "accumulate":
-                grads = {n: jax.lax.with_sharding_constraint(accum[n] + g, self._grad_specs[n])
-                         for n, g in grads.items()}
-            return outputs, changed, grads
-
-        def program_vjp(params, constants, rng, arrays):
-            self.traces["vjp_forward"] += 1
-            floats: list = []  # positions of the float outputs, found while tracing
-
-            def differentiable(params, chosen):
-                placed = list(arrays)
-                for i, array in zip(which, chosen):
-                    placed[i] = array
-                output, changed = run(params, constants, rng, placed)
-                outputs = flatten_output(output)
-                floats[:] = [i for i, o in enumerate(outputs) if jax.numpy.issubdtype(o.dtype, jax.numpy.inexact)]
-                return [outputs[i] for i in floats], (outputs, changed)
-
-            # ZeRO-3's gathered weights gathered again in the backward; not eagerly (jax.checkpoint traces)
-            if self.plan.stage >= 3 and not trace_reads.concrete((params, arrays)):
-                differentiable = jax.checkpoint(differentiable, policy=zero3_gather.not_saving_gathered_weights)
-
-            _, vjp, (outputs, changed) = jax.vjp(differentiable, params, [arrays[i] for i in which], has_aux=True)
-            # the VJP's residuals that are parameters or buffers themselves (a matmul's weight) are
-            # not outputs: as outputs they were copies, a second copy of the weights on every device
-            # until the backward; ``call`` puts the engine's arrays back in their place
-            leaves, treedef = jax.tree_util.tree_flatten(vjp)
-            sources = {id(a): (0, n) for n, a in params.items()} | {id(a): (1, n) for n, a in constants.items()}
-            residuals[_signature(arrays)] = (treedef, [sources.get(id(leaf)) for leaf in leaves])
-            return outputs, changed, [leaf for leaf in leaves if id(leaf) not in sources]
-
-        if kind == "vjp":
-            jitted = self._host_reads.program(program_vjp, kind)
-            # per input signature: (the VJP's treedef, per leaf: None or where it comes from), set by
-            # its trace. The treedef holds the output shapes the VJP takes cotangents of, so a batch of
-            # a length traced before (jit's cache, no new trace) needs that trace's, not the last one's
-            residuals: dict = {}
-
-            def call(params, constants, rng, arrays):
-                outputs, changed, computed = jitted(params, constants, rng, arrays)
-                treedef, sources = residuals[_signature(arrays)]
-                computed, inputs = iter(computed), (params, constants)
-                vjp = jax.tree_util.tree_unflatten(
-                    treedef, [next(computed) if s is None else inputs[s[0]][s[1]] for s in sources])
-                return outputs, changed, (host_reads.EagerVJP(vjp) if jitted.eager else vjp)
-        elif kind != "forward":
-            # later in the window the accumulated gradients are donated: the sum replaces them (_gradient)
-            jitted = self._host_reads.program(program_train, kind,
-                                              **({"donate_argnums": (2,)} if kind == "accumulate" else {}))
-
-            def call(params, constants, accum, rng, arrays, divisor=None):
-                scale = None if self.state.loss_scale is None else self.state.loss_scale.scale
-                divisor = self._loss_divisor if divisor is None else divisor
-                try:
-                    return jitted(params, constants, accum, rng, arrays, scale, np.float32(divisor))
-                except _NoLoss:
-                    call.no_loss = True
-                # the failed trace's frames (JAX's among them) refer to each other and hold its inputs
-                # (the parameters, the accumulated gradients): freed now, once per program, not when
-                # Python's cycle collector next runs (a second gradient on the devices until then)
-                gc.collect()
-                return None
-        else:
-            jitted = self._host_reads.program(program_forward, kind)
-
-            def call(params, constants, rng, arrays):
-                return jitted(params, constants, rng, arrays)
-        call.no_loss = False
-        call.jitted = jitted  # for trace_step, which composes it with the update
-        call.loss_index = lambda: loss_leaf[0]  # the loss among the output tensors, once traced
-        call.out_spec = out_spec
-        call.loss_of = lambda result: [t for t in torch_pytree.tree_leaves(result)
-                                       if isinstance(t, torch.Tensor)][loss_leaf[0]]
-        return call
+    def _loss_scale_value(self):
+        """fp16's loss scale in use, a device scalar (None without one): a training program's input."""
+        return None if self.state.loss_scale is None else self.state.loss_scale.scale

@@ -14,7 +14,7 @@ import weakref
 import torch
 from torch.utils import _pytree as torch_pytree
 
-from spmdzero.backends.torchax.engine import frozen
+from spmdzero.backends.torchax.programs import frozen
 from spmdzero.backends.torchax.optim import optimizer_state_dict
 from spmdzero.train import module_methods
 

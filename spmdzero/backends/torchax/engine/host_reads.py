@@ -143,6 +143,11 @@ class Fallback:
         """``fn`` jitted, or eager once its trace reads a value; ``kind`` names it in the note."""
         return Program(self, fn, kind, **jit_kwargs)
 
+    @staticmethod
+    def eager_vjp(vjp: Callable) -> "EagerVJP":
+        """The VJP an eager run returned, marked so that its backward runs eagerly too."""
+        return EagerVJP(vjp)
+
     def backward(self, fn: Callable, **jit_kwargs) -> Callable:
         """The backward program ``(vjp, ...) -> ...``: jitted for a jitted forward's VJP, eager
         for an ``EagerVJP``."""

@@ -25,8 +25,9 @@ import threading
 import weakref
 
 import torch
+from spmdzero.backends.torchax.programs.forward import OTHER_ENGINES
 
-KEY = "\x00other engines"  # the entry of a program's constants that holds them
+KEY = OTHER_ENGINES  # the entry of a program's constants that holds them (programs/forward.py)
 
 _state = threading.local()
 _live: "weakref.WeakSet" = weakref.WeakSet()  # every torchax engine

@@ -14,9 +14,10 @@ import torch
 
 from spmdzero.sharding.plan import replicated
 from spmdzero.backends.torchax.optim import torch_optim
-from spmdzero.backends.torchax.engine.forward import _NoLoss, _host_tensors_as_constants
+from spmdzero.backends.torchax.engine.forward import _host_tensors_as_constants
+from spmdzero.backends.torchax.programs.forward import NoLoss
 from spmdzero.backends.torchax.lowering.values import jax_dtype
-from spmdzero.backends.torchax.engine.train_state import StepReport
+from spmdzero.backends.torchax.programs.train_state import StepReport
 
 
 
@@ -104,7 +105,7 @@ class TracedSteps:
                         result = traced()
                     except jax.errors.ConcretizationTypeError as again:  # the forward's, then
                         raise self._reads_values(again) from again
-            except _NoLoss:
+            except NoLoss:
                 raise ValueError(f"the module's output holds no scalar loss ({type(self._module).__name__}): the "
                                  "torchax backend's step compiles the training program, which takes the gradient of "
                                  "the loss the module returns (a scalar, a dict with a 'loss' key, an object with "
