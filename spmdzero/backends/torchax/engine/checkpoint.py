@@ -149,10 +149,10 @@ class TorchaxStateShards:
         return {k: JaxShards.of_array(a) for k, a in tensors.items()}, _planners()[0]()
 
     def staging(self, shape: tuple[int, ...], dtype: torch.dtype, spec: tuple) -> JaxShards:
-        return JaxShards.target(shape, dtype, self._engine._sharding(spec))
+        return JaxShards.target(shape, dtype, self._engine.placement.sharding(spec))
 
     def from_host(self, tensor: torch.Tensor, spec: tuple):
-        return self._engine._put(tensor, self._engine._sharding(spec))
+        return self._engine.placement.put(tensor, self._engine.placement.sharding(spec))
 
     def readable(self, staging: dict[str, JaxShards]) -> tuple[dict, Any]:
         return dict(staging), _planners()[1]()

@@ -56,6 +56,7 @@ accessors; the DeepSpeed API around it all is ``train/engine_base.py``.
 from __future__ import annotations
 
 import collections
+import functools
 import warnings
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -88,12 +89,11 @@ from spmdzero.backends.torchax.engine.release import drain
 from spmdzero.backends.torchax.outputs.output_tensor import output_tensor_class
 from spmdzero.backends.torchax.engine.host_module import (_optimizer_state_through_engine, _sync_before_state_dict,
                                                    _watch_parameters, _zero_grad_through_engine)
-from spmdzero.backends.torchax.engine.placement import _broadcast_from_first_process
+from spmdzero.backends.torchax.engine.placement import Placement, _broadcast_from_first_process
 from spmdzero.backends.torchax.lowering.values import as_jax
 from spmdzero.backends.torchax.engine.backward import BackwardPrograms
 from spmdzero.backends.torchax.engine.forward import ForwardPrograms
 from spmdzero.backends.torchax.engine.host_module import HostModule
-from spmdzero.backends.torchax.engine.placement import Placement
 from spmdzero.backends.torchax.engine.state import StateProtocol
 from spmdzero.backends.torchax.engine.traced_step import TracedSteps
 from spmdzero.backends.torchax.programs.setup import ProgramSetup
@@ -106,8 +106,7 @@ from spmdzero.backends.torchax.engine.update import UpdateProgram
 
 
 
-class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedSteps, StateProtocol, HostModule, Placement,
-                    EngineBase):
+class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedSteps, StateProtocol, HostModule, EngineBase):
     """DeepSpeed's engine API over two jitted programs (see the module docstring)."""
 
     SHAPE_BUCKETS_BY_DEFAULT = True  # its outputs are cut back outside the compiled step (train.shape_buckets)
@@ -118,7 +117,7 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
                  shape_only: bool = False):
         import jax
         import torchax
-        from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+        from jax.sharding import AbstractMesh, Mesh
 
         self._jax = jax
         # shape-only (spmdzero aot): the mesh names no device and every array of the state is a
@@ -161,8 +160,8 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         self._boundary_override: Optional[bool] = None
         self.mesh = AbstractMesh(tuple(mesh_shape.values()), tuple(mesh_shape)) if shape_only else Mesh(
             devices, tuple(mesh_shape))
-        spec = lambda s: NamedSharding(self.mesh, PartitionSpec(*s))  # noqa: E731
-        self._sharding = spec
+        self.placement = Placement(self.mesh, self._processes, shape_only, batch, plan)
+        spec = self.placement.sharding
         # the platform the step compiles for (a shape-only step is a TPU's): which kernels it takes,
         # SDPA's (spmd.attention) and the experts' grouped matmuls (moe_rows)
         self.platform = "tpu" if shape_only else self.mesh.devices.flat[0].platform
@@ -171,7 +170,6 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
             cfg.spmd.attention, self.platform, mesh=self.mesh,
             batch_axes=axes, batch_devices=int(np.prod([mesh_shape[a] for a in axes])))
         self.expert_matmuls = moe_rows.Split(self.mesh, axes, self.platform)
-        self._replicated = spec(())
 
         # Trainable parameters by plan name; frozen ones and buffers are inputs that are not trained.
         names = {id(p): n for n, p in module.named_parameters()}
@@ -185,13 +183,13 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         # Under bf16 the optimizer updates fp32 master weights laid out like its states (plan.master)
         # and the module's parameters are their bf16 casts, as in the torch_xla engine.
         self._master_specs = {n: spec(plan[n].master) for n in self._names} if self.precision.master_weights else {}
-        masters = {n: self._put(p.float(), self._master_specs[n]) for n, p in module.named_parameters()
+        masters = {n: self.placement.put(p.float(), self._master_specs[n]) for n, p in module.named_parameters()
                          if n in self._master_specs}
         if self.precision.param_dtype != torch.float32:  # with fp32 masters, or bf16 ones (the parameters)
             move_in_place(module, self.precision.param_dtype)
-        params = {n: self._put(p.detach(), self._param_specs[n]) for n, p in module.named_parameters()
+        params = {n: self.placement.put(p.detach(), self._param_specs[n]) for n, p in module.named_parameters()
                         if n in trained}
-        constants = {n: self._put(t.detach(), self._replicated)
+        constants = {n: self.placement.put(t.detach(), self.placement.replicated)
                            for n, t in [*module.named_parameters(), *module.named_buffers()] if n not in trained}
         states, self._state_specs = {}, {}
         # a torch.optim optimizer's own step runs in the update (torch_optim): its first step
@@ -208,7 +206,7 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
                            for k, v in initial.items()}
                 self._state_specs[name] = {k: spec(plan[name].optimizer_state if tuple(v.shape) == tuple(p.shape)
                                                    else replicated(v.dim())) for k, v in initial.items()}
-                states[name] = {k: self._put(v, self._state_specs[name][k]) for k, v in initial.items()}
+                states[name] = {k: self.placement.put(v, self._state_specs[name][k]) for k, v in initial.items()}
         # Every parameter steps together here (one update, one overflow skip): the optimizer's step
         # counters are one array, not one per parameter, so fewer arrays pass through every update.
         first = states.get(self._names[0], {}) if self._names else {}
@@ -241,12 +239,12 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         # the training program multiplies the loss by and the update program steps (optim/update.py)
         initial = init_loss_scale(self.precision)
         loss_scale = None if initial is None else LossScale(
-            *(self._put(torch.tensor(v, dtype=torch.float32), self._replicated) for v in initial))
+            *(self.placement.put(torch.tensor(v, dtype=torch.float32), self.placement.replicated) for v in initial))
         # draw_step: micro-steps the random stream has passed, folded into each forward's key:
         # micro_steps as counted here, saved as a checkpoint's rng.position and restored exactly (a
         # load puts micro_steps at the window's start instead, global_steps x gradient_accumulation_steps)
         self.state = TrainState(params=params, masters=masters, opt_state=opt_state, shared_state=shared_state,
-                                skipped=self._put(torch.zeros(()), self._replicated), loss_scale=loss_scale,
+                                skipped=self.placement.put(torch.zeros(()), self.placement.replicated), loss_scale=loss_scale,
                                 constants=constants, accum=None, rng=None, draw_step=0)
         self._last_skip = None
         self._module_stale = False
@@ -295,6 +293,18 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
                           "every boundary, including steps skipped for overflow (DeepSpeed does not step it then; "
                           "DeepSpeed's own schedules, from the config, do not either)", stacklevel=4)
 
+    def _seed(self, seed: int) -> None:
+        """The key dropout draws from (folded with the micro-step); its seed is what a
+        checkpoint saves as ``rng.xla``."""
+        self._rng_seed = int(seed)  # torch_xla's seeds are 64-bit unsigned, JAX's signed
+        key = functools.partial(self._jax.random.key, self._rng_seed % (1 << 63))
+        if self._shape_only:
+            shape = self._jax.eval_shape(key)
+            self.state = self.state._replace(rng=self._jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=self.placement.replicated))
+            return
+        # one key for every process: a global array when the mesh spans processes
+        self.state = self.state._replace(rng=key() if self._processes == 1 else self._jax.jit(key, out_shardings=self.placement.replicated)())
+
     def _count_trace(self, kind: str) -> None:
         """A program of ``kind`` is being traced (a trace is a compile: the recompile guard reads the count)."""
         self.traces[kind] += 1
@@ -307,7 +317,7 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
 
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
-        self.state = self.state._replace(skipped=self._put(torch.tensor(float(value)), self._replicated))
+        self.state = self.state._replace(skipped=self.placement.put(torch.tensor(float(value)), self.placement.replicated))
 
     def was_step_applied(self) -> bool:
         """Whether the last optimizer step changed the parameters (False before the first)."""

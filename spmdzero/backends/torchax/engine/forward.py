@@ -224,7 +224,7 @@ class ForwardPrograms:
         static = tuple((i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor))
         self._take_host_changes()
         layout = self._batch_layout(self._module, inputs, kwargs, on_device=is_torchax_tensor)
-        arrays = self._place_inputs(leaves, layout)
+        arrays = self.placement.place_inputs(leaves, layout)
         rng = (self.state.rng, np.uint32(self.state.draw_step), np.uint32(draw))  # drawn anew at every call
         rows = layout.rows if layout.on_device else None if layout.rows is None else layout.rows * self._batch.processes
         return leaves, treespec, static, layout, arrays, rng, rows, cuts

@@ -208,11 +208,11 @@ class HostModule:
             state = self.state
             if name in state.params:
                 masters = state.masters if name not in state.masters else {
-                    **state.masters, name: self._put(t.float(), self._master_specs[name])}
-                self.state = state._replace(params={**state.params, name: self._put(t, self._param_specs[name])},
+                    **state.masters, name: self.placement.put(t.float(), self._master_specs[name])}
+                self.state = state._replace(params={**state.params, name: self.placement.put(t, self._param_specs[name])},
                                             masters=masters)
             else:
-                self.state = state._replace(constants={**state.constants, name: self._put(t, self._replicated)})
+                self.state = state._replace(constants={**state.constants, name: self.placement.put(t, self.placement.replicated)})
                 self._buffers_stale.discard(name)
             self._generation += 1
         self._host_versions = versions

@@ -1,11 +1,10 @@
 """Where a torchax engine's values live: inputs and host tensors placed on the mesh as JAX arrays
 (replicated, or split by rows over the batch axes; several hosts each place their own rows), the
 dtype conversions torchax's x64-off runtime needs, and process 0's parameters and seed broadcast
-to every process at the start, as DeepSpeed broadcasts rank 0's. A mixin of ``TorchaxEngine``."""
+to every process at the start, as DeepSpeed broadcasts rank 0's. The engine holds one (``engine.placement``)."""
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import numpy as np
@@ -38,22 +37,23 @@ def _broadcast_from_first_process(module: torch.nn.Module, seed: int) -> int:
 
 
 class Placement:
-    """The placement part of ``TorchaxEngine`` (see the module docstring)."""
+    """Where the engine's values go: layouts on its mesh, whole values and batch rows put there.
+    Shape-only (``spmdzero aot``), every put gives a ``jax.ShapeDtypeStruct`` with its layout."""
 
-    def _seed(self, seed: int) -> None:
-        """The key dropout draws from (folded with the micro-step); its seed is what a
-        checkpoint saves as ``rng.xla``."""
-        self._rng_seed = int(seed)  # torch_xla's seeds are 64-bit unsigned, JAX's signed
-        key = functools.partial(self._jax.random.key, self._rng_seed % (1 << 63))
-        if self._shape_only:
-            shape = self._jax.eval_shape(key)
-            self.state = self.state._replace(rng=self._jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=self._replicated))
-            return
-        # one key for every process: a global array when the mesh spans processes
-        self.state = self.state._replace(rng=key() if self._processes == 1 else self._jax.jit(key, out_shardings=self._replicated)())
+    def __init__(self, mesh, processes: int, shape_only: bool, batch, plan):
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
 
-    # ---- placement ---------------------------------------------------------------------
-    def _put(self, t: torch.Tensor, sharding):
+        self._jax, self.mesh, self._processes, self._shape_only = jax, mesh, processes, shape_only
+        self._batch, self.plan = batch, plan  # the data-parallel devices, the batch's layout
+        self._named, self._spec = NamedSharding, PartitionSpec
+        self.replicated = self.sharding(())
+
+    def sharding(self, spec):
+        """A partition spec as a layout on the mesh."""
+        return self._named(self.mesh, self._spec(*spec))
+
+    def put(self, t: torch.Tensor, sharding):
         """``t``, the whole value (the same on every process), laid out by ``sharding``; from a
         copy: JAX imports a host tensor without copying it, and the first device's buffer would
         then be memory the script can still change (``p.data``, a reused batch buffer) on that
@@ -69,17 +69,17 @@ class Placement:
         value = np.asarray(value)
         return self._jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
-    def _put_rows(self, t: torch.Tensor, sharding, dim: int):
+    def put_rows(self, t: torch.Tensor, sharding, dim: int):
         """``t``, this process's rows of a batch (along ``dim``), as its part of the global batch."""
         if self._processes == 1:
-            return self._put(t, sharding)
+            return self.put(t, sharding)
         from torchax.ops import mappings
 
         local = np.asarray(mappings.t2j(t.detach().cpu().clone()))  # a copy, as in _put
         shape = (*local.shape[:dim], local.shape[dim] * self._processes, *local.shape[dim + 1:])
         return self._jax.make_array_from_process_local_data(sharding, local, shape)
 
-    def _place_inputs(self, leaves: list, layout) -> list:
+    def place_inputs(self, leaves: list, layout) -> list:
         """Tensors to JAX arrays: the inputs that carry the batch (``layout``) split along the
         batch axes on their batch dim (replicated when the rows do not divide), others
         replicated; torchax tensors as they are. With several processes, host tensors that
@@ -103,8 +103,8 @@ class Placement:
             if isinstance(t, ttensor.Tensor):
                 placed.append(t._elem)
             elif split and dim is not None:
-                sharding = self._sharding(self.plan.batch_spec(t.dim(), dim))
-                placed.append(self._put_rows(t, sharding, dim) if local else self._put(t, sharding))
+                sharding = self.sharding(self.plan.batch_spec(t.dim(), dim))
+                placed.append(self.put_rows(t, sharding, dim) if local else self.put(t, sharding))
             else:
-                placed.append(self._put(t, self._replicated))
+                placed.append(self.put(t, self.replicated))
         return placed

@@ -95,7 +95,7 @@ class StateProtocol:
         """After a load: the host-kept states it wrote into ``optimizer.state`` go to the devices."""
         for target, name in self.optimized_names().items():
             kept = self.basic_optimizer.state.pop(target, {})
-            values = {k: self._put(torch.as_tensor(v, dtype=torch.float32), self._replicated) for k, v in kept.items()
+            values = {k: self.placement.put(torch.as_tensor(v, dtype=torch.float32), self.placement.replicated) for k, v in kept.items()
                       if k in torch_optim.HOST_KEYS}
             if values:
                 self.state = self.state._replace(opt_state={**self.state.opt_state, name: {**self.state.opt_state[name], **values}})

@@ -63,7 +63,7 @@ class TracedSteps:
             _, treespec, static, _, arrays, rng, rows, _ = self._placed(inputs, kwargs)
             accumulate = self.gradient_accumulation_steps() > 1  # the boundary's gradient joins the window's
             program = self._program("accumulate" if accumulate else "train", treespec, static, self._module.training)
-            rep = self._replicated
+            rep = self.placement.replicated
             accum = None
             if accumulate:
                 dtype = jax_dtype(self.precision.grad_accum_dtype)
@@ -84,7 +84,7 @@ class TracedSteps:
                     # so, each updates its input in place (donated) instead of being a new buffer
                     shardings = shardings._replace(opt_state={n: {k: v.sharding for k, v in st.items()}
                                                               for n, st in states.items()})
-                rep = self._replicated
+                rep = self.placement.replicated
                 jitted = jax.jit(step, out_shardings=((shardings, StepReport(rep, rep)), None, None),
                                  donate_argnums=(0, 1))
                 return jitted.trace(self.state.stepped(), accum, self.state.constants, rng, arrays, scalar,
@@ -122,7 +122,7 @@ class TracedSteps:
         constant of the program)."""
         import jax
 
-        rep = self._replicated
+        rep = self.placement.replicated
         if self._torch_optimizer:
             return [] if self._lr_mode == "constant" else [
                 jax.ShapeDtypeStruct((1,), np.float32, sharding=rep) for _ in self.basic_optimizer.param_groups]
@@ -132,7 +132,7 @@ class TracedSteps:
     def _state_spec(self, name: str, value):
         """An optimizer state's layout: the plan's for a parameter-shaped one, else replicated."""
         planned = self.plan[name]
-        return self._sharding(planned.optimizer_state if tuple(value.shape) == tuple(planned.shape)
+        return self.placement.sharding(planned.optimizer_state if tuple(value.shape) == tuple(planned.shape)
                               else replicated(value.ndim))
 
     def compile(self, *args, **kwargs) -> None:

@@ -54,11 +54,11 @@ class UpdateProgram:
             return np.array(values, dtype=np.float32)
         jnp = self._jax.numpy
         stacked = jnp.stack([jnp.asarray(v, dtype=jnp.float32).reshape(()) for v in values])
-        return self._jax.device_put(stacked, self._replicated)  # one layout every step: one trace
+        return self._jax.device_put(stacked, self.placement.replicated)  # one layout every step: one trace
 
     def _device_count(self, value: float):
         """The schedule's step count as a replicated JAX scalar."""
-        return self._jax.device_put(self._jax.numpy.float32(value), self._replicated)
+        return self._jax.device_put(self._jax.numpy.float32(value), self.placement.replicated)
 
     def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
         """The engine's optimizer step: the update, then the schedule, the counters and the step
@@ -144,7 +144,7 @@ class UpdateProgram:
         """The update program for this engine's optimizer, plan and precision (``build_update``)."""
         return build_update(UpdateSetup(
             optimizer=self.basic_optimizer, groups=self._groups, order=self._names, plan=self.plan,
-            sharding=self._sharding, policy=self.precision,
+            sharding=self.placement.sharding, policy=self.precision,
             clipping=self._config.gradient_clipping if clipping is None else clipping,
             torch_optimizer=self._torch_optimizer, lr_mode=self._lr_mode, env=self._env, count_trace=self._count_trace,
             stepped_shardings=self._stepped_shardings()))
@@ -152,7 +152,7 @@ class UpdateProgram:
     def _stepped_shardings(self) -> Stepped:
         """The layouts the update gives its outputs: the plan's, replicated scalars; a torch
         optimizer's states appear at its first step and are laid out inside the program."""
-        rep = self._replicated
+        rep = self.placement.replicated
         scaler = None if self.state.loss_scale is None else LossScale(*(rep,) * len(LossScale._fields))
         return Stepped(params=self._param_specs, masters=self._master_specs,
                        opt_state=None if self._torch_optimizer else self._state_specs,
