@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Protocol
 import torch
 from spmdzero.config.errors import ConfigError
 from spmdzero.config.load import read_config_file
@@ -21,6 +21,7 @@ from spmdzero.sharding.batch import BatchSizes, resolve_batch
 from spmdzero.sharding.mesh import data_parallel_size
 from spmdzero.sharding.plan import ShardingPlan, make_plan
 from spmdzero.train.data import ShardedDataLoader, model_pad_id
+from spmdzero.train.scan_layers import scan_model, stacked_layers
 from spmdzero.train.shape_buckets import buckets_for
 
 
@@ -35,31 +36,48 @@ class TrainingSetup:
     loader: Optional[ShardedDataLoader]
 
 
-def setup_training(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh_shape: dict[str, int], *,
-                   process_index: int = 0, process_count: int = 1, optimizer: Any = None,
+class BuildBackend(Protocol):
+    """What ``setup_training`` asks of the backend that builds an engine."""
+
+    even: bool  # shard only dims that divide by the axis size (JAX's rule; torch_xla pads)
+
+    def scan_layers(self, module: torch.nn.Module, cfg: DeepSpeedConfig) -> dict:
+        """Convert the block stack in place for this backend's loop (``spmd.scan_layers``);
+        returns ``scan_layers.apply_scan_layers``'s mapping."""
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Where the backend puts the optimizer's state (frozen parameters already dropped)."""
+
+    def batch_placement(self, plan: ShardingPlan, batch: BatchSizes) -> Optional[Callable]:
+        """How the loader places each batch; None: batches stay on the host."""
+
+
+def setup_training(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh_shape: dict[str, int], backend: BuildBackend,
+                   *, process_index: int = 0, process_count: int = 1, optimizer: Any = None,
                    model_parameters: Any = None, lr_scheduler: Any = None, training_data: Any = None,
-                   collate_fn: Optional[Callable] = None, stacked: Optional[dict] = None, even: bool = False,
-                   prepare_optimizer: Callable[[torch.optim.Optimizer], None] = lambda optimizer: None,
-                   placement: Optional[Callable[[ShardingPlan, BatchSizes], Callable]] = None) -> TrainingSetup:
-    """DeepSpeed's batch arithmetic on this mesh (said once, by the first process), the ZeRO
-    plan of ``model``'s trainable parameters, the optimizer (the client's or the config's,
-    frozen parameters dropped, then ``prepare_optimizer``: where the backend puts its state),
-    the schedule, and a loader of ``training_data`` whose batches ``placement(plan, batch)``
-    places (None: host batches). ``stacked``/``even``: as ``make_plan`` takes them."""
+                   collate_fn: Optional[Callable] = None) -> TrainingSetup:
+    """The model scanned where ``spmd.scan_layers`` says (``scan_layers.scan_model``), DeepSpeed's
+    batch arithmetic on this mesh (said once, by the first process), the ZeRO plan of
+    ``model``'s trainable parameters, the optimizer (the client's or the config's, frozen
+    parameters dropped, then the backend's ``prepare_optimizer``), the schedule, and a loader
+    of ``training_data`` whose batches the backend's ``batch_placement`` places."""
+    if cfg.spmd.scan_layers:
+        model_parameters = scan_model(model, lambda module: backend.scan_layers(module, cfg), model_parameters,
+                                      optimizer)
     batch = resolve_batch(cfg, data_parallel_size(mesh_shape), process_count)
     if process_index == 0:
         say_once(batch.describe())
     trainable = [(n, p.shape) for n, p in model.named_parameters() if p.requires_grad]
     plan = make_plan(trainable, mesh_shape, cfg.zero_stage, tied_embeddings=tied_embeddings(model),
-                     stacked=stacked or (), even=even)
+                     stacked=stacked_layers(model), even=backend.even)
     built = build_engine_optimizer(optimizer, model_parameters, model, cfg)
     if built is not None:
         drop_frozen(built)  # as DeepSpeed's ZeRO optimizers: trainable parameters only, no empty groups
-        prepare_optimizer(built)
+        backend.prepare_optimizer(built)
     scheduler = build_engine_scheduler(lr_scheduler, built, cfg)
     loader = None
     if training_data is not None:
-        loader = ShardedDataLoader(training_data, batch, placement(plan, batch) if placement else None,
+        loader = ShardedDataLoader(training_data, batch, backend.batch_placement(plan, batch),
                                    collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last,
                                    process_index=process_index, pad_id=model_pad_id(model),
                                    # the buckets the config asks for; the torchax engine's default ones

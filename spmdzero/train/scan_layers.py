@@ -153,6 +153,18 @@ def restack_client(model_parameters, optimizer, stacked_from: dict):
     return model_parameters
 
 
+def scan_model(module: torch.nn.Module, convert: Callable[[torch.nn.Module], dict], model_parameters,
+               optimizer):
+    """``spmd.scan_layers`` as one model transform: the block stack converted in place by the
+    backend's ``convert`` (its loop: ``jax.lax.scan`` or torch_xla's scan; it returns
+    ``apply_scan_layers``'s mapping), and the client's ``model_parameters`` and torch optimizer
+    moved to the stacked parameters. Returns the new ``model_parameters``. What checkpoints and
+    state dicts need afterwards is ``stacked_layers(module)`` (``io/restack.py`` maps the keys)."""
+    if model_parameters is not None and not isinstance(model_parameters, (list, tuple)):
+        model_parameters = list(model_parameters)  # a generator over the module, before stacking
+    return restack_client(model_parameters, optimizer, convert(module))
+
+
 def _restack(groups: list[list], stacked_from: dict, where: str) -> list[list]:
     """Each per-layer parameter replaced by its stacked parameter, placed where its first
     layer was. All layers of one name must be in one group (they become one tensor with one

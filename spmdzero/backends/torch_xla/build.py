@@ -17,7 +17,6 @@ from spmdzero.backends.torch_xla.mesh import build_mesh
 from spmdzero.sharding.mesh import check_user_mesh, mesh_shape
 from spmdzero.optim.optimizers import init_state, placeholder_state
 from spmdzero.backends.torch_xla.scan import apply_scan_layers, lay_out_gradients
-from spmdzero.train.scan_layers import restack_client, stacked_layers
 from spmdzero.optim.precision import attach_master_weights, precision_policy
 from spmdzero.train.build import move_in_place, move_state_to, refuse_sparse_gradients, setup_training
 
@@ -61,35 +60,12 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh: Any = None, optimi
     shape = mesh_shape(mesh)
     process_index, process_count = runtime.hosts()
     module = move_in_place(model, runtime.device())
-    if cfg.spmd.scan_layers:
-        if model_parameters is not None and not isinstance(model_parameters, (list, tuple)):
-            model_parameters = list(model_parameters)  # a generator over the module, before stacking
-        # the client's per-layer parameters become the stacked ones
-        model_parameters = restack_client(model_parameters, optimizer,
-                                          apply_scan_layers(module, cfg.spmd.scan_layers))
-
     policy = precision_policy(cfg)
-    masters: dict = {}
-
-    def prepare_optimizer(opt) -> None:
-        """The optimizer's state on the device, fp32 master weights under mixed precision, and
-        the state of spmdzero's optimizers made now, so that the engine can lay it out before the
-        first step (a torch.optim optimizer's is made by its first step: see optim.optimizers)."""
-        move_state_to(opt, runtime.device())
-        if policy.master_weights:
-            masters.update(attach_master_weights(opt, module, policy.param_dtype))
-        init_state(opt)  # spmdzero's optimizers; a torch.optim optimizer's first step creates its own
-        if shape_only:  # the traced step is then a later step's, with the state as its input
-            placeholder_state(opt)
-
-    def placement(plan, batch):
-        return functools.partial(to_device_sharded, mesh=mesh, batch_spec=plan.batch_spec, dp_size=batch.dp_devices,
-                                 process_count=batch.processes)
-
-    setup = setup_training(module, cfg, shape, process_index=process_index, process_count=process_count,
+    backend = _TorchXlaBuild(module, mesh, policy, shape_only)
+    setup = setup_training(module, cfg, shape, backend, process_index=process_index, process_count=process_count,
                            optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
-                           training_data=training_data, collate_fn=collate_fn, stacked=stacked_layers(module),
-                           prepare_optimizer=prepare_optimizer, placement=placement)
+                           training_data=training_data, collate_fn=collate_fn)
+    masters = backend.masters
     if cfg.spmd.scan_layers:
         lay_out_gradients(module, mesh, setup.plan)
     if setup.optimizer is None and policy.master_weights:
@@ -98,3 +74,32 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh: Any = None, optimi
                             batch=setup.batch, mesh=mesh, plan=setup.plan, precision=policy, master_weights=masters,
                             training_dataloader=setup.loader, config_dict=config_dict, shape_only=shape_only)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+class _TorchXlaBuild:
+    """What ``setup_training`` asks of this backend (``train.build.BuildBackend``)."""
+
+    even = False  # torch_xla pads a dim that does not divide by its axis
+
+    def __init__(self, module: torch.nn.Module, mesh, policy, shape_only: bool):
+        self._module, self._mesh, self._policy, self._shape_only = module, mesh, policy, shape_only
+        self.masters: dict = {}  # fp32 master weights under mixed precision, by parameter (prepare_optimizer)
+
+    def scan_layers(self, module: torch.nn.Module, cfg: DeepSpeedConfig) -> dict:
+        """The block stack through torch_xla's scan (``scan.py``)."""
+        return apply_scan_layers(module, cfg.spmd.scan_layers)
+
+    def prepare_optimizer(self, opt) -> None:
+        """The optimizer's state on the device, fp32 master weights under mixed precision, and
+        the state of spmdzero's optimizers made now, so that the engine can lay it out before the
+        first step (a torch.optim optimizer's is made by its first step: see optim.optimizers)."""
+        move_state_to(opt, runtime.device())
+        if self._policy.master_weights:
+            self.masters.update(attach_master_weights(opt, self._module, self._policy.param_dtype))
+        init_state(opt)  # spmdzero's optimizers; a torch.optim optimizer's first step creates its own
+        if self._shape_only:  # the traced step is then a later step's, with the state as its input
+            placeholder_state(opt)
+
+    def batch_placement(self, plan, batch):
+        return functools.partial(to_device_sharded, mesh=self._mesh, batch_spec=plan.batch_spec,
+                                 dp_size=batch.dp_devices, process_count=batch.processes)

@@ -13,7 +13,6 @@ from spmdzero.backends.torchax.engine.engine import TorchaxEngine
 from spmdzero.backends.torchax.engine.mesh import user_mesh_devices
 from spmdzero.backends.torchax.engine.scan import apply_scan_layers, lay_out_gradients
 from spmdzero.train.build import refuse_sparse_gradients, setup_training
-from spmdzero.train.scan_layers import restack_client, stacked_layers
 from spmdzero import runtime
 from spmdzero.runtime import jax_runtime
 
@@ -101,17 +100,33 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
             raise RuntimeError(f"spmd.backend='torchax' on {process_count} hosts needs {jax_runtime.VARIABLE}=torchax "
                                "before `import spmdzero` (JAX then joins the hosts into one mesh; see "
                                "docs/multihost.md); this process runs torch_xla's runtime")
-    if cfg.spmd.scan_layers:  # the block stack as one jax.lax.scan (backends/torchax/engine/scan.py)
-        if model_parameters is not None and not isinstance(model_parameters, (list, tuple)):
-            model_parameters = list(model_parameters)  # a generator over the module, before stacking
-        # the client's per-layer parameters become the stacked ones
-        model_parameters = restack_client(model_parameters, optimizer, apply_scan_layers(model, cfg.spmd.scan_layers,
-                                                                                        cfg.spmd.remat))
-    members = {id(p) for p in model.parameters()}
+    setup = setup_training(model, cfg, shape, _TorchaxBuild(model), process_index=process_index,
+                           process_count=process_count, optimizer=optimizer, model_parameters=model_parameters,
+                           lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
+    engine = TorchaxEngine(model, setup.optimizer, setup.scheduler, cfg, setup.batch, setup.plan, shape,
+                           shape_only_devices or runtime.device_count(), setup.loader, config_dict, devices=devices,
+                           shape_only=shape_only)
+    if cfg.spmd.scan_layers:  # before the first forward traces the loop
+        lay_out_gradients(model, engine.mesh, setup.plan)
+    return engine, engine.optimizer, setup.loader, setup.scheduler
 
-    def prepare_optimizer(optimizer) -> None:
+
+class _TorchaxBuild:
+    """What ``setup_training`` asks of this backend (``train.build.BuildBackend``)."""
+
+    even = True  # JAX shards only dims that divide by the axis size (a 10-class head on 8 devices)
+
+    def scan_layers(self, module: torch.nn.Module, cfg: DeepSpeedConfig) -> dict:
+        """The block stack as one ``jax.lax.scan`` (``engine/scan.py``)."""
+        return apply_scan_layers(module, cfg.spmd.scan_layers, cfg.spmd.remat)
+
+    def __init__(self, model: torch.nn.Module):
+        self._model = model
+
+    def prepare_optimizer(self, optimizer) -> None:
         """This backend runs the optimizer over the module's parameters: spmdzero's as JAX
-        functions, a torch.optim one's own step traced (``torch_optim``)."""
+        functions, a torch.optim one's own step traced (``optim/torch_optim.py``)."""
+        members = {id(p) for p in self._model.parameters()}  # after scan_layers stacked them
         for i, group in enumerate(optimizer.param_groups):
             strays = [tuple(p.shape) for p in group["params"] if id(p) not in members]
             if strays:
@@ -120,15 +135,5 @@ def build(model: torch.nn.Module, cfg: DeepSpeedConfig, mesh=None, optimizer=Non
                                  f"model (shapes {strays[:3]}); register them on the module (nn.Parameter) or use "
                                  "spmd.backend='torch_xla'")
 
-    # even: JAX shards only dims that divide by the axis size (a 10-class head on 8 devices)
-    setup = setup_training(model, cfg, shape, process_index=process_index, process_count=process_count,
-                           optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
-                           training_data=training_data, collate_fn=collate_fn, even=True,
-                           stacked=stacked_layers(model), prepare_optimizer=prepare_optimizer)
-    engine = TorchaxEngine(model, setup.optimizer, setup.scheduler, cfg, setup.batch, setup.plan, shape,
-                           shape_only_devices or runtime.device_count(), setup.loader, config_dict, devices=devices,
-                           shape_only=shape_only)
-    if cfg.spmd.scan_layers:  # before the first forward traces the loop
-        lay_out_gradients(model, engine.mesh, setup.plan)
-    return engine, engine.optimizer, setup.loader, setup.scheduler
-
+    def batch_placement(self, plan, batch):
+        return None  # batches stay on the host; the engine's forward places them
