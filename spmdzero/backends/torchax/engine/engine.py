@@ -43,14 +43,17 @@ The host module's parameters are a step behind the devices until read; their tor
 edit, a read, ``.data``) bring the trained values back first, and the next forward takes what
 the host changed (``TorchaxEngine._host_use``, ``_take_host_changes``).
 
-One engine object, one module per concern: the programs and the host-side bookkeeping between
-them (each forward's gradient until its backward, the host parameters' edits, outputs as torchax
-tensors) share the engine's state, so each concern is a mixin of ``TorchaxEngine`` in its own
-module: ``forward`` (the forward programs), ``backward``, ``update`` (``step``), ``traced_step``
-(the whole step as one program, for ``spmdzero aot``), ``state`` (checkpoints' state protocol),
-``host_module`` (the wrapped ``nn.Module`` and its parameters on the host) and ``placement``
-(where values live). This module builds the engine and answers DeepSpeed's read-only
-accessors; the DeepSpeed API around it all is ``train/engine_base.py``.
+What a step reads and writes is one value, ``engine.state`` (``programs/train_state.py``), and
+the programs are plain functions of its arrays, built from what they need, named
+(``programs/``: ``build_forward``, ``build_backward``, ``build_update``); ``engine.placement``
+puts values on the mesh. The engine holds the state, keeps the programs by key and calls them.
+Its host-side bookkeeping between the programs (each forward's gradient until its backward, the
+host parameters' edits, outputs as torchax tensors) is written one concern a module, as parts of
+this class: ``forward`` (running the forward programs), ``backward``, ``update`` (``step``),
+``traced_step`` (the whole step as one program, for ``spmdzero aot``), ``state`` (checkpoints'
+state protocol) and ``host_module`` (the wrapped ``nn.Module`` and its parameters on the host).
+This module builds the engine and answers DeepSpeed's read-only accessors; the DeepSpeed API
+around it all is ``train/engine_base.py``.
 """
 
 from __future__ import annotations

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -66,8 +65,9 @@ def _forward_with_update(bn: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def updating_running_statistics(modules: list[_BatchNorm]) -> Iterator[None]:
-    """While tracing: ``modules`` (from ``tracked``) run ``_forward_with_update``."""
+def patched(trace):
+    """While tracing: ``trace.batch_norms`` (from ``tracked``) run ``_forward_with_update``."""
+    modules = trace.batch_norms
     for bn in modules:
         bn.forward = types.MethodType(_forward_with_update, bn)
     try:
@@ -75,8 +75,3 @@ def updating_running_statistics(modules: list[_BatchNorm]) -> Iterator[None]:
     finally:
         for bn in modules:
             vars(bn).pop("forward", None)
-
-
-def patched(trace):
-    """This family's adaptation, entered for every traced program (``patches.registry``)."""
-    return updating_running_statistics(trace.batch_norms)

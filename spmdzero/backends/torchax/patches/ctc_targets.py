@@ -73,12 +73,7 @@ REPLACED = tuple((model, cls, "forward", _restated) for model, cls in (
 
 
 @contextlib.contextmanager
-def restated():
+def patched(trace):
     """While a step is traced: ``REPLACED``'s forwards take their CTC loss on padded targets."""
     with transformers_methods.replaced(REPLACED):
         yield
-
-
-def patched(trace):
-    """This family's adaptation, entered for every traced program (``patches.registry``)."""
-    return restated()

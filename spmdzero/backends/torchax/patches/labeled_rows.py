@@ -44,12 +44,7 @@ REPLACED = (("deberta", "DebertaForSequenceClassification", "forward", _masked),
 
 
 @contextlib.contextmanager
-def masked():
+def patched(trace):
     """While a step is traced: ``REPLACED``'s forwards take the labeled rows' loss with a mask."""
     with transformers_methods.replaced(REPLACED):
         yield
-
-
-def patched(trace):
-    """This family's adaptation, entered for every traced program (``patches.registry``)."""
-    return masked()

@@ -399,17 +399,12 @@ EVERY_VERSION = moe_routers.JETMOE
 
 
 @contextlib.contextmanager
-def grouped(split: moe_rows.Split):
+def patched(trace):
     """While a step is traced: transformers 4.x's expert loops (``REPLACED``) and JetMoE's on
     both versions (``EVERY_VERSION``) as grouped matmuls, and 5.x's grouped experts, each chip
-    sorting its own rows' pairs as ``split`` says (``moe_rows``)."""
+    sorting its own rows' pairs as ``trace.expert_matmuls`` says (``moe_rows``)."""
     replacements = ([*REPLACED, *EVERY_VERSION] if transformers_methods.transformers_4()
                     else [*moe_layouts.REPLACED_5, *EVERY_VERSION])
-    with moe_rows.splitting(split), transformers_methods.replaced(replacements), \
+    with moe_rows.splitting(trace.expert_matmuls), transformers_methods.replaced(replacements), \
             _experts_interface():
         yield
-
-
-def patched(trace):
-    """This family's adaptation, entered for every traced program (``patches.registry``)."""
-    return grouped(trace.expert_matmuls)

@@ -43,12 +43,7 @@ REPLACED = (
 
 
 @contextlib.contextmanager
-def kept():
+def patched(trace):
     """While a step is traced: ``REPLACED``'s masks kept, on transformers 4.x."""
     with transformers_methods.replaced(REPLACED if transformers_methods.transformers_4() else ()):
         yield
-
-
-def patched(trace):
-    """This family's adaptation, entered for every traced program (``patches.registry``)."""
-    return kept()

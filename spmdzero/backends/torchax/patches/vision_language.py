@@ -254,7 +254,7 @@ PADDING_KEPT = (("idefics3", "Idefics3Model", "get_image_features", _padding_kep
 
 
 @contextlib.contextmanager
-def computed():
+def patched(trace):
     """While a step is traced: ``REPLACED``'s methods as this module computes them. The deltas
     transformers keeps on the model (``rope_deltas``, for generation to continue from) are the
     trace's values: dropped after it, so that the module's next host call computes its own."""
@@ -266,8 +266,3 @@ def computed():
             if not _is_host(getattr(model, "rope_deltas", None)):
                 model.rope_deltas = None
         _touched.clear()
-
-
-def patched(trace):
-    """This family's adaptation, entered for every traced program (``patches.registry``)."""
-    return computed()
