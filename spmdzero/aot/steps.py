@@ -30,7 +30,7 @@ import copy
 from typing import Optional
 from spmdzero.tpu.chips import GIB, ChipSpec, chip_spec, topology_chips  # noqa: F401  (topology_chips: public here)
 from spmdzero.tpu.capture import JaxStepCapture, StepCapture, capture, trace_step
-from spmdzero.tpu.report import AotReport, _gib
+from spmdzero.tpu.report import AotReport, gib_text
 from spmdzero.initialize import backend_of, initialize
 from spmdzero.aot.models import ModelSource, build_on_meta, checked_module
 from spmdzero.aot.shapes import shape_only_engine, shape_only_torchax_engine
@@ -189,12 +189,12 @@ def describe_search(stage: int, found: dict, hbm_bytes: int) -> str:
     line = f"stage {stage}: largest micro-batch per chip that fits: " + (
         f">= {best} (the search limit; larger sizes were not tried)" if found.get("at_search_limit") else str(best))
     if "total_bytes" in found:
-        line += f" ({_gib(found['total_bytes'])} of {_gib(hbm_bytes)})"
+        line += f" ({gib_text(found['total_bytes'])} of {gib_text(hbm_bytes)})"
     following = found.get("next")
     if following:
-        line += f"; {following['micro_batch']} misses by {_gib(following['over_by'])}"
+        line += f"; {following['micro_batch']} misses by {gib_text(following['over_by'])}"
         largest = following.get("largest_allocation")
         if largest:
-            line += f", its largest allocation {_gib(largest['bytes'])} {largest['shape']}"
+            line += f", its largest allocation {gib_text(largest['bytes'])} {largest['shape']}"
     return line + f" ({found['compiles']} compiles, {found['seconds']:.0f} s)"
 

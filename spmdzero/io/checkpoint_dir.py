@@ -19,12 +19,12 @@ import warnings
 from typing import Callable, Iterator, Optional
 import torch
 from spmdzero.io.checkpoint_format import (ASIDE, CLIENT_FILE, CheckpointError, LATEST_FILE, LEGACY_ASIDE,
-                                           LEGACY_META, LEGACY_STAGING, META_FILE, STAGING, STATE_DIR, _is_writer)
+                                           LEGACY_META, LEGACY_STAGING, META_FILE, STAGING, STATE_DIR, is_writer)
 
 
 
 
-def _pickle_client_state(client_state: Optional[dict]) -> Optional[bytes]:
+def pickled_client_state(client_state: Optional[dict]) -> Optional[bytes]:
     """Serialize first, so an object that cannot be pickled fails before anything is written."""
     if not client_state:
         return None
@@ -63,7 +63,7 @@ def saving(save_dir: str) -> Iterator[None]:
             raise CheckpointError(f"cannot create checkpoint directory {save_dir!r}: {err.strerror}") from None
         if not os.access(save_dir, os.W_OK):
             raise CheckpointError(f"checkpoint directory {save_dir!r} is not writable")
-        if not _is_writer():
+        if not is_writer():
             yield
             return
         with _dir_lock(save_dir, exclusive=True):
@@ -166,7 +166,7 @@ def check_target(save_dir: str, tag: str) -> None:
         raise CheckpointError(f"cannot save checkpoint {tag!r}: {final!r} exists and is not a directory")
 
 
-def _complete(path: str) -> bool:
+def is_complete(path: str) -> bool:
     """Whether ``path`` is a whole checkpoint (its meta is written last). A link is never one
     of ours: recovery does not put it in place of a tag."""
     if os.path.islink(path):
@@ -201,7 +201,7 @@ def recover(save_dir: str) -> list[str]:
     itself, never followed (an older spmdzero moved a linked tag aside as a link)."""
     done = []
     for tag, (old, new) in interrupted(save_dir).items():
-        source = new if _complete(new) else old
+        source = new if is_complete(new) else old
         os.replace(source, os.path.join(save_dir, tag))
         done.append(f"restored {tag!r} from {os.path.basename(source)}")
     for name in sorted(os.listdir(save_dir)):
@@ -238,7 +238,7 @@ def staging_dir(save_dir: str, tag: str) -> str:
     """One name per tag, so every host of a multi-host run writes its shards into the same
     staging directory."""
     staging = os.path.join(save_dir, STAGING + tag)
-    if _is_writer():
+    if is_writer():
         shutil.rmtree(staging, ignore_errors=True)
     return staging
 

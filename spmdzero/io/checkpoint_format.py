@@ -32,7 +32,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or loaded; the message names the file or key."""
 
 
-def _quiet_dcp():
+def quiet_dcp():
     """DCP warns that it runs single-process (we ask it to), about its own use of
     ``tensor.storage()`` and about torch_xla's planner's signature, and torch_xla's sharded
     tensor about an indexing idiom of its own; none of it concerns the user."""
@@ -45,11 +45,11 @@ def _quiet_dcp():
     return stack
 
 
-def _no_dist() -> bool:
+def no_dist() -> bool:
     return not (torch.distributed.is_available() and torch.distributed.is_initialized())
 
 
-def _is_writer() -> bool:
+def is_writer() -> bool:
     """Host files (meta, rename, latest) are written by process 0; shards by every host.
     Device-free tools (consolidation, import) never start the runtime: they are the writer."""
     import sys
@@ -139,11 +139,11 @@ def from_json(value: Any) -> Any:
     if "__dict__" in value:
         return {from_json(k): from_json(v) for k, v in value["__dict__"]}
     if "__dtype__" in value:
-        return _dtype(value["__dtype__"])
+        return torch_dtype_of(value["__dtype__"])
     if "__tensor__" in value:
         dtype, shape, data = value["__tensor__"]
         flat = torch.frombuffer(bytearray(base64.b64decode(data)), dtype=torch.uint8)
-        return flat.view(_dtype(dtype)).reshape(shape).clone()
+        return flat.view(torch_dtype_of(dtype)).reshape(shape).clone()
     if "__ndarray__" in value:
         dtype, shape, data = value["__ndarray__"]
         if np.dtype(dtype).kind not in "biuf":
@@ -152,14 +152,14 @@ def from_json(value: Any) -> Any:
     return {k: from_json(v) for k, v in value.items()}
 
 
-def _dtype(name: str) -> torch.dtype:
+def torch_dtype_of(name: str) -> torch.dtype:
     dtype = getattr(torch, str(name).removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
         raise CheckpointError(f"unknown tensor dtype {name!r} in checkpoint metadata")
     return dtype
 
 
-def _refusal(err: BaseException) -> str:
+def refusal(err: BaseException) -> str:
     """The line of torch's weights_only refusal that names the global."""
     found = re.search(r"GLOBAL ([\w.]+)", str(err))
     return f"it names the global '{found.group(1)}'" if found else f"{type(err).__name__}: {str(err)[:300]}"

@@ -32,13 +32,13 @@ from typing import Any, Optional
 
 import torch
 
-from spmdzero.io.checkpoint_format import (CLIENT_FILE, CheckpointError, FORMAT_VERSION, STATE_DIR, _quiet_dcp,
+from spmdzero.io.checkpoint_format import (CLIENT_FILE, CheckpointError, FORMAT_VERSION, STATE_DIR, quiet_dcp,
                                            check_tag, tensor_index, to_json)
 from spmdzero.io.safe_pickle import (CONTAINER_GLOBALS, NUMPY_SCALAR_GLOBALS, RefusedGlobal, TENSOR_GLOBALS,
                                      pickle_module)
 from spmdzero.version import __version__
-from spmdzero.io.checkpoint_dir import _pickle_client_state, check_target, publish, saving, staging_dir
-from spmdzero.io.read import _dcp_failure, tagged_path
+from spmdzero.io.checkpoint_dir import pickled_client_state, check_target, publish, saving, staging_dir
+from spmdzero.io.read import dcp_failure, tagged_path
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 # Keys DeepSpeed itself writes into the model-states file; anything else is client_state.
@@ -249,7 +249,7 @@ def import_deepspeed(ds_dir: str, out_dir: str, tag: Optional[str] = None) -> st
     scaler = host.pop("loss_scaler")
     if scaler.get("iteration") is not None:  # DeepSpeed's dynamic loss scaler
         tensors.update({f"loss_scale.{k}": torch.tensor(float(v)) for k, v in scaler.items()})
-    client_bytes = _pickle_client_state(host.pop("client_state"))
+    client_bytes = pickled_client_state(host.pop("client_state"))
     meta = {**host, "format": FORMAT_VERSION, "spmdzero_version": __version__, "tag": check_tag(tag, out_dir),
             "imported_from": os.path.abspath(path), "client_state": CLIENT_FILE if client_bytes else None,
             "tensors": tensor_index(tensors)}
@@ -258,7 +258,7 @@ def import_deepspeed(ds_dir: str, out_dir: str, tag: Optional[str] = None) -> st
         check_target(out_dir, tag)
         staging = staging_dir(out_dir, tag)
         try:
-            with _quiet_dcp():
+            with quiet_dcp():
                 dcp.save(tensors, checkpoint_id=os.path.join(staging, STATE_DIR), no_dist=True)
             publish(out_dir, tag, staging, meta_text, client_bytes, save_latest=True)
         except BaseException as err:  # an interrupt too: nothing half-written stays behind
@@ -266,5 +266,5 @@ def import_deepspeed(ds_dir: str, out_dir: str, tag: Optional[str] = None) -> st
             if isinstance(err, CheckpointError) or not isinstance(err, (Exception, CheckpointException)):
                 raise
             raise CheckpointError(f"cannot write checkpoint {tag!r} to {staging!r} (the previous checkpoints are "
-                                  f"untouched): {_dcp_failure(err)}") from None
+                                  f"untouched): {dcp_failure(err)}") from None
     return os.path.join(out_dir, tag)

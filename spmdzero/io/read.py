@@ -10,9 +10,9 @@ import warnings
 from typing import Any, Optional
 import numpy as np
 import torch
-from spmdzero.io.checkpoint_dir import _complete, interrupted
+from spmdzero.io.checkpoint_dir import is_complete, interrupted
 from spmdzero.io.checkpoint_format import (CLIENT_FILE, CheckpointError, FORMAT_VERSION, LATEST_FILE, LEGACY_META,
-                                           META_FILE, STATE_DIR, TRUST_HINT, _dtype, _quiet_dcp, _refusal, check_tag,
+                                           META_FILE, STATE_DIR, TRUST_HINT, torch_dtype_of, quiet_dcp, refusal, check_tag,
                                            from_json)
 from spmdzero.io.safe_pickle import RefusedGlobal, dcp_reader
 
@@ -47,7 +47,7 @@ def locate(load_dir: str, tag: str) -> str:
         raise CheckpointError(f"no checkpoint tag {tag!r} in {load_dir!r}, which cannot be listed: {err}") from None
     if tag in pending:
         old, new = pending[tag]
-        found = new if _complete(new) else old
+        found = new if is_complete(new) else old
         warnings.warn(f"spmdzero: a save of {tag!r} in {load_dir!r} was interrupted; loading its complete copy "
                       f"{os.path.basename(found)} (the next save_checkpoint into this directory repairs it)",
                       stacklevel=3)
@@ -100,7 +100,7 @@ def _check_meta(meta: dict, meta_file: str) -> dict:
             and isinstance(entry[0], (list, tuple)) and all(isinstance(n, int) and n >= 0 for n in entry[0])
         if not ok:
             raise CheckpointError(f"{meta_file!r}: tensor {key!r} is recorded as {entry!r}, not [shape, dtype]")
-        _dtype(entry[1])
+        torch_dtype_of(entry[1])
     return meta
 
 
@@ -115,7 +115,7 @@ def _read_legacy_meta(meta_file: str, trust: bool) -> dict:
     except Exception as err:
         if not (trust and isinstance(err, pickle.UnpicklingError)):
             raise CheckpointError(f"refused to load {meta_file!r} (an spmdzero format-1 checkpoint) as plain data: "
-                                  f"{_refusal(err)}. It may hold a client_state of other objects: {TRUST_HINT}") \
+                                  f"{refusal(err)}. It may hold a client_state of other objects: {TRUST_HINT}") \
                 from None
         meta = torch.load(meta_file, map_location="cpu", weights_only=False)
     if not isinstance(meta, dict) or meta.get("format") != 1:
@@ -136,7 +136,7 @@ def read_client_state(path: str, meta: dict, trust: bool) -> Any:
     except pickle.UnpicklingError as err:
         if not trust:
             raise CheckpointError(f"refused to load {client_file!r}: it holds objects other than plain data "
-                                  f"({_refusal(err)}); {TRUST_HINT}") from None
+                                  f"({refusal(err)}); {TRUST_HINT}") from None
     except Exception as err:
         raise CheckpointError(f"cannot read {client_file!r}: {type(err).__name__}: {err}") from None
     try:
@@ -145,7 +145,7 @@ def read_client_state(path: str, meta: dict, trust: bool) -> Any:
         raise CheckpointError(f"cannot read {client_file!r}: {type(err).__name__}: {err}") from None
 
 
-def _dcp_failure(err: BaseException) -> str:
+def dcp_failure(err: BaseException) -> str:
     """DCP wraps each rank's exception; show the underlying one, not 'ranks:dict_keys([0])'."""
     failures = getattr(err, "failures", None)
     if failures:
@@ -161,12 +161,12 @@ def read_host_tensor(path: str, index: dict, key: str, reader=None) -> Optional[
     if key not in index:
         return None
     shape, saved_dtype = index[key]
-    target = torch.empty(tuple(shape), dtype=_dtype(saved_dtype))
+    target = torch.empty(tuple(shape), dtype=torch_dtype_of(saved_dtype))
     try:
-        with _quiet_dcp():
+        with quiet_dcp():
             dcp.load({key: target}, storage_reader=reader or open_state(path), no_dist=True)
     except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
-        raise CheckpointError(f"cannot read {key!r} from {path!r}: {_dcp_failure(err)}") from None
+        raise CheckpointError(f"cannot read {key!r} from {path!r}: {dcp_failure(err)}") from None
     return target
 
 

@@ -36,10 +36,10 @@ import numpy as np
 import torch
 from spmdzero.io import restack
 from spmdzero.io.restack import stacking_mismatch
-from spmdzero.io.checkpoint_format import (CheckpointError, LATEST_FILE, META_FILE, _dtype, _no_dist, _quiet_dcp,
+from spmdzero.io.checkpoint_format import (CheckpointError, LATEST_FILE, META_FILE, torch_dtype_of, no_dist, quiet_dcp,
                                            checkpointed, non_persistent_buffers, tensor_index)
 from spmdzero.io.checkpoint_dir import reading
-from spmdzero.io.read import (_dcp_failure, locate, open_state, read_client_state, read_host_tensor, read_meta,
+from spmdzero.io.read import (dcp_failure, locate, open_state, read_client_state, read_host_tensor, read_meta,
                               resolve_tag)
 from spmdzero.io.deepspeed_import import is_deepspeed_checkpoint, read_deepspeed_checkpoint
 from spmdzero.io.checkpointed_engine import CheckpointedEngine
@@ -291,7 +291,7 @@ def _tensors_from_host_values(engine: CheckpointedEngine, meta: dict) -> dict:
         value = torch.as_tensor(host[name][field])
         if value.numel() != 1:
             continue
-        found[key] = value.to(_dtype(dtype)).reshape(shape)
+        found[key] = value.to(torch_dtype_of(dtype)).reshape(shape)
         del host[name][field]
     return found
 
@@ -330,7 +330,7 @@ def _stage(engine: CheckpointedEngine, selected: dict, saved: dict, host_tensors
             if key in staging:  # one checkpoint tensor can feed two targets (a param and its master)
                 continue
             if host_tensors is None or key not in host_tensors:
-                staging[key] = shards.staging(tuple(saved[key][0]), _dtype(saved[key][1]), layout)
+                staging[key] = shards.staging(tuple(saved[key][0]), torch_dtype_of(saved[key][1]), layout)
             else:
                 staging[key] = shards.from_host(host_tensors[key], layout)
     return staging
@@ -353,10 +353,10 @@ def _load_tensors(engine: CheckpointedEngine, path: str, selected: dict, saved: 
     staging = _stage(engine, selected, saved, from_host)
     state, planner = engine.state_shards().readable({k: v for k, v in staging.items() if k not in from_host})
     try:
-        with _quiet_dcp():
-            dcp.load(state, storage_reader=reader, planner=planner, no_dist=_no_dist())
+        with quiet_dcp():
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=no_dist())
     except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
-        raise CheckpointError(f"cannot read the tensors of checkpoint {path!r}: {_dcp_failure(err)}") from None
+        raise CheckpointError(f"cannot read the tensors of checkpoint {path!r}: {dcp_failure(err)}") from None
     _commit(engine, selected, staging)
 
 

@@ -13,11 +13,11 @@ from typing import Any, Optional
 import numpy as np
 import torch
 from spmdzero.io import checkpoint_dir
-from spmdzero.io.checkpoint_dir import _pickle_client_state, check_target, staging_dir
-from spmdzero.io.checkpoint_format import (CLIENT_FILE, CheckpointError, FORMAT_VERSION, STATE_DIR, _is_writer,
-                                           _no_dist, _quiet_dcp, check_tag, checkpointed, tensor_index,
+from spmdzero.io.checkpoint_dir import pickled_client_state, check_target, staging_dir
+from spmdzero.io.checkpoint_format import (CLIENT_FILE, CheckpointError, FORMAT_VERSION, STATE_DIR, is_writer,
+                                           no_dist, quiet_dcp, check_tag, checkpointed, tensor_index,
                                            to_json)
-from spmdzero.io.read import _dcp_failure
+from spmdzero.io.read import dcp_failure
 from spmdzero.version import __version__
 from spmdzero.io.checkpointed_engine import CheckpointedEngine
 
@@ -29,7 +29,7 @@ def save_checkpoint(engine: CheckpointedEngine, save_dir: str, tag: Optional[str
     save into it, from another thread or process, waits, so it cannot take this one's
     staging directory for a leftover, and two threads never read the device state at once."""
     tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}", save_dir)
-    client_bytes = _pickle_client_state(client_state)
+    client_bytes = pickled_client_state(client_state)
     with checkpoint_dir.saving(save_dir):  # saves into one directory take turns, from threads or processes
         check_target(save_dir, tag)
         _warn_if_mid_window(engine, tag)
@@ -54,20 +54,20 @@ def _save(engine: CheckpointedEngine, save_dir: str, tag: str, client_bytes: Opt
     staging = staging_dir(save_dir, tag)
     _wait_for_the_writers_cleanup()
     try:
-        with _quiet_dcp():
+        with quiet_dcp():
             # per_thread_copy_ahead=0: DCP's serial copy to host. Its overlapping loader is picked
             # whenever a privateuse1 device module is available, and importing torchax (which
             # spmd.scan_layers does) registers one without CUDA-style streams: save would fail.
             writer = FileSystemWriter(os.path.join(staging, STATE_DIR), per_thread_copy_ahead=0)
-            dcp.save(state, storage_writer=writer, planner=planner, no_dist=_no_dist())
+            dcp.save(state, storage_writer=writer, planner=planner, no_dist=no_dist())
     except BaseException as err:  # an interrupt too: nothing half-written stays behind
-        if _is_writer():
+        if is_writer():
             shutil.rmtree(staging, ignore_errors=True)
         if isinstance(err, (Exception, CheckpointException)):  # DCP's CheckpointException is a BaseException
             raise CheckpointError(f"cannot write checkpoint {tag!r} to {staging!r} (the previous checkpoints are "
-                                  f"untouched): {_dcp_failure(err)}") from None
+                                  f"untouched): {dcp_failure(err)}") from None
         raise
-    if _is_writer():
+    if is_writer():
         checkpoint_dir.publish(save_dir, tag, staging, meta, client_bytes, save_latest)
 
 
@@ -76,7 +76,7 @@ def _wait_for_the_writers_cleanup() -> None:
     any host writes: DCP's first act on every host is ``mkdir(staging/state, parents=True)``,
     and a host that made the staging directory just before process 0's removal of it then
     fails to make ``state`` inside (FileNotFoundError; seen under load in CI)."""
-    if not _no_dist() and torch.distributed.get_world_size() > 1:
+    if not no_dist() and torch.distributed.get_world_size() > 1:
         torch.distributed.barrier()
 
 

@@ -57,7 +57,7 @@ def size_cpu_thread_pool(device_count: int) -> None:
 TPU_PCI_VENDOR = "0x1ae0"  # Google; how torch_xla itself counts TPU chips
 
 
-def _select_device_type() -> str:
+def select_device_type() -> str:
     """Decided before torch_xla is imported, which would otherwise pick (and log) its own."""
     if "PJRT_DEVICE" in os.environ:
         return os.environ["PJRT_DEVICE"]
@@ -75,7 +75,7 @@ def _select_device_type() -> str:
 def visible_device_count() -> int:
     """Devices the runtime would use, found without starting it (the CLI must not claim a
     TPU another process is training on): TPU chips on the PCI bus, else CPU_NUM_DEVICES."""
-    device_type = _select_device_type()
+    device_type = select_device_type()
     if device_type == "TPU":
         import glob
 

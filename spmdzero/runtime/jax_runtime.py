@@ -27,7 +27,7 @@ import sys
 from collections.abc import Mapping
 from typing import Optional
 from spmdzero.runtime import jax_private
-from spmdzero.runtime.devices import EnvironmentSettingError, _select_device_type, cpu_device_count, size_cpu_thread_pool
+from spmdzero.runtime.devices import EnvironmentSettingError, select_device_type, cpu_device_count, size_cpu_thread_pool
 
 VARIABLE = "SPMDZERO_BACKEND"
 CHOICES = ("torch_xla", "torchax")
@@ -72,7 +72,7 @@ def decide() -> bool:
 
 
 def _device_type() -> str:
-    return _select_device_type()
+    return select_device_type()
 
 
 def _cpu_count() -> int:

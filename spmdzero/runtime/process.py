@@ -24,7 +24,7 @@ on CPU, one process. On a TPU the chips are JAX's, and the error says to set the
 
 from __future__ import annotations
 import os
-from spmdzero.runtime.devices import _select_device_type, cpu_device_count, size_cpu_thread_pool
+from spmdzero.runtime.devices import select_device_type, cpu_device_count, size_cpu_thread_pool
 from spmdzero.runtime import jax_runtime, libtpu_flags
 from spmdzero.runtime import cuda_calls, privateuse1
 
@@ -61,7 +61,7 @@ def start_torch_xla(why: str = "spmd.backend='torch_xla'") -> None:
     if _torch_xla_started or not jax_runtime.selected():
         bootstrap()  # idempotent
         return
-    device_type = _select_device_type()
+    device_type = select_device_type()
     joined = jax_runtime.joined_processes()
     if device_type == "CPU" and joined <= 1:
         bootstrap()
@@ -79,7 +79,7 @@ def start_torch_xla(why: str = "spmd.backend='torch_xla'") -> None:
 def bootstrap() -> None:
     """Configure and start torch_xla's runtime in SPMD mode. Idempotent."""
     global _torch_xla_started
-    device_type = _select_device_type()
+    device_type = select_device_type()
     os.environ["PJRT_DEVICE"] = device_type
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # (see start), for a bootstrap without start
     if device_type == "CPU":

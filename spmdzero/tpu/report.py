@@ -144,20 +144,20 @@ class AotReport:
         if self.experts is not None:
             lines.append(f"  experts: {self.experts}")
         if self.memory is None:
-            lines.append(f"  the compiler ran out of HBM: needs {_gib(self.total_bytes)} per chip of "
-                         f"{_gib(self.out_of_memory.get('capacity', self.chip.hbm_bytes))} usable: {self.verdict()}")
+            lines.append(f"  the compiler ran out of HBM: needs {gib_text(self.total_bytes)} per chip of "
+                         f"{gib_text(self.out_of_memory.get('capacity', self.chip.hbm_bytes))} usable: {self.verdict()}")
             lines.append(f"  ({self.out_of_memory['message'][:300]})")
             largest = self.out_of_memory.get("largest_allocations") or []
             if largest:
                 lines.append("  its largest allocations at the peak (libtpu's list):")
             for a in largest:
                 where = ", ".join(x for x in (a["op"][-80:] or a["label"], a["source"], a["kind"]) if x)
-                lines.append(f"    {_gib(a['bytes']):>10}  {a['shape']:<28} {where}")
+                lines.append(f"    {gib_text(a['bytes']):>10}  {a['shape']:<28} {where}")
             return "\n".join(lines)
         m = self.memory
         lines += [f"  per-chip HBM: arguments {_mb(m['argument'])}, outputs {_mb(m['output'])}, "
                   f"aliased {_mb(m['alias'])}, temporaries {_mb(m['temp'])}, code {_mb(m['generated_code'])}",
-                  f"  total {_gib(self.total_bytes)} of {_gib(self.chip.hbm_bytes)}: {self.verdict()}"]
+                  f"  total {gib_text(self.total_bytes)} of {gib_text(self.chip.hbm_bytes)}: {self.verdict()}"]
         traffic = self.traffic
         for kind, row in sorted(self.collectives.items()):
             lines.append(f"  {kind:<19}{row['count']:>5} ops {row['tensors']:>5} tensors {_mb(row['bytes']):>14}"
@@ -188,7 +188,7 @@ def _mb(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
-def _gib(n: float) -> str:
+def gib_text(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
 
 

@@ -332,7 +332,7 @@ def test_the_other_hosts_write_only_once_process_0_has_removed_a_leftover_stagin
 
     seen = []
     (tmp_path / (STAGING + "t") / "state").mkdir(parents=True)  # an interrupted save's
-    monkeypatch.setattr(S, "_no_dist", lambda: False)  # as on 2 hosts, each in torch.distributed
+    monkeypatch.setattr(S, "no_dist", lambda: False)  # as on 2 hosts, each in torch.distributed
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 2)
     monkeypatch.setattr(torch.distributed, "barrier", barrier)
     with pytest.raises(AtTheBarrier):

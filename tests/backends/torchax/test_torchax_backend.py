@@ -903,7 +903,7 @@ def test_the_torch_xla_backend_where_jax_holds_the_tpu_says_to_set_the_variable(
     from spmdzero.runtime import jax_runtime, process
 
     monkeypatch.setattr(process, "_torch_xla_started", False)
-    monkeypatch.setattr(process, "_select_device_type", lambda: "TPU")
+    monkeypatch.setattr(process, "select_device_type", lambda: "TPU")
     monkeypatch.setattr(jax_runtime, "_decided", True)
     with pytest.raises(RuntimeError, match=r"spmd.backend='torch_xla' needs torch_xla's runtime on the TPU devices, "
                                            r"which JAX holds .* Set SPMDZERO_BACKEND=torch_xla in the environment "

@@ -178,7 +178,7 @@ def test_an_output_saved_with_torch_save_loads_as_a_host_tensor(engine_and_outpu
 
 def test_a_trained_model_pickles_whole_with_its_trained_values():
     """``torch.save(model)`` (the whole module, not its state dict) failed: "Can't pickle local
-    object '_sync_before_state_dict.<locals>.sync'", the hook that brings the trained values
+    object 'sync_before_state_dict.<locals>.sync'", the hook that brings the trained values
     back. The file holds a plain module with the trained values, and a later step leaves it be."""
     import copy
     import io

@@ -90,9 +90,9 @@ from spmdzero.backends.torchax.lowering import attention, autocast, lowerings
 from spmdzero.backends.torchax.patches import moe_rows
 from spmdzero.backends.torchax.engine.release import drain
 from spmdzero.backends.torchax.outputs.output_tensor import output_tensor_class
-from spmdzero.backends.torchax.engine.host_module import (_optimizer_state_through_engine, _sync_before_state_dict,
-                                                   _watch_parameters, _zero_grad_through_engine)
-from spmdzero.backends.torchax.engine.placement import Placement, _broadcast_from_first_process
+from spmdzero.backends.torchax.engine.host_module import (optimizer_state_through_engine, sync_before_state_dict,
+                                                   watch_parameters, zero_grad_through_engine)
+from spmdzero.backends.torchax.engine.placement import Placement, broadcast_from_first_process
 from spmdzero.backends.torchax.lowering.values import as_jax
 from spmdzero.backends.torchax.engine.backward import BackwardPrograms
 from spmdzero.backends.torchax.engine.forward import ForwardPrograms
@@ -137,7 +137,7 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
             self._processes = jax.process_count()  # hosts joined by jax.distributed; 1 without
         seed = torch.initial_seed()
         if self._processes > 1:
-            seed = _broadcast_from_first_process(module, seed)
+            seed = broadcast_from_first_process(module, seed)
         self._env = torchax.default_env()
         lowerings.install(self._env)  # torch's values where torchax's lowerings differ (masked rows, padding_idx)
         autocast.install()  # torch.autocast regions on the device (a script's around its loss; the module's own)
@@ -259,12 +259,12 @@ class TorchaxEngine(ForwardPrograms, BackwardPrograms, UpdateProgram, TracedStep
         self._frozen: frozenset = frozenset()  # trained parameters frozen since initialize (frozen.py)
         self._host_versions = self._versions()
         self._touched: set[int] = set()  # host parameters (by id) whose .data was used since the last forward
-        _watch_parameters(module, self)
+        watch_parameters(module, self)
         self._warned_fewer_rows = False
         if optimizer is not None:
-            _optimizer_state_through_engine(optimizer, self)
-            _zero_grad_through_engine(optimizer, self)
-        _sync_before_state_dict(module, self)
+            optimizer_state_through_engine(optimizer, self)
+            zero_grad_through_engine(optimizer, self)
+        sync_before_state_dict(module, self)
         module_calls.register(module, self)  # the script's own calls to the module train as the engine's
         self._seed(seed)  # process 0's
         self._programs: dict = {}  # jitted functions by static structure

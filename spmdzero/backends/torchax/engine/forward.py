@@ -55,7 +55,7 @@ def _hashable(static: tuple) -> tuple:
 
 
 
-def _host_tensors_as_constants(fn, output):
+def host_tensors_as_constants(fn, output):
     """``fn(output)`` traced, its host tensors (a target the loss function closes over) taken
     as constants of the program: torchax refuses math between its tensors and host ones. A move
     to a device (``y.to(engine.device)``, ``.cpu()``) keeps the value where the program has it:

@@ -2,7 +2,7 @@
 wraps (``train``, ``parameters``, ``state_dict``, attributes), the host parameters are brought up
 to date from the devices when something reads them, and edits made on the host (``.data``,
 in-place ops under ``no_grad``, ``requires_grad``) reach the devices at the next forward. The
-parameters' tensor class is watched (``_watch_parameters``) so that the first torch op on one
+parameters' tensor class is watched (``watch_parameters``) so that the first torch op on one
 is noticed, without a check on every step. A mixin of ``TorchaxEngine``."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ TORCH_XLA_ONLY = frozenset({
 
 
 
-def _optimizer_state_through_engine(optimizer, engine: "HostModule") -> None:
+def optimizer_state_through_engine(optimizer, engine: "HostModule") -> None:
     """The base optimizer's ``state_dict()``/``load_state_dict()`` read and write the states the
     devices hold (``optimizer_state_dict``): its own ``state`` holds none of them. A weak
     reference: the methods do not keep the engine alive."""
@@ -44,7 +44,7 @@ def _optimizer_state_through_engine(optimizer, engine: "HostModule") -> None:
 
 
 class _SyncFromDevices:
-    """The state-dict pre-hook of ``_sync_before_state_dict``. A weak reference: the hook does
+    """The state-dict pre-hook of ``sync_before_state_dict``. A weak reference: the hook does
     not keep the engine alive. Pickled or deep-copied with the model (``torch.save(model)``,
     an EMA copy), it is a hook with no engine: the copy holds its own values."""
 
@@ -60,7 +60,7 @@ class _SyncFromDevices:
         return (_SyncFromDevices, (None,))
 
 
-def _sync_before_state_dict(module: torch.nn.Module, engine: "HostModule") -> None:
+def sync_before_state_dict(module: torch.nn.Module, engine: "HostModule") -> None:
     """``model.state_dict()`` (``save_pretrained``, ``torch.save``) on the script's own reference
     to the model first brings the trained weights back from the devices, as ``engine.module``
     does."""
@@ -72,7 +72,7 @@ def _sync_before_state_dict(module: torch.nn.Module, engine: "HostModule") -> No
     module._spmdzero_state_dict_hooks = [sub.register_state_dict_pre_hook(sync) for sub in module.modules()]
 
 
-def _zero_grad_through_engine(optimizer, engine: "HostModule") -> None:
+def zero_grad_through_engine(optimizer, engine: "HostModule") -> None:
     """``engine.optimizer.zero_grad()`` is DeepSpeed's ZeRO optimizer's: it drops the
     accumulated gradients as that optimizer's does, stage by stage (``zero_grad_keeps_gradients``);
     the torch optimizer's own would clear the host parameters' ``.grad``, which hold nothing here."""
@@ -142,7 +142,7 @@ def _watched_class(cls: type) -> type:
                                        "__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
-def _watch_parameters(module: torch.nn.Module, engine: "HostModule") -> None:
+def watch_parameters(module: torch.nn.Module, engine: "HostModule") -> None:
     """The module's parameters' torch ops tell ``engine`` first (a model initialized again is
     the new engine's)."""
     ref, watchers = weakref.ref(engine), _watchers()

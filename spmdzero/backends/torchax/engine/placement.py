@@ -15,7 +15,7 @@ from spmdzero.backends.torchax.lowering.values import READ_ONLY_HOST_VALUE, plac
 
 
 
-def _broadcast_from_first_process(module: torch.nn.Module, seed: int) -> int:
+def broadcast_from_first_process(module: torch.nn.Module, seed: int) -> int:
     """Process 0's parameters and buffers copied into every process's ``module`` (DeepSpeed's
     engine broadcasts them from rank 0 at initialize, so each rank may seed or load its own),
     and process 0's ``seed``, returned. One program over every process's devices."""

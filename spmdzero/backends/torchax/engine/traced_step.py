@@ -14,7 +14,7 @@ import torch
 
 from spmdzero.sharding.plan import replicated
 from spmdzero.backends.torchax.optim import torch_optim
-from spmdzero.backends.torchax.engine.forward import _host_tensors_as_constants
+from spmdzero.backends.torchax.engine.forward import host_tensors_as_constants
 from spmdzero.backends.torchax.programs.forward import NoLoss
 from spmdzero.backends.torchax.lowering.values import jax_dtype
 from spmdzero.backends.torchax.programs.train_state import StepReport
@@ -161,7 +161,7 @@ class TracedSteps:
         if loss_fn is not None:  # traced with the loss inside the forward, in programs of its own
             forward = module.forward
             self._programs = {}
-            module.forward = lambda *args, **kw: _host_tensors_as_constants(loss_fn, forward(*args, **kw))
+            module.forward = lambda *args, **kw: host_tensors_as_constants(loss_fn, forward(*args, **kw))
         try:
             step = JaxStepCapture(self, self.trace_step(*inputs, **kwargs))
         finally:
