@@ -69,7 +69,7 @@ PYTEST_ON_TORCH_XLA := SPMDZERO_BACKEND=torch_xla $(PYTEST) -k "not torchax or t
 # 0.0.42 (TPU7x included), jax.distributed across two processes, the lowerings and the example
 # job. About 6 minutes in two workers here (2026-11-29); the transformers zoo, the Hugging Face
 # integrations and the torch_xla comparisons stay on the pinned stack.
-NEWEST_STACK_TESTS := tests/io/test_checkpoint.py tests/tpu/test_aot.py tests/runtime/test_jax_private.py \
+NEWEST_STACK_TESTS := tests/io/test_checkpoint.py tests/tpu/test_aot.py tests/tpu/test_aot_decode.py tests/runtime/test_jax_private.py \
                       tests/test_example.py tests/sharding/test_multihost.py tests/runtime/test_runtime.py \
                       tests/tpu/test_tpu_collectives.py $(wildcard tests/backends/torchax/test_torchax_*.py)
 PYTEST_NEWEST := $(VENV_NEWEST)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile

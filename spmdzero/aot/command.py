@@ -79,6 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "models): each block is recomputed in the backward instead of keeping its activations")
     parser.add_argument("--find-max-batch", action="store_true",
                         help="also find the largest micro-batch per chip that fits (a few compiles per stage)")
+    parser.add_argument("--generate", default=None, metavar="BATCH:PROMPT:NEW",
+                        help="also compile the decode step that generation alternates with (transformers causal "
+                             "LMs): BATCH sequences, PROMPT + NEW tokens, the weights laid out tensor-parallel and "
+                             "the KV cache split by heads (DeepSpeed's Hybrid Engine as annotations); reports its "
+                             "HBM and its roofline time against the HBM floor")
+    parser.add_argument("--tensor-parallel", type=positive_int, default=None, metavar="N",
+                        help="with --generate: chips per tensor-parallel group (default: every chip); the groups "
+                             "split the batch")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
 
 
@@ -119,6 +127,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     # here, not at the top: the command line's own process imports this module for its options,
     # and the tracing (torch, the backends) happens only in the child
+    from spmdzero.aot.decode import Generation, compile_decode
     from spmdzero.aot.models import load_model_source, with_gradient_checkpointing
     from spmdzero.aot.steps import compile_step, describe_search, find_max_batch, search_summary
     from spmdzero.config.load import parse_config, read_config_file
@@ -142,8 +151,11 @@ def main(argv=None) -> int:
         source = load_model_source(args.model or default_model(), args.seq_len)
         if args.gradient_checkpointing:
             source = with_gradient_checkpointing(source)
+        generation = None if args.generate is None else Generation.parse(args.generate)
         reports = [compile_step(source, config, args.topology, stage, args.micro_batch, shape_only)
                    for stage in stages]
+        decode = None if generation is None else compile_decode(source, args.topology, generation,
+                                                                args.tensor_parallel)
         searches = {}
         if args.find_max_batch:
             for stage in stages:
@@ -156,11 +168,14 @@ def main(argv=None) -> int:
         return 1
     if args.json:
         print(json.dumps({"model": source.name, "topology": args.topology, "backend": backend, "shape_only": shape_only,
-                          "reports": [r.to_dict() for r in reports], "max_micro_batch": searches}, indent=1))
+                          "reports": [r.to_dict() for r in reports], "max_micro_batch": searches,
+                          "decode": None if decode is None else decode.to_dict()}, indent=1))
         return 0
     for report in reports:
         print(report.summary(), end="\n\n")
     print(stages_table(reports))
     for stage, found in searches.items():
         print("\n" + describe_search(stage, found, chip_spec(args.topology).hbm_bytes))
+    if decode is not None:
+        print("\n" + decode.summary())
     return 0

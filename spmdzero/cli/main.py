@@ -161,7 +161,8 @@ def sys_argv_after(args) -> list[str]:
 
     out = ["--topology", args.topology, "--deepspeed_config", args.deepspeed_config,
            "--stages", ",".join(map(str, args.stages))]
-    for flag, value in (("--model", args.model), ("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch)):
+    for flag, value in (("--model", args.model), ("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch),
+                        ("--generate", args.generate), ("--tensor-parallel", args.tensor_parallel)):
         if value is not None:
             out += [flag, str(value)]
     out += [flag for flag, on in (("--materialize", args.materialize), ("--find-max-batch", args.find_max_batch),

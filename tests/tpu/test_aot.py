@@ -685,7 +685,8 @@ def test_every_aot_option_reaches_the_child_process():
     add_arguments(parser)
     args = parser.parse_args(["--topology", "v5e:2x2", "--deepspeed_config", "ds.json", "--model", "m.json",
                               "--stages", "1,2", "--seq-len", "8", "--micro-batch", "2", "--materialize",
-                              "--scan-layers", "stacked", "--gradient-checkpointing", "--find-max-batch", "--json"])
+                              "--scan-layers", "stacked", "--gradient-checkpointing", "--find-max-batch", "--json",
+                              "--generate", "8:16:16", "--tensor-parallel", "2"])
     assert all(getattr(args, a.dest) != a.default for a in parser._actions if a.dest not in ("help", "topology",
                                                                                            "deepspeed_config"))
     assert vars(parser.parse_args(sys_argv_after(args))) == vars(args)
@@ -1118,8 +1119,9 @@ def test_torchax_step_module_carries_the_plans_shardings_and_donations():
         assert step.engine.mesh.shape == {"fsdp": 4} and "mhlo.num_partitions = 4" in step.mlir
         results = _main_results(step.mlir)
         names = list(re.findall(r'jax.result_info = "([^"]*)"', step.mlir))
-        params = {k: v for k, v in results.items() if k.startswith("result[0][0]")}
-        states = {k: v for k, v in results.items() if k.startswith("result[0][2]")}
+        # the update's outputs: (Stepped, StepReport) (backends/torchax/programs/train_state.py)
+        params = {k: v for k, v in results.items() if k.startswith("result[0][0].params")}
+        states = {k: v for k, v in results.items() if k.startswith("result[0][0].opt_state")}
         assert len(params) == trained and len(states) == 2 * trained  # Adam's two moments (the step is shared)
         assert all("fsdp" not in spec for spec in params.values())
         assert all(("fsdp" in spec) == (stage >= 1) for spec in states.values()), stage

@@ -1,0 +1,144 @@
+"""``spmdzero aot --generate BATCH:PROMPT:NEW``: one decode step of a transformers causal LM,
+laid out for generation (``sharding/decode_plan.py``: tensor-parallel weights, the KV cache split
+by heads, the batch over the data groups), compiled for a TPU topology as the training step is,
+shape-only: no weight is materialized.
+
+What it answers, per chip: the HBM the decode step needs (weights and cache included), its
+collectives, and its roofline time against the **HBM floor**: the bytes of weights and KV cache
+each chip must read per token, over the chip's HBM bandwidth. A decode step is bound by that
+read; the ratio says how far the compiled step is from it. The cache is sized for the whole
+generation (prompt + new tokens); the step is the last one's (every slot attended), the
+slowest."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+from spmdzero.aot.models import ModelSource, build_on_meta
+from spmdzero.runtime import jax_private
+from spmdzero.runtime.jax_runtime import shardy_partitioner
+from spmdzero.sharding.decode_plan import DATA_AXIS, TENSOR_AXIS, DecodePlan, decode_plan
+from spmdzero.tpu.capture import LIBTPU_MOSAIC_IR_VERSION, compile_mlir
+from spmdzero.tpu.chips import topology_chips
+from spmdzero.tpu.report import AotReport, gib_text
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """``BATCH:PROMPT:NEW``: sequences decoded together, prompt tokens, new tokens."""
+
+    batch: int
+    prompt: int
+    new: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Generation":
+        parts = text.split(":")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"--generate {text!r}: give BATCH:PROMPT:NEW as three positive integers, e.g. 64:512:512")
+        return cls(*(int(p) for p in parts))
+
+    @property
+    def max_length(self) -> int:
+        return self.prompt + self.new
+
+
+@dataclasses.dataclass
+class DecodeReport:
+    """One compiled decode step: the compile's report, the plan, and the HBM floor."""
+
+    step: AotReport
+    plan: DecodePlan
+    generation: Generation
+    weight_bytes: int  # per chip, in the generation layout
+    cache_bytes: int  # per chip
+
+    @property
+    def floor_s(self) -> float:
+        """The HBM floor: every weight and cache byte of a chip read once per token."""
+        return (self.weight_bytes + self.cache_bytes) / self.step.chip.hbm_bandwidth
+
+    def summary(self) -> str:
+        roofline = self.step.roofline()
+        lines = [f"decode step on {self.step.topology}, {self.generation.batch} sequences, "
+                 f"{self.generation.prompt} + {self.generation.new} tokens ({self.plan.describe()})"]
+        if self.step.memory is None:
+            lines.append(f"  does not fit: the compiler needs {gib_text(self.step.total_bytes)} a chip")
+        else:
+            lines.append(f"  HBM per chip: {gib_text(self.step.total_bytes)} of {gib_text(self.step.chip.hbm_bytes)} "
+                         f"(weights {gib_text(self.weight_bytes)}, KV cache {gib_text(self.cache_bytes)}, "
+                         f"temporaries {gib_text(self.step.memory['temp'])})")
+        traffic = self.step.collectives
+        sent = sum(v.get("sent", 0) for v in traffic.values())
+        kinds = ", ".join(f"{k} x{v['count']}" for k, v in sorted(traffic.items()))
+        lines.append(f"  collectives: {kinds or 'none'}; {sent / 2**20:.1f} MiB sent per chip")
+        if roofline:
+            step = roofline["step_s"]
+            lines.append(f"  roofline {step * 1e3:.2f} ms a token ({roofline['bound']}-bound) against the HBM floor "
+                         f"{self.floor_s * 1e3:.2f} ms: {step / self.floor_s:.2f}x")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        roofline = self.step.roofline()
+        return {"topology": self.step.topology, "generation": dataclasses.asdict(self.generation),
+                "mesh": dict(self.plan.mesh_shape), "memory": self.step.memory, "total_bytes": self.step.total_bytes,
+                "weight_bytes": self.weight_bytes, "cache_bytes": self.cache_bytes,
+                "collectives": self.step.collectives, "roofline": roofline, "floor_s": self.floor_s,
+                "floor_ratio": roofline["step_s"] / self.floor_s if roofline else None}
+
+
+def _per_chip(shape: tuple, itemsize: int, spec: tuple, mesh_shape: dict) -> int:
+    parts = int(np.prod([mesh_shape[axis] for axis in spec if axis is not None], dtype=np.int64))
+    return int(np.prod(shape, dtype=np.int64)) * itemsize // parts
+
+
+def compile_decode(source: ModelSource, topology: str, generation: Generation,
+                   tensor_parallel: Optional[int] = None, timeout: int = 3600) -> DecodeReport:
+    """Build the model on ``meta``, trace its decode step shape-only in the generation layout
+    for ``topology`` (``tensor_parallel`` chips per group; default: every chip), compile it."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    import torchax
+    from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+
+    from spmdzero.backends.torchax.programs.decode import DecodeSetup, build_decode, cache_shape
+
+    chips = topology_chips(topology)
+    tensor = tensor_parallel or chips
+    if chips % tensor:
+        raise ValueError(f"--tensor-parallel {tensor} does not divide {topology}'s {chips} chips")
+    if generation.batch % (chips // tensor):
+        raise ValueError(f"--generate batch {generation.batch} does not divide over {chips // tensor} data groups "
+                         f"({chips} chips / {tensor} tensor-parallel)")
+    model = build_on_meta(source).to(torch.bfloat16).eval()
+    if not hasattr(model, "config") or not hasattr(model.config, "num_attention_heads"):
+        raise ValueError(f"--generate compiles a transformers causal LM's decode step; {source.name} is not one")
+    shape = cache_shape(model, generation.batch, generation.max_length)
+    plan = decode_plan(((n, tuple(p.shape)) for n, p in model.named_parameters()), chips // tensor, tensor,
+                       kv_heads=shape[1])
+    mesh = AbstractMesh((chips // tensor, tensor), (DATA_AXIS, TENSOR_AXIS))
+
+    def sharding(spec):
+        return NamedSharding(mesh, PartitionSpec(*spec))
+
+    weights = {n: jax.ShapeDtypeStruct(tuple(p.shape), jnp.bfloat16, sharding=sharding(plan.weights[n]))
+               for n, p in model.named_parameters()}
+    cache_sharding = sharding(plan.cache)
+    layers = model.config.num_hidden_layers
+    keys = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=cache_sharding) for _ in range(layers)]
+    length = jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding(()))
+    tokens = jax.ShapeDtypeStruct((generation.batch, 1), jnp.int32, sharding=sharding((DATA_AXIS, None)))
+    program = build_decode(DecodeSetup(torchax.default_env(), model, generation.batch, generation.max_length,
+                                       cache_sharding))
+    with shardy_partitioner(True), jax_private.mosaic_ir_version_at_most(LIBTPU_MOSAIC_IR_VERSION):
+        mlir = program.trace(weights, keys, list(keys), length, tokens).lower(lowering_platforms=("tpu",)).as_text()
+    result = compile_mlir(mlir, topology, (), timeout, fixed_outputs=True)
+    mesh_shape = dict(plan.mesh_shape)
+    weight_bytes = sum(_per_chip(tuple(p.shape), 2, plan.weights[n], mesh_shape) for n, p in model.named_parameters())
+    cache_bytes = 2 * layers * _per_chip(shape, 2, plan.cache, mesh_shape)
+    return DecodeReport(AotReport(gradient_bytes=0, backend="torchax", **result), plan, generation, weight_bytes,
+                        cache_bytes)
