@@ -226,7 +226,7 @@ def _internal_directories() -> tuple:
     return tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, jaxlib, torch, torchax)) + (spmdzero_dir + os.sep,)
 
 
-# the engine's program kinds (TorchaxEngine._build_forward), as the note names them
+# the engine's program kinds (programs/forward.build_forward), as the note names them
 PROGRAM_NAMES = {"train": "training", "accumulate": "accumulating training", "vjp": "forward-and-VJP",
                  "forward": "evaluation"}
 

@@ -36,7 +36,7 @@ class NoLoss(Exception):
 
 
 def forward_key(key, micro_step, draw):
-    """The random key of one forward: the engine's, folded with the micro-step (``_draw_step``)
+    """The random key of one forward: the engine's, folded with the micro-step (``TrainState.draw_step``)
     and the draw."""
     import jax
 
