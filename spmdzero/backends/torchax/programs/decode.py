@@ -97,6 +97,5 @@ def build_decode(setup: DecodeSetup):
             return (env.t2j_iso(following)[:, None].astype(jnp.int32), [layer.keys._elem for layer in cache.layers],
                     [layer.values._elem for layer in cache.layers], length + 1)
 
-    layers = len(StaticCache(config=module.config, max_cache_len=setup.max_length).layers)
-    cache_out = [setup.cache_sharding] * layers
+    cache_out = [setup.cache_sharding] * module.config.num_hidden_layers  # StaticCache's layers, one a block
     return jax.jit(decode, donate_argnums=(1, 2), out_shardings=(None, cache_out, cache_out, None))
