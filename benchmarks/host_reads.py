@@ -100,7 +100,7 @@ def main() -> None:
         for _ in range(args.steps):
             for name, (engine, inputs) in variants.items():
                 times[name].append(step(engine, inputs))
-        assert variants["eager"][0]._host_reads.noted and not variants["compiled"][0]._host_reads.noted
+        assert variants["eager"][0].host_reads.noted and not variants["compiled"][0].host_reads.noted
         compiled, eager = (statistics.median(times[n]) * 1e3 for n in ("compiled", "eager"))
         print(f"{case:<6} {compiled:>12.1f} {eager:>10.1f} {eager / compiled:>16.1f}x")
 

@@ -163,7 +163,7 @@ def test_a_qwen_vl_trained_compiled_keeps_no_traced_deltas_and_generates_on_the_
     inputs = batch(0)
     engine.backward(engine(**inputs).loss)
     engine.step()
-    assert not engine._host_reads.noted and model.model.rope_deltas is None
+    assert not engine.host_reads.noted and model.model.rope_deltas is None
     model.eval()
     with torch.no_grad():
         out = model.generate(**{k: v for k, v in inputs.items() if k != "labels"}, max_new_tokens=2, do_sample=False)

@@ -614,4 +614,4 @@ def train_both(name: str, steps: int = 4, lr: float | None = None, stage: int = 
     return {"name": name, "ours": ours, "theirs": theirs, "steps": steps, "param_diff": param_diff,
             "loss_diff": max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(ours, theirs)),
             "compiles": sum(engine.traces.values()), "traces": dict(engine.traces),
-            "eager": engine._host_reads.noted}  # its forward read a value: it ran eagerly (host_reads)
+            "eager": engine.host_reads.noted}  # its forward read a value: it ran eagerly (host_reads)

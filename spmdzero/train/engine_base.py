@@ -139,7 +139,7 @@ class EngineBase:
         hooks[handle.id] = hook
         return handle
 
-    def _run_post_step_hooks(self) -> None:
+    def run_post_step_hooks(self) -> None:
         for hook in list(self.__dict__.get("_post_step_hooks", {}).values()):
             hook(self)
 
@@ -150,7 +150,7 @@ class EngineBase:
         return self._config
 
     # ---- a forward's inputs, before the backend places them ------------------------
-    def _padded(self, inputs: tuple, kwargs: dict, pad_id: int) -> tuple[tuple, dict, tuple]:
+    def padded_inputs(self, inputs: tuple, kwargs: dict, pad_id: int) -> tuple[tuple, dict, tuple]:
         """Shape buckets (``train.shape_buckets``): host sequences padded so that their lengths,
         and so the step's shapes, take few values. Returns the inputs and the cuts that take
         the outputs back to the lengths fed (``shape_buckets.cut_back``); the default buckets
@@ -170,7 +170,17 @@ class EngineBase:
                       "multiples of N"])
         return inputs, kwargs, tuple(cuts)
 
-    def _new_shape_bucket(self) -> bool:
+    def training_inputs(self, shapes: tuple, bucketed: bool) -> None:
+        """A training forward's input shapes (what the recompile guard names when they change)
+        and whether the shape buckets padded them (``new_shape_bucket``)."""
+        self._input_shapes, self._inputs_bucketed = shapes, bucketed
+
+    @property
+    def batch_sizes(self):
+        """The config's batch sizes (``sharding.batch.BatchSizes``)."""
+        return self._batch
+
+    def new_shape_bucket(self) -> bool:
         """Whether this step's training forward fed input shapes that the shape buckets had not
         fed before (``_inputs_bucketed``: the backend's forward padded them to a bucket): its
         compile is one of a bounded few (a program per bucket), which the recompile guard takes
@@ -182,7 +192,7 @@ class EngineBase:
         seen.add(self._input_shapes)
         return new
 
-    def _in_model_dtype(self, inputs: tuple, kwargs: dict, keep=lambda t: False) -> tuple[tuple, dict]:
+    def in_model_dtype(self, inputs: tuple, kwargs: dict, keep=lambda t: False) -> tuple[tuple, dict]:
         """Floating inputs cast to the model dtype, as DeepSpeed's ``fp16.auto_cast`` does; not
         the targets named in ``TARGET_NAMES`` (an fp16 cast can overflow a regression target),
         nor the tensors ``keep`` picks."""
@@ -278,7 +288,7 @@ class EngineBase:
     def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
         return self.save_16bit_model(save_dir, save_filename)
 
-    def _batch_layout(self, module: torch.nn.Module, inputs: tuple, kwargs: dict,
+    def batch_layout(self, module: torch.nn.Module, inputs: tuple, kwargs: dict,
                       on_device=lambda t: t.device.type == "xla") -> BatchLayout:
         """Which inputs carry the batch, and along which dim (``train.batch_inputs``, by
         ``spmd.batch_dim``); a likely sequence-first input is hinted at once."""
@@ -293,7 +303,7 @@ class EngineBase:
             warnings.warn(f"spmdzero: {layout.hint} (noted once)", stacklevel=caller_stacklevel())
         return layout
 
-    def _check_training_rows(self, global_rows: int) -> None:
+    def check_training_rows(self, global_rows: int) -> None:
         """A training forward's rows against the configured micro-batch. DeepSpeed never
         compares them (``train_micro_batch_size_per_gpu`` is accounting), so any number is
         trained (samples/s count the rows fed; ``global_samples`` counts ``train_batch_size()``
@@ -412,7 +422,7 @@ class EngineBase:
                  "gather_16bit_weights_on_model_save")
         return any(zero.get(name) is True for name in names)
 
-    def _consume_samples(self) -> int:
+    def consume_samples(self) -> int:
         """What this optimizer step adds to ``global_samples``: ``train_batch_size()``, as
         DeepSpeed counts at each optimizer step whatever the tensors' shapes (engine.py,
         ``_take_model_step``). ``samples_last_step`` (samples/s, the monitors' throughput) keeps

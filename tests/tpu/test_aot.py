@@ -1026,7 +1026,7 @@ TORCHAX_STAGES = f"""
         state = [engine.params(), engine.optimizer_states(), [t for t, _ in engine.state_tensors().values()]]
         untouched.append({{"global_steps": engine.global_steps, "runs": sum(engine.runs.values()),
                           "only_shapes": all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state)),
-                          "meta": all(p.device.type == "meta" for p in engine._module.parameters())}})
+                          "meta": all(p.device.type == "meta" for p in engine.host.wrapped.parameters())}})
     P = sum(p.numel() for p in TinyGPT().parameters())
     print(json.dumps({{"P": P, "reports": reports, "untouched": untouched}}))
 """

@@ -146,19 +146,19 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
             return map_tensors(output, torch.clone)
         start = time.perf_counter()
         self.recompile_guard.step_started()
-        inputs, kwargs, cuts = self._padded(inputs, kwargs, self._pad_id)  # its outputs keep the padded length
+        inputs, kwargs, cuts = self.padded_inputs(inputs, kwargs, self._pad_id)  # its outputs keep the padded length
         shapes = []
         map_tensors((inputs, kwargs), lambda t: shapes.append(tuple(t.shape)))
         self._input_shapes = tuple(shapes)
-        self._inputs_bucketed = bool(cuts)  # padded to a shape bucket (_new_shape_bucket)
-        layout = self._batch_layout(self.module, inputs, kwargs)
+        self._inputs_bucketed = bool(cuts)  # padded to a shape bucket (new_shape_bucket)
+        layout = self.batch_layout(self.module, inputs, kwargs)
         if self.module.training and torch.is_grad_enabled():
             self._count_training_rows(layout.rows, layout.on_device)
         else:
             self.recompile_guard.note_evaluation()
         inputs, kwargs = to_device_sharded((inputs, kwargs), self.mesh, self.plan.batch_spec,
                                            self._batch.dp_devices, self._batch.processes, layout)
-        inputs, kwargs = self._in_model_dtype(inputs, kwargs)
+        inputs, kwargs = self.in_model_dtype(inputs, kwargs)
         autocast = self.precision.autocast_dtype  # the config's torch_autocast, as DeepSpeed's forward
         try:
             with torch.autocast("xla", dtype=autocast, enabled=autocast is not None):
@@ -173,7 +173,7 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         if rows is None:
             return
         global_rows = rows if on_device else rows * self._batch.processes
-        self._check_training_rows(global_rows)
+        self.check_training_rows(global_rows)
         self._rows_since_step += global_rows
 
     @raises_torch_out_of_memory
@@ -237,7 +237,7 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         if boundary:
             self._step_logger.after_boundary(self)
             self.tput_timer.after_boundary()
-            self._run_post_step_hooks()
+            self.run_post_step_hooks()
 
     def _require_optimizer(self, call: str) -> None:
         if self.optimizer is None:
@@ -271,7 +271,7 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         torch_xla.sync()
         warmup, self._creating_state = self._creating_state, False
         self.recompile_guard.check(compile_count() - compiles, self.global_steps, boundary, self._input_shapes,
-                                   warmup=warmup or self._new_shape_bucket())
+                                   warmup=warmup or self.new_shape_bucket())
         self.recompile_guard.check_graphs(self.global_steps, warmup=warmup)
 
     def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
@@ -284,7 +284,7 @@ class SpmdZeroEngine(EngineBase, torch.nn.Module):
         elif self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
         self.global_steps += 1
-        self.global_samples += self._consume_samples()
+        self.global_samples += self.consume_samples()
 
     def optimizer_step(self) -> None:
         """``engine.optimizer.step()``: DeepSpeed's ZeRO optimizer stepped by the caller. As its

@@ -264,7 +264,7 @@ def test_a_module_output_held_outside_the_region_is_the_regions_value():
     for checkpointed in (False, True):
         model = Captured(checkpointed).eval()  # no dropout: the two runs compute the same function
         engine, losses = trained(model, zero_optimization={"stage": 2}, gradient_clipping=0.0)
-        assert not engine._host_reads.noted, "the step ran eagerly"
+        assert not engine.host_reads.noted, "the step ran eagerly"
         runs.append((losses, host_params(engine)))
     assert_same_training(*runs)
     x, y = batches(1, 16)[0]
@@ -463,6 +463,6 @@ def test_a_checkpointed_region_that_reads_runs_eagerly_as_without():
         warnings.simplefilter("always")
         engine, losses = trained(SplitByValue(True))
     _, expected = trained(SplitByValue(False))
-    assert engine._host_reads.noted
+    assert engine.host_reads.noted
     np.testing.assert_allclose(losses, expected, rtol=1e-6)
     assert [w for w in caught if "without rematerialization" in str(w.message)]

@@ -95,7 +95,7 @@ def test_optimizer_states_sharded_by_the_plan(trained):
 
     _, _, (engine, *_) = trained
     states = engine.optimizer_states()
-    for name in engine._names:
+    for name in engine.trained.names:
         planned = engine.plan[name]
         for key, value in states[name].items():
             if key == "step":
@@ -106,10 +106,10 @@ def test_optimizer_states_sharded_by_the_plan(trained):
             dim = planned.shard_dims[0]
             assert shard[dim] == planned.shape[dim] // 8, (name, key)
         assert engine.params()[name].sharding.is_fully_replicated
-    assert any(engine.plan[n].shard_dims for n in engine._names)
+    assert any(engine.plan[n].shard_dims for n in engine.trained.names)
     # every parameter steps together: one step counter, not one per parameter, goes through the update
-    assert len({id(states[n]["step"]) for n in engine._names}) == 1
-    assert int(states[engine._names[0]]["step"]) == STEPS
+    assert len({id(states[n]["step"]) for n in engine.trained.names}) == 1
+    assert int(states[engine.trained.names[0]]["step"]) == STEPS
 
 
 def test_eval_forward_leaves_the_gradients_alone(trained):
@@ -495,11 +495,11 @@ def test_zero_stages_0_and_1_follow_the_plan(stage):
         results[backend] = {n: p.detach().cpu() for n, p in engine.module.named_parameters()}
     for name, value in results["torch_xla"].items():
         torch.testing.assert_close(results["torchax"][name], value, atol=1e-5, rtol=1e-5)
-    assert all(engine._grad_specs[n].is_fully_replicated for n in engine._names)  # below stage 2
+    assert all(engine.trained.grad_specs[n].is_fully_replicated for n in engine.trained.names)  # below stage 2
     states = engine.optimizer_states()
-    assert {states[n]["exp_avg"].sharding.spec for n in engine._names} == {
-        PartitionSpec(*engine.plan[n].optimizer_state) for n in engine._names}
-    assert any(not states[n]["exp_avg"].sharding.is_fully_replicated for n in engine._names) == (stage == 1)
+    assert {states[n]["exp_avg"].sharding.spec for n in engine.trained.names} == {
+        PartitionSpec(*engine.plan[n].optimizer_state) for n in engine.trained.names}
+    assert any(not states[n]["exp_avg"].sharding.is_fully_replicated for n in engine.trained.names) == (stage == 1)
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
@@ -526,9 +526,9 @@ def test_zero_stage_3_shards_the_parameters_and_trains_as_stage_2(bf16):
     for name, value in results[2].items():
         torch.testing.assert_close(results[3][name], value, **tolerance)
     params = engine.params()
-    assert {params[n].sharding.spec for n in engine._names} == {
-        PartitionSpec(*engine.plan[n].optimizer_state) for n in engine._names}
-    assert all(not params[n].sharding.is_fully_replicated for n in engine._names)  # tiny_mlp's all divide by 8
+    assert {params[n].sharding.spec for n in engine.trained.names} == {
+        PartitionSpec(*engine.plan[n].optimizer_state) for n in engine.trained.names}
+    assert all(not params[n].sharding.is_fully_replicated for n in engine.trained.names)  # tiny_mlp's all divide by 8
     assert engine.traces["train_forward"] == 2 and engine.traces["update"] == 1  # first micro-step, later ones
 
 
@@ -981,7 +981,7 @@ def test_a_model_initialized_again_takes_only_the_new_engines_values():
         second.backward(second(x, y))
         second.step()
     second.module  # noqa: B018 (synced: nothing of the second engine's left to copy back)
-    first._module_stale = True  # as if the first engine had stepped again since
+    first.host.params_changed()  # as if the first engine had stepped again since
     saved = model.state_dict()
     for name, value in second.params().items():
         torch.testing.assert_close(saved[name], torch.from_numpy(__import__("numpy").asarray(value)))
@@ -1564,7 +1564,7 @@ def test_a_forward_that_reads_a_value_on_the_host_trains_eagerly_as_on_torch_xla
             engine.backward(loss)
             engine.step()
             losses[backend].append(loss.item())
-    assert engines["torchax"]._host_reads.noted
+    assert engines["torchax"].host_reads.noted
     assert losses["torchax"] == pytest.approx(losses["torch_xla"], abs=1e-5)
 
 

@@ -210,7 +210,7 @@ def test_an_error_that_is_not_a_host_read_surfaces_as_before(bug, error, match):
         engine(x, y)
     assert NOTE not in str(raised.value) and "eager" not in str(raised.value)
     assert not [r for r in records if NOTE in r.getMessage()]
-    assert not engine._host_reads.noted
+    assert not engine.host_reads.noted
 
 
 class SizedByValue(torch.nn.Module):
@@ -272,7 +272,7 @@ class PicksByName(torch.nn.Module):
 def test_a_name_formatted_from_a_one_value_tensor_is_its_number():
     """torchax's tensors formatted as their repr (``expert_View(Tensor(...))``): a KeyError.
     Formatting is a read: the forward runs eagerly, as in torch, and trains as torch does."""
-    assert _trains_as_torch(PicksByName())._host_reads.noted
+    assert _trains_as_torch(PicksByName()).host_reads.noted
 
 
 class GuardedLoss(torch.nn.Module):
@@ -298,7 +298,7 @@ def test_an_error_the_eager_forward_raises_is_the_models():
     loss = engine(x, y)  # finite: trained eagerly
     engine.backward(loss)
     engine.step()
-    assert engine._host_reads.noted
+    assert engine.host_reads.noted
     with pytest.raises(FloatingPointError, match="non-finite loss nan"):
         engine(x * float("nan"), y)
 
@@ -312,7 +312,7 @@ def test_a_traced_step_of_a_forward_that_reads_says_it_cannot_be_one_program():
     with pytest.raises(RuntimeError, match=r"GuardedLoss's forward reads a tensor's value on the host at "
                                            r"test_torchax_host_reads.py:\d+ .* cannot be traced as one JAX program"):
         engine.trace_step(x, y)
-    assert not engine._host_reads.noted
+    assert not engine.host_reads.noted
 
 
 def _step_both(engine, reference, optimizer, batch) -> tuple[float, float]:
@@ -355,7 +355,7 @@ def test_debertas_classification_loss_over_its_labeled_rows_compiles_and_trains_
             assert abs(loss - theirs) <= 1e-5 * abs(theirs), (step, loss, theirs)
         inputs["labels"] = torch.full((8,), -1)
         assert float(engine(**inputs).loss) == 0.0 == float(reference(**inputs).loss)
-    assert not [r for r in records if NOTE in r.getMessage()] and not engine._host_reads.noted
+    assert not [r for r in records if NOTE in r.getMessage()] and not engine.host_reads.noted
     assert engine.traces["train_forward"] == 1, engine.traces
     for (n, p), q in zip(engine.module.named_parameters(), reference.parameters()):
         assert torch.allclose(p.detach().cpu(), q.detach(), atol=1e-5), n
@@ -497,7 +497,7 @@ def test_the_ctc_loss_of_speech_models_compiles_and_trains_as_in_plain_torch(nam
         ours, theirs = engine(**batch, return_dict=False), reference(**batch, return_dict=False)  # a tuple
         assert len(ours) == len(theirs) and abs(float(ours[0]) - float(theirs[0])) <= 1e-4 * abs(float(theirs[0]))
     messages = [r.getMessage() for r in records]
-    assert not [m for m in messages if NOTE in m] and not engine._host_reads.noted, messages
+    assert not [m for m in messages if NOTE in m] and not engine.host_reads.noted, messages
     assert len([m for m in messages if "below vocab_size" in m]) == 1, messages
     for (n, p), q in zip(engine.module.named_parameters(), reference.parameters()):
         assert torch.allclose(p.detach().cpu(), q.detach(), atol=1e-5, rtol=1e-4), n

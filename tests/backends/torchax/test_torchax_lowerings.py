@@ -565,4 +565,4 @@ class _ReadsARow(torch.nn.Module):
 
 def test_a_views_values_read_as_a_list_or_an_array_are_torchs():
     engine, _ = _trains_as_torch(_ReadsARow(), steps=2)
-    assert engine._host_reads.noted  # a read: the eager path, where the view has values
+    assert engine.host_reads.noted  # a read: the eager path, where the view has values

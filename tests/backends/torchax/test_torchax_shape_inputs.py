@@ -49,7 +49,7 @@ def test_a_forward_that_reads_its_image_grid_compiles_once_per_grid_and_trains_a
         optimizer.step()
         optimizer.zero_grad()
         assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
-    assert not engine._host_reads.noted  # compiled, not eager
+    assert not engine.host_reads.noted  # compiled, not eager
     assert engine.traces["train_forward"] == 2  # one program per grid, each traced once
     for name, p in reference.named_parameters():
         torch.testing.assert_close(dict(engine.module.named_parameters())[name].detach().cpu(), p.detach(),
@@ -76,7 +76,7 @@ def test_a_factory_of_numbers_and_a_shape_op_on_it_are_evaluated_while_tracing()
     from test_torchax_host_reads import _trains_as_torch
 
     engine = _trains_as_torch(Boundaries())
-    assert not engine._host_reads.noted and engine.traces["train_forward"] == 1
+    assert not engine.host_reads.noted and engine.traces["train_forward"] == 1
 
 
 class CachePositions(torch.nn.Module):
@@ -105,7 +105,7 @@ def test_a_range_of_numbers_is_known_while_tracing_and_sizes_a_mask():
     from test_torchax_host_reads import _trains_as_torch
 
     engine = _trains_as_torch(CachePositions())
-    assert not engine._host_reads.noted and engine.traces["train_forward"] == 1
+    assert not engine.host_reads.noted and engine.traces["train_forward"] == 1
 
 
 class PixtralTransformer(torch.nn.Module):
@@ -144,4 +144,4 @@ def test_image_sizes_are_kept_for_a_model_that_crops_by_them_and_only_there():
     x, y = data(1)[0]
     loss = engine(x, y, image_sizes=sizes)
     assert loss.item() == pytest.approx(reference(x, y, sizes).item(), rel=1e-5)
-    assert not engine._host_reads.noted and engine.traces["train_forward"] == 1
+    assert not engine.host_reads.noted and engine.traces["train_forward"] == 1

@@ -36,7 +36,7 @@ class CheckedCount(torch.nn.Module):
 def test_a_traced_check_is_left_out_and_said_once_and_the_step_compiles():
     with spmdzero_log() as records:
         engine = _trains_as_torch(CheckedCount(), steps=3)
-    assert not engine._host_reads.noted  # compiled: neither the check nor the message read
+    assert not engine.host_reads.noted  # compiled: neither the check nor the message read
     assert engine.traces["train_forward"] == 1
     notes = [r.getMessage() for r in records if "torch._check_tensor_all_with" in r.getMessage()]
     assert len(notes) == 1, notes
@@ -53,7 +53,7 @@ def test_with_values_the_check_runs_as_in_torch():
         "train_batch_size": 16, "optimizer": {"type": "SGD", "params": {"lr": LR}}})
     with pytest.raises(ValueError, match=expected):
         engine(x, y)  # the eager run has the values: the check fails, its message holds the number
-    assert engine._host_reads.noted
+    assert engine.host_reads.noted
 
 
 def test_transformers_4_placeholder_checks_are_dropped_at_their_own_lines():
@@ -100,4 +100,4 @@ class HostIndex(torch.nn.Module):
 
 
 def test_a_host_factory_of_a_device_value_and_its_padding_run_as_in_torch():
-    assert _trains_as_torch(HostIndex())._host_reads.noted  # eager: the size is a read, as in torch
+    assert _trains_as_torch(HostIndex()).host_reads.noted  # eager: the size is a read, as in torch

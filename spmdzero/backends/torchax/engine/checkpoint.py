@@ -161,13 +161,13 @@ class TorchaxStateShards:
         return {k: v.array() if isinstance(v, JaxShards) else v for k, v in staging.items()}
 
     def commit(self, values: dict[str, Any]) -> None:
-        self._engine._load_state(values)
+        self._engine.load_state(values)
 
     def rng_state(self) -> int:
-        return self._engine._rng_seed
+        return self._engine.rng_seed
 
     def set_rng_state(self, seed: int) -> None:
-        self._engine._seed(seed)
+        self._engine.reseed(seed)
 
     def rng_position(self) -> int:
         return self._engine.state.draw_step

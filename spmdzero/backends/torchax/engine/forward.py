@@ -2,12 +2,13 @@
 program per input structure and mode. In training, the fused program also takes the gradient of
 the loss the module returns (``jax.grad``) and adds it to the accumulated gradients; for a loss
 computed outside the module, the VJP program returns the outputs with their VJP, tied into
-torch autograd (``outside_loss``). Outputs come back as torchax tensors (``output_tensor``). A mixin of
-``TorchaxEngine``."""
+torch autograd (``outside_loss``). Outputs come back as torchax tensors (``output_tensor``).
+``Forwards`` is the engine's part that does it (``engine.forwards``)."""
 
 from __future__ import annotations
 
 import functools
+import weakref
 from types import SimpleNamespace
 from typing import Optional
 
@@ -24,12 +25,11 @@ from spmdzero.backends.torchax.patches import shape_inputs
 from spmdzero.backends.torchax.engine import other_engines
 from spmdzero.backends.torchax.programs import method_programs
 from spmdzero.backends.torchax.lowering.values import as_dicts, is_torchax_tensor
-from spmdzero.runtime.out_of_memory import raises_torch_out_of_memory
 from spmdzero.backends.torchax.programs.forward import build_forward, find_loss
 
 
 # ``forward.pending`` of a training forward whose gradient was added to the accumulated ones when
-# it ran (``_gradient``): its backward confirms it, ``BackwardPrograms._settle`` takes it out again
+# it ran (``Gradients.take``): its backward confirms it, ``Gradients.settle`` takes it out again
 SPECULATED = object()
 
 
@@ -37,7 +37,7 @@ SPECULATED = object()
 
 def _belongs_to(loss: torch.Tensor, forward) -> None:
     """``loss`` is ``forward``'s: backward commits the gradient that forward takes, unless the
-    loss is written in place after it (its version then differs, ``BackwardPrograms.backward``)."""
+    loss is written in place after it (its version then differs, ``Gradients.backward``)."""
     loss._spmdzero_forward, forward.loss_version = forward, loss._version
 
 
@@ -82,63 +82,68 @@ def host_tensors_as_constants(fn, output):
         return fn(output)
 
 
-class ForwardPrograms:
-    """The forward part of ``TorchaxEngine`` (see the module docstring)."""
+class Forwards:
+    """The module's forward on the devices: a part of ``TorchaxEngine`` (``engine.forwards``).
+    It places a call's inputs, picks (building once) the program for their structure and the
+    module's mode, runs it, and hands the outputs back as torchax tensors, tied into torch
+    autograd when torch could differentiate them. A training forward's gradient is
+    ``engine.gradients``' (``Gradients.take``). What it owns: the programs by key, the other
+    engines its programs take, and which draw of its micro-step each forward is."""
 
-    # ---- the training step -----------------------------------------------------------------
-    def __call__(self, *inputs, **kwargs):
-        return self.forward(*inputs, **kwargs)
+    def __init__(self, engine):
+        self._engine = weakref.proxy(engine)  # the engine holds this part; the part does not keep it alive
+        self.programs: dict = {}  # jitted functions by static structure (``program``)
+        self.other_engines: list = []  # engines called inside this one's programs (other_engines.py)
+        self._forward_swaps: list = []  # what the last trace did to modules' forward attributes
+        self._draws_at, self._draws = None, [0, 0]  # forwards of the micro-step so far, by stream (``_next_draw``)
+        self._anchor = torch.zeros((), requires_grad=True)  # ties every training forward's outputs into autograd
 
-    @raises_torch_out_of_memory
-    def forward(self, *inputs, **kwargs):
-        """Run the module in one jitted program; in training (train mode, grad enabled) it also
-        takes the gradient of the loss the module returns (see the module docstring). A forward
-        that reads a tensor's value on the host runs eagerly (``host_reads``)."""
-        return self._forward(inputs, kwargs)
-
-    def _reads_values(self, err: Exception) -> RuntimeError:
-        """The error for tracing the step of a forward that reads a tensor's value on the host
-        (``trace_step``): training runs it eagerly (``host_reads``), one traced program cannot."""
-        found = str(err).strip().splitlines()[0]
-        return RuntimeError(
-            f"spmd.backend='torchax': {type(self._module).__name__}'s forward reads a tensor's value on the host"
-            f"{host_reads.where(err)} (bool(t), t.item(), t.tolist(), a boolean mask or nonzero), so its step cannot "
-            "be traced as one JAX program (trace_step, spmdzero aot); training runs such a forward eagerly instead. "
-            "Compute it with tensor ops (torch.where, masks of fixed shape) to compile it, or use "
-            f"spmd.backend='torch_xla', which cuts the step in two at the read. JAX said: {found}")
-
-    def _forward(self, inputs: tuple, kwargs: dict, method: str = "forward"):
+    def run(self, inputs: tuple, kwargs: dict, method: str = "forward"):
         """The module's ``method`` (its ``forward``, or another method a script calls through the
         engine, ``module_methods``) on these inputs, in a program of its own; called while another
         engine traces, inline in that engine's program (``other_engines``)."""
+        engine = self._engine
+        module = engine.host.wrapped
         tracer = other_engines.tracing_engine()
-        if tracer is not None and tracer is not self:
-            return other_engines.call_inside(self, method_programs.entry(self._module, method), inputs, kwargs)
-        forwards, traced = other_engines.forward_attributes(), sum(self.traces.values())
-        draw = self._next_draw(self._module.training and torch.is_grad_enabled())
+        if tracer is not None and tracer is not engine:
+            return other_engines.call_inside(engine, method_programs.entry(module, method), inputs, kwargs)
+        forwards, traced = other_engines.forward_attributes(), sum(engine.traces.values())
+        draw = self._next_draw(module.training and torch.is_grad_enabled())
         while True:
             try:
-                result = self._forward_once(inputs, kwargs, method, draw)
+                result = self._run_once(inputs, kwargs, method, draw)
                 break
             except other_engines.Met as met:
-                if any(e is met.engine for e in self._other_engines):
+                if any(e is met.engine for e in self.other_engines):
                     raise
-                self._other_engines.append(met.engine)  # its programs take that engine's values from now on
+                self.other_engines.append(met.engine)  # its programs take that engine's values from now on
                 other_engines.put_back(forwards)
         # a forward redirection's swap undoes itself when the module's forward runs, which a
         # compiled program does not do again: what its trace did to the attributes is done here
-        if sum(self.traces.values()) != traced:
+        if sum(engine.traces.values()) != traced:
             self._forward_swaps = other_engines.changed(forwards) or self._forward_swaps
         else:
             other_engines.put_back(self._forward_swaps)
         return result
 
-    def _program_constants(self) -> dict:
+    def reads_values(self, err: Exception) -> RuntimeError:
+        """The error for tracing the step of a forward that reads a tensor's value on the host
+        (``trace_step``): training runs it eagerly (``host_reads``), one traced program cannot."""
+        found = str(err).strip().splitlines()[0]
+        return RuntimeError(
+            f"spmd.backend='torchax': {type(self._engine.host.wrapped).__name__}'s forward reads a tensor's value on "
+            f"the host{host_reads.where(err)} (bool(t), t.item(), t.tolist(), a boolean mask or nonzero), so its step "
+            "cannot be traced as one JAX program (trace_step, spmdzero aot); training runs such a forward eagerly "
+            "instead. Compute it with tensor ops (torch.where, masks of fixed shape) to compile it, or use "
+            f"spmd.backend='torch_xla', which cuts the step in two at the read. JAX said: {found}")
+
+    def constants(self) -> dict:
         """The constants a program takes: the buffers and untrained parameters, and the values of
         the other engines it met (``other_engines``)."""
-        if not self._other_engines:
-            return self.state.constants
-        return {**self.state.constants, other_engines.KEY: other_engines.values(self._other_engines)}
+        constants = self._engine.state.constants
+        if not self.other_engines:
+            return constants
+        return {**constants, other_engines.KEY: other_engines.values(self.other_engines)}
 
     def _next_draw(self, training: bool) -> int:
         """Which of its micro-step's forwards this one is, for its random draws (dropout,
@@ -147,38 +152,41 @@ class ForwardPrograms:
         forwards (grad on, training mode) count apart from the others, so an evaluation between
         two steps leaves the training draws as they are. The index restarts at each micro-step:
         a resumed run draws as the uninterrupted one did."""
-        if self._draws_at != self.state.draw_step:
-            self._draws_at, self._draws = self.state.draw_step, [0, 0]
+        draw_step = self._engine.state.draw_step
+        if self._draws_at != draw_step:
+            self._draws_at, self._draws = draw_step, [0, 0]
         stream = 0 if training else 1
         index = self._draws[stream]
         self._draws[stream] += 1
         return index | stream << 31
 
-    def _forward_once(self, inputs: tuple, kwargs: dict, method: str, draw: int):
+    def _run_once(self, inputs: tuple, kwargs: dict, method: str, draw: int):
         """One forward's program run, its outputs cut back from the shape buckets' lengths to
         the lengths fed (``train.shape_buckets``: after the program, outside it)."""
-        placed = self._placed(inputs, kwargs, draw)
-        return cut_back(self._run_forward(placed, method), placed[-1])
+        placed = self.placed(inputs, kwargs, draw)
+        return cut_back(self._run_placed(placed, method), placed[-1])
 
-    def _run_forward(self, placed: tuple, method: str):
+    def _run_placed(self, placed: tuple, method: str):
+        engine = self._engine
         leaves, treespec, static, layout, arrays, rng, rows, _ = placed
-        training = self._module.training
+        training = engine.host.wrapped.training
         grad_enabled = torch.is_grad_enabled()
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         # the inputs whose gradients torch would give (x.grad): differentiated by the VJP program
         which = tuple(i for i, t in enumerate(tensors) if t.requires_grad and t.is_floating_point()) \
             if grad_enabled else ()
         forward = SimpleNamespace(treespec=treespec, static=static, rng=rng, arrays=arrays, rows=rows,
-                                  training=training, constants=self._program_constants(), generation=self._generation,
-                                  pending=None, accum_token=None, divisor=None, engine=self, which=which,
-                                  inputs=[tensors[i] for i in which], dims=[layout.dim_of(tensors[i]) for i in which],
-                                  vjp=None, released=False, method=method)
+                                  training=training, constants=self.constants(),
+                                  params_version=engine.params_version, pending=None, accum_token=None, divisor=None,
+                                  engine=engine, which=which, inputs=[tensors[i] for i in which],
+                                  dims=[layout.dim_of(tensors[i]) for i in which], vjp=None, released=False,
+                                  method=method)
         if training and grad_enabled:
             if rows is not None:
-                self._check_training_rows(rows)
-            self._input_shapes = tuple(tuple(a.shape) for a in arrays)  # named by the recompile guard
-            self._inputs_bucketed = bool(placed[-1])  # padded to a shape bucket (_new_shape_bucket)
-            ran = None if which else self._gradient(forward)
+                engine.check_training_rows(rows)
+            # named by the recompile guard; padded to a shape bucket (``EngineBase.new_shape_bucket``)
+            engine.training_inputs(tuple(tuple(a.shape) for a in arrays), bool(placed[-1]))
+            ran = None if which else engine.gradients.take(forward)
             if ran is not None:
                 outputs, constants, program = ran
                 self._take_constants(constants)
@@ -187,14 +195,14 @@ class ForwardPrograms:
                 return result
             # the output holds no loss (found while tracing), or inputs want their gradients: the
             # VJP program, whose backward engine.backward runs from the loss the script computes
-            program = self._program("vjp", treespec, static, training, which, method)
-            self.runs["forward"] += 1
-            outputs, constants, forward.vjp = program(self.state.params, self._program_constants(), rng, arrays)
+            program = self.program("vjp", treespec, static, training, which, method)
+            engine.runs["forward"] += 1
+            outputs, constants, forward.vjp = program(engine.state.params, self.constants(), rng, arrays)
             self._take_constants(constants)
             return self._outputs(outputs, program, forward)
-        program = self._program("forward", treespec, static, training, method=method)
-        self.runs["forward"] += 1
-        outputs, constants = program(self.state.params, self._program_constants(), rng, arrays)
+        program = self.program("forward", treespec, static, training, method=method)
+        engine.runs["forward"] += 1
+        outputs, constants = program(engine.state.params, self.constants(), rng, arrays)
         self._take_constants(constants)
         if not grad_enabled:
             return self._outputs(outputs, program)
@@ -206,80 +214,57 @@ class ForwardPrograms:
             _belongs_to(loss, forward)
         return result
 
-    def _placed(self, inputs: tuple, kwargs: dict, draw: int = 0) -> tuple:
+    def placed(self, inputs: tuple, kwargs: dict, draw: int = 0) -> tuple:
         """A forward's inputs as its program takes them: (leaves, their treespec, the non-tensor
         leaves by position, the batch layout, the tensors placed as JAX arrays, the random key
         with the micro-step and the forward's ``draw`` (``_next_draw``), the global rows when
         known, the shape buckets' cuts back to the lengths fed). Changes made on the host go to
         the devices first."""
-        inputs, kwargs, cuts = self._padded(inputs, kwargs, model_pad_id(self._module))
+        engine = self._engine
+        module = engine.host.wrapped
+        inputs, kwargs, cuts = engine.padded_inputs(inputs, kwargs, model_pad_id(module))
         # host tensors only: a torchax tensor (an earlier output) is the model's already
-        inputs, kwargs = self._in_model_dtype(inputs, kwargs, keep=is_torchax_tensor)
+        inputs, kwargs = engine.in_model_dtype(inputs, kwargs, keep=is_torchax_tensor)
         # a mapping that is not a dict (transformers' BatchEncoding) is one leaf to torch's pytree
         inputs, kwargs = as_dicts(inputs), as_dicts(kwargs)
-        if self._processes == 1:  # values that are shapes (image grids) join the program's key
+        if engine.processes == 1:  # values that are shapes (image grids) join the program's key
             inputs, kwargs = shape_inputs.kept_on_host((inputs, kwargs), is_torchax_tensor,
-                                                       shape_inputs.names(self._module))
+                                                       shape_inputs.names(module))
         leaves, treespec = torch_pytree.tree_flatten((inputs, kwargs))
         static = tuple((i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor))
-        self._take_host_changes()
-        layout = self._batch_layout(self._module, inputs, kwargs, on_device=is_torchax_tensor)
-        arrays = self.placement.place_inputs(leaves, layout)
-        rng = (self.state.rng, np.uint32(self.state.draw_step), np.uint32(draw))  # drawn anew at every call
-        rows = layout.rows if layout.on_device else None if layout.rows is None else layout.rows * self._batch.processes
+        engine.host.take_changes()
+        layout = engine.batch_layout(module, inputs, kwargs, on_device=is_torchax_tensor)
+        arrays = engine.placement.place_inputs(leaves, layout)
+        state = engine.state
+        rng = (state.rng, np.uint32(state.draw_step), np.uint32(draw))  # drawn anew at every call
+        rows = layout.rows if layout.on_device else None if layout.rows is None else layout.rows * engine.batch_sizes.processes
         return leaves, treespec, static, layout, arrays, rng, rows, cuts
 
     def _take_constants(self, changed: dict) -> None:
         """Buffers a forward changed: the devices' values, copied to the module when it is read."""
         if changed:
-            self.state = self.state._replace(constants={**self.state.constants, **changed})
-            self._buffers_stale.update(changed)
-
-    def _gradient(self, forward: SimpleNamespace):
-        """Run the training program for ``forward`` (a training forward's inputs, as it saw
-        them). Returns (outputs, changed buffers, the program), or None when the module's output
-        holds no loss.
-
-        With no gradients accumulated yet, its gradient is kept in ``forward.pending`` until
-        backward commits it. Later in the window, the accumulated gradients are donated to the
-        program and its sum replaces them at once (``forward.pending`` is ``SPECULATED``): the
-        gradient is counted before its backward, and taken out again if none comes
-        (``BackwardPrograms._settle``). Kept beside the sum until the backward, it was a second
-        copy of the gradients on every device between a forward and its backward (issue 42)."""
-        accumulate = self.state.accum is not None
-        program = self._program("accumulate" if accumulate else "train", forward.treespec, forward.static,
-                                forward.training, method=forward.method)
-        ran = None if program.no_loss else program(self.state.params, forward.constants, self.state.accum, forward.rng,
-                                                    forward.arrays, self._loss_scale_value(),
-                                                    np.float32(self._loss_divisor))
-        if ran is None:
-            return None
-        self.runs["forward"] += 1
-        outputs, constants, gradients = ran
-        if accumulate:
-            self._replace_accum(gradients)
-            self._unconfirmed.append(forward)
-            forward.pending = SPECULATED
-        else:
-            forward.pending = gradients
-        forward.accum_token, forward.divisor = self._accum_token, self._loss_divisor
-        return outputs, constants, program
+            engine = self._engine
+            engine.state = engine.state._replace(constants={**engine.state.constants, **changed})
+            engine.host.buffers_changed(changed)
 
     def _outputs(self, arrays: list, program, record: Optional[SimpleNamespace] = None):
         """The program's outputs as the module returned them; with ``record`` (a forward torch
         could differentiate), tied into torch autograd (``outside_loss``), so that a loss the
         script computes from them reaches the compiled backward."""
+        import jax
+
+        engine = self._engine
         spec, others = program.out_spec
         # several processes: each sees its own rows, as a DeepSpeed rank its micro-batch (process_rows)
-        views = [process_rows.local_view(a) for a in arrays] if self._processes > 1 else arrays
-        leaves = [self._Output(v, self._env) for v in views]
+        views = [process_rows.local_view(a) for a in arrays] if engine.processes > 1 else arrays
+        leaves = [engine.output_tensor(v, engine.env) for v in views]
         if record is not None:
-            inexact = self._jax.numpy.inexact  # bf16 is not a numpy float to numpy
-            record.floats = [i for i, a in enumerate(arrays) if self._jax.numpy.issubdtype(a.dtype, inexact)]
+            inexact = jax.numpy.inexact  # bf16 is not a numpy float to numpy
+            record.floats = [i for i, a in enumerate(arrays) if jax.numpy.issubdtype(a.dtype, inexact)]
             # the backward's static description of each float output: its global shape and dtype, and
             # with several processes how its cotangent reaches the global mesh
             kind = (lambda i: (process_rows.SPLIT if process_rows.spans_processes(arrays[i], views[i]) else
-                               process_rows.STACKED)) if self._processes > 1 else (lambda i: None)
+                               process_rows.STACKED)) if engine.processes > 1 else (lambda i: None)
             record.avals = tuple((tuple(arrays[i].shape), str(arrays[i].dtype), kind(i)) for i in record.floats)
             record.shardings = [(views[i].sharding, arrays[i].sharding) for i in record.floats]
             record.tensors = leaves
@@ -289,18 +274,16 @@ class ForwardPrograms:
             leaves.insert(i, value)
         return torch_pytree.tree_unflatten(leaves, spec)
 
-    def _program(self, kind: str, treespec, static: tuple, training: bool, which: tuple = (),
-                 method: str = "forward"):
+    def program(self, kind: str, treespec, static: tuple, training: bool, which: tuple = (),
+                method: str = "forward"):
         """The jitted program for ``kind``, these inputs' structure and the module's mode (traced
         in it: dropout on or off); ``which``: the inputs the VJP program differentiates;
         ``method``: the module's method it runs (``programs/forward.build_forward``)."""
-        key = (kind, training, treespec, _hashable(static), which, self._frozen, method, len(self._other_engines))
-        if key not in self._programs:
-            tracing_others = functools.partial(other_engines.tracing, self, list(self._other_engines))
-            self._programs[key] = build_forward(self._setup, kind, treespec, static, which, method, self._frozen,
-                                                tracing_others)
-        return self._programs[key]
-
-    def _loss_scale_value(self):
-        """fp16's loss scale in use, a device scalar (None without one): a training program's input."""
-        return None if self.state.loss_scale is None else self.state.loss_scale.scale
+        engine = self._engine
+        frozen = engine.host.frozen
+        key = (kind, training, treespec, _hashable(static), which, frozen, method, len(self.other_engines))
+        if key not in self.programs:
+            tracing_others = functools.partial(other_engines.tracing, engine, list(self.other_engines))
+            self.programs[key] = build_forward(engine.setup, kind, treespec, static, which, method, frozen,
+                                               tracing_others)
+        return self.programs[key]

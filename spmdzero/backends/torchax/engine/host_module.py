@@ -3,7 +3,8 @@ wraps (``train``, ``parameters``, ``state_dict``, attributes), the host paramete
 to date from the devices when something reads them, and edits made on the host (``.data``,
 in-place ops under ``no_grad``, ``requires_grad``) reach the devices at the next forward. The
 parameters' tensor class is watched (``watch_parameters``) so that the first torch op on one
-is noticed, without a check on every step. A mixin of ``TorchaxEngine``."""
+is noticed, without a check on every step. ``HostCopy`` is the engine's part that does it
+(``engine.host``)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ TORCH_XLA_ONLY = frozenset({
 
 
 
-def optimizer_state_through_engine(optimizer, engine: "HostModule") -> None:
+def optimizer_state_through_engine(optimizer, engine) -> None:
     """The base optimizer's ``state_dict()``/``load_state_dict()`` read and write the states the
     devices hold (``optimizer_state_dict``): its own ``state`` holds none of them. A weak
     reference: the methods do not keep the engine alive."""
@@ -48,19 +49,19 @@ class _SyncFromDevices:
     not keep the engine alive. Pickled or deep-copied with the model (``torch.save(model)``,
     an EMA copy), it is a hook with no engine: the copy holds its own values."""
 
-    def __init__(self, engine: "HostModule | None"):
+    def __init__(self, engine):
         self._engine = weakref.ref(engine) if engine is not None else None
 
     def __call__(self, *_) -> None:
         live = self._engine() if self._engine is not None else None
         if live is not None:
-            live.module  # noqa: B018 (the property copies device values to the host when stale)
+            live.host.current()
 
     def __reduce__(self):
         return (_SyncFromDevices, (None,))
 
 
-def sync_before_state_dict(module: torch.nn.Module, engine: "HostModule") -> None:
+def sync_before_state_dict(module: torch.nn.Module, engine) -> None:
     """``model.state_dict()`` (``save_pretrained``, ``torch.save``) on the script's own reference
     to the model first brings the trained weights back from the devices, as ``engine.module``
     does."""
@@ -72,7 +73,7 @@ def sync_before_state_dict(module: torch.nn.Module, engine: "HostModule") -> Non
     module._spmdzero_state_dict_hooks = [sub.register_state_dict_pre_hook(sync) for sub in module.modules()]
 
 
-def zero_grad_through_engine(optimizer, engine: "HostModule") -> None:
+def zero_grad_through_engine(optimizer, engine) -> None:
     """``engine.optimizer.zero_grad()`` is DeepSpeed's ZeRO optimizer's: it drops the
     accumulated gradients as that optimizer's does, stage by stage (``zero_grad_keeps_gradients``);
     the torch optimizer's own would clear the host parameters' ``.grad``, which hold nothing here."""
@@ -81,7 +82,7 @@ def zero_grad_through_engine(optimizer, engine: "HostModule") -> None:
     def zero_grad(set_to_none: bool = True):
         live = ref()
         if live is not None:
-            live._zero_grad(by_optimizer=True)
+            live.gradients.zero_grad(by_optimizer=True)
 
     optimizer.zero_grad = zero_grad
 _unwatched = torch._C.DisableTorchFunctionSubclass  # the engine's own reads and writes of the host parameters
@@ -111,7 +112,7 @@ def _host_use(func, args: tuple, kwargs: dict) -> None:
             ref = _watchers().get(t)
             engine = ref() if ref is not None else None
             if engine is not None:
-                engine._host_use(t, through_data)
+                engine.host.use(t, through_data)
 
 
 @functools.cache
@@ -142,7 +143,7 @@ def _watched_class(cls: type) -> type:
                                        "__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
-def watch_parameters(module: torch.nn.Module, engine: "HostModule") -> None:
+def watch_parameters(module: torch.nn.Module, engine) -> None:
     """The module's parameters' torch ops tell ``engine`` first (a model initialized again is
     the new engine's)."""
     ref, watchers = weakref.ref(engine), _watchers()
@@ -152,148 +153,151 @@ def watch_parameters(module: torch.nn.Module, engine: "HostModule") -> None:
         watchers[p] = ref
 
 
-class HostModule:
-    """The host module part of ``TorchaxEngine`` (see the module docstring)."""
+class HostCopy:
+    """The wrapped module on the host, beside the devices' arrays (see the module docstring): a
+    part of ``TorchaxEngine`` (``engine.host``). What it owns: which host values are behind the
+    devices (a step changed the parameters, a forward the buffers), and which the host changed
+    (in-place versions, ``.data`` uses, ``requires_grad``). It reads and replaces
+    ``engine.state``; it bumps ``engine.params_version`` when it gives the devices new parameters."""
 
-    # ---- the module ----------------------------------------------------------------------
-    @property
-    def module(self) -> torch.nn.Module:
+    def __init__(self, engine, module: torch.nn.Module):
+        self._engine = weakref.proxy(engine)  # the engine holds this part; the part does not keep it alive
+        self.wrapped = module  # as it is, not brought up to date (``current`` is)
+        self._params_behind = False  # a step changed the parameters since the host last read them
+        self._buffers_behind: set[str] = set()  # buffers a forward changed on the devices
+        # the host tensors, listed once: reading them per forward costs ~1 us each, walking the module ~1 ms
+        self._tensors = [*module.named_parameters(), *module.named_buffers()]
+        self._params = [p for _, p in module.named_parameters()]
+        self._trainable = self._requires_grad()
+        self.frozen: frozenset = frozenset()  # trained parameters frozen since initialize (programs/frozen.py)
+        self._versions_seen = self._versions()
+        self._touched: set[int] = set()  # host parameters (by id) whose .data was used since the last forward
+        self.configuring: set[str] = set()  # methods run on the host module for what they set (script_method)
+
+    def named_tensors(self) -> list:
+        """The module's parameters and buffers by name, as listed at initialize (no device read)."""
+        return self._tensors
+
+    def params_changed(self) -> None:
+        """The devices' parameters changed (a step, a load): the host's are behind until read."""
+        self._params_behind = True
+
+    def buffers_changed(self, names) -> None:
+        """A forward or a load changed these buffers on the devices."""
+        self._buffers_behind.update(names)
+
+    def current(self) -> torch.nn.Module:
         """The torch module, its parameters brought up to date from the devices when a step
         changed them since the last read (a device-to-host copy)."""
-        if self._module_stale or self._buffers_stale:
+        if self._params_behind or self._buffers_behind:
             from torchax.ops import mappings
 
+            state = self._engine.state
             with torch.no_grad(), warnings.catch_warnings(), _unwatched():
                 warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # it is copied
-                for name, t in self._host_tensors:  # a frozen parameter's value is a constant, as a buffer's
-                    if self._module_stale and name in self.state.params:
-                        t.copy_(mappings.j2t(self.state.params[name], use_dlpack=False))
-                    elif name in self._buffers_stale:
-                        t.copy_(mappings.j2t(self.state.constants[name], use_dlpack=False))
-            self._module_stale, self._buffers_stale = False, set()
-            self._host_versions = self._versions()
-        return self._module
+                for name, t in self._tensors:  # a frozen parameter's value is a constant, as a buffer's
+                    if self._params_behind and name in state.params:
+                        t.copy_(mappings.j2t(state.params[name], use_dlpack=False))
+                    elif name in self._buffers_behind:
+                        t.copy_(mappings.j2t(state.constants[name], use_dlpack=False))
+            self._params_behind, self._buffers_behind = False, set()
+            self._versions_seen = self._versions()
+        return self.wrapped
 
     def _versions(self) -> list[int]:
         """Each host parameter's and buffer's in-place version: a change made on the host (a
         ``load_state_dict``, an edit under ``no_grad``) shows as a new version."""
         with _unwatched():
-            return [t._version for _, t in self._host_tensors]
+            return [t._version for _, t in self._tensors]
 
     def _requires_grad(self) -> list[bool]:
         with _unwatched():
-            return [p.requires_grad for p in self._host_params]
+            return [p.requires_grad for p in self._params]
 
-    def _take_host_changes(self) -> None:
+    def take_changes(self) -> None:
         """Before a forward: parameters and buffers changed on the host since the engine last
         wrote or read them go to the devices (fp32 master weights too), as the torch_xla
         engine's module is its device copy. A parameter frozen or unfrozen after initialize is
         treated as DeepSpeed treats it (``frozen``)."""
+        engine = self._engine
         if self._requires_grad() != self._trainable:
             self._trainable = self._requires_grad()
             with _unwatched():
-                self._frozen = frozen.frozen_since_initialize(self._module, self._names)
+                self.frozen = frozen.frozen_since_initialize(self.wrapped, engine.trained.names)
         versions, touched = self._versions(), self._touched
-        if versions == self._host_versions and not touched:
+        if versions == self._versions_seen and not touched:
             return
         self._touched = set()
+        placement, trained = engine.placement, engine.trained
         # what the host changed wins over a step's results not yet copied back (those are the
         # devices' own and stay there)
-        for (name, t), version, before in zip(self._host_tensors, versions, self._host_versions):
+        for (name, t), version, before in zip(self._tensors, versions, self._versions_seen):
             if version == before and (id(t) not in touched or self._same_on_devices(name, t)):
                 continue
             with _unwatched():
                 t = t.detach()
-            self._settle()  # at the parameters the unconfirmed forwards saw
-            state = self.state
+            engine.gradients.settle()  # at the parameters the unconfirmed forwards saw
+            state = engine.state
             if name in state.params:
                 masters = state.masters if name not in state.masters else {
-                    **state.masters, name: self.placement.put(t.float(), self._master_specs[name])}
-                self.state = state._replace(params={**state.params, name: self.placement.put(t, self._param_specs[name])},
-                                            masters=masters)
+                    **state.masters, name: placement.put(t.float(), trained.master_specs[name])}
+                engine.state = state._replace(params={**state.params, name: placement.put(t, trained.param_specs[name])},
+                                              masters=masters)
             else:
-                self.state = state._replace(constants={**state.constants, name: self.placement.put(t, self.placement.replicated)})
-                self._buffers_stale.discard(name)
-            self._generation += 1
-        self._host_versions = versions
+                engine.state = state._replace(constants={**state.constants, name: placement.put(t, placement.replicated)})
+                self._buffers_behind.discard(name)
+            engine.params_version += 1
+        self._versions_seen = versions
 
     def _same_on_devices(self, name: str, t: torch.Tensor) -> bool:
         """Whether a host parameter whose ``.data`` was used holds what the devices hold (a
         read, not an edit: the fp32 master weights keep their precision). Reads the device."""
         from torchax.ops import mappings
 
+        state = self._engine.state
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # only compared
-            device = mappings.j2t(self.state.params[name] if name in self.state.params else self.state.constants[name],
+            device = mappings.j2t(state.params[name] if name in state.params else state.constants[name],
                                   use_dlpack=False)
         with _unwatched():
             return t.shape == device.shape and t.dtype == device.dtype and torch.equal(t.detach(), device)
 
-    def _host_use(self, param: torch.Tensor, through_data: bool) -> None:
+    def use(self, param: torch.Tensor, through_data: bool) -> None:
         """A torch op on a host parameter (an edit, a read, ``.data``): the trained values are
         brought to the host first (a device-to-host copy when a step changed them), so that it
         sees them as torch would. An edit in place shows as a new version at the next forward;
         one through ``.data`` does not, so the next forward compares the parameter with the
         devices' copy."""
-        self.module  # noqa: B018 (the property copies device values to the host when stale)
+        self.current()
         if through_data:
             self._touched.add(id(param))
 
-    def _script_method(self, name: str, *args, **kwargs):
-        """``engine.<name>(...)``: with a tensor, the method in a program of its own, as the
-        engine's forward; without one, on the host module. A method whose program returns no
-        tensor was called for what it does to the module (``set_scale(t)``), which a program
-        would not keep: it runs on the host module, then and from then on."""
-        configures = self.__dict__.setdefault("_configuring_methods", set())
-        if name not in configures and module_methods.computes(args, kwargs):
-            result = self._forward(args, kwargs, method=name)
-            if module_methods.computes((result,), {}):
-                return result
-            configures.add(name)
-        return getattr(self.module, name)(*args, **kwargs)
 
-    def train(self, mode: bool = True) -> "HostModule":
-        self._module.train(mode)
-        return self
+def script_method(engine, configuring: set, name: str, *args, **kwargs):
+    """``engine.<name>(...)``: with a tensor, the method in a program of its own, as the
+    engine's forward; without one, on the host module. A method whose program returns no
+    tensor was called for what it does to the module (``set_scale(t)``), which a program
+    would not keep: it runs on the host module, then and from then on (``configuring``)."""
+    if name not in configuring and module_methods.computes(args, kwargs):
+        result = engine.forwards.run(args, kwargs, method=name)
+        if module_methods.computes((result,), {}):
+            return result
+        configuring.add(name)
+    return getattr(engine.module, name)(*args, **kwargs)
 
-    def eval(self) -> "HostModule":
-        return self.train(False)
 
-    @property
-    def training(self) -> bool:
-        return self._module.training
-
-    def parameters(self, recurse: bool = True):
-        return self.module.parameters(recurse)
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        """Named as DeepSpeed's engine names them, under ``module.``."""
-        return self.module.named_parameters(prefix=f"{prefix}module", recurse=recurse,
-                                            remove_duplicate=remove_duplicate)
-
-    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
-        """The module's state dict, keys under ``module.`` as DeepSpeed's engine (an nn.Module) has them."""
-        return self.module.state_dict(destination=destination, prefix=f"{prefix}module.", keep_vars=keep_vars)
-
-    @property
-    def _modules(self) -> dict:
-        """DeepSpeed's engine is an ``nn.Module`` whose child is ``module``: code that walks
-        modules (accelerate's unwrapping) finds it there."""
-        return {"module": self._module}
-
-    def __getattr__(self, name: str):
-        """Attributes the engine lacks come from the module, as in DeepSpeed; a method of the
-        model's own classes computes on the devices (``module_methods``)."""
-        if name.startswith("_"):
-            raise AttributeError(name)
-        if module_methods.routed(self._module, name):
-            return functools.partial(self._script_method, name)
-        try:
-            return getattr(self.module, name)
-        except AttributeError:
-            if name in TORCH_XLA_ONLY:
-                raise AttributeError(f"engine.{name} is not supported by the torchax backend (spmd.backend="
-                                     "'torchax', see docs/config.md#the-torchax-backend); spmd.backend='torch_xla' "
-                                     "has it") from None
-            raise AttributeError(f"neither the engine nor its module ({type(self._module).__name__}) has an "
-                                 f"attribute {name!r}") from None
+def engine_attribute(engine, name: str):
+    """An attribute the engine lacks, from its module, as in DeepSpeed; a method of the model's
+    own classes computes on the devices (``module_methods``)."""
+    module = engine.host.wrapped
+    if module_methods.routed(module, name):
+        return functools.partial(script_method, engine, engine.host.configuring, name)
+    try:
+        return getattr(engine.module, name)
+    except AttributeError:
+        if name in TORCH_XLA_ONLY:
+            raise AttributeError(f"engine.{name} is not supported by the torchax backend (spmd.backend="
+                                 "'torchax', see docs/config.md#the-torchax-backend); spmd.backend='torch_xla' "
+                                 "has it") from None
+        raise AttributeError(f"neither the engine nor its module ({type(module).__name__}) has an "
+                             f"attribute {name!r}") from None

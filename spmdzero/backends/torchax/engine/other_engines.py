@@ -45,7 +45,7 @@ def _forward_of(module: torch.nn.Module):
 
 def forward_attributes() -> list:
     """Each live engine's module and the ``forward`` set on it, if any."""
-    return [(e._module, _forward_of(e._module)) for e in list(_live)]
+    return [(e.host.wrapped, _forward_of(e.host.wrapped)) for e in list(_live)]
 
 
 def changed(before: list) -> list:
@@ -66,7 +66,7 @@ class Met(Exception):
     """``engine`` was called inside another engine's trace, which does not take it yet."""
 
     def __init__(self, engine):
-        super().__init__(f"{type(engine._module).__name__}'s engine was called inside another engine's program")
+        super().__init__(f"{type(engine.host.wrapped).__name__}'s engine was called inside another engine's program")
         self.engine = engine
 
 
@@ -101,7 +101,7 @@ def tracing(engine, engines: list, traced: dict | None, env):
             for i, other in enumerate(engines):
                 tensors = env.j2t_iso(traced[i])
                 swaps.enter_context(torch.nn.utils.stateless._reparametrize_module(
-                    other._module, tensors, tie_weights=True, strict=False))
+                    other.host.wrapped, tensors, tie_weights=True, strict=False))
             yield
     finally:
         stack.pop()

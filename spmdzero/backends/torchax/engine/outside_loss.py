@@ -37,7 +37,7 @@ class TiedOutputs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *cotangents):
         record = ctx.record
-        return (None, None, *record.engine._backward_through(record, cotangents))
+        return (None, None, *record.engine.gradients.through(record, cotangents))
 
 
 def tie(record: SimpleNamespace, anchor: torch.Tensor, inputs: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -76,7 +76,7 @@ def load_state_dict(engine, saved: dict) -> None:
                              f"the optimizer's has {len(group['params'])}")
     # the script's edits of the module so far (a model.load_state_dict() first, as a resume does)
     # go to the devices now: taken at the next forward, they would overwrite the masters loaded here
-    engine._take_host_changes()
+    engine.host.take_changes()
     targets = {index: p for group, saved_group in zip(groups, saved_groups)
                for index, p in zip(saved_group["params"], group["params"])}
     names = engine.optimized_names()
@@ -103,8 +103,8 @@ def load_state_dict(engine, saved: dict) -> None:
                                  f"{type(optimizer).__name__} keeps here (it keeps {sorted(live) or 'none yet'})")
     for group, saved_group in zip(groups, saved_groups):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
-    engine._load_state(values)
-    engine._take_host_optimizer_state()
+    engine.load_state(values)
+    engine.take_host_optimizer_state()
     if masters:  # the parameters changed: what a forward before this took is another weights' gradient
         engine.loaded(new_window=False)
 
@@ -116,7 +116,7 @@ def take_given_state(engine) -> None:
     ``state``, the update never read them, and the resumed run restarted its momentum from zero,
     silently; DeepSpeed's engine keeps the optimizer's states."""
     optimizer = engine.basic_optimizer
-    if optimizer is None or not engine._torch_optimizer:
+    if optimizer is None or not engine.torch_optimizer:
         return
     names = engine.optimized_names()
     if not any(optimizer.state.get(p) for p in names):

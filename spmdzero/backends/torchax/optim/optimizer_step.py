@@ -30,7 +30,7 @@ def optimizer_step(engine) -> None:
     if engine.state.accum is None:
         raise RuntimeError(no_gradients(CALL, "the last optimizer step (or since a checkpoint load, or a zero_grad() "
                                               "that dropped the gradients)"))
-    if not engine._window_reduced:
+    if not engine.gradients.window_reduced:
         gas = engine.gradient_accumulation_steps()
         raise RuntimeError(
             f"{CALL} inside a gradient accumulation window (micro-step {engine.micro_steps % gas + 1} of {gas}): the "
@@ -38,9 +38,11 @@ def optimizer_step(engine) -> None:
             "(DeepSpeed's ZeRO optimizer has none reduced then). Call engine.step() after every micro-step; call "
             "engine.optimizer.step() only after the backward of a micro-step where "
             "engine.is_gradient_accumulation_boundary() is True")
+    import jax
+
     clipped = not (engine.plan.stage == 0 and engine.precision.param_dtype == torch.float32)
     # the skipped-step count is the engine's (its _take_model_step counts it): the update program
     # adds to it, so the count before is kept aside (a device copy, no host read)
-    skipped = engine._jax.numpy.copy(engine.state.skipped)
-    engine._apply_update(None, clipped=clipped)
+    skipped = jax.numpy.copy(engine.state.skipped)
+    engine.apply_update(None, clipped=clipped)
     engine.state = engine.state._replace(skipped=skipped)

@@ -18,7 +18,7 @@ models' ``image_sizes`` are the images' original sizes (LLaVA-NeXT), which diffe
 image while the shapes stay: kept, they would compile a program per batch, so they are not.
 
 ``kept_on_host`` wraps such a tensor, where the forward gets it by one of those names, as a
-``HostValue``: a non-tensor leaf, so the program's key holds it (``ForwardPrograms._program``) and
+``HostValue``: a non-tensor leaf, so the program's key holds it (``Forwards.program``) and
 the trace gets it back as a host tensor (``unwrapped``). Only with one process: each process's
 images are its own, and every process must run the same program.
 """

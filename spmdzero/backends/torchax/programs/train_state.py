@@ -50,6 +50,10 @@ class TrainState(NamedTuple):
     rng: Any  # the base random key; each forward folds in (draw_step, its draw) (``forward._forward_key``)
     draw_step: int  # micro-steps the random stream has passed: a checkpoint's ``rng.position``
 
+    def scale(self):
+        """fp16's loss scale in use, a device scalar (None without one): a training program's input."""
+        return None if self.loss_scale is None else self.loss_scale.scale
+
     def stepped(self) -> Stepped:
         """The part the update program steps."""
         return Stepped(*(getattr(self, field) for field in Stepped._fields))
