@@ -78,12 +78,13 @@ PYTEST_NEWEST := $(VENV_NEWEST)/bin/python -m pytest -n $(TEST_WORKERS) --dist l
 # empty for the run and removed after it (JAX's cache keys hold its version: the two stacks do
 # not share entries). The zoo's file has no shared fixtures: with workers, its tests split one
 # by one (--dist load).
-test: setup  ## the full suite (what CI runs): the layers contract, every test, the zoo on transformers 4.57, ON_TORCH_XLA_TOO on torch_xla, then NEWEST_STACK_TESTS on the newest stack
+test: setup  ## the full suite (what CI runs): the layers contract, every test, the zoo and generation on transformers 4.57, ON_TORCH_XLA_TOO on torch_xla, then NEWEST_STACK_TESTS on the newest stack
 	$(VENV)/bin/lint-imports
 	cache=$$(mktemp -d -t spmdzero-tests-jax-cache-XXXXXX) && trap 'rm -rf "$$cache"' EXIT && \
 	export SPMDZERO_TEST_COMPILE_CACHE="$$cache" && \
 	$(PYTEST) && \
-	PYTHONPATH=$(TRANSFORMERS_4) $(PYTEST) --dist load tests/test_transformers_zoo.py && \
+	PYTHONPATH=$(TRANSFORMERS_4) $(PYTEST) --dist load tests/test_transformers_zoo.py \
+		tests/backends/torchax/test_torchax_generation.py && \
 	$(PYTEST_ON_TORCH_XLA) $(ON_TORCH_XLA_TOO) && \
 	$(PYTEST_NEWEST) $(sort $(NEWEST_STACK_TESTS))
 

@@ -21,6 +21,8 @@ from spmdzero.aot.models import ModelSource, build_on_meta
 from spmdzero.runtime import jax_private
 from spmdzero.runtime.jax_runtime import shardy_partitioner
 from spmdzero.sharding.decode_plan import DATA_AXIS, TENSOR_AXIS, DecodePlan, decode_plan
+from spmdzero.sharding.mesh import FSDP_AXIS
+from spmdzero.sharding.plan import make_plan
 from spmdzero.tpu.capture import LIBTPU_MOSAIC_IR_VERSION, compile_mlir
 from spmdzero.tpu.chips import topology_chips
 from spmdzero.tpu.report import AotReport, gib_text
@@ -55,6 +57,7 @@ class DecodeReport:
     generation: Generation
     weight_bytes: int  # per chip, in the generation layout
     cache_bytes: int  # per chip
+    reshard: Optional[AotReport] = None  # the weights from training's ZeRO-3 layout into this one, compiled
 
     @property
     def floor_s(self) -> float:
@@ -79,7 +82,17 @@ class DecodeReport:
             step = roofline["step_s"]
             lines.append(f"  roofline {step * 1e3:.2f} ms a token ({roofline['bound']}-bound) against the HBM floor "
                          f"{self.floor_s * 1e3:.2f} ms: {step / self.floor_s:.2f}x")
+        if self.reshard is not None:
+            moved = self.reshard_sent_bytes()
+            timed = self.reshard.roofline()
+            time = f", roofline {timed['step_s'] * 1e3:.2f} ms" if timed else ""
+            lines.append(f"  reshard from ZeRO-3's layout (once a generation, and back): {moved / 2**20:.1f} MiB "
+                         f"sent per chip{time}")
         return "\n".join(lines)
+
+    def reshard_sent_bytes(self) -> int:
+        """Bytes a chip sends to lay the weights out for generation (the compiled reshard's collectives)."""
+        return sum(v.get("sent", 0) for v in self.reshard.collectives.values()) if self.reshard else 0
 
     def to_dict(self) -> dict:
         roofline = self.step.roofline()
@@ -87,7 +100,10 @@ class DecodeReport:
                 "mesh": dict(self.plan.mesh_shape), "memory": self.step.memory, "total_bytes": self.step.total_bytes,
                 "weight_bytes": self.weight_bytes, "cache_bytes": self.cache_bytes,
                 "collectives": self.step.collectives, "roofline": roofline, "floor_s": self.floor_s,
-                "floor_ratio": roofline["step_s"] / self.floor_s if roofline else None}
+                "floor_ratio": roofline["step_s"] / self.floor_s if roofline else None,
+                "reshard": None if self.reshard is None else {
+                    "collectives": self.reshard.collectives, "sent_bytes": self.reshard_sent_bytes(),
+                    "roofline": self.reshard.roofline()}}
 
 
 def _per_chip(shape: tuple, itemsize: int, spec: tuple, mesh_shape: dict) -> int:
@@ -137,8 +153,31 @@ def compile_decode(source: ModelSource, topology: str, generation: Generation,
     with shardy_partitioner(True), jax_private.mosaic_ir_version_at_most(LIBTPU_MOSAIC_IR_VERSION):
         mlir = program.trace(weights, keys, list(keys), length, tokens).lower(lowering_platforms=("tpu",)).as_text()
     result = compile_mlir(mlir, topology, (), timeout, fixed_outputs=True)
+    reshard = _compile_reshard(model, plan, sharding, topology, timeout)
     mesh_shape = dict(plan.mesh_shape)
     weight_bytes = sum(_per_chip(tuple(p.shape), 2, plan.weights[n], mesh_shape) for n, p in model.named_parameters())
     cache_bytes = 2 * layers * _per_chip(shape, 2, plan.cache, mesh_shape)
     return DecodeReport(AotReport(gradient_bytes=0, backend="torchax", **result), plan, generation, weight_bytes,
-                        cache_bytes)
+                        cache_bytes, reshard)
+
+
+def _compile_reshard(model, plan: DecodePlan, sharding, topology: str, timeout: int) -> AotReport:
+    """The reshard of the bf16 weights from training's ZeRO-3 layout (each split over every chip,
+    ``sharding.plan``) into the generation layout, as one compiled identity: the collectives the
+    compiler inserts between the two layouts, which the engine's generation program runs once a
+    call (``engine/generation.py``) and training's next step undoes."""
+    import jax
+    import jax.numpy as jnp
+
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    chips = int(np.prod(list(plan.mesh_shape.values())))
+    zero3 = make_plan(shapes, {FSDP_AXIS: chips}, stage=3)
+    every_chip = (DATA_AXIS, TENSOR_AXIS)
+    inputs = {n: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sharding(
+        tuple(every_chip if axis is not None else None for axis in zero3[n].param))) for n, shape in shapes}
+    outputs = {n: sharding(plan.weights[n]) for n, _ in shapes}
+    identity = jax.jit(lambda weights: weights, out_shardings=outputs)
+    with shardy_partitioner(True):
+        mlir = identity.trace(inputs).lower(lowering_platforms=("tpu",)).as_text()
+    return AotReport(gradient_bytes=0, backend="torchax", **compile_mlir(mlir, topology, (), timeout,
+                                                                          fixed_outputs=True))

@@ -241,6 +241,9 @@ class SpmdConfig(Section):
     # (spmdzero.backends.torchax.engine.engine); "torch_xla": re-traced by torch_xla every step. Unset, it is
     # the backend whose runtime holds the process's devices (SPMDZERO_BACKEND; spmdzero.initialize).
     backend: Literal["torch_xla", "torchax"] = "torchax"
+    # Where a transformers LM's generate() runs on the torchax backend (spmdzero.backends.torchax.engine.generation):
+    # "devices" (compiled, from the engine's weights) or "host" (the host module's own: PyTorch's draws exactly).
+    generate: Literal["devices", "host"] = "devices"
 
     @field_validator("scan_layers", mode="before")
     @classmethod

@@ -82,6 +82,17 @@ def test_the_decode_step_never_gathers_the_cache(decode):
     assert gathered["bytes"] / gathered["count"] < layer_keys
 
 
+@pytest.mark.slow
+def test_the_reshard_from_zero_3_moves_less_than_a_gather_of_the_model(decode):
+    """The weights go from ZeRO-3's layout (each split over the 4 chips) to the generation one,
+    compiled: a reshard (all-to-alls, small gathers), where gathering them whole for every token
+    would send 3/4 of the model per chip per token."""
+    reshard = decode["decode"]["reshard"]
+    model_bytes = 2 * (2 * (4 * 256 * 256 + 3 * 512 * 256) + 2 * 1024 * 256 + 2 * 2 * 256 + 256)
+    assert 0 < reshard["sent_bytes"] < model_bytes * 3 / 4 / 2
+    assert reshard["roofline"]["step_s"] > 0
+
+
 def test_a_bad_generate_value_is_refused_before_any_compile(tmp_path, capsys):
     import json
 

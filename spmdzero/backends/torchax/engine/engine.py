@@ -46,10 +46,10 @@ and is made of parts, each owning its own bookkeeping and reading the others onl
 they offer: ``placement`` (puts values on the mesh), ``host`` (the wrapped module on the host and
 its edits, ``host_module.HostCopy``), ``forwards`` (placing inputs, the programs by key, outputs
 as torch tensors, ``forward.Forwards``), ``gradients`` (each forward's gradient until its backward,
-``backward.Gradients``) and ``updates`` (the optimizer step, ``update.Updates``). The state's
-checkpoint protocol and the traced step are functions of the engine (``state``,
-``traced_step``). This class builds it all and answers DeepSpeed's API with them; the API common
-to both backends is ``train/engine_base.py``.
+``backward.Gradients``), ``updates`` (the optimizer step, ``update.Updates``) and ``generation``
+(``generate`` on the devices, ``generation.Generation``). The checkpoint protocol and the traced
+step are functions of the engine (``state``, ``traced_step``). This class builds it all and
+answers DeepSpeed's API with them; the API common to both backends is ``train/engine_base.py``.
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ from spmdzero.backends.torchax.engine.backward import Gradients
 from spmdzero.backends.torchax.engine.forward import Forwards
 from spmdzero.backends.torchax.programs.setup import ProgramSetup
 from spmdzero.backends.torchax.engine.update import Updates
+from spmdzero.backends.torchax.engine.generation import Generation
 
 
 class TorchaxEngine(EngineBase):
@@ -183,6 +184,7 @@ class TorchaxEngine(EngineBase):
         self.gradients = Gradients(self, divisor=float(self.gradient_accumulation_steps()))
         self.forwards = Forwards(self)
         self.updates = Updates(self, lr_scheduler)
+        self.generation = Generation(self, cfg.spmd.generate)
         watch_parameters(module, self)
         if optimizer is not None:
             optimizer_state_through_engine(optimizer, self)
@@ -258,8 +260,8 @@ class TorchaxEngine(EngineBase):
         self.micro_steps += 1
         self.state = self.state._replace(draw_step=self.state.draw_step + 1)
         # the training programs traced since the last step (a trace is a compile); an evaluation
-        # forward's program is not the step's
-        traces = sum(n for kind, n in self.traces.items() if kind != "forward")
+        # forward's program is not the step's, nor a generation's (one per bucket)
+        traces = sum(n for kind, n in self.traces.items() if kind not in ("forward", "generate"))
         self.recompile_guard.check(traces - self._traces_at_step, self.global_steps, boundary, self._input_shapes,
                                    warmup=self.new_shape_bucket())
         self._traces_at_step = traces
@@ -307,7 +309,6 @@ class TorchaxEngine(EngineBase):
         anyway; this takes them now."""
         self.host.take_changes()
 
-    # ---- the step as one program, for tools (traced_step.py) ---------------------------------
     def trace_step(self, *inputs, **kwargs) -> "traced_step.TracedStep":
         """One training step at the boundary, traced as ONE program and not run (``spmdzero aot``)."""
         return traced_step.trace_step(self, inputs, kwargs)
@@ -333,9 +334,9 @@ class TorchaxEngine(EngineBase):
     # ---- the module (host_module.py) ----------------------------------------------------------
     @property
     def module(self) -> torch.nn.Module:
-        """The torch module, its parameters brought up to date from the devices when a step
-        changed them since the last read (a device-to-host copy)."""
-        return self.host.current()
+        """The torch module; its parameters come up to date from the devices at their first
+        torch op after a step (``HostCopy.current``)."""
+        return self.host.current(parameters=False)
 
     def train(self, mode: bool = True) -> "TorchaxEngine":
         self.host.wrapped.train(mode)
@@ -369,7 +370,7 @@ class TorchaxEngine(EngineBase):
     def __getattr__(self, name: str):
         """Attributes the engine lacks come from the module, as in DeepSpeed; a method of the
         model's own classes computes on the devices (``host_module.engine_attribute``)."""
-        if name.startswith("_") or name in ("host", "forwards", "gradients", "updates"):
+        if name.startswith("_") or name in ("host", "forwards", "gradients", "updates", "generation"):
             raise AttributeError(name)  # a part asked for before it exists (in __init__)
         return engine_attribute(self, name)
 

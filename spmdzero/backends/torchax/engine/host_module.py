@@ -18,6 +18,7 @@ from torch.utils import _pytree as torch_pytree
 from spmdzero.backends.torchax.programs import frozen
 from spmdzero.backends.torchax.optim import optimizer_state_dict
 from spmdzero.train import module_methods
+from spmdzero.backends.torchax.engine.generation import library_generate
 
 # The torch_xla engine's public names this engine lacks (tests/test_torchax_backend.py checks
 # the list against both classes): asking for one says which backend has it.
@@ -186,21 +187,26 @@ class HostCopy:
         """A forward or a load changed these buffers on the devices."""
         self._buffers_behind.update(names)
 
-    def current(self) -> torch.nn.Module:
-        """The torch module, its parameters brought up to date from the devices when a step
-        changed them since the last read (a device-to-host copy)."""
-        if self._params_behind or self._buffers_behind:
+    def current(self, parameters: bool = True) -> torch.nn.Module:
+        """The torch module, its buffers brought up to date from the devices when a forward
+        changed them, and its parameters too when a step changed them since the last read (a
+        device-to-host copy). ``parameters=False`` leaves them behind: the first torch op on one
+        brings them all (``use``), and a call that only passes the module on (``engine.module``
+        to ``generate``, which runs on the devices) copies nothing."""
+        params = parameters and self._params_behind
+        if params or self._buffers_behind:
             from torchax.ops import mappings
 
             state = self._engine.state
             with torch.no_grad(), warnings.catch_warnings(), _unwatched():
                 warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # it is copied
                 for name, t in self._tensors:  # a frozen parameter's value is a constant, as a buffer's
-                    if self._params_behind and name in state.params:
+                    if params and name in state.params:
                         t.copy_(mappings.j2t(state.params[name], use_dlpack=False))
                     elif name in self._buffers_behind:
                         t.copy_(mappings.j2t(state.constants[name], use_dlpack=False))
-            self._params_behind, self._buffers_behind = False, set()
+            self._params_behind = self._params_behind and not params
+            self._buffers_behind = set()
             self._versions_seen = self._versions()
         return self.wrapped
 
@@ -290,6 +296,9 @@ def engine_attribute(engine, name: str):
     """An attribute the engine lacks, from its module, as in DeepSpeed; a method of the model's
     own classes computes on the devices (``module_methods``)."""
     module = engine.host.wrapped
+    if name == "generate" and library_generate(type(module)):  # on the devices (generation.py)
+        return lambda *args, **kwargs: engine.generation.generate(args, kwargs,
+                                                                  lambda: engine.module.generate(*args, **kwargs))
     if module_methods.routed(module, name):
         return functools.partial(script_method, engine, engine.host.configuring, name)
     try:

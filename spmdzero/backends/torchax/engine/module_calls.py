@@ -38,6 +38,7 @@ import weakref
 import torch
 
 from spmdzero.backends.torchax.engine import other_engines
+from spmdzero.backends.torchax.engine.generation import library_generate
 
 # id(module) -> (a weak reference to the module, a weak reference to the engine that wraps it)
 _wrapped: dict = {}
@@ -83,6 +84,12 @@ def _engine_class(cls: type) -> type:
             engine.zero_grad()
         return cls.zero_grad(self, set_to_none)
 
+    def generate(self, *args, **kwargs):  # on the devices (generation.py), else the class's own
+        engine = engine_of(self)
+        if engine is None or other_engines.tracing_engine() is not None:
+            return cls.generate(self, *args, **kwargs)
+        return engine.generation.generate(args, kwargs, lambda: cls.generate(engine.module, *args, **kwargs))
+
     def __reduce_ex__(self, protocol):
         """Pickled and copied as ``cls``: ``copyreg.__newobj__`` must get the object's own
         class, its older sibling ``_reconstructor`` takes any (both from the standard library,
@@ -92,7 +99,10 @@ def _engine_class(cls: type) -> type:
             reduced[:2] = [copyreg._reconstructor, (cls, object, None)]
         return tuple(reduced)
 
+    methods = {"__call__": __call__, "zero_grad": zero_grad, "__reduce_ex__": __reduce_ex__}
+    if library_generate(cls):
+        methods["generate"] = generate
     engine_class = type(cls.__name__, (cls,), {
-        "__call__": __call__, "zero_grad": zero_grad, "__reduce_ex__": __reduce_ex__,
+        **methods,
         "_spmdzero_engine_class": True, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
     return engine_class

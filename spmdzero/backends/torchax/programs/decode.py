@@ -60,12 +60,28 @@ def cache_shape(module: torch.nn.Module, batch: int, max_length: int) -> tuple:
     return (batch, heads, max_length, head_dim)
 
 
+def cache_holding(env, config, max_length: int, keys: list, values: list, length, shape: tuple):
+    """transformers' ``StaticCache`` whose layers hold these arrays (``shape``: one layer's
+    ``[batch, kv heads, max length, head dim]``), ``length`` slots filled: a program's inputs
+    as the model's cache for one call (4.57's and 5.x's attribute names both set)."""
+    from transformers.cache_utils import StaticCache
+
+    batch, heads, _, head_dim = shape
+    cache = StaticCache(config=config, max_cache_len=max_length)
+    for layer, k, v in zip(cache.layers, keys, values):
+        layer.keys, layer.values = env.j2t_iso(k), env.j2t_iso(v)
+        layer.cumulative_length = env.j2t_iso(length)
+        layer.device, layer.batch_size, layer.num_heads = layer.keys.device, batch, heads
+        layer.max_batch_size, layer.dtype = batch, layer.keys.dtype  # transformers 4.x's names
+        layer.k_head_dim = layer.v_head_dim = layer.head_dim = head_dim
+        layer.is_initialized = True
+    return cache
+
+
 def build_decode(setup: DecodeSetup):
     """The decode program, jitted, the cache donated (see the module docstring)."""
     import jax
     import jax.numpy as jnp
-    from transformers.cache_utils import StaticCache
-
     from spmdzero.backends.torchax.lowering import lowerings
     from spmdzero.backends.torchax.patches import transformers_methods
 
@@ -77,14 +93,8 @@ def build_decode(setup: DecodeSetup):
     def decode(weights, keys, values, length, tokens):
         with env, _attention_by_heads(env, setup.cache_sharding):
             tensors = env.j2t_iso({**weights, **{n: env.t2j_copy(b) for n, b in buffers.items()}})
-            cache = StaticCache(config=module.config, max_cache_len=setup.max_length)
-            for layer, k, v in zip(cache.layers, keys, values):
-                layer.keys, layer.values = env.j2t_iso(k), env.j2t_iso(v)
-                layer.cumulative_length = env.j2t_iso(length)
-                layer.device, layer.batch_size, layer.num_heads = layer.keys.device, batch, heads
-                layer.max_batch_size, layer.dtype = batch, layer.keys.dtype  # transformers 4.x's names
-                layer.k_head_dim = layer.v_head_dim = layer.head_dim = head_dim
-                layer.is_initialized = True
+            cache = cache_holding(env, module.config, setup.max_length, keys, values, length,
+                                  (batch, heads, setup.max_length, head_dim))
             positions = env.j2t_iso(jnp.broadcast_to(length, (batch, 1)).astype(jnp.int32))
             inputs = {"input_ids": env.j2t_iso(tokens), "position_ids": positions, "use_cache": True,
                       "logits_to_keep": 1}

@@ -1,0 +1,206 @@
+"""``generate`` on the devices: a part of ``TorchaxEngine`` (``engine.generation``).
+
+A transformers causal LM's ``generate``, called as ``engine.generate(...)``,
+``engine.module.generate(...)`` or on the script's own model (``unwrap_model(model).generate``,
+TRL's ``unwrap_model_for_generation``), decodes on the devices from the engine's weights where
+they are (``programs/generate.py``): no copy of the parameters to the host, one program per
+batch, prompt bucket and new-token bucket, no host read per token. Only the new tokens and
+their count come back. Greedy search gives transformers' tokens; sampling (temperature, top-k,
+top-p, min-p) draws with ``jax.random`` from a seed taken from torch's generator, so
+``torch.manual_seed`` makes it reproducible, but the draws are not torch's. The rows are split
+over the data-parallel devices when they divide evenly.
+
+What it does not run on the devices yet goes to the host module's own ``generate``, as before,
+said once with the reason: beam search, other logits processors and stopping criteria,
+encoder-decoder models, a module in training mode with dropout on (torch's dropout draws),
+``inputs_embeds``, outputs other than the token ids (``return_dict_in_generate``), several
+processes. ``"spmd": {"generate": "host"}`` sends every call there: PyTorch's tokens and draws
+exactly (the parity setting). Why a fallback rather than an error: those calls give plain
+PyTorch's results today, and a script must not break because one of its calls is not yet fast."""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+import torch
+
+from spmdzero.observe.console import say_once
+from spmdzero.sharding.decode_plan import DATA_AXIS as PLAN_DATA, TENSOR_AXIS, DecodePlan, decode_plan
+from spmdzero.sharding.mesh import DATA_AXIS, FSDP_AXES, data_parallel_axes, data_parallel_size
+from spmdzero.train.shape_buckets import SequenceBuckets
+from spmdzero.backends.torchax.engine import other_engines
+from spmdzero.backends.torchax.programs.decode import cache_shape
+from spmdzero.backends.torchax.programs.generate import build_generate
+
+# generate() arguments the device program follows, besides the prompt and its mask
+FOLLOWED = frozenset({"max_new_tokens", "max_length", "eos_token_id", "pad_token_id", "do_sample", "num_beams",
+                      "use_cache", "synced_gpus", "generation_config", "temperature", "top_k", "top_p", "min_p",
+                      "bos_token_id", "return_dict_in_generate", "output_scores", "output_logits",
+                      "output_attentions", "output_hidden_states", "num_return_sequences"})
+# generation-config fields that change nothing in greedy search (the rest would: processors, beams)
+NEUTRAL = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "max_length", "max_new_tokens", "do_sample",
+                     "num_beams", "temperature", "top_k", "top_p", "use_cache", "transformers_version",
+                     "_from_model_config", "decoder_start_token_id", "num_return_sequences",
+                     "return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
+                     "output_hidden_states", "cache_implementation", "min_p"})
+NEW_TOKENS = SequenceBuckets()  # new-token budgets rounded up to a power of two (from 16)
+PROMPTS = SequenceBuckets()  # prompt lengths, likewise
+
+
+def library_generate(cls: type) -> bool:
+    """Whether ``cls.generate`` is transformers' (or PEFT's around it): the one this part runs. A
+    model's own ``generate`` is the script's code and runs as it is."""
+    for klass in cls.__mro__:
+        if "generate" in klass.__dict__:
+            return klass.__module__.split(".")[0] in ("transformers", "peft")
+    return False
+
+
+class GenerationLayout(NamedTuple):
+    """Where generation's arrays lie on the training mesh (``NamedSharding``s)."""
+
+    weights: dict  # trained parameter name -> its layout while generating (none: as training holds it)
+    rows: Any  # the prompts' and the tokens' rows
+    cache: Any  # each layer's KV cache, [batch, kv heads, length, head dim]
+    plan: Optional[DecodePlan]  # the tensor-parallel plan at ZeRO-3
+
+
+class Generation:
+    """The engine's ``generate`` (see the module docstring). Owns the generation programs, by
+    batch, prompt bucket, new-token bucket and the module's mode."""
+
+    def __init__(self, engine, where: str):
+        self._engine = weakref.proxy(engine)  # the engine holds this part; the part does not keep it alive
+        self.where = where  # spmd.generate: "devices", or "host" (the host module's own generate)
+        self.programs: dict = {}
+        self.calls = 0  # generate() calls run on the devices
+
+    def generate(self, args: tuple, kwargs: dict, on_host):
+        """``generate(*args, **kwargs)`` on the devices, or ``on_host()`` (the module's own
+        ``generate``) for what they do not run yet, said once with why."""
+        why = ('"spmd": {"generate": "host"}' if self.where == "host"
+               else self.unsupported(args, kwargs))
+        if why is not None:
+            say_once([f"generate() runs on the host module ({why}): the weights are copied to the host for it"])
+            return on_host()
+        return self._run(*self._read(args, kwargs))
+
+    def unsupported(self, args: tuple, kwargs: dict) -> Optional[str]:
+        """Why this call does not run on the devices yet, or None."""
+        module = self._engine.host.wrapped
+        config = getattr(module, "config", None)
+        if config is None or getattr(config, "is_encoder_decoder", False) or not hasattr(module, "generation_config"):
+            return f"{type(module).__name__} is not a transformers decoder-only LM"
+        if len(args) > 1 or (args and not isinstance(args[0], torch.Tensor)):
+            return "positional arguments after the prompt"
+        extra = sorted(set(kwargs) - FOLLOWED - {"input_ids", "inputs", "attention_mask"})
+        if extra:
+            return f"{', '.join(extra)}"
+        generation = kwargs.get("generation_config") or module.generation_config
+        changed = sorted(k for k in generation.to_diff_dict() if k not in NEUTRAL)
+        if changed:
+            return f"generation_config sets {', '.join(changed)}"
+        setting = {k: kwargs.get(k, getattr(generation, k, None)) for k in
+                   ("do_sample", "num_beams", "return_dict_in_generate", "num_return_sequences")}
+        if (setting["num_beams"] or 1) > 1 or (setting["num_return_sequences"] or 1) > 1:
+            return "beam search"
+        if setting["return_dict_in_generate"]:
+            return "return_dict_in_generate"
+        prompt = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2:
+            return "no [batch, length] input_ids"
+        if self._engine.processes > 1:
+            return "several processes: each one's prompts on the global mesh are not there yet"
+        if module.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in module.modules()):
+            return "the module is in training mode with dropout on (call model.eval() first)"
+        return None
+
+    def layout(self, batch: int) -> GenerationLayout:
+        """The generation layout on the training mesh. Below ZeRO-3 the weights are replicated
+        already: the rows split over the data-parallel devices (when they divide evenly), the
+        cache with them. At ZeRO-3, DeepSpeed's Hybrid Engine as annotations
+        (``sharding/decode_plan.py``): the ``fsdp`` devices are the tensor-parallel group (heads
+        and MLP columns split, the KV cache by heads when they divide), the ``data`` devices
+        split the rows. Gathering each weight whole for every token would send the whole model
+        per token; this reshards once per call."""
+        engine = self._engine
+        shape = dict(engine.mesh.shape)
+        sharding = engine.placement.sharding
+        if engine.plan.stage < 3:
+            axes = data_parallel_axes(shape)
+            rows = axes if axes and batch % data_parallel_size(shape) == 0 else None
+            return GenerationLayout({}, sharding((rows,)), sharding((rows, None, None, None)), None)
+        group = tuple(a for a in FSDP_AXES if a in shape)
+        data = shape.get(DATA_AXIS, 1)
+        plan = decode_plan([(n, tuple(a.shape)) for n, a in engine.state.params.items()], data,
+                           int(np.prod([shape[a] for a in group])), cache_shape(engine.host.wrapped, 1, 1)[1])
+        names = {TENSOR_AXIS: group or None, PLAN_DATA: DATA_AXIS if DATA_AXIS in shape else None}
+        rows = names[PLAN_DATA] if batch % data == 0 else None
+        weights = {n: sharding(tuple(names.get(a) for a in spec)) for n, spec in plan.weights.items()}
+        cache = (rows, names[TENSOR_AXIS] if plan.cache[1] else None, None, None)
+        return GenerationLayout(weights, sharding((rows,)), sharding(cache), plan)
+
+    def _read(self, args: tuple, kwargs: dict) -> tuple:
+        """The prompt, its mask, the new-token count, the EOS ids and the pad id, as transformers
+        reads them from the call and the generation config."""
+        module = self._engine.host.wrapped
+        generation = kwargs.get("generation_config") or module.generation_config
+        ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        mask = kwargs.get("attention_mask")
+        new = kwargs.get("max_new_tokens", generation.max_new_tokens)
+        if new is None:
+            new = kwargs.get("max_length", generation.max_length) - ids.shape[1]
+        eos = kwargs.get("eos_token_id", generation.eos_token_id)
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        pad = kwargs.get("pad_token_id", generation.pad_token_id)
+        pad = pad if pad is not None else eos[0] if eos else 0  # as transformers, which warns
+        if mask is None:  # transformers' default: every token, but pad tokens when pad is not EOS
+            mask = torch.ones_like(ids) if pad in eos or not (ids == pad).any() else (ids != pad).long()
+        setting = {k: kwargs.get(k, getattr(generation, k, None)) for k in ("do_sample", "temperature", "top_k",
+                                                                            "top_p", "min_p")}
+        knobs = None
+        if setting["do_sample"]:  # as transformers reads them: None is off (temperature 1, top-k 0, top-p 1)
+            knobs = np.array([setting["temperature"] or 1.0, setting["top_k"] or 0,
+                              1.0 if setting["top_p"] is None else setting["top_p"], setting["min_p"] or 0.0],
+                             np.float32)
+        return ids, mask, int(new), eos, int(pad), knobs
+
+    def _run(self, ids: torch.Tensor, mask: torch.Tensor, new: int, eos: list, pad: int,
+             knobs: Optional[np.ndarray]) -> torch.Tensor:
+        import jax
+
+        engine = self._engine
+        if new <= 0:
+            return ids
+        engine.host.take_changes()
+        batch, fed = ids.shape
+        prompt, budget = PROMPTS.length(fed), NEW_TOKENS.length(new)
+        left = prompt - fed  # more left padding, masked: the prompt reaches its bucket
+        padded = np.full((batch, prompt), pad, np.int32)
+        padded[:, left:] = ids.cpu().numpy()
+        padded_mask = np.zeros((batch, prompt), np.int32)
+        padded_mask[:, left:] = mask.cpu().numpy()
+        placement, sample = engine.placement, knobs is not None
+        layout = self.layout(batch)
+        rows = layout.rows
+        key = (batch, prompt, budget, sample, engine.host.wrapped.training, len(eos))
+        if key not in self.programs:
+            if layout.plan is not None:
+                say_once([f"generate() at ZeRO-3: {layout.plan.describe()}, over the training mesh's fsdp devices"])
+            tracing = functools.partial(other_engines.tracing, engine, [], None, engine.env)
+            self.programs[key] = build_generate(engine.setup, batch, prompt, budget, sample, layout, tracing)
+        put = lambda value, layout=placement.replicated: placement.put(torch.as_tensor(value), layout)  # noqa: E731
+        # the seed: drawn from torch's generator, which torch.manual_seed sets (one draw a call)
+        seed = int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64)) if sample else 0
+        knobs = np.ones(4, np.float32) if knobs is None else knobs
+        out, count = self.programs[key](engine.state.params, engine.state.constants, put(padded, rows),
+                                        put(padded_mask, rows), put(np.array(eos, np.int32)), put(np.int32(pad)),
+                                        put(np.int32(new)), put(knobs), put(np.uint32(seed)))
+        engine.runs["generate"] += 1
+        self.calls += 1
+        out, count = jax.device_get((out, count))  # the one read: the tokens, and how many
+        tokens = torch.from_numpy(np.asarray(out)[:, :int(count)]).to(ids.dtype)
+        return torch.cat([ids.cpu(), tokens], dim=1)

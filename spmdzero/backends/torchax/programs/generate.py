@@ -1,0 +1,137 @@
+"""The generation program: greedy decoding or sampling of a transformers causal LM on the devices,
+as one plain JAX function of the engine's weights, the prompts and a static KV cache made inside it.
+
+``(params, constants, ids, mask, eos, pad, steps, knobs, seed) -> (new tokens, count)``: the prompt (left
+padded, ``[batch, prompt bucket]``) fills the cache in one forward (the prefill), then a
+``jax.lax.while_loop`` feeds each new token back, one forward per token, until ``steps`` tokens
+or every row has ended at an EOS token. The loop runs on the devices: no host read per token, and
+the weights are read where they are (at ZeRO-3 laid out tensor-parallel once per call, outside
+the loop: ``sharding/decode_plan.py``).
+Only the tokens and their count come back.
+
+Why one program per prompt and new-token bucket: its shapes are the cache's
+(``[batch, kv heads, prompt + new, head dim]`` per layer), so a prompt padded to a bucket length
+and a token budget rounded up to one reuse it; the number of steps asked for is an input. It
+follows transformers' greedy search exactly: position ids from the attention mask's cumulative
+sum, the mask extended by ones for every new token, rows that ended padded with ``pad`` after
+their EOS token, the loop stopping when every row has ended. Sampling warps the logits as
+transformers' processors do, in their order (temperature, top-k, top-p, min-p: ``knobs``, traced,
+so new values do not compile again) and draws with ``jax.random`` from ``seed`` folded with the
+token's index: reproducible from a seed, not torch's draws. transformers' ``StaticCache`` is
+handed the loop's arrays as its layers' tensors for each forward, as ``programs/decode.py`` does
+for ``spmdzero aot --generate``."""
+
+from __future__ import annotations
+
+import torch
+
+from spmdzero.backends.torchax.lowering import attention, autocast, traced_checks
+from spmdzero.backends.torchax.patches import registry, transformers_methods
+from spmdzero.backends.torchax.lowering.values import jax_dtype
+from spmdzero.backends.torchax.programs.decode import cache_holding, cache_shape
+from spmdzero.backends.torchax.programs.setup import ProgramSetup
+
+
+def warped(logits, knobs):
+    """Logits as transformers' sampling processors leave them: divided by the temperature, then
+    those outside the top k, outside the top p of the probability mass, and below min p times the
+    largest probability set to -inf (``knobs``: temperature, k (0: off), p (1: off), min p (0: off))."""
+    import jax
+    import jax.numpy as jnp
+
+    temperature, top_k, top_p, min_p = knobs[0], knobs[1].astype(jnp.int32), knobs[2], knobs[3]
+    scores = logits / temperature
+    vocab = scores.shape[-1]
+    descending = -jnp.sort(-scores, axis=-1)
+    k = jnp.where(top_k > 0, jnp.clip(top_k, 1, vocab), vocab)
+    scores = jnp.where(scores < descending[:, k - 1][:, None], -jnp.inf, scores)
+    ascending = jnp.sort(scores, axis=-1)
+    removed = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1) <= 1 - top_p
+    removed = removed.at[:, -1].set(False)  # the likeliest token stays
+    threshold = jnp.take_along_axis(ascending, jnp.argmin(removed, axis=-1)[:, None], axis=-1)
+    scores = jnp.where(scores < threshold, -jnp.inf, scores)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.where(probs < min_p * probs.max(-1, keepdims=True), -jnp.inf, scores)
+
+
+def build_generate(setup: ProgramSetup, batch: int, prompt: int, new: int, sample: bool, layouts, tracing):
+    """The generation program for ``batch`` prompts of ``prompt`` tokens (a bucket) and up to
+    ``new`` new tokens, jitted (see the module docstring); ``sample``: sampling, else greedy;
+    ``layouts``: where the weights, the rows and the KV cache lie while it runs
+    (``engine/generation.GenerationLayout``); ``tracing()``: the context that tells the module's
+    calls they are traced (the engine's ``other_engines.tracing``: not routed through the engine
+    again)."""
+    import jax
+    import jax.numpy as jnp
+
+    env, module, policy = setup.env, setup.module, setup.policy
+    config = module.config
+    max_length = prompt + new
+    shape = cache_shape(module, batch, max_length)
+    layers = config.num_hidden_layers
+    facts = registry.TraceFacts([], setup.expert_matmuls)
+    dtype = policy.param_dtype
+
+    def logits_of(tensors, tokens, positions, start, full_mask, keys, values):
+        """The last position's logits after feeding ``tokens`` at cache slots ``start...``, and the cache."""
+        cache = cache_holding(env, config, max_length, keys, values, start, shape)
+        length = tokens.shape[1]
+        inputs = {"input_ids": env.j2t_iso(tokens), "position_ids": env.j2t_iso(positions),
+                  "attention_mask": env.j2t_iso(full_mask), "use_cache": True, "logits_to_keep": 1}
+        if transformers_methods.transformers_4():  # the cache's slots are given; 5.x counts them itself
+            inputs.update(past_key_values=cache, cache_position=env.j2t_iso(start + jnp.arange(length)))
+        else:
+            inputs["cache"] = cache
+        output = torch.func.functional_call(module, tensors, (), inputs)
+        logits = env.t2j_iso(output.logits)[:, -1].astype(jnp.float32)
+        return logits, [layer.keys._elem for layer in cache.layers], [layer.values._elem for layer in cache.layers]
+
+    def chosen(logits, knobs, seed, i):
+        """The next token: the likeliest, or drawn from the warped logits with the token's key."""
+        if not sample:
+            return logits.argmax(-1).astype(jnp.int32)
+        key = jax.random.fold_in(jax.random.key(seed), i)
+        return jax.random.categorical(key, warped(logits, knobs), axis=-1).astype(jnp.int32)
+
+    def generate(params, constants, ids, mask, eos, pad, steps, knobs, seed):
+        setup.count_trace("generate")
+        # the weights in the generation layout: as training holds them at ZeRO-1/2 (replicated),
+        # tensor-parallel at ZeRO-3 (the Hybrid Engine's); one reshard a call, before the loop
+        weights = {**{n: jax.lax.with_sharding_constraint(p, layouts.weights[n]) if n in layouts.weights else p
+                      for n, p in params.items()}, **constants}
+        full_mask = jnp.concatenate([mask, jnp.ones((batch, new), mask.dtype)], axis=1)
+        # transformers' position ids: the mask's cumulative sum, 1 where it is 0 (left padding)
+        positions = jnp.where(mask == 0, 1, jnp.cumsum(mask, axis=1) - 1).astype(jnp.int32)
+        last_position = positions[:, -1]
+        zeros = jax.lax.with_sharding_constraint(jnp.zeros(shape, jax_dtype(dtype)), layouts.cache)
+        keys, values = [zeros] * layers, [zeros] * layers
+
+        def ended_by(tokens):
+            return jnp.isin(tokens, eos) if eos.shape[0] else jnp.zeros(tokens.shape, bool)
+
+        with env, torch.no_grad(), tracing(), attention.choosing(setup.attention_kernels, env), \
+                autocast.autocasting(env, policy.autocast_dtype), traced_checks.placeholder_checks_left_out(), \
+                registry.entered(facts):
+            tensors = env.j2t_iso(weights)
+            logits, keys, values = logits_of(tensors, ids, positions, jnp.int32(0), full_mask, keys, values)
+            first = chosen(logits, knobs, seed, 0)
+            out = jnp.full((batch, new), pad, jnp.int32).at[:, 0].set(first)
+
+            def more(carry):
+                i, _, ended, _, _ = carry
+                return (i < steps) & ~ended.all()
+
+            def one(carry):
+                i, out, ended, keys, values = carry
+                token = jax.lax.dynamic_slice_in_dim(out, i - 1, 1, axis=1)
+                logits, keys, values = logits_of(tensors, token, (last_position + i)[:, None], prompt + i - 1,
+                                                 full_mask, keys, values)
+                following = jnp.where(ended, pad, chosen(logits, knobs, seed, i))
+                out = jax.lax.dynamic_update_slice_in_dim(out, following[:, None], i, axis=1)
+                return i + 1, out, ended | ended_by(following), keys, values
+
+            count, out, _, _, _ = jax.lax.while_loop(more, one, (jnp.int32(1), out, ended_by(first), keys, values))
+        return out, count
+
+    return setup.compile.program(generate, "generate")
+
