@@ -104,14 +104,14 @@ def test_one_program_per_bucket_and_eos_stops_as_in_transformers():
     ids, mask = prompts()
     first = plain.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     eos = int(first[0, ids.shape[1] + 3])  # a token greedy search reaches: rows end there
-    for longest, new in [(7, 12), (5, 9), (30, 16)]:  # one prompt bucket (128), one new-token bucket (128)
+    for longest, new in [(7, 12), (5, 9), (30, 16)]:  # one prompt bucket (32), one new-token bucket (16)
         ids, mask = prompts(longest=longest)
         out = engine.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=eos, pad_token_id=0)
         expected = plain.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=eos,
                                   pad_token_id=0)
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
     assert engine.traces["generate"] == 1
-    ids, mask = prompts(longest=130)  # the next prompt bucket (256): a second program
+    ids, mask = prompts(longest=33)  # the next prompt bucket (64): a second program
     engine.generate(ids, attention_mask=mask, max_new_tokens=4)
     assert engine.traces["generate"] == 2
 
@@ -128,6 +128,8 @@ def test_sampling_on_the_devices_is_reproducible_and_keeps_to_the_warped_tokens(
     first, again, other = sampled(5, top_k=5), sampled(5, top_k=5), sampled(6, top_k=5)
     torch.testing.assert_close(again, first, rtol=0, atol=0)  # a seed gives the same tokens
     assert not torch.equal(first, other)
+    sampled(5, top_k=5, temperature=0.7)
+    assert engine.traces["generate"] == 1  # new temperatures and seeds are inputs, not new programs
     # every drawn token is among the 5 likeliest after the tokens before it, on plain PyTorch
     with torch.no_grad():
         logits = plain(first, attention_mask=torch.cat([mask, torch.ones(4, 8, dtype=mask.dtype)], 1)).logits
@@ -137,8 +139,7 @@ def test_sampling_on_the_devices_is_reproducible_and_keeps_to_the_warped_tokens(
     greedy = plain.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     torch.testing.assert_close(sampled(7, top_k=1), greedy, rtol=0, atol=0)
     torch.testing.assert_close(sampled(7, top_k=0, top_p=1e-6), greedy, rtol=0, atol=0)
-    assert engine.traces["generate"] == 1  # new knobs and seeds are inputs, not new programs
-    assert engine.generation.calls == 5
+    assert engine.generation.calls == 6
 
 
 def test_the_parity_setting_samples_as_pytorch_on_the_host():

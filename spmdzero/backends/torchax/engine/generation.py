@@ -30,7 +30,6 @@ import torch
 from spmdzero.observe.console import say_once
 from spmdzero.sharding.decode_plan import DATA_AXIS as PLAN_DATA, TENSOR_AXIS, DecodePlan, decode_plan
 from spmdzero.sharding.mesh import DATA_AXIS, FSDP_AXES, data_parallel_axes, data_parallel_size
-from spmdzero.train.shape_buckets import SequenceBuckets
 from spmdzero.backends.torchax.engine import other_engines
 from spmdzero.backends.torchax.programs.decode import cache_shape
 from spmdzero.backends.torchax.programs.generate import build_generate
@@ -46,8 +45,29 @@ NEUTRAL = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "max_length
                      "_from_model_config", "decoder_start_token_id", "num_return_sequences",
                      "return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
                      "output_hidden_states", "cache_implementation", "min_p"})
-NEW_TOKENS = SequenceBuckets()  # new-token budgets rounded up to a power of two (from 16)
-PROMPTS = SequenceBuckets()  # prompt lengths, likewise
+
+
+class Knobs(NamedTuple):
+    """Sampling's settings, as transformers reads them (``None`` is off)."""
+
+    temperature: float
+    top_k: int  # 0: off
+    top_p: float  # 1: off
+    min_p: float  # 0: off
+
+    def structure(self) -> tuple:
+        """What the program is built for: top-k's k (a partial sort of that size), whether top-p
+        and min-p run. The temperature and the p values are its inputs."""
+        return (self.top_k, self.top_p < 1.0, self.min_p > 0.0)
+
+
+def bucket(length: int, floor: int) -> int:
+    """``length`` rounded up to a power of two, at least ``floor``: each bucket is one compile,
+    and a bigger one costs cache slots and prefill work on every call."""
+    return max(floor, 1 << max(length - 1, 0).bit_length())
+
+
+PROMPT_FLOOR, NEW_TOKENS_FLOOR = 32, 16
 
 
 def library_generate(cls: type) -> bool:
@@ -163,13 +183,12 @@ class Generation:
                                                                             "top_p", "min_p")}
         knobs = None
         if setting["do_sample"]:  # as transformers reads them: None is off (temperature 1, top-k 0, top-p 1)
-            knobs = np.array([setting["temperature"] or 1.0, setting["top_k"] or 0,
-                              1.0 if setting["top_p"] is None else setting["top_p"], setting["min_p"] or 0.0],
-                             np.float32)
+            knobs = Knobs(float(setting["temperature"] or 1.0), int(setting["top_k"] or 0),
+                          1.0 if setting["top_p"] is None else float(setting["top_p"]), float(setting["min_p"] or 0.0))
         return ids, mask, int(new), eos, int(pad), knobs
 
     def _run(self, ids: torch.Tensor, mask: torch.Tensor, new: int, eos: list, pad: int,
-             knobs: Optional[np.ndarray]) -> torch.Tensor:
+             knobs: Optional[Knobs]) -> torch.Tensor:
         import jax
 
         engine = self._engine
@@ -177,7 +196,7 @@ class Generation:
             return ids
         engine.host.take_changes()
         batch, fed = ids.shape
-        prompt, budget = PROMPTS.length(fed), NEW_TOKENS.length(new)
+        prompt, budget = bucket(fed, PROMPT_FLOOR), bucket(new, NEW_TOKENS_FLOOR)
         left = prompt - fed  # more left padding, masked: the prompt reaches its bucket
         padded = np.full((batch, prompt), pad, np.int32)
         padded[:, left:] = ids.cpu().numpy()
@@ -186,16 +205,18 @@ class Generation:
         placement, sample = engine.placement, knobs is not None
         layout = self.layout(batch)
         rows = layout.rows
-        key = (batch, prompt, budget, sample, engine.host.wrapped.training, len(eos))
+        # which warpers run is the program's (top-k's k sizes a partial sort); their values are inputs
+        sampling = None if knobs is None else knobs.structure()
+        key = (batch, prompt, budget, sampling, engine.host.wrapped.training, len(eos))
         if key not in self.programs:
             if layout.plan is not None:
                 say_once([f"generate() at ZeRO-3: {layout.plan.describe()}, over the training mesh's fsdp devices"])
             tracing = functools.partial(other_engines.tracing, engine, [], None, engine.env)
-            self.programs[key] = build_generate(engine.setup, batch, prompt, budget, sample, layout, tracing)
+            self.programs[key] = build_generate(engine.setup, batch, prompt, budget, sampling, layout, tracing)
         put = lambda value, layout=placement.replicated: placement.put(torch.as_tensor(value), layout)  # noqa: E731
         # the seed: drawn from torch's generator, which torch.manual_seed sets (one draw a call)
         seed = int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64)) if sample else 0
-        knobs = np.ones(4, np.float32) if knobs is None else knobs
+        knobs = np.ones(4, np.float32) if knobs is None else np.array(knobs, np.float32)
         out, count = self.programs[key](engine.state.params, engine.state.constants, put(padded, rows),
                                         put(padded_mask, rows), put(np.array(eos, np.int32)), put(np.int32(pad)),
                                         put(np.int32(new)), put(knobs), put(np.uint32(seed)))

@@ -15,8 +15,8 @@ and a token budget rounded up to one reuse it; the number of steps asked for is 
 follows transformers' greedy search exactly: position ids from the attention mask's cumulative
 sum, the mask extended by ones for every new token, rows that ended padded with ``pad`` after
 their EOS token, the loop stopping when every row has ended. Sampling warps the logits as
-transformers' processors do, in their order (temperature, top-k, top-p, min-p: ``knobs``, traced,
-so new values do not compile again) and draws with ``jax.random`` from ``seed`` folded with the
+transformers' processors do, in their order (temperature, top-k, top-p, min-p: the values are
+traced, so new ones do not compile again; top-k's k and which warpers run are the program's) and draws with ``jax.random`` from ``seed`` folded with the
 token's index: reproducible from a seed, not torch's draws. transformers' ``StaticCache`` is
 handed the loop's arrays as its layers' tensors for each forward, as ``programs/decode.py`` does
 for ``spmdzero aot --generate``."""
@@ -32,31 +32,35 @@ from spmdzero.backends.torchax.programs.decode import cache_holding, cache_shape
 from spmdzero.backends.torchax.programs.setup import ProgramSetup
 
 
-def warped(logits, knobs):
-    """Logits as transformers' sampling processors leave them: divided by the temperature, then
-    those outside the top k, outside the top p of the probability mass, and below min p times the
-    largest probability set to -inf (``knobs``: temperature, k (0: off), p (1: off), min p (0: off))."""
+def warped(logits, knobs, structure: tuple):
+    """Logits as transformers' sampling processors leave them, in their order: divided by the
+    temperature, then those outside the top k, outside the top p of the probability mass, and
+    below min p times the largest probability set to -inf. ``knobs``: temperature, k, p, min p
+    (traced); ``structure``: (k (0: off), top-p on, min-p on), the program's."""
     import jax
     import jax.numpy as jnp
 
-    temperature, top_k, top_p, min_p = knobs[0], knobs[1].astype(jnp.int32), knobs[2], knobs[3]
-    scores = logits / temperature
-    vocab = scores.shape[-1]
-    descending = -jnp.sort(-scores, axis=-1)
-    k = jnp.where(top_k > 0, jnp.clip(top_k, 1, vocab), vocab)
-    scores = jnp.where(scores < descending[:, k - 1][:, None], -jnp.inf, scores)
-    ascending = jnp.sort(scores, axis=-1)
-    removed = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1) <= 1 - top_p
-    removed = removed.at[:, -1].set(False)  # the likeliest token stays
-    threshold = jnp.take_along_axis(ascending, jnp.argmin(removed, axis=-1)[:, None], axis=-1)
-    scores = jnp.where(scores < threshold, -jnp.inf, scores)
-    probs = jax.nn.softmax(scores, axis=-1)
-    return jnp.where(probs < min_p * probs.max(-1, keepdims=True), -jnp.inf, scores)
+    top_k, use_top_p, use_min_p = structure
+    scores = logits / knobs[0]
+    if top_k > 0 and top_k < scores.shape[-1]:
+        kth = jax.lax.top_k(scores, top_k)[0][:, -1:]
+        scores = jnp.where(scores < kth, -jnp.inf, scores)
+    if use_top_p:
+        ascending = jnp.sort(scores, axis=-1)
+        removed = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1) <= 1 - knobs[2]
+        removed = removed.at[:, -1].set(False)  # the likeliest token stays
+        threshold = jnp.take_along_axis(ascending, jnp.argmin(removed, axis=-1)[:, None], axis=-1)
+        scores = jnp.where(scores < threshold, -jnp.inf, scores)
+    if use_min_p:
+        probs = jax.nn.softmax(scores, axis=-1)
+        scores = jnp.where(probs < knobs[3] * probs.max(-1, keepdims=True), -jnp.inf, scores)
+    return scores
 
 
-def build_generate(setup: ProgramSetup, batch: int, prompt: int, new: int, sample: bool, layouts, tracing):
+def build_generate(setup: ProgramSetup, batch: int, prompt: int, new: int, sampling, layouts, tracing):
     """The generation program for ``batch`` prompts of ``prompt`` tokens (a bucket) and up to
-    ``new`` new tokens, jitted (see the module docstring); ``sample``: sampling, else greedy;
+    ``new`` new tokens, jitted (see the module docstring); ``sampling``: the warpers' structure
+    (``warped``), or None for greedy search;
     ``layouts``: where the weights, the rows and the KV cache lie while it runs
     (``engine/generation.GenerationLayout``); ``tracing()``: the context that tells the module's
     calls they are traced (the engine's ``other_engines.tracing``: not routed through the engine
@@ -88,10 +92,10 @@ def build_generate(setup: ProgramSetup, batch: int, prompt: int, new: int, sampl
 
     def chosen(logits, knobs, seed, i):
         """The next token: the likeliest, or drawn from the warped logits with the token's key."""
-        if not sample:
+        if sampling is None:
             return logits.argmax(-1).astype(jnp.int32)
         key = jax.random.fold_in(jax.random.key(seed), i)
-        return jax.random.categorical(key, warped(logits, knobs), axis=-1).astype(jnp.int32)
+        return jax.random.categorical(key, warped(logits, knobs, sampling), axis=-1).astype(jnp.int32)
 
     def generate(params, constants, ids, mask, eos, pad, steps, knobs, seed):
         setup.count_trace("generate")
