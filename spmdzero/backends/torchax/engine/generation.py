@@ -44,7 +44,7 @@ NEUTRAL = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "max_length
                      "num_beams", "temperature", "top_k", "top_p", "use_cache", "transformers_version",
                      "_from_model_config", "decoder_start_token_id", "num_return_sequences",
                      "return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
-                     "output_hidden_states", "cache_implementation", "min_p"})
+                     "output_hidden_states", "cache_implementation", "min_p", "disable_compile", "compile_config"})
 
 
 class Knobs(NamedTuple):
@@ -59,6 +59,13 @@ class Knobs(NamedTuple):
         """What the program is built for: top-k's k (a partial sort of that size), whether top-p
         and min-p run. The temperature and the p values are its inputs."""
         return (self.top_k, self.top_p < 1.0, self.min_p > 0.0)
+
+# generation-config values that leave a processor off (transformers 5.x sets some explicitly)
+INACTIVE = {"repetition_penalty": (None, 1.0), "encoder_repetition_penalty": (None, 1.0), "typical_p": (None, 1.0),
+            "no_repeat_ngram_size": (None, 0), "encoder_no_repeat_ngram_size": (None, 0), "min_length": (None, 0),
+            "min_new_tokens": (None, 0), "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0),
+            "diversity_penalty": (None, 0.0), "num_beam_groups": (None, 1), "length_penalty": (None, 1.0),
+            "early_stopping": (None, False), "renormalize_logits": (None, False), "guidance_scale": (None, 1.0)}
 
 
 def bucket(length: int, floor: int) -> int:
@@ -120,7 +127,8 @@ class Generation:
         if extra:
             return f"{', '.join(extra)}"
         generation = kwargs.get("generation_config") or module.generation_config
-        changed = sorted(k for k in generation.to_diff_dict() if k not in NEUTRAL)
+        changed = sorted(k for k, v in generation.to_diff_dict().items()
+                         if k not in NEUTRAL and v not in INACTIVE.get(k, (None, False)))
         if changed:
             return f"generation_config sets {', '.join(changed)}"
         setting = {k: kwargs.get(k, getattr(generation, k, None)) for k in
