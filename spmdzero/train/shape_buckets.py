@@ -99,7 +99,11 @@ def cut_back(output: Any, cuts: tuple) -> Any:
     """``output`` with each tensor of ``[rows, padded, ...]`` cut back to ``[rows, fed, ...]``,
     for each ``(rows, padded, fed)`` of ``cuts`` (a padded length reached from one length fed:
     an encoder's and a decoder's lengths padded to the same bucket from two lengths are
-    ambiguous, and left as they are)."""
+    ambiguous, and left as they are). A tensor of ``[rows, padded - 1, ...]`` is a shifted
+    sequence (next-token log-probabilities: position i scores token i + 1, as TRL's fused LM
+    head returns them) and is cut to ``[rows, fed - 1, ...]``: left at the padded length, its
+    last positions were the padding's, and a loss on them (``log_probs[:, -k:]``) trained on
+    nothing."""
     fed_lengths: dict = {}
     for rows, padded, fed in cuts:
         if padded != fed:
@@ -113,6 +117,9 @@ def cut_back(output: Any, cuts: tuple) -> Any:
             fed = exact.get((leaf.shape[0], leaf.shape[1]))
             if fed is not None:
                 return leaf[:, :fed]
+            shifted = exact.get((leaf.shape[0], leaf.shape[1] + 1))
+            if shifted is not None:
+                return leaf[:, :shifted - 1]
         return leaf
 
     leaves, spec = torch_pytree.tree_flatten(output)

@@ -468,3 +468,38 @@ def test_torchax_shape_buckets_by_default_keep_torchs_losses_and_cut_outputs_bac
     assert len(said) == 1 and "128, 256, 512, ... up to 64 (the model's positions)" in said[0], said
     for (name, ours), theirs in zip(engine.module.named_parameters(), reference.parameters()):
         torch.testing.assert_close(ours.detach().cpu(), theirs.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_torchax_shape_buckets_cut_a_shifted_output_back_to_the_tokens_it_scores():
+    """A module that returns next-token log-probabilities (``[rows, length - 1]``, as TRL's fused
+    LM head does in GRPO and RLOO) gets them back at the length fed minus one: left at the
+    bucket's, ``log_probs[:, -k:]`` were the padding's and a loss on them trained nothing."""
+    class NextTokenLogProbs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed = torch.nn.Embedding(32, 16)
+            self.head = torch.nn.Linear(16, 32)
+
+        def forward(self, input_ids, attention_mask):
+            logits = self.head(self.embed(input_ids))[:, :-1]
+            return {"log_probs": logits.log_softmax(-1).gather(-1, input_ids[:, 1:, None])[..., 0]}
+
+    ids = torch.randint(0, 32, (8, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    advantages = torch.linspace(-1, 1, 8)[:, None]
+    reference = NextTokenLogProbs()
+    engine, *_ = spmdzero.initialize(model=NextTokenLogProbs(), config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "spmd": {"backend": "torchax"},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    out = engine(input_ids=ids, attention_mask=mask)
+    assert out["log_probs"].shape == (8, 11)
+    loss = -(out["log_probs"][:, -6:] * advantages).mean()  # the completion's tokens only
+    engine.backward(loss)
+    engine.step()
+    expected = -(reference(ids, mask)["log_probs"][:, -6:] * advantages).mean()
+    expected.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    assert abs(loss.item() - expected.item()) <= 1e-6
+    for (name, ours), theirs in zip(engine.module.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.detach().cpu(), theirs.detach(), rtol=1e-5, atol=1e-6, msg=name)
