@@ -26,6 +26,7 @@ from spmdzero.config.errors import ConfigError
 from spmdzero.config.load import load_config
 from spmdzero.initialize import with_backend
 from spmdzero.train.build import config_dict
+from spmdzero.train.engine_protocol import Engine
 
 
 def placeholder(shape, dtype: torch.dtype) -> torch.Tensor:
@@ -40,7 +41,7 @@ def _replicated(t: torch.Tensor, mesh) -> None:
     torch_xla._XLAC._xla_annotate_custom_sharding(t, mesh.get_op_sharding((None,) * t.dim()))
 
 
-def shape_only_engine(model: torch.nn.Module, config: dict):
+def shape_only_engine(model: torch.nn.Module, config: dict) -> tuple[Engine, dict]:
     """``spmdzero.initialize(model, config)`` for a model whose parameters are on ``meta``.
     Returns ``(engine, inputs)``: ``inputs`` maps each state key (``state_tensors()`` keys
     and ``grad.<name>``) to the placeholder that is its value before the step. torch_xla (an
@@ -78,7 +79,7 @@ def shape_only_engine(model: torch.nn.Module, config: dict):
     return engine, inputs
 
 
-def shape_only_torchax_engine(model: torch.nn.Module, config: dict, devices: int):
+def shape_only_torchax_engine(model: torch.nn.Module, config: dict, devices: int) -> Engine:
     """The torchax backend's engine for ``config`` on ``devices`` chips (a topology this machine
     need not have), shape-only: nothing is placed on a device and the model's parameters may
     be on ``meta``. Its step is traced by ``TorchaxEngine.trace_step``. A torch optimizer gets

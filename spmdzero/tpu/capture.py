@@ -18,6 +18,7 @@ from spmdzero.tpu.chips import GIB, ChipSpec, chip_spec, topology_chips  # noqa:
 from spmdzero.tpu.compile import LIBTPU_HINT
 from spmdzero.tpu.report import AotReport, CollectivesReport, HLO_DTYPES
 from spmdzero.sharding.mesh import mesh_shape
+from spmdzero.tpu.captured_engine import InterceptedEngine, TracedEngine
 from spmdzero.runtime import jax_private
 from spmdzero.runtime.jax_runtime import shardy_partitioner
 
@@ -25,7 +26,7 @@ from spmdzero.runtime.jax_runtime import shardy_partitioner
 class StepCapture:
     """One traced step: its StableHLO and which arguments its outputs update in place."""
 
-    def __init__(self, engine, inputs: dict):
+    def __init__(self, engine: InterceptedEngine, inputs: dict):
         self.engine = engine
         self.inputs = inputs  # state key -> the tensor holding its value before the step
         self.mlir: Optional[str] = None
@@ -122,7 +123,7 @@ class JaxStepCapture:
 
     backend = "torchax"
 
-    def __init__(self, engine, traced_step):
+    def __init__(self, engine: TracedEngine, traced_step):
         self.engine = engine
         self.step = traced_step  # TorchaxEngine.trace_step's TracedStep
         # The TPU lowering (its own rules for a few ops, e.g. the RNG), not this machine's, with
@@ -170,7 +171,7 @@ class JaxStepCapture:
         return names
 
 
-def trace_step(engine, *inputs, **kwargs) -> JaxStepCapture:
+def trace_step(engine: TracedEngine, *inputs, **kwargs) -> JaxStepCapture:
     """One training step of a torchax engine for a batch of ``inputs``, traced, not run: the
     engine is as it was. ``.compile(topology)`` compiles it for a TPU topology with as many
     chips as the engine's mesh has devices."""
@@ -217,7 +218,7 @@ def compile_mlir(mlir: str, topology: str, donate=(), timeout: int = 3600, fixed
 
 
 @contextlib.contextmanager
-def capture(engine, inputs: Optional[dict] = None):
+def capture(engine: InterceptedEngine, inputs: Optional[dict] = None):
     """Trace one training step without executing it; restore the engine afterwards.
     ``inputs`` (from ``spmdzero.aot.shapes.shape_only_engine``) names the placeholders holding
     the state before the step; by default the engine's live state is (kept by its snapshot)."""

@@ -22,6 +22,7 @@ import numpy as np
 from spmdzero.tpu.chips import topology_chips
 from spmdzero.sharding.mesh import resolve_mesh_shape
 from spmdzero.sharding.plan import make_plan
+from spmdzero.tpu.captured_engine import CapturedEngine
 
 MAX_TRACE_DEVICES = 127  # autograd's device index is 8 bits (one value reserved)
 
@@ -41,7 +42,7 @@ def trace_devices(topology: str) -> int:
     return devices
 
 
-def target_mesh_shape(engine, chips: int) -> dict:
+def target_mesh_shape(engine: CapturedEngine, chips: int) -> dict:
     """The mesh the engine would build on ``chips`` devices (its ``spmd.mesh`` config)."""
     if engine.validated_config.spmd.dcn_mesh is not None:
         raise ValueError("spmd.dcn_mesh: a multi-slice mesh cannot be traced on fewer devices than chips")

@@ -2,7 +2,7 @@
 whichever backend built it.
 
 The faces the lower layers read are declared where they are read (``io/checkpointed_engine.py``,
-``observe/reported_engine.py``); this joins them with DeepSpeed's step API, which scripts and
+``observe/reported_engine.py``, ``tpu/captured_engine.py``); this joins them with DeepSpeed's step API, which scripts and
 ``aot`` call. Both backends' engines implement it (``tests/train/test_engine_protocol.py``):
 code that takes an ``Engine`` reads nothing else of it."""
 
@@ -12,9 +12,10 @@ from typing import Any, Protocol
 
 from spmdzero.io.checkpointed_engine import CheckpointedEngine
 from spmdzero.observe.reported_engine import ReportedEngine
+from spmdzero.tpu.captured_engine import CapturedEngine
 
 
-class Engine(CheckpointedEngine, ReportedEngine, Protocol):
+class Engine(CheckpointedEngine, ReportedEngine, CapturedEngine, Protocol):
     """A spmdzero engine (either backend)."""
 
     dp_world_size: int

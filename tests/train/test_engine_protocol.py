@@ -24,6 +24,7 @@ def test_the_protocol_names_the_faces_the_lower_layers_read():
     callables, data = _members(Engine)
     assert {"state_tensors", "state_shards", "loaded", "get_global_grad_norm", "step_loss", "backward", "step"} <= callables
     assert {"plan", "mesh", "precision", "module", "global_steps"} <= data
+    assert {"validated_config", "grad_buffers", "train_micro_batch_size_per_gpu"} <= callables  # tpu's
 
 
 @pytest.mark.parametrize("backend", ["torchax", "torch_xla"])
@@ -50,3 +51,20 @@ def test_a_built_engine_holds_every_attribute_of_the_protocol():
     missing = sorted(n for n in data if not hasattr(engine, n))
     assert not missing, f"the engine lacks {missing}"
     assert isinstance(engine.plan, object) and isinstance(engine.module, torch.nn.Module)
+
+
+@pytest.mark.parametrize("backend", ["torchax", "torch_xla"])
+def test_each_engine_class_has_its_face_for_the_tpu_compile(backend):
+    """The torchax engine is traced (``TracedEngine``), the torch_xla one intercepted
+    (``InterceptedEngine``): each class defines every method of its face."""
+    from spmdzero.tpu.captured_engine import InterceptedEngine, TracedEngine
+
+    if backend == "torch_xla":
+        engine_class = pytest.importorskip("spmdzero.backends.torch_xla.engine").SpmdZeroEngine
+        face = InterceptedEngine
+    else:
+        from spmdzero.backends.torchax.engine.engine import TorchaxEngine as engine_class
+        face = TracedEngine
+    callables, _ = _members(face)
+    missing = sorted(n for n in callables if not hasattr(engine_class, n))
+    assert not missing, f"{engine_class.__name__} lacks {missing}"
