@@ -110,6 +110,12 @@ def test_one_program_per_bucket_and_eos_stops_as_in_transformers():
         expected = plain.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=eos,
                                   pad_token_id=0)
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    # transformers' min-length processors: no EOS before the count, in the same program
+    for least in ({"min_new_tokens": 6}, {"min_length": ids.shape[1] + 5}):
+        out = engine.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos, pad_token_id=0, **least)
+        expected = plain.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=eos,
+                                  pad_token_id=0, **least)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
     assert engine.traces["generate"] == 1
     ids, mask = prompts(longest=33)  # the next prompt bucket (64): a second program
     engine.generate(ids, attention_mask=mask, max_new_tokens=4)

@@ -11,7 +11,8 @@ top-p, min-p) draws with ``jax.random`` from a seed taken from torch's generator
 over the data-parallel devices when they divide evenly.
 
 What it does not run on the devices yet goes to the host module's own ``generate``, as before,
-said once with the reason: beam search, other logits processors and stopping criteria,
+said once with the reason: beam search, other logits processors than the sampling warpers and
+the minimum lengths, stopping criteria,
 encoder-decoder models, a module in training mode with dropout on (torch's dropout draws),
 ``inputs_embeds``, outputs other than the token ids (``return_dict_in_generate``), several
 processes. ``"spmd": {"generate": "host"}`` sends every call there: PyTorch's tokens and draws
@@ -37,6 +38,7 @@ from spmdzero.backends.torchax.programs.generate import build_generate
 # generate() arguments the device program follows, besides the prompt and its mask
 FOLLOWED = frozenset({"max_new_tokens", "max_length", "eos_token_id", "pad_token_id", "do_sample", "num_beams",
                       "use_cache", "synced_gpus", "generation_config", "temperature", "top_k", "top_p", "min_p",
+                      "min_length", "min_new_tokens",
                       "bos_token_id", "return_dict_in_generate", "output_scores", "output_logits",
                       "output_attentions", "output_hidden_states", "num_return_sequences"})
 # generation-config fields that change nothing in greedy search (the rest would: processors, beams)
@@ -44,7 +46,8 @@ NEUTRAL = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "max_length
                      "num_beams", "temperature", "top_k", "top_p", "use_cache", "transformers_version",
                      "_from_model_config", "decoder_start_token_id", "num_return_sequences",
                      "return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
-                     "output_hidden_states", "cache_implementation", "min_p", "disable_compile", "compile_config"})
+                     "output_hidden_states", "cache_implementation", "min_p", "disable_compile", "compile_config",
+                     "min_length", "min_new_tokens"})
 
 
 class Knobs(NamedTuple):
@@ -193,10 +196,13 @@ class Generation:
         if setting["do_sample"]:  # as transformers reads them: None is off (temperature 1, top-k 0, top-p 1)
             knobs = Knobs(float(setting["temperature"] or 1.0), int(setting["top_k"] or 0),
                           1.0 if setting["top_p"] is None else float(setting["top_p"]), float(setting["min_p"] or 0.0))
-        return ids, mask, int(new), eos, int(pad), knobs
+        # min_length counts the prompt as fed (its padding too), min_new_tokens the new tokens only
+        least = max(kwargs.get("min_new_tokens", generation.min_new_tokens) or 0,
+                    (kwargs.get("min_length", generation.min_length) or 0) - ids.shape[1])
+        return ids, mask, int(new), eos, int(pad), knobs, int(least)
 
     def _run(self, ids: torch.Tensor, mask: torch.Tensor, new: int, eos: list, pad: int,
-             knobs: Optional[Knobs]) -> torch.Tensor:
+             knobs: Optional[Knobs], least: int) -> torch.Tensor:
         import jax
 
         engine = self._engine
@@ -227,7 +233,7 @@ class Generation:
         knobs = np.ones(4, np.float32) if knobs is None else np.array(knobs, np.float32)
         out, count = self.programs[key](engine.state.params, engine.state.constants, put(padded, rows),
                                         put(padded_mask, rows), put(np.array(eos, np.int32)), put(np.int32(pad)),
-                                        put(np.int32(new)), put(knobs), put(np.uint32(seed)))
+                                        put(np.int32(new)), put(knobs), put(np.uint32(seed)), put(np.int32(least)))
         engine.runs["generate"] += 1
         self.calls += 1
         out, count = jax.device_get((out, count))  # the one read: the tokens, and how many

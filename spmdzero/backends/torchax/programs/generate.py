@@ -1,7 +1,7 @@
 """The generation program: greedy decoding or sampling of a transformers causal LM on the devices,
 as one plain JAX function of the engine's weights, the prompts and a static KV cache made inside it.
 
-``(params, constants, ids, mask, eos, pad, steps, knobs, seed) -> (new tokens, count)``: the prompt (left
+``(params, constants, ids, mask, eos, pad, steps, knobs, seed, least) -> (new tokens, count)``: the prompt (left
 padded, ``[batch, prompt bucket]``) fills the cache in one forward (the prefill), then a
 ``jax.lax.while_loop`` feeds each new token back, one forward per token, until ``steps`` tokens
 or every row has ended at an EOS token. The loop runs on the devices: no host read per token, and
@@ -90,14 +90,19 @@ def build_generate(setup: ProgramSetup, batch: int, prompt: int, new: int, sampl
         logits = env.t2j_iso(output.logits)[:, -1].astype(jnp.float32)
         return logits, [layer.keys._elem for layer in cache.layers], [layer.values._elem for layer in cache.layers]
 
-    def chosen(logits, knobs, seed, i):
-        """The next token: the likeliest, or drawn from the warped logits with the token's key."""
+    def chosen(logits, knobs, seed, i, least, eos):
+        """The next token: the likeliest, or drawn from the warped logits with the token's key.
+        Before the ``least``-th new token no EOS token is chosen (transformers' min-length
+        processors, which run before the warpers)."""
+        if eos.shape[0]:
+            barred = jnp.isin(jnp.arange(logits.shape[-1]), eos) & (i < least)
+            logits = jnp.where(barred, -jnp.inf, logits)
         if sampling is None:
             return logits.argmax(-1).astype(jnp.int32)
         key = jax.random.fold_in(jax.random.key(seed), i)
         return jax.random.categorical(key, warped(logits, knobs, sampling), axis=-1).astype(jnp.int32)
 
-    def generate(params, constants, ids, mask, eos, pad, steps, knobs, seed):
+    def generate(params, constants, ids, mask, eos, pad, steps, knobs, seed, least):
         setup.count_trace("generate")
         # the weights in the generation layout: as training holds them at ZeRO-1/2 (replicated),
         # tensor-parallel at ZeRO-3 (the Hybrid Engine's); one reshard a call, before the loop
@@ -118,7 +123,7 @@ def build_generate(setup: ProgramSetup, batch: int, prompt: int, new: int, sampl
                 registry.entered(facts):
             tensors = env.j2t_iso(weights)
             logits, keys, values = logits_of(tensors, ids, positions, jnp.int32(0), full_mask, keys, values)
-            first = chosen(logits, knobs, seed, 0)
+            first = chosen(logits, knobs, seed, 0, least, eos)
             out = jnp.full((batch, new), pad, jnp.int32).at[:, 0].set(first)
 
             def more(carry):
@@ -130,7 +135,7 @@ def build_generate(setup: ProgramSetup, batch: int, prompt: int, new: int, sampl
                 token = jax.lax.dynamic_slice_in_dim(out, i - 1, 1, axis=1)
                 logits, keys, values = logits_of(tensors, token, (last_position + i)[:, None], prompt + i - 1,
                                                  full_mask, keys, values)
-                following = jnp.where(ended, pad, chosen(logits, knobs, seed, i))
+                following = jnp.where(ended, pad, chosen(logits, knobs, seed, i, least, eos))
                 out = jax.lax.dynamic_update_slice_in_dim(out, following[:, None], i, axis=1)
                 return i + 1, out, ended | ended_by(following), keys, values
 
