@@ -20,6 +20,7 @@ from spmdzero.runtime import jax_private, libtpu_flags
 from spmdzero.runtime.devices import size_cpu_thread_pool
 from spmdzero.tpu.collectives import largest_all_reduces, loop_trip_counts, summarize_collectives, trip_count
 from spmdzero.tpu.chips import canonical, chip_spec, known_topologies
+from spmdzero.tpu.hbm_traffic import hbm_bytes
 from spmdzero.observe.hlo import computation_blocks, split_computations
 
 LIBTPU_HINT = "install it with: pip install 'spmdzero[aot]' (libtpu 0.0.21 to 0.0.42; docs/aot.md)"
@@ -185,6 +186,8 @@ def compile_for_tpu(mlir_text: str, topology: str, donate: list[tuple[int, int]]
     result["all_reduces"] = largest_all_reduces(hlo, cpu_program=on_cpu)
     result["loops"] = loop_trip_counts(hlo)
     result["cost"] = _cost(executable)
+    if not on_cpu:  # memory spaces are TPU's: XLA:CPU's program has none
+        result["hbm_bytes"] = hbm_bytes(hlo)
     if any(trips > 1 for trips in result["loops"]) and result["cost"]:
         try:
             result["cost_per_step"] = per_step_cost(hlo, result["cost"])

@@ -38,6 +38,7 @@ class AotReport:
     backend: Optional[str] = None  # whose step was compiled: "torch_xla" or "torchax" (spmd.backend)
     attention: Optional[str] = None  # which kernel SDPA ran, and why not the flash one (torchax: AttentionChoice)
     experts: Optional[str] = None  # which kernel the experts' grouped matmuls ran (torchax: moe_rows.Split)
+    hbm_bytes: Optional[int] = None  # HBM bytes a run moves, from the program's memory spaces (tpu.hbm_traffic)
 
     @property
     def chip(self) -> ChipSpec:
@@ -117,7 +118,7 @@ class AotReport:
                "gradient_bytes": self.gradient_bytes,
                "model_flops": self.model_flops, "loops": self.loops, "roofline": self.roofline(),
                "all_reduced_gradients": self.all_reduced_gradients(), "libtpu_args": self.libtpu_args,
-               "attention": self.attention, "experts": self.experts}
+               "attention": self.attention, "experts": self.experts, "hbm_bytes": self.hbm_bytes}
         if self.memory is not None:
             out["traffic"] = {"sent_per_chip": traffic.total_traffic, "minimum": traffic.minimum_traffic,
                               "ratio": traffic.ratio}

@@ -67,7 +67,11 @@ def test_the_decode_step_compiles_beside_the_training_step_and_reads_its_hbm_flo
     # the cache: 2 layers x keys and values x [8, 8 heads / 4, 64 slots, 32] in bf16
     assert report["cache_bytes"] == 2 * 2 * 8 * 2 * 64 * 32 * 2
     assert report["memory"]["alias"] >= report["cache_bytes"]  # updated in place, donated
-    assert report["floor_s"] > 0 and report["floor_ratio"] >= 1
+    assert report["floor_s"] > 0
+    # the step's HBM traffic (from its memory spaces) is near the bytes it must read: the cache is
+    # updated in place and read once (programs/static_cache.py); the cost analysis, which also
+    # counts the copies into on-chip memory, says several times more
+    assert 0.8 <= report["floor_ratio"] < 1.5 < report["cost_analysis_ratio"]
 
 
 @pytest.mark.slow

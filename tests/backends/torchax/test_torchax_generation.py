@@ -77,9 +77,12 @@ def host_copies(monkeypatch):
 
 @pytest.mark.parametrize("family,stage", [("llama", 2), ("gpt2", 3), ("llama", 3)])
 def test_greedy_generate_on_the_devices_gives_torchs_tokens_and_copies_no_weights(family, stage, host_copies):
+    from spmdzero.backends.torchax.programs.static_cache import TRACED
+
     engine, model = trained_engine(family, stage)
     ids, mask = prompts(batch=8, longest=10)  # 8 rows: one a data-parallel device
     host_copies.clear()
+    before = dict(TRACED)
     versions = [p._version for p in model.parameters()]  # an in-place copy to the host bumps them
     out = engine.module.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
     direct = engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10)
@@ -87,6 +90,11 @@ def test_greedy_generate_on_the_devices_gives_torchs_tokens_and_copies_no_weight
     assert host_copies == []  # no array came from the devices to the host module
     assert [p._version for p in model.parameters()] == versions  # its parameters were not written
     assert engine.generation.calls == 3 and engine.traces["generate"] == 1  # one program for the three
+    # each layer's new-token attention read the cache as it was, beside the new token (grouped
+    # query heads included: Llama's 4 over 2); only the prompt's went through the cache
+    layers = model.config.num_hidden_layers
+    assert TRACED["one token"] - before.get("one token", 0) == layers
+    assert TRACED["through the cache"] - before.get("through the cache", 0) == layers
     expected = on_torch(engine).generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
                                          pad_token_id=2)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)

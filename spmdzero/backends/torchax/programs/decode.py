@@ -5,19 +5,19 @@ as a plain JAX function of the weights and the cache, laid out by the generation
 ``(weights, keys, values, length, tokens) -> (next tokens, keys, values, length + 1)``: the
 cache is ``[batch, kv heads, max length, head dim]`` per layer, passed in and given back
 (donated: updated in place), as a compiled decode loop needs it; transformers' ``StaticCache``
-is handed the arrays as its layers' tensors for the call. Greedy: the next token is the
-argmax. The attention is computed where its heads are: its inputs and output are pinned to the
-cache's layout, and spmdzero's SDPA (``lowering/attention.py``) keeps batch and heads apart (the
-reference lowering merges them, and the partitioner then all-gathered the whole cache every
-step)."""
+is handed the arrays as its layers' tensors for the call, updated in place and read once
+(``static_cache.py``). Greedy: the next token is the argmax. The attention is computed where its
+heads are: its inputs and output are pinned to the cache's layout (the reference SDPA lowering
+merges batch and heads, and the partitioner then all-gathered the whole cache every step)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any
 
 import torch
+
+from spmdzero.backends.torchax.programs.static_cache import attending_in_place, cache_holding, cache_shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,53 +29,6 @@ class DecodeSetup:
     batch: int  # sequences decoded together
     max_length: int  # the cache's slots: prompt + new tokens
     cache_sharding: Any  # the KV cache's layout (a NamedSharding of the plan's cache spec)
-
-
-@contextlib.contextmanager
-def _attention_by_heads(env, sharding):
-    """While tracing: SDPA's query, key, value and output pinned to the cache's layout."""
-    import jax
-    import torch.nn.functional as F
-
-    sdpa = F.scaled_dot_product_attention
-
-    def pinned(t):
-        return env.j2t_iso(jax.lax.with_sharding_constraint(env.t2j_iso(t), sharding))
-
-    def by_heads(query, key, value, *args, **kwargs):
-        return pinned(sdpa(pinned(query), pinned(key), pinned(value), *args, **kwargs))
-
-    F.scaled_dot_product_attention = by_heads
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = sdpa
-
-
-def cache_shape(module: torch.nn.Module, batch: int, max_length: int) -> tuple:
-    """One layer's keys (or values): ``[batch, kv heads, max length, head dim]``."""
-    config = module.config
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return (batch, heads, max_length, head_dim)
-
-
-def cache_holding(env, config, max_length: int, keys: list, values: list, length, shape: tuple):
-    """transformers' ``StaticCache`` whose layers hold these arrays (``shape``: one layer's
-    ``[batch, kv heads, max length, head dim]``), ``length`` slots filled: a program's inputs
-    as the model's cache for one call (4.57's and 5.x's attribute names both set)."""
-    from transformers.cache_utils import StaticCache
-
-    batch, heads, _, head_dim = shape
-    cache = StaticCache(config=config, max_cache_len=max_length)
-    for layer, k, v in zip(cache.layers, keys, values):
-        layer.keys, layer.values = env.j2t_iso(k), env.j2t_iso(v)
-        layer.cumulative_length = env.j2t_iso(length)
-        layer.device, layer.batch_size, layer.num_heads = layer.keys.device, batch, heads
-        layer.max_batch_size, layer.dtype = batch, layer.keys.dtype  # transformers 4.x's names
-        layer.k_head_dim = layer.v_head_dim = layer.head_dim = head_dim
-        layer.is_initialized = True
-    return cache
 
 
 def build_decode(setup: DecodeSetup):
@@ -91,7 +44,7 @@ def build_decode(setup: DecodeSetup):
     batch, heads, _, head_dim = cache_shape(module, setup.batch, setup.max_length)
 
     def decode(weights, keys, values, length, tokens):
-        with env, _attention_by_heads(env, setup.cache_sharding):
+        with env, attending_in_place(env, setup.cache_sharding):
             tensors = env.j2t_iso({**weights, **{n: env.t2j_copy(b) for n, b in buffers.items()}})
             cache = cache_holding(env, module.config, setup.max_length, keys, values, length,
                                   (batch, heads, setup.max_length, head_dim))

@@ -18,8 +18,9 @@ their EOS token, the loop stopping when every row has ended. Sampling warps the 
 transformers' processors do, in their order (temperature, top-k, top-p, min-p: the values are
 traced, so new ones do not compile again; top-k's k and which warpers run are the program's) and draws with ``jax.random`` from ``seed`` folded with the
 token's index: reproducible from a seed, not torch's draws. transformers' ``StaticCache`` is
-handed the loop's arrays as its layers' tensors for each forward, as ``programs/decode.py`` does
-for ``spmdzero aot --generate``."""
+handed the loop's arrays as its layers' tensors for each forward and updated in place, each new
+token's attention reading the cache once (``programs/static_cache.py``), as ``programs/decode.py``
+does for ``spmdzero aot --generate``."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import torch
 from spmdzero.backends.torchax.lowering import attention, autocast, traced_checks
 from spmdzero.backends.torchax.patches import registry, transformers_methods
 from spmdzero.backends.torchax.lowering.values import jax_dtype
-from spmdzero.backends.torchax.programs.decode import cache_holding, cache_shape
+from spmdzero.backends.torchax.programs.static_cache import attending_in_place, cache_holding, cache_shape
 from spmdzero.backends.torchax.programs.setup import ProgramSetup
 
 
@@ -120,7 +121,7 @@ def build_generate(setup: ProgramSetup, batch: int, prompt: int, new: int, sampl
 
         with env, torch.no_grad(), tracing(), attention.choosing(setup.attention_kernels, env), \
                 autocast.autocasting(env, policy.autocast_dtype), traced_checks.placeholder_checks_left_out(), \
-                registry.entered(facts):
+                registry.entered(facts), attending_in_place(env, layouts.cache):
             tensors = env.j2t_iso(weights)
             logits, keys, values = logits_of(tensors, ids, positions, jnp.int32(0), full_mask, keys, values)
             first = chosen(logits, knobs, seed, 0, least, eos)
