@@ -145,6 +145,11 @@ class Forwards:
             return constants
         return {**constants, other_engines.KEY: other_engines.values(self.other_engines)}
 
+    def restart_draws(self) -> None:
+        """The next forward is its micro-step's first (a checkpoint load: the loaded micro-step
+        may be the one the last forwards drew in)."""
+        self._draws_at, self._draws = None, [0, 0]
+
     def _next_draw(self, training: bool) -> int:
         """Which of its micro-step's forwards this one is, for its random draws (dropout,
         ``torch.rand``): in torch every call draws anew, so two training forwards of one input

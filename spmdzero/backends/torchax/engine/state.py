@@ -164,9 +164,10 @@ def load_state(engine, values: dict[str, Any]) -> None:
 def loaded(engine) -> None:
     """A checkpoint load has written the state: drop the gradients accumulated before it (they
     go with the weights they were computed at); a forward before it has no backward (its
-    gradient would be another weights'). The host module is brought up to date when it is
-    next read."""
+    gradient would be another weights'); the next forward is the loaded micro-step's first. The
+    host module is brought up to date when it is next read."""
     engine.gradients.new_window()
+    engine.forwards.restart_draws()  # the loaded micro-step's forwards draw from its first again
     engine.params_version += 1
     engine.updates.last_skip = None
     if engine.torch_optimizer:
