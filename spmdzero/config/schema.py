@@ -244,6 +244,10 @@ class SpmdConfig(Section):
     # Where a transformers LM's generate() runs on the torchax backend (spmdzero.backends.torchax.engine.generation):
     # "devices" (compiled, from the engine's weights) or "host" (the host module's own: PyTorch's draws exactly).
     generate: Literal["devices", "host"] = "devices"
+    # At ZeRO-3, whether the host module keeps whole parameters (torchax;
+    # spmdzero.backends.torchax.engine.host_placeholders): "auto" (placeholders from 1 GiB of them), "placeholders"
+    # (DeepSpeed's: empty, with ds_shape/ds_numel/ds_status; GatheredParameters brings them whole) or "whole".
+    host_parameters: Literal["auto", "placeholders", "whole"] = "auto"
 
     @field_validator("scan_layers", mode="before")
     @classmethod

@@ -154,7 +154,8 @@ def _loss_scale_tensors(engine: CheckpointedEngine, fields: dict) -> dict:
 def _layer_names(engine: CheckpointedEngine, meta: dict) -> tuple[dict, dict]:
     """The engine's stacked names and the checkpoint's, each with its per-layer names
     (``restack.layer_names``); the layer counts come from the parameters' shapes."""
-    live_shapes = {name: tuple(p.shape) for name, p in engine.module.named_parameters()}
+    # a ZeRO-3 placeholder's shape is its ds_shape (train/zero_params.py)
+    live_shapes = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in engine.module.named_parameters()}
     live = engine.stacked_layers()
     saved = meta.get("stacked_layers") or {}
     tensors = meta.get("tensors") or {}

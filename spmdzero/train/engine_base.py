@@ -20,6 +20,7 @@ from spmdzero.observe.monitor import notice_nonfinite
 from spmdzero.observe.reports import sharding_report
 from spmdzero.train.data import caller_stacklevel, map_tensors, pad_sequences
 from spmdzero.train.shape_buckets import buckets_for, tower_inputs
+from spmdzero.train import zero_params
 
 
 # Keyword inputs that are loss targets (transformers' ``labels``, the usual names): both engines
@@ -278,11 +279,12 @@ class EngineBase:
         """DeepSpeed's whole 16-bit state dict at ZeRO-3 (the Hugging Face Trainer and accelerate
         save a stage-3 model through it): the module's state dict in the model dtype, on the
         host, on process 0 (empty on the others, as DeepSpeed gives it on rank 0 only). The host
-        module holds whole weights at every stage, so there is nothing to gather by hand. Every
-        process must call it."""
+        module's placeholders (``spmd.host_parameters``) are gathered from the devices for it, all
+        at once, as DeepSpeed's rank 0 holds them. Every process must call it."""
         frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-        state = collections.OrderedDict((name, t.detach().cpu()) for name, t in self.module.state_dict().items()
-                                        if not (exclude_frozen_parameters and name in frozen))
+        with zero_params.gathered(self.module.parameters(), keep_edits=False):  # placeholders: whole from the devices
+            state = collections.OrderedDict((name, t.detach().cpu()) for name, t in self.module.state_dict().items()
+                                            if not (exclude_frozen_parameters and name in frozen))
         return state if self.global_rank == 0 else collections.OrderedDict()
 
     def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:

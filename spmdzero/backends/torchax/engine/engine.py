@@ -180,7 +180,7 @@ class TorchaxEngine(EngineBase):
             attention_kernels=self.attention_kernels, expert_matmuls=self.expert_matmuls, processes=self.processes,
             count_trace=self.count_trace, compile=self.host_reads)
         # the parts (see the module docstring)
-        self.host = HostCopy(self, module)
+        self.host = HostCopy(self, module, cfg.spmd.host_parameters)
         self.gradients = Gradients(self, divisor=float(self.gradient_accumulation_steps()))
         self.forwards = Forwards(self)
         self.updates = Updates(self, lr_scheduler)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from spmdzero.observe.console import say_once
+from spmdzero.train import zero_params
 from spmdzero.sharding.decode_plan import DATA_AXIS as PLAN_DATA, TENSOR_AXIS, DecodePlan, decode_plan
 from spmdzero.sharding.mesh import DATA_AXIS, FSDP_AXES, data_parallel_axes, data_parallel_size
 from spmdzero.backends.torchax.engine import other_engines
@@ -115,7 +116,8 @@ class Generation:
                else self.unsupported(args, kwargs))
         if why is not None:
             say_once([f"generate() runs on the host module ({why}): the weights are copied to the host for it"])
-            return on_host()
+            with zero_params.gathered(self._engine.host.wrapped.parameters(), keep_edits=False):  # ZeRO-3's placeholders
+                return on_host()
         return self._run(*self._read(args, kwargs))
 
     def unsupported(self, args: tuple, kwargs: dict) -> Optional[str]:

@@ -19,6 +19,8 @@ from spmdzero.backends.torchax.programs import frozen
 from spmdzero.backends.torchax.optim import optimizer_state_dict
 from spmdzero.train import module_methods
 from spmdzero.backends.torchax.engine.generation import library_generate
+from spmdzero.backends.torchax.engine.host_placeholders import HostPlaceholders, chosen
+from spmdzero.train.zero_params import is_placeholder, owned
 
 # The torch_xla engine's public names this engine lacks (tests/test_torchax_backend.py checks
 # the list against both classes): asking for one says which backend has it.
@@ -161,7 +163,7 @@ class HostCopy:
     (in-place versions, ``.data`` uses, ``requires_grad``). It reads and replaces
     ``engine.state``; it bumps ``engine.params_version`` when it gives the devices new parameters."""
 
-    def __init__(self, engine, module: torch.nn.Module):
+    def __init__(self, engine, module: torch.nn.Module, host_parameters: str = "whole"):
         self._engine = weakref.proxy(engine)  # the engine holds this part; the part does not keep it alive
         self.wrapped = module  # as it is, not brought up to date (``current`` is)
         self._params_behind = False  # a step changed the parameters since the host last read them
@@ -174,6 +176,19 @@ class HostCopy:
         self._versions_seen = self._versions()
         self._touched: set[int] = set()  # host parameters (by id) whose .data was used since the last forward
         self.configuring: set[str] = set()  # methods run on the host module for what they set (script_method)
+        # at ZeRO-3, DeepSpeed's placeholders instead of whole parameters (host_placeholders.py)
+        self.placeholders = HostPlaceholders(engine, self, module) if chosen(
+            host_parameters, engine.plan.stage, module, engine.shape_only) else None
+        self._versions_seen = self._versions()
+
+    @staticmethod
+    def unwatched():
+        """The engine's own reads and writes of the host parameters (no watched-class hook)."""
+        return _unwatched()
+
+    def seen(self) -> None:
+        """The host tensors as they are now are the engine's (a gather or release of placeholders)."""
+        self._versions_seen = self._versions()
 
     def named_tensors(self) -> list:
         """The module's parameters and buffers by name, as listed at initialize (no device read)."""
@@ -193,6 +208,8 @@ class HostCopy:
         device-to-host copy). ``parameters=False`` leaves them behind: the first torch op on one
         brings them all (``use``), and a call that only passes the module on (``engine.module``
         to ``generate``, which runs on the devices) copies nothing."""
+        if parameters and self.placeholders is not None:
+            self.placeholders.fill_pending()  # gathered ZeRO-3 placeholders about to be read
         params = parameters and self._params_behind
         if params or self._buffers_behind:
             from torchax.ops import mappings
@@ -201,6 +218,8 @@ class HostCopy:
             with torch.no_grad(), warnings.catch_warnings(), _unwatched():
                 warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # it is copied
                 for name, t in self._tensors:  # a frozen parameter's value is a constant, as a buffer's
+                    if owned(t):  # a placeholder's values stay on the devices; gathered, filled above
+                        continue
                     if params and name in state.params:
                         t.copy_(mappings.j2t(state.params[name], use_dlpack=False))
                     elif name in self._buffers_behind:
@@ -234,26 +253,31 @@ class HostCopy:
         if versions == self._versions_seen and not touched:
             return
         self._touched = set()
-        placement, trained = engine.placement, engine.trained
         # what the host changed wins over a step's results not yet copied back (those are the
         # devices' own and stay there)
         for (name, t), version, before in zip(self._tensors, versions, self._versions_seen):
-            if version == before and (id(t) not in touched or self._same_on_devices(name, t)):
+            if version == before and (id(t) not in touched or self._same_on_devices(name, t)) or is_placeholder(t):
                 continue
             with _unwatched():
-                t = t.detach()
-            engine.gradients.settle()  # at the parameters the unconfirmed forwards saw
-            state = engine.state
-            if name in state.params:
-                masters = state.masters if name not in state.masters else {
-                    **state.masters, name: placement.put(t.float(), trained.master_specs[name])}
-                engine.state = state._replace(params={**state.params, name: placement.put(t, trained.param_specs[name])},
-                                              masters=masters)
-            else:
-                engine.state = state._replace(constants={**state.constants, name: placement.put(t, placement.replicated)})
-                self._buffers_behind.discard(name)
-            engine.params_version += 1
+                self.put(name, t.detach())
         self._versions_seen = versions
+
+    def put(self, name: str, t: torch.Tensor) -> None:
+        """A host value of a parameter or buffer onto the devices, in place of theirs (the fp32
+        master weights too)."""
+        engine = self._engine
+        placement, trained = engine.placement, engine.trained
+        engine.gradients.settle()  # at the parameters the unconfirmed forwards saw
+        state = engine.state
+        if name in state.params:
+            masters = state.masters if name not in state.masters else {
+                **state.masters, name: placement.put(t.float(), trained.master_specs[name])}
+            engine.state = state._replace(params={**state.params, name: placement.put(t, trained.param_specs[name])},
+                                          masters=masters)
+        else:
+            engine.state = state._replace(constants={**state.constants, name: placement.put(t, placement.replicated)})
+            self._buffers_behind.discard(name)
+        engine.params_version += 1
 
     def _same_on_devices(self, name: str, t: torch.Tensor) -> bool:
         """Whether a host parameter whose ``.data`` was used holds what the devices hold (a

@@ -1,25 +1,30 @@
 """``deepspeed.runtime.zero.partition_parameters``.
 
 DeepSpeed's ZeRO-3 partitions each parameter by hand and gathers it on demand. spmdzero's ZeRO-3
-shards parameters by annotation on the devices, while the host module the script holds keeps
-whole parameters at every stage (``engine.module``). So ``Init`` has nothing to partition (a model
-built inside it is built on the host, and ``initialize`` places it sharded, never whole on a
-device) and ``GatheredParameters`` has nothing to gather: edits made inside reach the devices at
-the next forward, as any edit of the host's parameters does. With ``modifier_rank`` (Hugging
-Face's ``from_pretrained`` under ZeRO-3 loads the weights on rank 0 only), the modifier's values
-are broadcast to the other processes on exit, as DeepSpeed does. Parameters carry no
-``ds_id``: code that checks it (as DeepSpeed-Chat does) takes its non-ZeRO-3 path; every
-tensor's ``ds_status`` reads AVAILABLE and its ``ds_active_sub_modules`` is empty, and every
-module's ``ds_external_parameters()`` is empty (TRL reads them unchecked).
+shards parameters by annotation on the devices. The host module the script holds keeps whole
+parameters, unless the engine keeps DeepSpeed's placeholders there (``spmd.host_parameters``: at
+stage 3 from 1 GiB of parameters; ``spmdzero/train/zero_params.py``). ``Init`` has nothing to
+partition (a model built inside it is built on the host, and ``initialize`` places it sharded,
+never whole on a device). ``GatheredParameters`` brings placeholders whole from the devices for
+its block, and with ``modifier_rank`` their edits go back on exit; whole parameters it leaves
+alone (edits reach the devices at the next forward, as any edit of the host's parameters does).
+With ``modifier_rank`` and several processes (Hugging Face's ``from_pretrained`` under ZeRO-3
+loads the weights on rank 0 only), the modifier's values are broadcast to the other processes on
+exit, as DeepSpeed does. Whole parameters carry no ``ds_id``: code that checks it (as
+DeepSpeed-Chat does) takes its non-ZeRO-3 path, and placeholders carry one, so it takes the
+ZeRO-3 path and gathers. Every other tensor's ``ds_status`` reads AVAILABLE and its
+``ds_active_sub_modules`` is empty, and every module's ``ds_external_parameters()`` is empty (TRL
+reads them unchecked).
 """
 
 from __future__ import annotations
 
-from enum import Enum
+import contextlib
 
 import torch
 
 from spmdzero.compat.deepspeed.accelerator import get_accelerator  # noqa: F401  (transformers reads it here)
+from spmdzero.train.zero_params import ZeroParamStatus, ZeroParamType, gathered  # noqa: F401  (DeepSpeed's names)
 
 # torch's constructors, as DeepSpeed keeps them before its Init wraps them (transformers reads
 # ``_orig_torch_arange`` to leave ``arange`` unwrapped; Init wraps nothing here)
@@ -29,18 +34,6 @@ _orig_torch_zeros = torch.zeros
 _orig_torch_ones = torch.ones
 _orig_torch_full = torch.full
 _orig_torch_arange = torch.arange
-
-
-class ZeroParamType(Enum):
-    NORMAL = 1
-    PARTITIONED = 2
-    REMOTE = 3
-
-
-class ZeroParamStatus(Enum):
-    AVAILABLE = 1
-    NOT_AVAILABLE = 2
-    INFLIGHT = 3
 
 
 # Every tensor answers DeepSpeed's status question with AVAILABLE: the parameters a script holds
@@ -83,27 +76,36 @@ def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype=None, target_devi
 
 
 class GatheredParameters:
-    """``with deepspeed.zero.GatheredParameters(params, modifier_rank=0)``: the host's
-    parameters are whole already, and changes made inside are kept. With ``modifier_rank``
-    and several processes, that process's values are broadcast to the others on exit (code
-    inside often changes them on rank 0 only, as Hugging Face's ZeRO-3 loading does)."""
+    """``with deepspeed.zero.GatheredParameters(params, modifier_rank=0)``: placeholders among
+    the parameters are whole inside (``zero_params.gathered``), and with ``modifier_rank`` the
+    changes made inside are kept. With ``modifier_rank`` and several processes, that process's
+    values are broadcast to the others on exit (code inside often changes them on rank 0 only,
+    as Hugging Face's ZeRO-3 loading does)."""
 
     def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
         if isinstance(params, torch.Tensor):
             params = [params]
         self.params = [p for p in (params or []) if isinstance(p, torch.Tensor)]
         self.modifier_rank = modifier_rank if enabled else None
+        self.enabled = enabled
+        self._stack = contextlib.ExitStack()
 
     def __enter__(self):
+        if self.enabled:
+            self._stack.enter_context(gathered(self.params, keep_edits=self.modifier_rank is not None))
         return self
 
     def __exit__(self, exc_type, *exc):
         import torch.distributed as dist
 
-        if exc_type is None and self.modifier_rank is not None and dist.is_initialized() and dist.get_world_size() > 1:
-            with torch.no_grad():
-                for p in self.params:
-                    dist.broadcast(p.data, src=self.modifier_rank)
+        try:
+            if exc_type is None and self.modifier_rank is not None and dist.is_initialized() and \
+                    dist.get_world_size() > 1:
+                with torch.no_grad():
+                    for p in self.params:
+                        dist.broadcast(p.data, src=self.modifier_rank)
+        finally:
+            self._stack.close()
         return False
 
 
