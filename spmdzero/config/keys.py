@@ -133,9 +133,9 @@ NOOP_KEYS: dict[str, str] = {
     "checkpoint.use_node_local_storage": "every host writes its own shards",
     "checkpoint.parallel_write": "torch.distributed.checkpoint writes shards in parallel",
     "nebula": "checkpoints are written by torch.distributed.checkpoint",
-    "hybrid_engine": "generation runs on the module the script holds, with its own generate: the same tokens the "
-                     "hybrid engine's inference kernels give, without them (DeepSpeed-Chat calls "
-                     "actor.module.generate either way)",
+    "hybrid_engine": "generation runs on the devices (spmd.generate), at ZeRO-3 with the weights laid out "
+                     "tensor-parallel for the call: the Hybrid Engine as annotations, whatever this key says "
+                     "(DeepSpeed-Chat calls actor.module.generate either way); its kernel knobs tune nothing here",
     "datastates_ckpt": "checkpoints are written by torch.distributed.checkpoint",
 }
 
