@@ -13,6 +13,7 @@ from spmdzero.io.checkpoint_format import CheckpointError
 
 from conftest import REPO, batches, run_python, tiny_mlp
 from test_torchax_backend import WithLoss, config
+from test_torchax_optimizers import train as train_on
 
 GAS, STEPS, SAVED_AT = 2, 4, 2  # optimizer steps; the save comes after SAVED_AT of them
 
@@ -302,18 +303,8 @@ def test_a_load_into_the_live_engine_draws_as_the_saved_run_after_one_more_step(
     cfg = {"train_batch_size": 16, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
            "spmd": {"backend": "torchax"}}
     engine, *_ = spmdzero.initialize(model=DropoutMLP(), config=cfg)
-
-    def steps(chosen):
-        losses = []
-        for x, y in chosen:
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        return losses
-
-    steps(pairs[:2])
+    train_on(engine, pairs[:2])
     engine.save_checkpoint(str(tmp_path), tag="two")
-    once = steps(pairs[2:3])
+    once = train_on(engine, pairs[2:3])
     engine.load_checkpoint(str(tmp_path), tag="two")
-    assert steps(pairs[2:3]) == once
+    assert train_on(engine, pairs[2:3]) == once
