@@ -530,3 +530,74 @@ def test_torch_xlas_runtime_refuses_hosts_it_cannot_join(tmp_path, capsys, monke
     err = capsys.readouterr().err
     assert "--num_nodes 2 --node_rank 1, but the runtime found process 0 of 1" in err
     assert "use the torchax backend (the default: unset SPMDZERO_BACKEND" in err
+
+
+GENERATE_SCRIPT = r'''
+import argparse, os
+import torch, transformers
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2))
+
+
+def prompts(rank: int):
+    """Each process its own left-padded prompts, of its own lengths (process 1's longer)."""
+    g = torch.Generator().manual_seed(10 + rank)
+    longest = 6 + 4 * rank
+    ids = torch.randint(3, 96, (4, longest), generator=g)
+    mask = torch.ones_like(ids)
+    for row in range(4):
+        mask[row, :row] = 0
+        ids[row, :row] = 0
+    return ids, mask
+
+
+if __name__ == "__main__":
+    import deepspeed
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local_rank", type=int)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    rank = int(os.environ["RANK"])
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "spmd": {"rank": "device"}}
+    engine, *_ = deepspeed.initialize(model=tiny_llama(), config=config)
+    engine.eval()
+    ids, mask = prompts(rank)
+    out = engine.module.generate(ids, attention_mask=mask, max_new_tokens=6 + 2 * rank, do_sample=False,
+                                 pad_token_id=0)
+    sampled = [engine.module.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=True, top_k=8,
+                                      pad_token_id=0) for _ in range(2)]
+    torch.save({"out": out, "sampled": sampled, "calls": engine.generation.calls,
+                "traces": dict(engine.traces)}, args.out)
+'''
+
+
+@pytest.mark.slow
+@against_a_jax_reference
+def test_two_processes_generate_on_the_devices_each_its_own_prompts(tmp_path):
+    """Each host's ``generate`` runs the program with the other's, on both hosts' prompts (of
+    other lengths and token budgets), and keeps its own rows: plain PyTorch's greedy tokens for
+    its prompts, stopped where PyTorch stops them; sampling draws from process 0's seed."""
+    import runpy
+
+    procs = _launch_hosts(tmp_path, script_text=GENERATE_SCRIPT)
+    (tmp_path / "ref.py").write_text(GENERATE_SCRIPT)
+    script = runpy.run_path(str(tmp_path / "ref.py"))
+    plain = script["tiny_llama"]().eval()
+    _all_succeed(procs, tmp_path)
+    for rank in range(2):
+        out = torch.load(tmp_path / f"out{rank}.pt")
+        ids, mask = script["prompts"](rank)
+        expected = plain.generate(ids, attention_mask=mask, max_new_tokens=6 + 2 * rank, do_sample=False,
+                                  pad_token_id=0)
+        torch.testing.assert_close(out["out"], expected, rtol=0, atol=0)
+        assert out["calls"] == 3  # on the devices, not the host module
+        assert out["traces"]["generate"] == 2  # greedy and sampled: one program each, both processes alike
+        first, second = out["sampled"]
+        assert first.shape == (4, ids.shape[1] + 5) and not torch.equal(first, second)  # a new seed a call

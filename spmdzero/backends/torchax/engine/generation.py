@@ -14,8 +14,9 @@ What it does not run on the devices yet goes to the host module's own ``generate
 said once with the reason: beam search, other logits processors than the sampling warpers and
 the minimum lengths, stopping criteria,
 encoder-decoder models, a module in training mode with dropout on (torch's dropout draws),
-``inputs_embeds``, outputs other than the token ids (``return_dict_in_generate``), several
-processes. ``"spmd": {"generate": "host"}`` sends every call there: PyTorch's tokens and draws
+``inputs_embeds``, outputs other than the token ids (``return_dict_in_generate``). With several
+processes every one runs the program with the others, on all of their prompts, and keeps its own
+rows (``_agreed``). ``"spmd": {"generate": "host"}`` sends every call there: PyTorch's tokens and draws
 exactly (the parity setting). Why a fallback rather than an error: those calls give plain
 PyTorch's results today, and a script must not break because one of its calls is not yet fast."""
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+import zlib
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
@@ -49,6 +51,27 @@ NEUTRAL = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "max_length
                      "return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
                      "output_hidden_states", "cache_implementation", "min_p", "disable_compile", "compile_config",
                      "min_length", "min_new_tokens"})
+
+
+class Agreed(NamedTuple):
+    """What every process's call runs with (``Generation._agreed``): the longest prompt and
+    new-token count of all, and process 0's seed."""
+
+    fed: int
+    new: int
+    seed: int
+
+
+def own_length(tokens: np.ndarray, eos: list, least: int) -> int:
+    """How many of these new tokens transformers would keep for these rows alone: up to the
+    step where the last of them reached EOS (at or after ``least`` tokens), else all."""
+    if not eos or tokens.shape[1] == 0:
+        return tokens.shape[1]
+    ended = np.isin(tokens, eos)
+    ended[:, :least] = False
+    if not ended.any(axis=1).all():
+        return tokens.shape[1]
+    return int(ended.argmax(axis=1).max()) + 1
 
 
 class Knobs(NamedTuple):
@@ -114,11 +137,38 @@ class Generation:
         ``generate``) for what they do not run yet, said once with why."""
         why = ('"spmd": {"generate": "host"}' if self.where == "host"
                else self.unsupported(args, kwargs))
+        read = self._read(args, kwargs) if why is None else None
+        if self.where == "devices" and self._engine.processes > 1:  # every process decides the same
+            why, read = self._agreed(why, read)
         if why is not None:
             say_once([f"generate() runs on the host module ({why}): the weights are copied to the host for it"])
             with zero_params.gathered(self._engine.host.wrapped.parameters(), keep_edits=False):  # ZeRO-3's placeholders
                 return on_host()
-        return self._run(*self._read(args, kwargs))
+        return self._run(*read)
+
+    def _agreed(self, why: Optional[str], read: Optional[tuple]) -> tuple:
+        """With several processes the program runs on all of them, with one prompt bucket,
+        new-token budget and seed: each process's call is told the others' (one small exchange
+        of integers a call, outside any training step). Any process that cannot run its call on
+        the devices sends every process's to its host module; so do calls that differ in what
+        the program holds (the batch size, EOS and pad ids, the sampling settings)."""
+        from jax.experimental import multihost_utils
+
+        if read is None:
+            mine = np.zeros(6, np.int64)
+        else:
+            ids, mask, new, eos, pad, knobs, least, seed = read
+            shared = zlib.crc32(repr((ids.shape[0], eos, pad, knobs, least)).encode())
+            mine = np.array([1, ids.shape[1], new, seed, shared, 0], np.int64)
+        every = np.asarray(multihost_utils.process_allgather(mine))
+        if why is not None or not every[:, 0].all():
+            return why or "another process's call does not run on the devices", None
+        if len(set(every[:, 4].tolist())) > 1:
+            return "the processes' calls differ in batch size, EOS or pad ids, or sampling settings", None
+        ids, mask, new, eos, pad, knobs, least, _ = read
+        # the longest prompt and budget of all; process 0's seed
+        agreed = Agreed(int(every[:, 1].max()), int(every[:, 2].max()), int(every[0, 3]))
+        return None, (ids, mask, new, eos, pad, knobs, least, agreed.seed, agreed)
 
     def unsupported(self, args: tuple, kwargs: dict) -> Optional[str]:
         """Why this call does not run on the devices yet, or None."""
@@ -145,8 +195,6 @@ class Generation:
         prompt = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
         if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2:
             return "no [batch, length] input_ids"
-        if self._engine.processes > 1:
-            return "several processes: each one's prompts on the global mesh are not there yet"
         if module.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in module.modules()):
             return "the module is in training mode with dropout on (call model.eval() first)"
         return None
@@ -201,23 +249,32 @@ class Generation:
         # min_length counts the prompt as fed (its padding too), min_new_tokens the new tokens only
         least = max(kwargs.get("min_new_tokens", generation.min_new_tokens) or 0,
                     (kwargs.get("min_length", generation.min_length) or 0) - ids.shape[1])
-        return ids, mask, int(new), eos, int(pad), knobs, int(least)
+        # the seed: drawn from torch's generator, which torch.manual_seed sets (one draw a call)
+        seed = int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64)) if knobs is not None else 0
+        return ids, mask, int(new), eos, int(pad), knobs, int(least), seed
 
     def _run(self, ids: torch.Tensor, mask: torch.Tensor, new: int, eos: list, pad: int,
-             knobs: Optional[Knobs], least: int) -> torch.Tensor:
+             knobs: Optional[Knobs], least: int, seed: int, agreed: Optional["Agreed"] = None) -> torch.Tensor:
         import jax
 
         engine = self._engine
-        if new <= 0:
+        if (agreed.new if agreed else new) <= 0:
             return ids
         engine.host.take_changes()
-        batch, fed = ids.shape
-        prompt, budget = bucket(fed, PROMPT_FLOOR), bucket(new, NEW_TOKENS_FLOOR)
+        own_rows, fed = ids.shape
+        prompt = bucket(agreed.fed if agreed else fed, PROMPT_FLOOR)
+        budget = bucket(agreed.new if agreed else new, NEW_TOKENS_FLOOR)
         left = prompt - fed  # more left padding, masked: the prompt reaches its bucket
-        padded = np.full((batch, prompt), pad, np.int32)
+        padded = np.full((own_rows, prompt), pad, np.int32)
         padded[:, left:] = ids.cpu().numpy()
-        padded_mask = np.zeros((batch, prompt), np.int32)
+        padded_mask = np.zeros((own_rows, prompt), np.int32)
         padded_mask[:, left:] = mask.cpu().numpy()
+        if agreed:  # every process's prompts, in process order: the program's batch
+            from jax.experimental import multihost_utils
+
+            padded, padded_mask = (np.asarray(multihost_utils.process_allgather(a)).reshape(-1, prompt)
+                                   for a in (padded, padded_mask))
+        batch = padded.shape[0]
         placement, sample = engine.placement, knobs is not None
         layout = self.layout(batch)
         rows = layout.rows
@@ -230,14 +287,21 @@ class Generation:
             tracing = functools.partial(other_engines.tracing, engine, [], None, engine.env)
             self.programs[key] = build_generate(engine.setup, batch, prompt, budget, sampling, layout, tracing)
         put = lambda value, layout=placement.replicated: placement.put(torch.as_tensor(value), layout)  # noqa: E731
-        # the seed: drawn from torch's generator, which torch.manual_seed sets (one draw a call)
-        seed = int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64)) if sample else 0
         knobs = np.ones(4, np.float32) if knobs is None else np.array(knobs, np.float32)
         out, count = self.programs[key](engine.state.params, engine.state.constants, put(padded, rows),
                                         put(padded_mask, rows), put(np.array(eos, np.int32)), put(np.int32(pad)),
-                                        put(np.int32(new)), put(knobs), put(np.uint32(seed)), put(np.int32(least)))
+                                        put(np.int32(agreed.new if agreed else new)), put(knobs), put(np.uint32(seed)),
+                                        put(np.int32(least)))
         engine.runs["generate"] += 1
         self.calls += 1
-        out, count = jax.device_get((out, count))  # the one read: the tokens, and how many
+        if agreed:  # the one read: every row's tokens, then this process's rows
+            from jax.experimental import multihost_utils
+
+            out, count = np.asarray(multihost_utils.process_allgather(out, tiled=True)), int(np.asarray(count))
+            first = jax.process_index() * own_rows
+            out = out[first:first + own_rows, :min(count, new)]
+            count = own_length(out, eos, least)  # where transformers would have stopped these rows
+        else:
+            out, count = jax.device_get((out, count))  # the one read: the tokens, and how many
         tokens = torch.from_numpy(np.asarray(out)[:, :int(count)]).to(ids.dtype)
         return torch.cat([ids.cpu(), tokens], dim=1)
