@@ -36,11 +36,12 @@ def prompts(batch: int = 4, longest: int = 7, seed: int = 3):
     return ids, mask
 
 
-def trained_engine(family: str, stage: int):
+def trained_engine(family: str, stage: int, spmd: dict | None = None):
     """An engine after two optimizer steps, in eval mode: its host parameters are behind the devices."""
     model = tiny_lm(family)
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "gradient_clipping": 0.0}
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "gradient_clipping": 0.0,
+              "spmd": spmd or {}}
     engine, *_ = spmdzero.initialize(model=model, config=config)
     g = torch.Generator().manual_seed(0)
     for _ in range(2):
@@ -104,6 +105,21 @@ def test_greedy_generate_on_the_devices_gives_torchs_tokens_and_copies_no_weight
         weights = engine.generation.layout(8).weights
         assert weights["model.layers.0.self_attn.q_proj.weight"].spec[0] in ("fsdp", ("fsdp",))
         assert weights["model.layers.0.self_attn.o_proj.weight"].spec[1] in ("fsdp", ("fsdp",))
+
+
+def test_on_a_two_axis_mesh_the_inner_fsdp_devices_are_the_tensor_parallel_group():
+    """Llama's 2 KV heads do not divide over the 8 fsdp devices, but over ``fsdp_inner``'s 2:
+    groups of 2 devices hold the heads (the cache split by them), the 4 groups split the rows,
+    as ``spmdzero aot --generate --tensor-parallel 2`` lays them out."""
+    engine, _ = trained_engine("llama", 3, {"mesh": {"fsdp_inner": 2}})
+    layout = engine.generation.layout(8)
+    assert layout.group == ("fsdp_inner",) and layout.plan.tensor_parallel == 2
+    assert layout.weights["model.layers.0.self_attn.q_proj.weight"].spec[0] in ("fsdp_inner", ("fsdp_inner",))
+    assert layout.cache.spec[:2] in ((("fsdp",), ("fsdp_inner",)), ("fsdp", "fsdp_inner"))
+    ids, mask = prompts(batch=8, longest=10)
+    out = engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8)
+    expected = on_torch(engine).generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=2)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
 def test_one_program_per_bucket_and_eos_stops_as_in_transformers():

@@ -33,7 +33,7 @@ import torch
 from spmdzero.observe.console import say_once
 from spmdzero.train import zero_params
 from spmdzero.sharding.decode_plan import DATA_AXIS as PLAN_DATA, TENSOR_AXIS, DecodePlan, decode_plan
-from spmdzero.sharding.mesh import DATA_AXIS, FSDP_AXES, data_parallel_axes, data_parallel_size
+from spmdzero.sharding.mesh import DATA_AXIS, FSDP_AXES, FSDP_INNER_AXIS, data_parallel_axes, data_parallel_size
 from spmdzero.backends.torchax.engine import other_engines
 from spmdzero.backends.torchax.programs.decode import cache_shape
 from spmdzero.backends.torchax.programs.generate import build_generate
@@ -120,6 +120,7 @@ class GenerationLayout(NamedTuple):
     rows: Any  # the prompts' and the tokens' rows
     cache: Any  # each layer's KV cache, [batch, kv heads, length, head dim]
     plan: Optional[DecodePlan]  # the tensor-parallel plan at ZeRO-3
+    group: tuple = ()  # at ZeRO-3, the mesh axes of a tensor-parallel group
 
 
 class Generation:
@@ -203,10 +204,14 @@ class Generation:
         """The generation layout on the training mesh. Below ZeRO-3 the weights are replicated
         already: the rows split over the data-parallel devices (when they divide evenly), the
         cache with them. At ZeRO-3, DeepSpeed's Hybrid Engine as annotations
-        (``sharding/decode_plan.py``): the ``fsdp`` devices are the tensor-parallel group (heads
-        and MLP columns split, the KV cache by heads when they divide), the ``data`` devices
-        split the rows. Gathering each weight whole for every token would send the whole model
-        per token; this reshards once per call."""
+        (``sharding/decode_plan.py``): a tensor-parallel group of ``fsdp`` devices (heads and MLP
+        columns split, the KV cache by heads when they divide), the other data-parallel devices
+        split the rows. The group is every ``fsdp`` device, or on a two-axis mesh the
+        ``fsdp_inner`` devices alone when only those divide the KV heads (a 70B's 8 KV heads on
+        ``fsdp`` 16 x ``fsdp_inner`` 8: groups of 8, 16 of them, ``spmdzero aot``'s
+        ``--tensor-parallel 8``); a cache split by heads is read once over the group, a
+        replicated one by every chip. Gathering each weight whole for every token would send the
+        whole model per token; this reshards once per call."""
         engine = self._engine
         shape = dict(engine.mesh.shape)
         sharding = engine.placement.sharding
@@ -214,15 +219,19 @@ class Generation:
             axes = data_parallel_axes(shape)
             rows = axes if axes and batch % data_parallel_size(shape) == 0 else None
             return GenerationLayout({}, sharding((rows,)), sharding((rows, None, None, None)), None)
-        group = tuple(a for a in FSDP_AXES if a in shape)
-        data = shape.get(DATA_AXIS, 1)
+        kv_heads = cache_shape(engine.host.wrapped, 1, 1)[1]
+        every = tuple(a for a in FSDP_AXES if a in shape)
+        groups = [every] + ([(FSDP_INNER_AXIS,)] if len(every) > 1 else [])
+        group = next((g for g in groups if kv_heads % int(np.prod([shape[a] for a in g])) == 0), every)
+        row_axes = tuple(a for a in (DATA_AXIS, *FSDP_AXES) if a in shape and a not in group and shape[a] > 1)
+        data = int(np.prod([shape[a] for a in row_axes]))
         plan = decode_plan([(n, tuple(a.shape)) for n, a in engine.state.params.items()], data,
-                           int(np.prod([shape[a] for a in group])), cache_shape(engine.host.wrapped, 1, 1)[1])
-        names = {TENSOR_AXIS: group or None, PLAN_DATA: DATA_AXIS if DATA_AXIS in shape else None}
+                           int(np.prod([shape[a] for a in group])), kv_heads)
+        names = {TENSOR_AXIS: group or None, PLAN_DATA: row_axes or None}
         rows = names[PLAN_DATA] if batch % data == 0 else None
         weights = {n: sharding(tuple(names.get(a) for a in spec)) for n, spec in plan.weights.items()}
         cache = (rows, names[TENSOR_AXIS] if plan.cache[1] else None, None, None)
-        return GenerationLayout(weights, sharding((rows,)), sharding(cache), plan)
+        return GenerationLayout(weights, sharding((rows,)), sharding(cache), plan, group)
 
     def _read(self, args: tuple, kwargs: dict) -> tuple:
         """The prompt, its mask, the new-token count, the EOS ids and the pad id, as transformers
@@ -283,7 +292,8 @@ class Generation:
         key = (batch, prompt, budget, sampling, engine.host.wrapped.training, len(eos))
         if key not in self.programs:
             if layout.plan is not None:
-                say_once([f"generate() at ZeRO-3: {layout.plan.describe()}, over the training mesh's fsdp devices"])
+                say_once([f"generate() at ZeRO-3: {layout.plan.describe()}; the tensor-parallel groups are the "
+                          f"training mesh's {' x '.join(layout.group)} devices"])
             tracing = functools.partial(other_engines.tracing, engine, [], None, engine.env)
             self.programs[key] = build_generate(engine.setup, batch, prompt, budget, sampling, layout, tracing)
         put = lambda value, layout=placement.replicated: placement.put(torch.as_tensor(value), layout)  # noqa: E731
