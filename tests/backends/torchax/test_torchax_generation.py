@@ -252,3 +252,22 @@ def test_a_grpo_shaped_loop_compiles_nothing_after_its_first_iteration():
         traced.append(sum(engine.traces.values()))
     assert traced[0] > 0 and traced[1] == traced[0] and traced[2] == traced[0]
     assert engine.generation.calls == 3 and engine.traces["generate"] == 1
+
+
+def test_a_repetition_penalty_runs_on_the_devices_as_transformers_applies_it():
+    """TRL's ``repetition_penalty`` (GRPO, RLOO): the logits of every token the row holds (the
+    prompt as fed, pad tokens included, then each new one) divided by it, or multiplied where
+    negative, before the other processors; a new value is an input, not a new program."""
+    engine, _ = trained_engine("llama", 2)
+    plain = on_torch(engine)
+    ids, mask = prompts(batch=8, longest=10)
+    calls = engine.generation.calls
+    for penalty in (1.5, 0.7):
+        out = engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, repetition_penalty=penalty,
+                              pad_token_id=0)
+        expected = plain.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                  repetition_penalty=penalty, pad_token_id=0)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert engine.generation.calls == calls + 2 and engine.traces["generate"] == 1
+    unpenalized = engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0)
+    assert not torch.equal(unpenalized, out)  # the penalty changed the tokens

@@ -11,8 +11,8 @@ top-p, min-p) draws with ``jax.random`` from a seed taken from torch's generator
 over the data-parallel devices when they divide evenly.
 
 What it does not run on the devices yet goes to the host module's own ``generate``, as before,
-said once with the reason: beam search, other logits processors than the sampling warpers and
-the minimum lengths, stopping criteria,
+said once with the reason: beam search, other logits processors than the sampling warpers, the
+minimum lengths and the repetition penalty, stopping criteria,
 encoder-decoder models, a module in training mode with dropout on (torch's dropout draws),
 ``inputs_embeds``, outputs other than the token ids (``return_dict_in_generate``). With several
 processes every one runs the program with the others, on all of their prompts, and keeps its own
@@ -41,7 +41,7 @@ from spmdzero.backends.torchax.programs.generate import build_generate
 # generate() arguments the device program follows, besides the prompt and its mask
 FOLLOWED = frozenset({"max_new_tokens", "max_length", "eos_token_id", "pad_token_id", "do_sample", "num_beams",
                       "use_cache", "synced_gpus", "generation_config", "temperature", "top_k", "top_p", "min_p",
-                      "min_length", "min_new_tokens",
+                      "min_length", "min_new_tokens", "repetition_penalty",
                       "bos_token_id", "return_dict_in_generate", "output_scores", "output_logits",
                       "output_attentions", "output_hidden_states", "num_return_sequences"})
 # generation-config fields that change nothing in greedy search (the rest would: processors, beams)
@@ -50,7 +50,7 @@ NEUTRAL = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "max_length
                      "_from_model_config", "decoder_start_token_id", "num_return_sequences",
                      "return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
                      "output_hidden_states", "cache_implementation", "min_p", "disable_compile", "compile_config",
-                     "min_length", "min_new_tokens"})
+                     "min_length", "min_new_tokens", "repetition_penalty"})
 
 
 class Agreed(NamedTuple):
@@ -158,18 +158,18 @@ class Generation:
         if read is None:
             mine = np.zeros(6, np.int64)
         else:
-            ids, mask, new, eos, pad, knobs, least, seed = read
-            shared = zlib.crc32(repr((ids.shape[0], eos, pad, knobs, least)).encode())
+            ids, mask, new, eos, pad, knobs, least, penalty, seed = read
+            shared = zlib.crc32(repr((ids.shape[0], eos, pad, knobs, least, penalty)).encode())
             mine = np.array([1, ids.shape[1], new, seed, shared, 0], np.int64)
         every = np.asarray(multihost_utils.process_allgather(mine))
         if why is not None or not every[:, 0].all():
             return why or "another process's call does not run on the devices", None
         if len(set(every[:, 4].tolist())) > 1:
             return "the processes' calls differ in batch size, EOS or pad ids, or sampling settings", None
-        ids, mask, new, eos, pad, knobs, least, _ = read
+        ids, mask, new, eos, pad, knobs, least, penalty, _ = read
         # the longest prompt and budget of all; process 0's seed
         agreed = Agreed(int(every[:, 1].max()), int(every[:, 2].max()), int(every[0, 3]))
-        return None, (ids, mask, new, eos, pad, knobs, least, agreed.seed, agreed)
+        return None, (ids, mask, new, eos, pad, knobs, least, penalty, agreed.seed, agreed)
 
     def unsupported(self, args: tuple, kwargs: dict) -> Optional[str]:
         """Why this call does not run on the devices yet, or None."""
@@ -258,12 +258,14 @@ class Generation:
         # min_length counts the prompt as fed (its padding too), min_new_tokens the new tokens only
         least = max(kwargs.get("min_new_tokens", generation.min_new_tokens) or 0,
                     (kwargs.get("min_length", generation.min_length) or 0) - ids.shape[1])
+        penalty = float(kwargs.get("repetition_penalty", generation.repetition_penalty) or 1.0)
         # the seed: drawn from torch's generator, which torch.manual_seed sets (one draw a call)
         seed = int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64)) if knobs is not None else 0
-        return ids, mask, int(new), eos, int(pad), knobs, int(least), seed
+        return ids, mask, int(new), eos, int(pad), knobs, int(least), penalty, seed
 
     def _run(self, ids: torch.Tensor, mask: torch.Tensor, new: int, eos: list, pad: int,
-             knobs: Optional[Knobs], least: int, seed: int, agreed: Optional["Agreed"] = None) -> torch.Tensor:
+             knobs: Optional[Knobs], least: int, penalty: float, seed: int,
+             agreed: Optional["Agreed"] = None) -> torch.Tensor:
         import jax
 
         engine = self._engine
@@ -278,30 +280,33 @@ class Generation:
         padded[:, left:] = ids.cpu().numpy()
         padded_mask = np.zeros((own_rows, prompt), np.int32)
         padded_mask[:, left:] = mask.cpu().numpy()
+        lefts = np.full(own_rows, left, np.int32)  # where each row's prompt as fed starts
         if agreed:  # every process's prompts, in process order: the program's batch
             from jax.experimental import multihost_utils
 
             padded, padded_mask = (np.asarray(multihost_utils.process_allgather(a)).reshape(-1, prompt)
                                    for a in (padded, padded_mask))
+            lefts = np.asarray(multihost_utils.process_allgather(lefts)).reshape(-1)
         batch = padded.shape[0]
         placement, sample = engine.placement, knobs is not None
         layout = self.layout(batch)
         rows = layout.rows
         # which warpers run is the program's (top-k's k sizes a partial sort); their values are inputs
         sampling = None if knobs is None else knobs.structure()
-        key = (batch, prompt, budget, sampling, engine.host.wrapped.training, len(eos))
+        key = (batch, prompt, budget, sampling, engine.host.wrapped.training, len(eos), penalty != 1.0)
         if key not in self.programs:
             if layout.plan is not None:
                 say_once([f"generate() at ZeRO-3: {layout.plan.describe()}; the tensor-parallel groups are the "
                           f"training mesh's {' x '.join(layout.group)} devices"])
             tracing = functools.partial(other_engines.tracing, engine, [], None, engine.env)
-            self.programs[key] = build_generate(engine.setup, batch, prompt, budget, sampling, layout, tracing)
+            self.programs[key] = build_generate(engine.setup, batch, prompt, budget, sampling, layout, tracing,
+                                                penalize=penalty != 1.0)
         put = lambda value, layout=placement.replicated: placement.put(torch.as_tensor(value), layout)  # noqa: E731
-        knobs = np.ones(4, np.float32) if knobs is None else np.array(knobs, np.float32)
+        knobs = np.array([*(knobs or (1.0, 0, 1.0, 0.0)), penalty], np.float32)  # the repetition penalty last
         out, count = self.programs[key](engine.state.params, engine.state.constants, put(padded, rows),
                                         put(padded_mask, rows), put(np.array(eos, np.int32)), put(np.int32(pad)),
                                         put(np.int32(agreed.new if agreed else new)), put(knobs), put(np.uint32(seed)),
-                                        put(np.int32(least)))
+                                        put(np.int32(least)), put(lefts, rows))
         engine.runs["generate"] += 1
         self.calls += 1
         if agreed:  # the one read: every row's tokens, then this process's rows

@@ -1,7 +1,7 @@
 """The generation program: greedy decoding or sampling of a transformers causal LM on the devices,
 as one plain JAX function of the engine's weights, the prompts and a static KV cache made inside it.
 
-``(params, constants, ids, mask, eos, pad, steps, knobs, seed, least) -> (new tokens, count)``: the prompt (left
+``(params, constants, ids, mask, eos, pad, steps, knobs, seed, least, left) -> (new tokens, count)``: the prompt (left
 padded, ``[batch, prompt bucket]``) fills the cache in one forward (the prefill), then a
 ``jax.lax.while_loop`` feeds each new token back, one forward per token, until ``steps`` tokens
 or every row has ended at an EOS token. The loop runs on the devices: no host read per token, and
@@ -58,10 +58,21 @@ def warped(logits, knobs, structure: tuple):
     return scores
 
 
-def build_generate(setup: ProgramSetup, batch: int, prompt: int, new: int, sampling, layouts, tracing):
+def penalized(logits, seen, penalty):
+    """transformers' repetition penalty: the logits of tokens the sequence holds (``seen``, the
+    prompt as fed and the new tokens) divided by ``penalty`` where positive, multiplied where
+    negative."""
+    import jax.numpy as jnp
+
+    return jnp.where(seen, jnp.where(logits < 0, logits * penalty, logits / penalty), logits)
+
+
+def build_generate(setup: ProgramSetup, batch: int, prompt: int, new: int, sampling, layouts, tracing,
+                   penalize: bool = False):
     """The generation program for ``batch`` prompts of ``prompt`` tokens (a bucket) and up to
     ``new`` new tokens, jitted (see the module docstring); ``sampling``: the warpers' structure
-    (``warped``), or None for greedy search;
+    (``warped``), or None for greedy search; ``penalize``: whether a repetition penalty
+    (``knobs[4]``) applies, the first processor, as in transformers;
     ``layouts``: where the weights, the rows and the KV cache lie while it runs
     (``engine/generation.GenerationLayout``); ``tracing()``: the context that tells the module's
     calls they are traced (the engine's ``other_engines.tracing``: not routed through the engine
@@ -91,10 +102,12 @@ def build_generate(setup: ProgramSetup, batch: int, prompt: int, new: int, sampl
         logits = env.t2j_iso(output.logits)[:, -1].astype(jnp.float32)
         return logits, [layer.keys._elem for layer in cache.layers], [layer.values._elem for layer in cache.layers]
 
-    def chosen(logits, knobs, seed, i, least, eos):
+    def chosen(logits, knobs, seed, i, least, eos, seen):
         """The next token: the likeliest, or drawn from the warped logits with the token's key.
         Before the ``least``-th new token no EOS token is chosen (transformers' min-length
         processors, which run before the warpers)."""
+        if penalize:
+            logits = penalized(logits, seen, knobs[4])
         if eos.shape[0]:
             barred = jnp.isin(jnp.arange(logits.shape[-1]), eos) & (i < least)
             logits = jnp.where(barred, -jnp.inf, logits)
@@ -103,7 +116,7 @@ def build_generate(setup: ProgramSetup, batch: int, prompt: int, new: int, sampl
         key = jax.random.fold_in(jax.random.key(seed), i)
         return jax.random.categorical(key, warped(logits, knobs, sampling), axis=-1).astype(jnp.int32)
 
-    def generate(params, constants, ids, mask, eos, pad, steps, knobs, seed, least):
+    def generate(params, constants, ids, mask, eos, pad, steps, knobs, seed, least, left):
         setup.count_trace("generate")
         # the weights in the generation layout: as training holds them at ZeRO-1/2 (replicated),
         # tensor-parallel at ZeRO-3 (the Hybrid Engine's); one reshard a call, before the loop
@@ -124,23 +137,32 @@ def build_generate(setup: ProgramSetup, batch: int, prompt: int, new: int, sampl
                 registry.entered(facts), attending_in_place(env, layouts.cache):
             tensors = env.j2t_iso(weights)
             logits, keys, values = logits_of(tensors, ids, positions, jnp.int32(0), full_mask, keys, values)
-            first = chosen(logits, knobs, seed, 0, least, eos)
+            rows = jnp.arange(batch)[:, None]
+            # the tokens each row holds, for the repetition penalty: the prompt as fed (the bucket's
+            # own padding, left of the row's ``left``, is not the script's), then each new token
+            seen = jnp.zeros((batch, logits.shape[-1]), bool).at[rows, ids].max(
+                jnp.arange(prompt)[None, :] >= left[:, None]) if penalize else jnp.zeros((batch, 1), bool)
+            first = chosen(logits, knobs, seed, 0, least, eos, seen)
             out = jnp.full((batch, new), pad, jnp.int32).at[:, 0].set(first)
+            if penalize:
+                seen = seen.at[rows[:, 0], first].set(True)
 
             def more(carry):
-                i, _, ended, _, _ = carry
+                i, _, ended, _, _, _ = carry
                 return (i < steps) & ~ended.all()
 
             def one(carry):
-                i, out, ended, keys, values = carry
+                i, out, ended, keys, values, seen = carry
                 token = jax.lax.dynamic_slice_in_dim(out, i - 1, 1, axis=1)
                 logits, keys, values = logits_of(tensors, token, (last_position + i)[:, None], prompt + i - 1,
                                                  full_mask, keys, values)
-                following = jnp.where(ended, pad, chosen(logits, knobs, seed, i, least, eos))
+                following = jnp.where(ended, pad, chosen(logits, knobs, seed, i, least, eos, seen))
                 out = jax.lax.dynamic_update_slice_in_dim(out, following[:, None], i, axis=1)
-                return i + 1, out, ended | ended_by(following), keys, values
+                if penalize:  # transformers' input_ids hold the pad tokens of ended rows too
+                    seen = seen.at[rows[:, 0], following].set(True)
+                return i + 1, out, ended | ended_by(following), keys, values, seen
 
-            count, out, _, _, _ = jax.lax.while_loop(more, one, (jnp.int32(1), out, ended_by(first), keys, values))
+            count, out, *_ = jax.lax.while_loop(more, one, (jnp.int32(1), out, ended_by(first), keys, values, seen))
         return out, count
 
     return setup.compile.program(generate, "generate")
