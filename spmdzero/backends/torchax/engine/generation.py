@@ -318,5 +318,5 @@ class Generation:
             count = own_length(out, eos, least)  # where transformers would have stopped these rows
         else:
             out, count = jax.device_get((out, count))  # the one read: the tokens, and how many
-        tokens = torch.from_numpy(np.asarray(out)[:, :int(count)]).to(ids.dtype)
+        tokens = torch.from_numpy(np.array(out[:, :int(count)])).to(ids.dtype)  # a copy: a device array is read-only
         return torch.cat([ids.cpu(), tokens], dim=1)
