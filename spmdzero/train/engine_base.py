@@ -161,8 +161,22 @@ class EngineBase:
         if self._buckets is None:
             return inputs, kwargs, ()
         cuts: list = []
+        # positional sequences padded with the keyword ones, under their forward's names:
+        # ``model(seq, attention_mask=mask)`` (DeepSpeed-Chat's actor) padded the mask alone
+        if getattr(self, "_forward_names", None) is None:
+            self._forward_names = forward_argument_names(self.module)
+        names = self._forward_names
+        named = {names[i]: a for i, a in enumerate(inputs[:len(names)]) if isinstance(a, torch.Tensor)}
+        if named and not set(named) & set(kwargs):
+            kwargs = {**kwargs, **named}
+        else:
+            named = {}
         inputs, kwargs = pad_sequences((inputs, kwargs), self._buckets.length, pad_id, cuts,
                                        skip=None if self._buckets.multiple else tower_inputs)
+        if named:
+            inputs = tuple(kwargs[names[i]] if i < len(names) and names[i] in named else a
+                           for i, a in enumerate(inputs))
+            kwargs = {k: v for k, v in kwargs.items() if k not in named}
         if not self._buckets.multiple and self._config.spmd.shape_buckets is None and \
                 any(padded != fed for _, padded, fed in cuts):
             say_once([f"shape buckets: sequences padded to {self._buckets.describe()}, the mask with 0 and the "

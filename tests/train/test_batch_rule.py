@@ -503,3 +503,30 @@ def test_torchax_shape_buckets_cut_a_shifted_output_back_to_the_tokens_it_scores
     assert abs(loss.item() - expected.item()) <= 1e-6
     for (name, ours), theirs in zip(engine.module.named_parameters(), reference.parameters()):
         torch.testing.assert_close(ours.detach().cpu(), theirs.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_torchax_shape_buckets_pad_a_positional_sequence_with_its_keyword_mask():
+    """DeepSpeed-Chat's actor is called ``model(seq, attention_mask=mask)``: the mask was padded
+    to the bucket and the positional ids were not, and OPT failed adding position embeddings of
+    the mask's length to token embeddings of the ids'. Both are padded now, and the logits come
+    back at the length fed, as plain torch gives them."""
+    import transformers
+
+    def opt():
+        torch.manual_seed(0)
+        return transformers.OPTForCausalLM(transformers.OPTConfig(
+            vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2,
+            word_embed_proj_dim=32, max_position_embeddings=256, dropout=0.0, attention_dropout=0.0))
+
+    ids = torch.randint(2, 64, (8, 24), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[2, :5] = 0  # a left-padded prompt
+    engine, *_ = spmdzero.initialize(model=opt(), config={
+        "train_micro_batch_size_per_gpu": 1, "spmd": {"backend": "torchax"},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine.eval()
+    with torch.no_grad():
+        out = engine(ids, attention_mask=mask).logits
+        expected = opt().eval()(ids, attention_mask=mask).logits
+    assert out.shape == (8, 24, 64)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-5)
