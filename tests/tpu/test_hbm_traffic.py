@@ -68,13 +68,18 @@ def compiled():
     import jax.numpy as jnp
     from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
+    from spmdzero.runtime.jax_runtime import shardy_partitioner
     from spmdzero.tpu.capture import compile_mlir
 
     pytest.importorskip("libtpu")
     mesh = AbstractMesh((4,), ("x",))
 
     def lowered(f, *args, donate=()):
-        return jax.jit(f, donate_argnums=donate).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+        # Shardy's annotations, as aot lowers its programs: a process where torch_xla used JAX
+        # (an earlier test on this worker) has it switched off, and the GSPMD module compiled
+        # with every array replicated
+        with shardy_partitioner(True):
+            return jax.jit(f, donate_argnums=donate).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
 
     big = jax.ShapeDtypeStruct((4096, 4096), jnp.float32, sharding=NamedSharding(mesh, P("x", None)))
     cache = jax.ShapeDtypeStruct((4, 64, 4096, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P("x")))
