@@ -61,7 +61,8 @@ def _in_place_update(env, layer):
         slot = env.t2j_iso(layer.cumulative_length)
         written = []
         for name, new in (("keys", key_states), ("values", value_states)):
-            before, new = env.t2j_iso(getattr(layer, name)), env.t2j_iso(new).astype(env.t2j_iso(getattr(layer, name)).dtype)
+            before = env.t2j_iso(getattr(layer, name))
+            new = env.t2j_iso(new).astype(before.dtype)
             after = env.j2t_iso(jax.lax.dynamic_update_slice(before, new, (0, 0, slot, 0)))
             setattr(layer, name, after)
             if new.shape[2] == 1 and _Updates.active is not None:
