@@ -72,7 +72,8 @@ PYTEST_ON_TORCH_XLA := SPMDZERO_BACKEND=torch_xla $(PYTEST) -k "not torchax or t
 NEWEST_STACK_TESTS := tests/io/test_checkpoint.py tests/tpu/test_aot.py tests/tpu/test_aot_decode.py tests/runtime/test_jax_private.py \
                       tests/test_example.py tests/sharding/test_multihost.py tests/runtime/test_runtime.py \
                       tests/tpu/test_tpu_collectives.py tests/tpu/test_hbm_traffic.py tests/backends/torchax/test_static_cache.py \
-                      tests/backends/torchax/test_host_placeholders.py $(wildcard tests/backends/torchax/test_torchax_*.py)
+                      tests/backends/torchax/test_host_placeholders.py tests/backends/torchax/test_seq2seq_generation.py \
+                      $(wildcard tests/backends/torchax/test_torchax_*.py)
 PYTEST_NEWEST := $(VENV_NEWEST)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The four pytest runs of `make test` share one JAX compilation cache (tests/conftest.py), made
@@ -85,7 +86,8 @@ test: setup  ## the full suite (what CI runs): the layers contract, every test, 
 	export SPMDZERO_TEST_COMPILE_CACHE="$$cache" && \
 	$(PYTEST) && \
 	PYTHONPATH=$(TRANSFORMERS_4) $(PYTEST) --dist load tests/test_transformers_zoo.py \
-		tests/backends/torchax/test_torchax_generation.py tests/backends/torchax/test_host_placeholders.py && \
+		tests/backends/torchax/test_torchax_generation.py tests/backends/torchax/test_seq2seq_generation.py \
+		tests/backends/torchax/test_host_placeholders.py && \
 	$(PYTEST_ON_TORCH_XLA) $(ON_TORCH_XLA_TOO) && \
 	$(PYTEST_NEWEST) $(sort $(NEWEST_STACK_TESTS))
 

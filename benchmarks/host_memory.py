@@ -7,7 +7,7 @@ devices (8 CPU devices by default), once with ``"spmd": {"host_parameters": "who
 with ``"placeholders"`` (what ``"auto"`` picks from 1 GiB of parameters), each in a process of
 its own. After initialize and after the steps, each prints:
 
-* the process's resident memory (RSS);
+* the process's resident memory (RSS, plus any of it swapped out);
 * the bytes of the live device arrays (every shard: on CPU devices they are host memory too);
 * RSS minus those: the host's own memory, the host module's parameters included;
 * the bytes the host module's parameters hold.
@@ -30,8 +30,14 @@ PRESETS = {"gpt2-medium": (24, 1024, 16), "gpt2-large": (36, 1280, 20), "gpt2-xl
 
 
 def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    """Resident memory plus what was swapped out: the process's whole footprint, even where a
+    swap file lets a model larger than RAM be measured."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            fields[key] = value.split()
+    return sum(int(fields[k][0]) * 1024 for k in ("VmRSS", "VmSwap") if k in fields)
 
 
 def device_bytes() -> int:

@@ -12,7 +12,7 @@ groups. The compiler inserts the collectives from these annotations.
 ``decode_plan(named shapes, mesh shape, kv heads)`` gives, per weight, its partition spec, and
 the KV cache's; it needs no device. The roles come from the weights' names: the projection
 names of the model families transformers builds this way (Llama, Mistral, Qwen, Gemma, Phi-3,
-GPT-NeoX, OPT, BLOOM, Falcon). A weight with no role, or whose split dim does not divide by
+GPT-NeoX, OPT, BLOOM, Falcon; T5's and BART's encoders and decoders). A weight with no role, or whose split dim does not divide by
 the group, is replicated (norms, biases, position tables)."""
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ DATA_AXIS, TENSOR_AXIS = "data", "tensor"
 
 # the last part of a Linear weight's module name -> which dim of its [out, in] weight splits
 COLUMN = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj", "query_key_value",
-          "fc1", "dense_h_to_4h")  # output features: heads, MLP columns
-ROW = ("o_proj", "down_proj", "dense", "fc2", "dense_4h_to_h", "out_proj")  # input features: the rows
-EMBEDDING = ("embed_tokens", "word_embeddings", "wte", "embed_in")  # [vocab, width]: split the width
+          "fc1", "dense_h_to_4h", "q", "k", "v", "wi", "wi_0", "wi_1")  # output features: heads, MLP columns
+ROW = ("o_proj", "down_proj", "dense", "fc2", "dense_4h_to_h", "out_proj", "o", "wo")  # input features: the rows
+EMBEDDING = ("embed_tokens", "word_embeddings", "wte", "embed_in", "shared")  # [vocab, width]: split the width
 OUTPUT = ("lm_head", "embed_out")  # [vocab, width]: split the vocabulary
 
 PartitionSpec = tuple

@@ -213,7 +213,7 @@ def test_an_accelerate_loop_with_a_deepspeed_plugin_trains_as_plain_torch(backen
 def test_a_seq2seq_trainer_that_generates_at_zero_3_trains_and_predicts_as_plain_torch(tmp_path):
     """transformers' translation and summarization examples: ``Seq2SeqTrainer`` with
     ``predict_with_generate`` generates from the trained weights, token for token as plain
-    PyTorch, at ZeRO-3 on the default backend."""
+    PyTorch, at ZeRO-3 on the default backend, on the devices."""
     script = os.path.join(SCRIPTS, "seq2seq_t5.py")
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({**AUTO, "zero_optimization": {"stage": 3}}))
@@ -228,6 +228,7 @@ def test_a_seq2seq_trainer_that_generates_at_zero_3_trains_and_predicts_as_plain
     assert _close(run["grad_norm"], reference["grad_norm"], 1e-4)
     assert abs(run["eval_loss"] - reference["eval_loss"]) < 1e-5
     assert run["generated"] == reference["generated"]
+    assert run["device_generate_calls"] == 2  # predict's 2 batches: on the devices
 
 
 def test_auto_find_batch_size_shrinks_the_batch_when_the_device_runs_out_of_memory(tmp_path):

@@ -54,6 +54,8 @@ results = {
     "eval_loss": float(predicted.metrics["test_loss"]),
     "generated": predicted.predictions.tolist(),
     "engine": type(trainer.model_wrapped).__module__,
+    # generate() calls the engine ran on the devices (0 for plain PyTorch)
+    "device_generate_calls": getattr(getattr(trainer.model_wrapped, "generation", None), "calls", 0),
 }
 with open(args.results, "w") as f:
     json.dump(results, f)

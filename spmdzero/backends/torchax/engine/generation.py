@@ -1,24 +1,27 @@
 """``generate`` on the devices: a part of ``TorchaxEngine`` (``engine.generation``).
 
-A transformers causal LM's ``generate``, called as ``engine.generate(...)``,
-``engine.module.generate(...)`` or on the script's own model (``unwrap_model(model).generate``,
-TRL's ``unwrap_model_for_generation``), decodes on the devices from the engine's weights where
-they are (``programs/generate.py``): no copy of the parameters to the host, one program per
-batch, prompt bucket and new-token bucket, no host read per token. Only the new tokens and
-their count come back. Greedy search gives transformers' tokens; sampling (temperature, top-k,
-top-p, min-p) draws with ``jax.random`` from a seed taken from torch's generator, so
-``torch.manual_seed`` makes it reproducible, but the draws are not torch's. The rows are split
-over the data-parallel devices when they divide evenly.
+A transformers LM's ``generate``, decoder-only or an encoder-decoder over token ids (T5, BART,
+Marian), called as ``engine.generate(...)``, ``engine.module.generate(...)`` or on the script's
+own model (``unwrap_model(model).generate``, TRL's ``unwrap_model_for_generation``,
+``Seq2SeqTrainer``'s ``predict_with_generate``), decodes on the devices from the engine's
+weights where they are (``programs/generate.py``): no copy of the parameters to the host, one
+program per batch, prompt bucket and new-token bucket, no host read per token. Only the new
+tokens and their count come back. Greedy search gives transformers' tokens; sampling
+(temperature, top-k, top-p, min-p) draws with ``jax.random`` from a seed taken from torch's
+generator, so ``torch.manual_seed`` makes it reproducible, but the draws are not torch's. The
+processors before the warpers that run there: the repetition penalty, the minimum lengths, the
+forced BOS and EOS tokens. The rows are split over the data-parallel devices when they divide
+evenly.
 
 What it does not run on the devices yet goes to the host module's own ``generate``, as before,
-said once with the reason: beam search, other logits processors than the sampling warpers, the
-minimum lengths and the repetition penalty, stopping criteria,
-encoder-decoder models, a module in training mode with dropout on (torch's dropout draws),
-``inputs_embeds``, outputs other than the token ids (``return_dict_in_generate``). With several
-processes every one runs the program with the others, on all of their prompts, and keeps its own
-rows (``_agreed``). ``"spmd": {"generate": "host"}`` sends every call there: PyTorch's tokens and draws
-exactly (the parity setting). Why a fallback rather than an error: those calls give plain
-PyTorch's results today, and a script must not break because one of its calls is not yet fast."""
+said once with the reason: beam search, other logits processors, stopping criteria, models
+whose ``generate`` is their own (Whisper's) or whose prompt is not ``input_ids``, a module in
+training mode with dropout on (torch's dropout draws), ``inputs_embeds``, outputs other than the
+token ids (``return_dict_in_generate``). With several processes every one runs the program with
+the others, on all of their prompts, and keeps its own rows (``_agreed``).
+``"spmd": {"generate": "host"}`` sends every call there: PyTorch's tokens and draws exactly (the
+parity setting). Why a fallback rather than an error: those calls give plain PyTorch's results
+today, and a script must not break because one of its calls is not yet fast."""
 
 from __future__ import annotations
 
@@ -43,14 +46,21 @@ FOLLOWED = frozenset({"max_new_tokens", "max_length", "eos_token_id", "pad_token
                       "use_cache", "synced_gpus", "generation_config", "temperature", "top_k", "top_p", "min_p",
                       "min_length", "min_new_tokens", "repetition_penalty",
                       "bos_token_id", "return_dict_in_generate", "output_scores", "output_logits",
-                      "output_attentions", "output_hidden_states", "num_return_sequences"})
+                      "output_attentions", "output_hidden_states", "num_return_sequences",
+                      "forced_bos_token_id", "forced_eos_token_id",
+                      "labels"})  # Seq2SeqTrainer passes its batch's labels: a loss at most, never a token
 # generation-config fields that change nothing in greedy search (the rest would: processors, beams)
 NEUTRAL = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "max_length", "max_new_tokens", "do_sample",
                      "num_beams", "temperature", "top_k", "top_p", "use_cache", "transformers_version",
                      "_from_model_config", "decoder_start_token_id", "num_return_sequences",
                      "return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
                      "output_hidden_states", "cache_implementation", "min_p", "disable_compile", "compile_config",
-                     "min_length", "min_new_tokens", "repetition_penalty"})
+                     "min_length", "min_new_tokens", "repetition_penalty", "forced_bos_token_id",
+                     "forced_eos_token_id",
+                     # assisted generation's settings, read only with an assistant model (a kwarg
+                     # the devices do not follow); transformers 5.x writes their defaults in
+                     "assistant_confidence_threshold", "assistant_lookbehind", "num_assistant_tokens",
+                     "num_assistant_tokens_schedule", "target_lookbehind"})
 
 
 class Agreed(NamedTuple):
@@ -72,6 +82,15 @@ def own_length(tokens: np.ndarray, eos: list, least: int) -> int:
     if not ended.any(axis=1).all():
         return tokens.shape[1]
     return int(ended.argmax(axis=1).max()) + 1
+
+
+class Processors(NamedTuple):
+    """transformers' logits processors the program runs before the warpers, in their order."""
+
+    penalty: float  # the repetition penalty (1: off)
+    least: int  # no EOS before this many new tokens (min_length, min_new_tokens)
+    forced_bos: Optional[int]  # the first new token, when the sequence holds one token (an encoder-decoder's start)
+    forced_eos: tuple  # the last token allowed by max_length is one of these (empty: off)
 
 
 class Knobs(NamedTuple):
@@ -133,6 +152,18 @@ class Generation:
         self.programs: dict = {}
         self.calls = 0  # generate() calls run on the devices
 
+    @property
+    def encoder_decoder(self) -> bool:
+        return bool(getattr(getattr(self._engine.host.wrapped, "config", None), "is_encoder_decoder", False))
+
+    def _start_token(self) -> Optional[int]:
+        """An encoder-decoder's first decoder token (transformers': the start token, else BOS)."""
+        if not self.encoder_decoder:
+            return None
+        generation = self._engine.host.wrapped.generation_config
+        start = generation.decoder_start_token_id
+        return int(generation.bos_token_id if start is None else start)
+
     def generate(self, args: tuple, kwargs: dict, on_host):
         """``generate(*args, **kwargs)`` on the devices, or ``on_host()`` (the module's own
         ``generate``) for what they do not run yet, said once with why."""
@@ -158,25 +189,31 @@ class Generation:
         if read is None:
             mine = np.zeros(6, np.int64)
         else:
-            ids, mask, new, eos, pad, knobs, least, penalty, seed = read
-            shared = zlib.crc32(repr((ids.shape[0], eos, pad, knobs, least, penalty)).encode())
+            ids, mask, new, eos, pad, knobs, processors, seed = read
+            # a forced EOS token is the last of each process's own budget: those must agree too
+            shared = zlib.crc32(repr((ids.shape[0], eos, pad, knobs, processors,
+                                      new if processors.forced_eos else None)).encode())
             mine = np.array([1, ids.shape[1], new, seed, shared, 0], np.int64)
         every = np.asarray(multihost_utils.process_allgather(mine))
         if why is not None or not every[:, 0].all():
             return why or "another process's call does not run on the devices", None
         if len(set(every[:, 4].tolist())) > 1:
             return "the processes' calls differ in batch size, EOS or pad ids, or sampling settings", None
-        ids, mask, new, eos, pad, knobs, least, penalty, _ = read
+        ids, mask, new, eos, pad, knobs, processors, _ = read
         # the longest prompt and budget of all; process 0's seed
         agreed = Agreed(int(every[:, 1].max()), int(every[:, 2].max()), int(every[0, 3]))
-        return None, (ids, mask, new, eos, pad, knobs, least, penalty, agreed.seed, agreed)
+        return None, (ids, mask, new, eos, pad, knobs, processors, agreed.seed, agreed)
 
     def unsupported(self, args: tuple, kwargs: dict) -> Optional[str]:
         """Why this call does not run on the devices yet, or None."""
         module = self._engine.host.wrapped
         config = getattr(module, "config", None)
-        if config is None or getattr(config, "is_encoder_decoder", False) or not hasattr(module, "generation_config"):
-            return f"{type(module).__name__} is not a transformers decoder-only LM"
+        if config is None or not hasattr(module, "generation_config"):
+            return f"{type(module).__name__} is not a transformers LM"
+        if getattr(config, "is_encoder_decoder", False):
+            why = self._unsupported_encoder_decoder(module)
+            if why is not None:
+                return why
         if len(args) > 1 or (args and not isinstance(args[0], torch.Tensor)):
             return "positional arguments after the prompt"
         extra = sorted(set(kwargs) - FOLLOWED - {"input_ids", "inputs", "attention_mask"})
@@ -198,6 +235,25 @@ class Generation:
             return "no [batch, length] input_ids"
         if module.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in module.modules()):
             return "the module is in training mode with dropout on (call model.eval() first)"
+        return None
+
+    @staticmethod
+    def _unsupported_encoder_decoder(module) -> Optional[str]:
+        """Why this encoder-decoder does not run on the devices, or None: its ``generate`` must be
+        transformers' own loop over token ids (Whisper's or a speech model's is not), with a
+        decoder start token."""
+        name = type(module).__name__
+        owner = next(klass for klass in type(module).__mro__  # past the engine's own subclass (module_calls.py)
+                     if "generate" in klass.__dict__ and not klass.__dict__.get("_spmdzero_engine_class"))
+        if not owner.__module__.startswith(("transformers.generation", "peft")):
+            return f"{name} has a generate of its own"
+        if getattr(module, "main_input_name", "input_ids") != "input_ids" or not hasattr(module, "get_encoder"):
+            return f"{name} is not an encoder-decoder over token ids"
+        start = module.generation_config.decoder_start_token_id
+        if start is None:
+            start = module.generation_config.bos_token_id
+        if not isinstance(start, int):
+            return f"{name} has no decoder_start_token_id"
         return None
 
     def layout(self, batch: int) -> GenerationLayout:
@@ -240,9 +296,12 @@ class Generation:
         generation = kwargs.get("generation_config") or module.generation_config
         ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
         mask = kwargs.get("attention_mask")
+        # what max_length and min_length count: the prompt, or an encoder-decoder's decoder
+        # tokens (its start token, then the new ones)
+        counted = 1 if self.encoder_decoder else ids.shape[1]
         new = kwargs.get("max_new_tokens", generation.max_new_tokens)
         if new is None:
-            new = kwargs.get("max_length", generation.max_length) - ids.shape[1]
+            new = kwargs.get("max_length", generation.max_length) - counted
         eos = kwargs.get("eos_token_id", generation.eos_token_id)
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         pad = kwargs.get("pad_token_id", generation.pad_token_id)
@@ -257,29 +316,38 @@ class Generation:
                           1.0 if setting["top_p"] is None else float(setting["top_p"]), float(setting["min_p"] or 0.0))
         # min_length counts the prompt as fed (its padding too), min_new_tokens the new tokens only
         least = max(kwargs.get("min_new_tokens", generation.min_new_tokens) or 0,
-                    (kwargs.get("min_length", generation.min_length) or 0) - ids.shape[1])
+                    (kwargs.get("min_length", generation.min_length) or 0) - counted)
         penalty = float(kwargs.get("repetition_penalty", generation.repetition_penalty) or 1.0)
+        forced_bos = kwargs.get("forced_bos_token_id", generation.forced_bos_token_id)
+        forced_eos = kwargs.get("forced_eos_token_id", generation.forced_eos_token_id)
+        forced_eos = () if forced_eos is None else (forced_eos,) if isinstance(forced_eos, int) else tuple(forced_eos)
+        # transformers forces BOS where the sequence holds one token: an encoder-decoder's start token
+        forced_bos = forced_bos if forced_bos is not None and (self.encoder_decoder or ids.shape[1] == 1) else None
+        processors = Processors(penalty, int(least), forced_bos, tuple(int(t) for t in forced_eos))
         # the seed: drawn from torch's generator, which torch.manual_seed sets (one draw a call)
         seed = int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64)) if knobs is not None else 0
-        return ids, mask, int(new), eos, int(pad), knobs, int(least), penalty, seed
+        return ids, mask, int(new), eos, int(pad), knobs, processors, seed
 
     def _run(self, ids: torch.Tensor, mask: torch.Tensor, new: int, eos: list, pad: int,
-             knobs: Optional[Knobs], least: int, penalty: float, seed: int,
+             knobs: Optional[Knobs], processors: Processors, seed: int,
              agreed: Optional["Agreed"] = None) -> torch.Tensor:
         import jax
 
         engine = self._engine
+        start = self._start_token()
         if (agreed.new if agreed else new) <= 0:
-            return ids
+            return ids if start is None else torch.full((ids.shape[0], 1), start, dtype=ids.dtype)
         engine.host.take_changes()
         own_rows, fed = ids.shape
         prompt = bucket(agreed.fed if agreed else fed, PROMPT_FLOOR)
         budget = bucket(agreed.new if agreed else new, NEW_TOKENS_FLOOR)
-        left = prompt - fed  # more left padding, masked: the prompt reaches its bucket
+        # more padding, masked, to reach the bucket: on the left of a decoder-only LM's prompt (its
+        # new tokens follow it), on the right of an encoder's (whose positions may be absolute)
+        left = 0 if start is not None else prompt - fed
         padded = np.full((own_rows, prompt), pad, np.int32)
-        padded[:, left:] = ids.cpu().numpy()
+        padded[:, left:left + fed] = ids.cpu().numpy()
         padded_mask = np.zeros((own_rows, prompt), np.int32)
-        padded_mask[:, left:] = mask.cpu().numpy()
+        padded_mask[:, left:left + fed] = mask.cpu().numpy()
         lefts = np.full(own_rows, left, np.int32)  # where each row's prompt as fed starts
         if agreed:  # every process's prompts, in process order: the program's batch
             from jax.experimental import multihost_utils
@@ -293,20 +361,24 @@ class Generation:
         rows = layout.rows
         # which warpers run is the program's (top-k's k sizes a partial sort); their values are inputs
         sampling = None if knobs is None else knobs.structure()
-        key = (batch, prompt, budget, sampling, engine.host.wrapped.training, len(eos), penalty != 1.0)
+        penalty = processors.penalty
+        # the forced tokens are the program's: a model's constants
+        key = (batch, prompt, budget, sampling, engine.host.wrapped.training, len(eos), penalty != 1.0, start,
+               processors.forced_bos, processors.forced_eos)
         if key not in self.programs:
             if layout.plan is not None:
                 say_once([f"generate() at ZeRO-3: {layout.plan.describe()}; the tensor-parallel groups are the "
                           f"training mesh's {' x '.join(layout.group)} devices"])
             tracing = functools.partial(other_engines.tracing, engine, [], None, engine.env)
             self.programs[key] = build_generate(engine.setup, batch, prompt, budget, sampling, layout, tracing,
-                                                penalize=penalty != 1.0)
+                                                penalize=penalty != 1.0, start_token=start,
+                                                forced=(processors.forced_bos, processors.forced_eos))
         put = lambda value, layout=placement.replicated: placement.put(torch.as_tensor(value), layout)  # noqa: E731
         knobs = np.array([*(knobs or (1.0, 0, 1.0, 0.0)), penalty], np.float32)  # the repetition penalty last
         out, count = self.programs[key](engine.state.params, engine.state.constants, put(padded, rows),
                                         put(padded_mask, rows), put(np.array(eos, np.int32)), put(np.int32(pad)),
                                         put(np.int32(agreed.new if agreed else new)), put(knobs), put(np.uint32(seed)),
-                                        put(np.int32(least)), put(lefts, rows))
+                                        put(np.int32(processors.least)), put(lefts, rows))
         engine.runs["generate"] += 1
         self.calls += 1
         if agreed:  # the one read: every row's tokens, then this process's rows
@@ -315,8 +387,10 @@ class Generation:
             out, count = np.asarray(multihost_utils.process_allgather(out, tiled=True)), int(np.asarray(count))
             first = jax.process_index() * own_rows
             out = out[first:first + own_rows, :min(count, new)]
-            count = own_length(out, eos, least)  # where transformers would have stopped these rows
+            count = own_length(out, eos, processors.least)  # where transformers would have stopped these rows
         else:
             out, count = jax.device_get((out, count))  # the one read: the tokens, and how many
         tokens = torch.from_numpy(np.array(out[:, :int(count)])).to(ids.dtype)  # a copy: a device array is read-only
-        return torch.cat([ids.cpu(), tokens], dim=1)
+        # what transformers returns: the prompt and the new tokens, or an encoder-decoder's decoder tokens
+        before = ids.cpu() if start is None else torch.full((own_rows, 1), start, dtype=ids.dtype)
+        return torch.cat([before, tokens], dim=1)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from spmdzero.backends.torchax.programs.module_call import called
 from spmdzero.backends.torchax.programs.static_cache import attending_in_place, cache_holding, cache_shape
 
 
@@ -55,7 +56,7 @@ def build_decode(setup: DecodeSetup):
                 inputs.update(past_key_values=cache, cache_position=env.j2t_iso(length.reshape(1)))
             else:
                 inputs["cache"] = cache
-            output = torch.func.functional_call(module, tensors, (), inputs)
+            output = called(module, tensors, (), inputs)
             following = output.logits[:, -1].argmax(-1)
             return (env.t2j_iso(following)[:, None].astype(jnp.int32), [layer.keys._elem for layer in cache.layers],
                     [layer.values._elem for layer in cache.layers], length + 1)

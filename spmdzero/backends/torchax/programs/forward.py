@@ -26,6 +26,7 @@ from spmdzero.backends.torchax.lowering import zero3_gather
 from spmdzero.backends.torchax.patches import batchnorm, registry, shape_inputs, trace_view
 from spmdzero.backends.torchax.programs import frozen, gradients, method_programs
 from spmdzero.backends.torchax.programs.setup import ProgramSetup
+from spmdzero.backends.torchax.programs.module_call import host_tensors_kept
 
 # the entry of a program's constants that holds the values of other engines it met (``engine/other_engines.py``)
 OTHER_ENGINES = "\x00other engines"
@@ -103,11 +104,7 @@ def build_forward(setup: ProgramSetup, kind: str, treespec, static: tuple, which
         tensors = env.j2t_iso({**frozen.held(zero3_gather.gathered_all(gathers, params), frozen_now),
                                **constants})
         inputs, kwargs = env.j2t_iso((inputs, kwargs))
-        # functional_call puts the host tensors back when it returns, except under a submodule
-        # registered twice (``self.alias = self.shared``): there the traced ones stayed. Put back here,
-        # exactly: torch's parametrize (PEFT's LoRA on 5.x experts) leaves a removed one as a buffer
-        held = [(m, dict(m._parameters), dict(m._buffers)) for m in module.modules()]
-        try:
+        with host_tensors_kept(module):  # the host's tensors put back (module_call.py says why)
             with env, env.override_property(prng=forward_key(*rng)), trace_view.tracing(differentiated), \
                     remat.rematerializing(env, tensors.values(), zero3_gather.regathers(gathers, params, tensors)), \
                     cross_entropy.fused(env), \
@@ -116,12 +113,6 @@ def build_forward(setup: ProgramSetup, kind: str, treespec, static: tuple, which
                     autocast.autocasting(env, policy.autocast_dtype), \
                     traced_checks.placeholder_checks_left_out(), registry.entered(facts):
                 output = torch.func.functional_call(entry, method_programs.keyed(entry, tensors), inputs, kwargs)
-        finally:
-            for m, params, buffers in held:
-                m._parameters.clear()
-                m._parameters.update(params)
-                m._buffers.clear()
-                m._buffers.update(buffers)
         # buffers the module updated in place (running statistics) are returned as new values
         changed = {n: t._elem for n, t in tensors.items() if n not in names and t._elem is not constants[n]}
         return output, changed

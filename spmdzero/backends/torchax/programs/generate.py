@@ -1,35 +1,36 @@
-"""The generation program: greedy decoding or sampling of a transformers causal LM on the devices,
-as one plain JAX function of the engine's weights, the prompts and a static KV cache made inside it.
+"""The generation program: greedy decoding or sampling of a transformers LM, decoder-only or
+encoder-decoder, on the devices, as one plain JAX function of the engine's weights, the prompts
+and static KV caches made inside it.
 
-``(params, constants, ids, mask, eos, pad, steps, knobs, seed, least, left) -> (new tokens, count)``: the prompt (left
-padded, ``[batch, prompt bucket]``) fills the cache in one forward (the prefill), then a
-``jax.lax.while_loop`` feeds each new token back, one forward per token, until ``steps`` tokens
-or every row has ended at an EOS token. The loop runs on the devices: no host read per token, and
-the weights are read where they are (at ZeRO-3 laid out tensor-parallel once per call, outside
-the loop: ``sharding/decode_plan.py``).
-Only the tokens and their count come back.
+``(params, constants, ids, mask, eos, pad, steps, knobs, seed, least, left) -> (new tokens, count)``:
+the prompt (``[batch, prompt bucket]``, padded) goes through the model in one forward (the
+prefill), then a ``jax.lax.while_loop`` feeds each new token back, one forward per token, until
+``steps`` tokens or every row has ended at an EOS token. What each forward is handed, a
+decoder-only LM's or an encoder-decoder's, is ``programs/model_feeds.py``'s. The loop runs on the
+devices: no host read per token, and the weights are read where they are (at ZeRO-3 laid out
+tensor-parallel once per call, outside the loop: ``sharding/decode_plan.py``). Only the tokens
+and their count come back.
 
-Why one program per prompt and new-token bucket: its shapes are the cache's
-(``[batch, kv heads, prompt + new, head dim]`` per layer), so a prompt padded to a bucket length
-and a token budget rounded up to one reuse it; the number of steps asked for is an input. It
-follows transformers' greedy search exactly: position ids from the attention mask's cumulative
-sum, the mask extended by ones for every new token, rows that ended padded with ``pad`` after
-their EOS token, the loop stopping when every row has ended. Sampling warps the logits as
+Why one program per prompt and new-token bucket: its shapes are the caches', so a prompt padded
+to a bucket length and a token budget rounded up to one reuse it; the number of steps asked for
+is an input. It follows transformers' greedy search exactly: rows that ended padded with ``pad``
+after their EOS token, the loop stopping when every row has ended. Sampling warps the logits as
 transformers' processors do, in their order (temperature, top-k, top-p, min-p: the values are
-traced, so new ones do not compile again; top-k's k and which warpers run are the program's) and draws with ``jax.random`` from ``seed`` folded with the
-token's index: reproducible from a seed, not torch's draws. transformers' ``StaticCache`` is
-handed the loop's arrays as its layers' tensors for each forward and updated in place, each new
-token's attention reading the cache once (``programs/static_cache.py``), as ``programs/decode.py``
-does for ``spmdzero aot --generate``."""
+traced, so new ones do not compile again; top-k's k and which warpers run are the program's) and
+draws with ``jax.random`` from ``seed`` folded with the token's index: reproducible from a seed,
+not torch's draws. transformers' ``StaticCache`` is handed the loop's arrays as its layers'
+tensors for each forward and updated in place, each new token's attention reading the cache once
+(``programs/static_cache.py``), as ``programs/decode.py`` does for ``spmdzero aot --generate``."""
 
 from __future__ import annotations
 
 import torch
 
 from spmdzero.backends.torchax.lowering import attention, autocast, traced_checks
-from spmdzero.backends.torchax.patches import registry, transformers_methods
+from spmdzero.backends.torchax.patches import registry
 from spmdzero.backends.torchax.lowering.values import jax_dtype
-from spmdzero.backends.torchax.programs.static_cache import attending_in_place, cache_holding, cache_shape
+from spmdzero.backends.torchax.programs.model_feeds import feed_for
+from spmdzero.backends.torchax.programs.static_cache import attending_in_place
 from spmdzero.backends.torchax.programs.setup import ProgramSetup
 
 
@@ -68,7 +69,7 @@ def penalized(logits, seen, penalty):
 
 
 def build_generate(setup: ProgramSetup, batch: int, prompt: int, new: int, sampling, layouts, tracing,
-                   penalize: bool = False):
+                   penalize: bool = False, start_token=None, forced: tuple = (None, ())):
     """The generation program for ``batch`` prompts of ``prompt`` tokens (a bucket) and up to
     ``new`` new tokens, jitted (see the module docstring); ``sampling``: the warpers' structure
     (``warped``), or None for greedy search; ``penalize``: whether a repetition penalty
@@ -76,41 +77,42 @@ def build_generate(setup: ProgramSetup, batch: int, prompt: int, new: int, sampl
     ``layouts``: where the weights, the rows and the KV cache lie while it runs
     (``engine/generation.GenerationLayout``); ``tracing()``: the context that tells the module's
     calls they are traced (the engine's ``other_engines.tracing``: not routed through the engine
-    again)."""
+    again); ``start_token``: an encoder-decoder's decoder start token (``programs/model_feeds.py``);
+    ``forced``: transformers' forced BOS token (the first new token; None: off) and forced EOS
+    tokens (the last one ``steps`` allows; empty: off)."""
     import jax
     import jax.numpy as jnp
 
     env, module, policy = setup.env, setup.module, setup.policy
-    config = module.config
-    max_length = prompt + new
-    shape = cache_shape(module, batch, max_length)
-    layers = config.num_hidden_layers
     facts = registry.TraceFacts([], setup.expert_matmuls)
     dtype = policy.param_dtype
 
-    def logits_of(tensors, tokens, positions, start, full_mask, keys, values):
-        """The last position's logits after feeding ``tokens`` at cache slots ``start...``, and the cache."""
-        cache = cache_holding(env, config, max_length, keys, values, start, shape)
-        length = tokens.shape[1]
-        inputs = {"input_ids": env.j2t_iso(tokens), "position_ids": env.j2t_iso(positions),
-                  "attention_mask": env.j2t_iso(full_mask), "use_cache": True, "logits_to_keep": 1}
-        if transformers_methods.transformers_4():  # the cache's slots are given; 5.x counts them itself
-            inputs.update(past_key_values=cache, cache_position=env.j2t_iso(start + jnp.arange(length)))
-        else:
-            inputs["cache"] = cache
-        output = torch.func.functional_call(module, tensors, (), inputs)
-        logits = env.t2j_iso(output.logits)[:, -1].astype(jnp.float32)
-        return logits, [layer.keys._elem for layer in cache.layers], [layer.values._elem for layer in cache.layers]
+    def empty(shape):
+        return jax.lax.with_sharding_constraint(jnp.zeros(shape, jax_dtype(dtype)), layouts.cache)
 
-    def chosen(logits, knobs, seed, i, least, eos, seen):
-        """The next token: the likeliest, or drawn from the warped logits with the token's key.
-        Before the ``least``-th new token no EOS token is chosen (transformers' min-length
-        processors, which run before the warpers)."""
+    feed = feed_for(env, module, batch, prompt, new, empty, start_token)
+
+    forced_bos, forced_eos = forced
+
+    def only(logits, tokens, now):
+        """``tokens`` the only choice where ``now``: transformers' forced-token processors."""
+        allowed = jnp.isin(jnp.arange(logits.shape[-1]), jnp.asarray(tokens, jnp.int32))
+        return jnp.where(now, jnp.where(allowed, 0.0, -jnp.inf), logits)
+
+    def chosen(logits, knobs, seed, i, least, eos, seen, steps):
+        """The next token (the ``i``-th new one): the likeliest, or drawn from the warped logits
+        with the token's key. transformers' processors first, in its order: the repetition
+        penalty; no EOS token before the ``least``-th new token (the min-length processors); the
+        forced BOS and EOS tokens."""
         if penalize:
             logits = penalized(logits, seen, knobs[4])
         if eos.shape[0]:
             barred = jnp.isin(jnp.arange(logits.shape[-1]), eos) & (i < least)
             logits = jnp.where(barred, -jnp.inf, logits)
+        if forced_bos is not None:
+            logits = only(logits, [forced_bos], i == 0)
+        if forced_eos:
+            logits = only(logits, list(forced_eos), i == steps - 1)
         if sampling is None:
             return logits.argmax(-1).astype(jnp.int32)
         key = jax.random.fold_in(jax.random.key(seed), i)
@@ -122,12 +124,6 @@ def build_generate(setup: ProgramSetup, batch: int, prompt: int, new: int, sampl
         # tensor-parallel at ZeRO-3 (the Hybrid Engine's); one reshard a call, before the loop
         weights = {**{n: jax.lax.with_sharding_constraint(p, layouts.weights[n]) if n in layouts.weights else p
                       for n, p in params.items()}, **constants}
-        full_mask = jnp.concatenate([mask, jnp.ones((batch, new), mask.dtype)], axis=1)
-        # transformers' position ids: the mask's cumulative sum, 1 where it is 0 (left padding)
-        positions = jnp.where(mask == 0, 1, jnp.cumsum(mask, axis=1) - 1).astype(jnp.int32)
-        last_position = positions[:, -1]
-        zeros = jax.lax.with_sharding_constraint(jnp.zeros(shape, jax_dtype(dtype)), layouts.cache)
-        keys, values = [zeros] * layers, [zeros] * layers
 
         def ended_by(tokens):
             return jnp.isin(tokens, eos) if eos.shape[0] else jnp.zeros(tokens.shape, bool)
@@ -136,34 +132,30 @@ def build_generate(setup: ProgramSetup, batch: int, prompt: int, new: int, sampl
                 autocast.autocasting(env, policy.autocast_dtype), traced_checks.placeholder_checks_left_out(), \
                 registry.entered(facts), attending_in_place(env, layouts.cache):
             tensors = env.j2t_iso(weights)
-            logits, keys, values = logits_of(tensors, ids, positions, jnp.int32(0), full_mask, keys, values)
-            rows = jnp.arange(batch)[:, None]
-            # the tokens each row holds, for the repetition penalty: the prompt as fed (the bucket's
-            # own padding, left of the row's ``left``, is not the script's), then each new token
-            seen = jnp.zeros((batch, logits.shape[-1]), bool).at[rows, ids].max(
-                jnp.arange(prompt)[None, :] >= left[:, None]) if penalize else jnp.zeros((batch, 1), bool)
-            first = chosen(logits, knobs, seed, 0, least, eos, seen)
+            logits, state = feed.first(tensors, ids, mask)
+            rows = jnp.arange(batch)
+            # the tokens each row holds, for the repetition penalty: as fed, then each new token
+            seen = feed.seen_first(ids, left, logits.shape[-1]) if penalize else jnp.zeros((batch, 1), bool)
+            first = chosen(logits, knobs, seed, 0, least, eos, seen, steps)
             out = jnp.full((batch, new), pad, jnp.int32).at[:, 0].set(first)
             if penalize:
-                seen = seen.at[rows[:, 0], first].set(True)
+                seen = seen.at[rows, first].set(True)
 
             def more(carry):
-                i, _, ended, _, _, _ = carry
+                i, _, ended, _, _ = carry
                 return (i < steps) & ~ended.all()
 
             def one(carry):
-                i, out, ended, keys, values, seen = carry
+                i, out, ended, state, seen = carry
                 token = jax.lax.dynamic_slice_in_dim(out, i - 1, 1, axis=1)
-                logits, keys, values = logits_of(tensors, token, (last_position + i)[:, None], prompt + i - 1,
-                                                 full_mask, keys, values)
-                following = jnp.where(ended, pad, chosen(logits, knobs, seed, i, least, eos, seen))
+                logits, state = feed.following(tensors, token, i, state)
+                following = jnp.where(ended, pad, chosen(logits, knobs, seed, i, least, eos, seen, steps))
                 out = jax.lax.dynamic_update_slice_in_dim(out, following[:, None], i, axis=1)
                 if penalize:  # transformers' input_ids hold the pad tokens of ended rows too
-                    seen = seen.at[rows[:, 0], following].set(True)
-                return i + 1, out, ended | ended_by(following), keys, values, seen
+                    seen = seen.at[rows, following].set(True)
+                return i + 1, out, ended | ended_by(following), state, seen
 
-            count, out, *_ = jax.lax.while_loop(more, one, (jnp.int32(1), out, ended_by(first), keys, values, seen))
+            count, out, *_ = jax.lax.while_loop(more, one, (jnp.int32(1), out, ended_by(first), state, seen))
         return out, count
 
     return setup.compile.program(generate, "generate")
-

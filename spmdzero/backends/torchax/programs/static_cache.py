@@ -17,17 +17,28 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import math
 
 import torch
 
 
 def cache_shape(module: torch.nn.Module, batch: int, max_length: int) -> tuple:
-    """One layer's keys (or values): ``[batch, kv heads, max length, head dim]``."""
+    """One layer's keys (or values): ``[batch, kv heads, max length, head dim]``; an
+    encoder-decoder's are its decoder's (BART's ``decoder_attention_heads``, T5's ``d_kv``)."""
     config = module.config
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads = (getattr(config, "decoder_attention_heads", None) or getattr(config, "num_key_value_heads", None)
+             or config.num_attention_heads)
+    head_dim = (getattr(config, "d_kv", None) or getattr(config, "head_dim", None)
+                or config.hidden_size // config.num_attention_heads)
     return (batch, heads, max_length, head_dim)
+
+
+def cache_layers(config) -> int:
+    """The layers a cache holds: the decoder's (an encoder-decoder's ``num_hidden_layers`` may
+    be its encoder's: BART's ``encoder_layers``, T5's ``num_layers``)."""
+    return (getattr(config, "decoder_layers", None) or getattr(config, "num_decoder_layers", None)
+            or config.num_hidden_layers)
 
 
 # the attentions traced while ``attending_in_place`` is on: "one token" (the cache read as it
@@ -82,7 +93,9 @@ def cache_holding(env, config, max_length: int, keys: list, values: list, length
 
     batch, heads, _, head_dim = shape
     cache = StaticCache(config=config, max_cache_len=max_length)
-    for layer, k, v in zip(cache.layers, keys, values):
+    if len(cache.layers) != len(keys):  # the config counted the encoder's layers (T5's num_layers)
+        cache.layers = [copy.copy(cache.layers[0]) for _ in keys]
+    for layer, k, v in zip(cache.layers, keys, values, strict=True):
         layer.keys, layer.values = env.j2t_iso(k), env.j2t_iso(v)
         layer.cumulative_length = env.j2t_iso(length)
         layer.device, layer.batch_size, layer.num_heads = layer.keys.device, batch, heads
@@ -90,6 +103,22 @@ def cache_holding(env, config, max_length: int, keys: list, values: list, length
         layer.k_head_dim = layer.v_head_dim = layer.head_dim = head_dim
         layer.is_initialized = True
         layer.update = _in_place_update(env, layer)
+    return cache
+
+
+def encoder_decoder_cache(self_attention, cross_attention, filled: bool):
+    """transformers' ``EncoderDecoderCache`` of two ``cache_holding`` caches: the decoder's own
+    keys and values, and the encoder's as each cross-attention projects them. ``filled``: whether
+    the cross-attention caches hold them already (every token after the first reads them there;
+    the first computes and writes them). Said by hand: the constructor would read a traced length."""
+    from transformers.cache_utils import EncoderDecoderCache
+
+    cross_attention.get_seq_length = lambda layer_idx=0: 0
+    try:
+        cache = EncoderDecoderCache(self_attention, cross_attention)
+    finally:
+        del cross_attention.get_seq_length
+    cache.is_updated = {layer: filled for layer in range(len(cross_attention.layers))}
     return cache
 
 
