@@ -99,3 +99,15 @@ def test_an_encoder_decoder_stops_at_eos_and_runs_transformers_processors():
     assert engine.generation.calls == 6 and (sampled[:, 1] == 7).all()
     ended = (sampled[:, 1:-1] == model.config.eos_token_id).any(1)  # rows that ended are padded after EOS
     assert sampled.shape[1] == 7 and ((sampled[:, -1] == 9) | ended).all() and (~ended).any()
+
+
+def test_an_encoder_decoder_s_beam_search_runs_on_the_devices_with_transformers_beams():
+    engine, model, plain = trained("t5", 3)
+    ids, mask = sources(0)
+    # the best beam of each prompt: this T5's runners-up tie within rounding (scores 1e-5 apart),
+    # which transformers orders one way and the devices may order the other
+    for setting in (dict(num_beams=3), dict(num_beams=4, length_penalty=0.6, early_stopping=True)):
+        out = engine.module.generate(ids, attention_mask=mask, max_new_tokens=9, **setting)
+        expected = plain.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=False, **setting)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert engine.generation.calls == 2 and engine.traces["beam search"] == 2

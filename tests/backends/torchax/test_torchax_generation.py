@@ -193,12 +193,13 @@ def test_what_does_not_run_on_the_devices_yet_runs_on_the_host_as_before():
     engine, _ = trained_engine("llama", 2)
     plain = on_torch(engine)
     ids, mask = prompts()
-    with spmdzero_log() as records:
-        beams = engine.module.generate(ids, attention_mask=mask, max_new_tokens=6, num_beams=2, pad_token_id=0)
-    expected = plain.generate(ids, attention_mask=mask, max_new_tokens=6, num_beams=2, pad_token_id=0)
-    torch.testing.assert_close(beams, expected, rtol=0, atol=0)
+    with spmdzero_log() as records:  # a processor the devices do not run yet
+        blocked = engine.module.generate(ids, attention_mask=mask, max_new_tokens=6, no_repeat_ngram_size=2,
+                                         pad_token_id=0)
+    expected = plain.generate(ids, attention_mask=mask, max_new_tokens=6, no_repeat_ngram_size=2, pad_token_id=0)
+    torch.testing.assert_close(blocked, expected, rtol=0, atol=0)
     assert engine.generation.calls == 0
-    assert any("beam search" in r.getMessage() for r in records)
+    assert any("no_repeat_ngram_size" in r.getMessage() for r in records)
     # a generation after training resumes on the devices with the newest weights
     engine.train()
     engine.backward(engine(input_ids=ids, labels=ids).loss)
@@ -271,3 +272,44 @@ def test_a_repetition_penalty_runs_on_the_devices_as_transformers_applies_it():
     assert engine.generation.calls == calls + 2 and engine.traces["generate"] == 1
     unpenalized = engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0)
     assert not torch.equal(unpenalized, out)  # the penalty changed the tokens
+
+
+BEAM_SETTINGS = [dict(num_beams=3), dict(num_beams=4, num_return_sequences=2),
+                 dict(num_beams=3, early_stopping=True), dict(num_beams=3, early_stopping="never", length_penalty=2.0),
+                 dict(num_beams=2, length_penalty=0.5, repetition_penalty=1.3, min_new_tokens=3)]
+
+
+@pytest.mark.parametrize("family,stage", [("llama", 2), ("gpt2", 3)])
+def test_beam_search_on_the_devices_gives_transformers_beams(family, stage):
+    """transformers' beam search, step for step (programs/beam_search.py): the same finished
+    beams and lengths, with an EOS token greedy search reaches so that beams end early, for each
+    early-stopping mode, length penalties, the processors and ``num_return_sequences``."""
+    engine, _ = trained_engine(family, stage)
+    plain = on_torch(engine)
+    ids, mask = prompts(batch=4, longest=7)
+    eos = int(plain.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=False)[1, -5])
+    shorter = 0
+    for setting in BEAM_SETTINGS:
+        out = engine.module.generate(ids, attention_mask=mask, max_new_tokens=9, eos_token_id=eos, pad_token_id=0,
+                                     **setting)
+        expected = plain.generate(ids, attention_mask=mask, max_new_tokens=9, eos_token_id=eos, pad_token_id=0,
+                                  do_sample=False, **setting)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        shorter += out.shape[1] < ids.shape[1] + 9
+    assert shorter > 0  # some searches ended before the length limit: EOS ended their beams
+    assert engine.generation.calls == len(BEAM_SETTINGS) and engine.traces["beam search"] == len(BEAM_SETTINGS)
+    engine.module.generate(ids, attention_mask=mask, max_new_tokens=5, num_beams=3, eos_token_id=eos)
+    assert engine.traces["beam search"] == len(BEAM_SETTINGS)  # a bucket's program again
+
+
+def test_samples_of_each_prompt_are_drawn_on_the_devices():
+    """``num_return_sequences`` with sampling: each prompt's row repeated, drawn apart."""
+    engine, _ = trained_engine("llama", 2)
+    ids, mask = prompts(batch=4)
+    torch.manual_seed(1)
+    out = engine.module.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, num_return_sequences=2,
+                                 pad_token_id=0)
+    assert out.shape[0] == 8 and engine.generation.calls == 1
+    torch.testing.assert_close(out[::2, :ids.shape[1]], ids, rtol=0, atol=0)
+    torch.testing.assert_close(out[1::2, :ids.shape[1]], ids, rtol=0, atol=0)
+    assert not torch.equal(out[::2], out[1::2])  # two draws of each prompt

@@ -39,6 +39,7 @@ from spmdzero.sharding.decode_plan import DATA_AXIS as PLAN_DATA, TENSOR_AXIS, D
 from spmdzero.sharding.mesh import DATA_AXIS, FSDP_AXES, FSDP_INNER_AXIS, data_parallel_axes, data_parallel_size
 from spmdzero.backends.torchax.engine import other_engines
 from spmdzero.backends.torchax.programs.decode import cache_shape
+from spmdzero.backends.torchax.programs.beam_search import build_beam_search
 from spmdzero.backends.torchax.programs.generate import build_generate
 
 # generate() arguments the device program follows, besides the prompt and its mask
@@ -47,7 +48,7 @@ FOLLOWED = frozenset({"max_new_tokens", "max_length", "eos_token_id", "pad_token
                       "min_length", "min_new_tokens", "repetition_penalty",
                       "bos_token_id", "return_dict_in_generate", "output_scores", "output_logits",
                       "output_attentions", "output_hidden_states", "num_return_sequences",
-                      "forced_bos_token_id", "forced_eos_token_id",
+                      "forced_bos_token_id", "forced_eos_token_id", "length_penalty", "early_stopping",
                       "labels"})  # Seq2SeqTrainer passes its batch's labels: a loss at most, never a token
 # generation-config fields that change nothing in greedy search (the rest would: processors, beams)
 NEUTRAL = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "max_length", "max_new_tokens", "do_sample",
@@ -56,7 +57,7 @@ NEUTRAL = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "max_length
                      "return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
                      "output_hidden_states", "cache_implementation", "min_p", "disable_compile", "compile_config",
                      "min_length", "min_new_tokens", "repetition_penalty", "forced_bos_token_id",
-                     "forced_eos_token_id",
+                     "forced_eos_token_id", "length_penalty", "early_stopping",
                      # assisted generation's settings, read only with an assistant model (a kwarg
                      # the devices do not follow); transformers 5.x writes their defaults in
                      "assistant_confidence_threshold", "assistant_lookbehind", "num_assistant_tokens",
@@ -93,6 +94,15 @@ class Processors(NamedTuple):
     forced_eos: tuple  # the last token allowed by max_length is one of these (empty: off)
 
 
+class Search(NamedTuple):
+    """Beam search's settings, as transformers reads them (``beams`` 1: greedy search or sampling)."""
+
+    beams: int
+    returned: int  # num_return_sequences: of each prompt's finished beams, or its samples
+    length_penalty: float
+    early_stopping: Any  # True, False or "never"
+
+
 class Knobs(NamedTuple):
     """Sampling's settings, as transformers reads them (``None`` is off)."""
 
@@ -112,6 +122,11 @@ INACTIVE = {"repetition_penalty": (None, 1.0), "encoder_repetition_penalty": (No
             "min_new_tokens": (None, 0), "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0),
             "diversity_penalty": (None, 0.0), "num_beam_groups": (None, 1), "length_penalty": (None, 1.0),
             "early_stopping": (None, False), "renormalize_logits": (None, False), "guidance_scale": (None, 1.0)}
+
+
+def _unless_none(value, default):
+    """transformers 5.x leaves unset generation settings None: its defaults then."""
+    return default if value is None else value
 
 
 def bucket(length: int, floor: int) -> int:
@@ -189,7 +204,7 @@ class Generation:
         if read is None:
             mine = np.zeros(6, np.int64)
         else:
-            ids, mask, new, eos, pad, knobs, processors, seed = read
+            ids, mask, new, eos, pad, knobs, processors, _, seed = read
             # a forced EOS token is the last of each process's own budget: those must agree too
             shared = zlib.crc32(repr((ids.shape[0], eos, pad, knobs, processors,
                                       new if processors.forced_eos else None)).encode())
@@ -199,10 +214,10 @@ class Generation:
             return why or "another process's call does not run on the devices", None
         if len(set(every[:, 4].tolist())) > 1:
             return "the processes' calls differ in batch size, EOS or pad ids, or sampling settings", None
-        ids, mask, new, eos, pad, knobs, processors, _ = read
+        ids, mask, new, eos, pad, knobs, processors, search, _ = read
         # the longest prompt and budget of all; process 0's seed
         agreed = Agreed(int(every[:, 1].max()), int(every[:, 2].max()), int(every[0, 3]))
-        return None, (ids, mask, new, eos, pad, knobs, processors, agreed.seed, agreed)
+        return None, (ids, mask, new, eos, pad, knobs, processors, search, agreed.seed, agreed)
 
     def unsupported(self, args: tuple, kwargs: dict) -> Optional[str]:
         """Why this call does not run on the devices yet, or None."""
@@ -226,8 +241,13 @@ class Generation:
             return f"generation_config sets {', '.join(changed)}"
         setting = {k: kwargs.get(k, getattr(generation, k, None)) for k in
                    ("do_sample", "num_beams", "return_dict_in_generate", "num_return_sequences")}
-        if (setting["num_beams"] or 1) > 1 or (setting["num_return_sequences"] or 1) > 1:
-            return "beam search"
+        beams, returned = setting["num_beams"] or 1, setting["num_return_sequences"] or 1
+        if beams > 1 and setting["do_sample"]:
+            return "beam search with sampling"
+        if returned > beams and not setting["do_sample"]:
+            return "num_return_sequences above num_beams"  # transformers says why
+        if (beams > 1 or returned > 1) and self._engine.processes > 1:
+            return "beam search or num_return_sequences with several processes"
         if setting["return_dict_in_generate"]:
             return "return_dict_in_generate"
         prompt = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
@@ -326,10 +346,14 @@ class Generation:
         processors = Processors(penalty, int(least), forced_bos, tuple(int(t) for t in forced_eos))
         # the seed: drawn from torch's generator, which torch.manual_seed sets (one draw a call)
         seed = int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64)) if knobs is not None else 0
-        return ids, mask, int(new), eos, int(pad), knobs, processors, seed
+        search = Search(int(kwargs.get("num_beams", generation.num_beams) or 1),
+                        int(kwargs.get("num_return_sequences", generation.num_return_sequences) or 1),
+                        float(_unless_none(kwargs.get("length_penalty", generation.length_penalty), 1.0)),
+                        _unless_none(kwargs.get("early_stopping", generation.early_stopping), False))
+        return ids, mask, int(new), eos, int(pad), knobs, processors, search, seed
 
     def _run(self, ids: torch.Tensor, mask: torch.Tensor, new: int, eos: list, pad: int,
-             knobs: Optional[Knobs], processors: Processors, seed: int,
+             knobs: Optional[Knobs], processors: Processors, search: Search, seed: int,
              agreed: Optional["Agreed"] = None) -> torch.Tensor:
         import jax
 
@@ -338,6 +362,8 @@ class Generation:
         if (agreed.new if agreed else new) <= 0:
             return ids if start is None else torch.full((ids.shape[0], 1), start, dtype=ids.dtype)
         engine.host.take_changes()
+        if search.returned > 1 and search.beams == 1:  # samples of each prompt: its row repeated, as transformers does
+            ids, mask = ids.repeat_interleave(search.returned, 0), mask.repeat_interleave(search.returned, 0)
         own_rows, fed = ids.shape
         prompt = bucket(agreed.fed if agreed else fed, PROMPT_FLOOR)
         budget = bucket(agreed.new if agreed else new, NEW_TOKENS_FLOOR)
@@ -355,6 +381,9 @@ class Generation:
             padded, padded_mask = (np.asarray(multihost_utils.process_allgather(a)).reshape(-1, prompt)
                                    for a in (padded, padded_mask))
             lefts = np.asarray(multihost_utils.process_allgather(lefts)).reshape(-1)
+        if search.beams > 1:
+            return self._beam_search(ids, start, padded, padded_mask, lefts, new, budget, eos, pad, processors,
+                                     search)
         batch = padded.shape[0]
         placement, sample = engine.placement, knobs is not None
         layout = self.layout(batch)
@@ -394,3 +423,42 @@ class Generation:
         # what transformers returns: the prompt and the new tokens, or an encoder-decoder's decoder tokens
         before = ids.cpu() if start is None else torch.full((own_rows, 1), start, dtype=ids.dtype)
         return torch.cat([before, tokens], dim=1)
+
+    def _beam_search(self, ids, start, padded, padded_mask, lefts, new: int, budget: int, eos: list, pad: int,
+                     processors: Processors, search: Search) -> torch.Tensor:
+        """transformers' beam search on the devices (``programs/beam_search.py``): each prompt
+        given ``num_beams`` times, the best ``num_return_sequences`` finished beams back, the
+        longest one's length; one read."""
+        import jax
+
+        engine = self._engine
+        batch, prompt = padded.shape
+        beams = search.beams
+        padded, padded_mask, lefts = (np.repeat(a, beams, axis=0) for a in (padded, padded_mask, lefts))
+        layout = self.layout(batch * beams)
+        penalize = processors.penalty != 1.0
+        key = ("beam search", batch, beams, search.returned, prompt, budget, len(eos), search.length_penalty,
+               search.early_stopping, penalize, start, processors.forced_bos, processors.forced_eos)
+        if key not in self.programs:
+            tracing = functools.partial(other_engines.tracing, engine, [], None, engine.env)
+            self.programs[key] = build_beam_search(
+                engine.setup, batch, beams, search.returned, prompt, budget, len(eos), search.length_penalty,
+                search.early_stopping, layout, tracing, penalize=penalize, start_token=start,
+                forced=(processors.forced_bos, processors.forced_eos))
+        # what transformers fills a beam's unused slots with: the pad token unless it is 0, else
+        # the first EOS token; -1 without EOS tokens
+        fill = (pad or eos[0]) if eos else -1
+        placement = engine.placement
+        put = lambda value, layout=placement.replicated: placement.put(torch.as_tensor(value), layout)  # noqa: E731
+        knobs = np.array([1.0, 0, 1.0, 0.0, processors.penalty], np.float32)
+        out, length = self.programs[key](engine.state.params, engine.state.constants, put(padded, layout.rows),
+                                         put(padded_mask, layout.rows), put(np.array(eos, np.int32)),
+                                         put(np.int32(fill)), put(np.int32(new)), put(knobs),
+                                         put(np.int32(processors.least)), put(lefts, layout.rows))
+        engine.runs["generate"] += 1
+        self.calls += 1
+        out, length = jax.device_get((out, length))  # the one read: the finished beams, and their length
+        tokens = torch.from_numpy(np.array(out[:, :, :int(length)]).reshape(batch * search.returned, -1))
+        before = (ids.cpu().repeat_interleave(search.returned, 0) if start is None
+                  else torch.full((batch * search.returned, 1), start, dtype=ids.dtype))
+        return torch.cat([before, tokens.to(ids.dtype)], dim=1)

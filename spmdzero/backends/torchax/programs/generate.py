@@ -24,6 +24,8 @@ tensors for each forward and updated in place, each new token's attention readin
 
 from __future__ import annotations
 
+from typing import Any, Callable, NamedTuple
+
 import torch
 
 from spmdzero.backends.torchax.lowering import attention, autocast, traced_checks
@@ -68,6 +70,69 @@ def penalized(logits, seen, penalty):
     return jnp.where(seen, jnp.where(logits < 0, logits * penalty, logits / penalty), logits)
 
 
+def processed(logits, *, i, steps, least, eos, seen, penalty, penalize: bool, forced: tuple):
+    """Scores (logits, or beam search's log-probabilities) for the ``i``-th new token as
+    transformers' processors before the warpers leave them, in its order: the repetition penalty
+    (``seen``, ``penalty``; when ``penalize``); no EOS token before the ``least``-th new token
+    (the min-length processors); the forced BOS token (the first new one) and EOS tokens (the last
+    one ``steps`` allows), ``forced``: (BOS or None, EOS tokens or ()), the program's."""
+    import jax.numpy as jnp
+
+    forced_bos, forced_eos = forced
+    tokens = jnp.arange(logits.shape[-1])
+
+    def only(scores, allowed, now):
+        return jnp.where(now, jnp.where(jnp.isin(tokens, jnp.asarray(allowed, jnp.int32)), 0.0, -jnp.inf), scores)
+
+    if penalize:
+        logits = penalized(logits, seen, penalty)
+    if eos.shape[0]:
+        logits = jnp.where(jnp.isin(tokens, eos) & (i < least), -jnp.inf, logits)
+    if forced_bos is not None:
+        logits = only(logits, [forced_bos], i == 0)
+    if forced_eos:
+        logits = only(logits, list(forced_eos), i == steps - 1)
+    return logits
+
+
+class Prepared(NamedTuple):
+    """What every generation program starts from (``prepared``)."""
+
+    feed: Any  # the model's forwards (programs/model_feeds.py)
+    weights: Callable  # (params, constants) -> the weights in the generation layout, by name
+    tracing: Callable  # () -> the context a program's forwards are traced in
+
+
+def prepared(setup: ProgramSetup, rows: int, prompt: int, new: int, layouts, tracing, start_token) -> Prepared:
+    """The feed for ``rows`` sequences, the weights' layout and the tracing context of a
+    generation program (see ``build_generate``'s arguments)."""
+    import contextlib
+
+    import jax
+    import jax.numpy as jnp
+
+    env, policy = setup.env, setup.policy
+    facts = registry.TraceFacts([], setup.expert_matmuls)
+
+    def empty(shape):
+        return jax.lax.with_sharding_constraint(jnp.zeros(shape, jax_dtype(policy.param_dtype)), layouts.cache)
+
+    def weights(params, constants):
+        # as training holds them at ZeRO-1/2 (replicated), tensor-parallel at ZeRO-3 (the Hybrid
+        # Engine's); one reshard a call, before the loop
+        return {**{n: jax.lax.with_sharding_constraint(p, layouts.weights[n]) if n in layouts.weights else p
+                   for n, p in params.items()}, **constants}
+
+    @contextlib.contextmanager
+    def traced():
+        with env, torch.no_grad(), tracing(), attention.choosing(setup.attention_kernels, env), \
+                autocast.autocasting(env, policy.autocast_dtype), traced_checks.placeholder_checks_left_out(), \
+                registry.entered(facts), attending_in_place(env, layouts.cache):
+            yield
+
+    return Prepared(feed_for(env, setup.module, rows, prompt, new, empty, start_token), weights, traced)
+
+
 def build_generate(setup: ProgramSetup, batch: int, prompt: int, new: int, sampling, layouts, tracing,
                    penalize: bool = False, start_token=None, forced: tuple = (None, ())):
     """The generation program for ``batch`` prompts of ``prompt`` tokens (a bucket) and up to
@@ -78,41 +143,18 @@ def build_generate(setup: ProgramSetup, batch: int, prompt: int, new: int, sampl
     (``engine/generation.GenerationLayout``); ``tracing()``: the context that tells the module's
     calls they are traced (the engine's ``other_engines.tracing``: not routed through the engine
     again); ``start_token``: an encoder-decoder's decoder start token (``programs/model_feeds.py``);
-    ``forced``: transformers' forced BOS token (the first new token; None: off) and forced EOS
-    tokens (the last one ``steps`` allows; empty: off)."""
+    ``forced``: transformers' forced BOS token and EOS tokens (``processed``)."""
     import jax
     import jax.numpy as jnp
 
-    env, module, policy = setup.env, setup.module, setup.policy
-    facts = registry.TraceFacts([], setup.expert_matmuls)
-    dtype = policy.param_dtype
-
-    def empty(shape):
-        return jax.lax.with_sharding_constraint(jnp.zeros(shape, jax_dtype(dtype)), layouts.cache)
-
-    feed = feed_for(env, module, batch, prompt, new, empty, start_token)
-
-    forced_bos, forced_eos = forced
-
-    def only(logits, tokens, now):
-        """``tokens`` the only choice where ``now``: transformers' forced-token processors."""
-        allowed = jnp.isin(jnp.arange(logits.shape[-1]), jnp.asarray(tokens, jnp.int32))
-        return jnp.where(now, jnp.where(allowed, 0.0, -jnp.inf), logits)
+    env = setup.env
+    feed, laid_out, traced = prepared(setup, batch, prompt, new, layouts, tracing, start_token)
 
     def chosen(logits, knobs, seed, i, least, eos, seen, steps):
         """The next token (the ``i``-th new one): the likeliest, or drawn from the warped logits
-        with the token's key. transformers' processors first, in its order: the repetition
-        penalty; no EOS token before the ``least``-th new token (the min-length processors); the
-        forced BOS and EOS tokens."""
-        if penalize:
-            logits = penalized(logits, seen, knobs[4])
-        if eos.shape[0]:
-            barred = jnp.isin(jnp.arange(logits.shape[-1]), eos) & (i < least)
-            logits = jnp.where(barred, -jnp.inf, logits)
-        if forced_bos is not None:
-            logits = only(logits, [forced_bos], i == 0)
-        if forced_eos:
-            logits = only(logits, list(forced_eos), i == steps - 1)
+        with the token's key, after transformers' processors (``processed``)."""
+        logits = processed(logits, i=i, steps=steps, least=least, eos=eos, seen=seen, penalty=knobs[4],
+                           penalize=penalize, forced=forced)
         if sampling is None:
             return logits.argmax(-1).astype(jnp.int32)
         key = jax.random.fold_in(jax.random.key(seed), i)
@@ -120,18 +162,12 @@ def build_generate(setup: ProgramSetup, batch: int, prompt: int, new: int, sampl
 
     def generate(params, constants, ids, mask, eos, pad, steps, knobs, seed, least, left):
         setup.count_trace("generate")
-        # the weights in the generation layout: as training holds them at ZeRO-1/2 (replicated),
-        # tensor-parallel at ZeRO-3 (the Hybrid Engine's); one reshard a call, before the loop
-        weights = {**{n: jax.lax.with_sharding_constraint(p, layouts.weights[n]) if n in layouts.weights else p
-                      for n, p in params.items()}, **constants}
 
         def ended_by(tokens):
             return jnp.isin(tokens, eos) if eos.shape[0] else jnp.zeros(tokens.shape, bool)
 
-        with env, torch.no_grad(), tracing(), attention.choosing(setup.attention_kernels, env), \
-                autocast.autocasting(env, policy.autocast_dtype), traced_checks.placeholder_checks_left_out(), \
-                registry.entered(facts), attending_in_place(env, layouts.cache):
-            tensors = env.j2t_iso(weights)
+        with traced():
+            tensors = env.j2t_iso(laid_out(params, constants))
             logits, state = feed.first(tensors, ids, mask)
             rows = jnp.arange(batch)
             # the tokens each row holds, for the repetition penalty: as fed, then each new token
