@@ -8,13 +8,13 @@ weights where they are (``programs/generate.py``): no copy of the parameters to 
 program per batch, prompt bucket and new-token bucket, no host read per token. Only the new
 tokens and their count come back. Greedy search gives transformers' tokens; sampling
 (temperature, top-k, top-p, min-p) draws with ``jax.random`` from a seed taken from torch's
-generator, so ``torch.manual_seed`` makes it reproducible, but the draws are not torch's. The
-processors before the warpers that run there: the repetition penalty, the minimum lengths, the
-forced BOS and EOS tokens. The rows are split over the data-parallel devices when they divide
-evenly.
+generator, so ``torch.manual_seed`` makes it reproducible, but the draws are not torch's. Beam
+search is transformers', step for step (``programs/beam_search.py``). The processors before the
+warpers that run there: the repetition penalty, the minimum lengths, the forced BOS and EOS
+tokens. The rows are split over the data-parallel devices when they divide evenly.
 
 What it does not run on the devices yet goes to the host module's own ``generate``, as before,
-said once with the reason: beam search, other logits processors, stopping criteria, models
+said once with the reason: beam search with sampling or in groups, other logits processors, stopping criteria, models
 whose ``generate`` is their own (Whisper's) or whose prompt is not ``input_ids``, a module in
 training mode with dropout on (torch's dropout draws), ``inputs_embeds``, outputs other than the
 token ids (``return_dict_in_generate``). With several processes every one runs the program with
