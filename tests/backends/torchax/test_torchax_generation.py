@@ -187,6 +187,11 @@ def test_the_parity_setting_samples_as_pytorch_on_the_host():
                                                    top_k=5), rtol=0, atol=0)
     assert engine.generation.calls == 0
     assert any('"generate": "host"' in r.getMessage() for r in records)
+    torch.manual_seed(6)  # the engine's own generate: the same, on the host module once
+    direct = engine.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, top_k=5)
+    torch.manual_seed(6)
+    torch.testing.assert_close(direct, plain.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True,
+                                                      top_k=5), rtol=0, atol=0)
 
 
 def test_what_does_not_run_on_the_devices_yet_runs_on_the_host_as_before():

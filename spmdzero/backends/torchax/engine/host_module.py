@@ -321,8 +321,10 @@ def engine_attribute(engine, name: str):
     own classes computes on the devices (``module_methods``)."""
     module = engine.host.wrapped
     if name == "generate" and library_generate(type(module)):  # on the devices (generation.py)
-        return lambda *args, **kwargs: engine.generation.generate(args, kwargs,
-                                                                  lambda: engine.module.generate(*args, **kwargs))
+        own = type(module).__mro__[1] if type(module).__dict__.get("_spmdzero_engine_class") else type(module)
+        # the fallback is the class's own generate: the module's would ask the engine again
+        return lambda *args, **kwargs: engine.generation.generate(
+            args, kwargs, lambda: own.generate(engine.module, *args, **kwargs))
     if module_methods.routed(module, name):
         return functools.partial(script_method, engine, engine.host.configuring, name)
     try:
