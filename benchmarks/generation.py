@@ -1,11 +1,13 @@
 """Generation on the devices against generation on the host, in a GRPO-shaped loop.
 
     python benchmarks/generation.py [--layers 12 --width 768 --batch 8 --prompt 32 --new 32 --iterations 3]
+                                    [--num-beams N]
 
 A GPT-2 small (12 layers of 768, random weights: no download) trained by the engine at ZeRO-2 on
 this machine's devices (8 CPU devices by default). Each iteration is what an RL fine-tuning
 step does: sample completions for a batch of prompts (``engine.module.generate(do_sample=True)``),
-then one optimizer step on them. The same loop runs twice in one process, with ``generate`` on
+then one optimizer step on them (``--num-beams N``: beam search instead of sampling, as an
+evaluation with ``num_beams`` generates). The same loop runs twice in one process, with ``generate`` on
 the devices (``"spmd": {"generate": "devices"}``, the default) and on the host module
 (``"host"``, the parity setting), and prints side by side, per generate call after the first:
 
@@ -80,8 +82,9 @@ def loop(where: str, args, transfers: Transfers) -> list[dict]:
         transfers.take()
         torch.manual_seed(iteration)
         start = time.perf_counter()
-        sequences = engine.module.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True,
-                                           max_new_tokens=args.new, pad_token_id=50256)
+        search = {"num_beams": args.num_beams} if args.num_beams > 1 else {"do_sample": True}
+        sequences = engine.module.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=args.new,
+                                           pad_token_id=50256, **search)
         seconds = time.perf_counter() - start
         read, to_module = transfers.take()
         # one optimizer step on the completions (a GRPO step's shape: the batch's log-likelihood)
@@ -101,12 +104,14 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--num-beams", type=int, default=1, help="beam search with N beams instead of sampling")
     args = parser.parse_args()
     transfers = Transfers()
     results = {where: loop(where, args, transfers) for where in ("devices", "host")}
     print(f"GPT-2 {args.layers}x{args.width}, ZeRO-2, {jax.device_count()} {jax.devices()[0].platform} devices, "
-          f"batch {args.batch}, {args.prompt} prompt + {args.new} new tokens, sampled; per generate call after the "
-          "first:")
+          f"batch {args.batch}, {args.prompt} prompt + {args.new} new tokens, "
+          f"{f'beam search ({args.num_beams} beams)' if args.num_beams > 1 else 'sampled'}; per generate call after "
+          "the first:")
     print(f"{'':<10}{'tokens/s':>10}{'read (B)':>12}{'to host module (B)':>20}{'traced/iteration':>18}")
     for where, rows in results.items():
         later = rows[1:] or rows

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-import spmdzero
+from test_torchax_generation import trained_engine
 
 SMALL = dict(vocab_size=96, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
              decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=128,
@@ -32,16 +32,8 @@ def tiny_seq2seq(family: str) -> torch.nn.Module:
 
 
 def trained(family: str, stage: int):
-    model = tiny_seq2seq(family)
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "gradient_clipping": 0.0}
-    engine, *_ = spmdzero.initialize(model=model, config=config)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(2):
-        ids = torch.randint(3, 90, (8, 12), generator=g)
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
-        engine.step()
-    engine.eval()
+    """The engine after two steps, its model, and a plain PyTorch copy of the trained weights."""
+    engine, model = trained_engine(family, stage, model=tiny_seq2seq(family), ids_below=90)
     state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     plain = copy.deepcopy(tiny_seq2seq(family))
     plain.load_state_dict(state)

@@ -36,16 +36,18 @@ def prompts(batch: int = 4, longest: int = 7, seed: int = 3):
     return ids, mask
 
 
-def trained_engine(family: str, stage: int, spmd: dict | None = None):
-    """An engine after two optimizer steps, in eval mode: its host parameters are behind the devices."""
-    model = tiny_lm(family)
+def trained_engine(family: str, stage: int, spmd: dict | None = None, model: torch.nn.Module | None = None,
+                   ids_below: int = 96):
+    """An engine after two optimizer steps, in eval mode: its host parameters are behind the
+    devices. ``model``: another than ``tiny_lm(family)``, trained on token ids below ``ids_below``."""
+    model = tiny_lm(family) if model is None else model
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "gradient_clipping": 0.0,
               "spmd": spmd or {}}
     engine, *_ = spmdzero.initialize(model=model, config=config)
     g = torch.Generator().manual_seed(0)
     for _ in range(2):
-        ids = torch.randint(3, 96, (8, 12), generator=g)
+        ids = torch.randint(3, ids_below, (8, 12), generator=g)
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
     engine.eval()

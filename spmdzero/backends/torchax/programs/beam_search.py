@@ -41,11 +41,16 @@ def build_beam_search(setup: ProgramSetup, batch: int, beams: int, returned: int
     feed, laid_out, traced = prepared(setup, rows, prompt, new, layouts, tracing, start_token)
     keep = max(2, 1 + eos_count) * beams  # candidates a step: enough to continue when the best end
     top_beams = jnp.arange(keep) < beams  # only those can finish
-    first_of_batch = (jnp.arange(batch) * beams)[:, None]
 
     def gathered(array, index):
         """``array[b, index[b, j], ...]``: transformers' ``_gather_beams``."""
         return jnp.take_along_axis(array, index.reshape(index.shape + (1,) * (array.ndim - 2)), axis=1)
+
+    def by_beam(array, index):
+        """The rows (``[batch * beams, ...]``) of the beams that continue, picked among their
+        prompt's beams: a gather along the beams, batch by batch, which stays on the devices
+        that hold the prompt's rows (an index into all rows would gather every row everywhere)."""
+        return gathered(array.reshape(batch, beams, *array.shape[1:]), index).reshape(array.shape)
 
     def search(params, constants, ids, mask, eos, fill, steps, knobs, least, left):
         setup.count_trace("beam search")
@@ -67,7 +72,7 @@ def build_beam_search(setup: ProgramSetup, batch: int, beams: int, returned: int
             going = top_scores + hits.astype(jnp.float32) * FAR
             chosen = jax.lax.top_k(going, beams)[1]
             running, running_scores = gathered(candidates, chosen), gathered(going, chosen)
-            from_beam = (gathered(source, chosen) + first_of_batch).reshape(-1)
+            from_beam = gathered(source, chosen)  # the beam of its prompt each continues
             # f. the ended ones, scored with the length penalty, merged into the finished
             ended = hits & top_beams[None, :]
             scored = top_scores / (i + 1.0) ** length_penalty
@@ -80,9 +85,9 @@ def build_beam_search(setup: ProgramSetup, batch: int, beams: int, returned: int
             finished = gathered(jnp.concatenate([finished, ended], axis=1), merged)
             lengths = gathered(jnp.concatenate([lengths, jnp.full((batch, keep), i + 1, jnp.int32)], axis=1), merged)
             # g. each cache, and the tokens each beam holds, follow the beams that go on
-            state = jax.tree.map(lambda a: a[from_beam], state)
+            state = jax.tree.map(lambda a: by_beam(a, from_beam), state)
             if penalize:
-                seen = seen[from_beam].at[jnp.arange(rows), running[:, :, i].reshape(-1)].set(True)
+                seen = by_beam(seen, from_beam).at[jnp.arange(rows), running[:, :, i].reshape(-1)].set(True)
             # can a running beam still beat the worst finished one (transformers' heuristic)
             best_length = jnp.asarray(steps if early_stopping == "never" and length_penalty > 0.0 else i + 1,
                                       jnp.float32)
