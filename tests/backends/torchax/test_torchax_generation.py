@@ -3,14 +3,16 @@ causal LM trained by the engine decodes greedily from the engine's weights, with
 tokens on plain PyTorch, no parameter copied to the host, and one compile per bucket."""
 
 import copy
+import json
 
+import jax
 import pytest
 import torch
 import transformers
 
 import spmdzero
 
-from conftest import spmdzero_log
+from conftest import run_python, spmdzero_log
 
 LLAMA = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
@@ -320,3 +322,34 @@ def test_samples_of_each_prompt_are_drawn_on_the_devices():
     torch.testing.assert_close(out[::2, :ids.shape[1]], ids, rtol=0, atol=0)
     torch.testing.assert_close(out[1::2, :ids.shape[1]], ids, rtol=0, atol=0)
     assert not torch.equal(out[::2], out[1::2])  # two draws of each prompt
+
+
+SAMPLE_ON_DEVICES = """
+    import json, sys
+    sys.path.insert(0, "tests/backends/torchax"); sys.path.insert(0, "tests")
+    import torch, spmdzero
+    from test_torchax_generation import prompts, tiny_lm
+    engine, *_ = spmdzero.initialize(model=tiny_lm("llama"), config={"train_micro_batch_size_per_gpu": 1})
+    engine.eval()
+    ids, mask = prompts(batch=8)
+    torch.manual_seed(5)
+    out = engine.module.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=20, pad_token_id=0)
+    print(json.dumps({"devices": __import__("jax").device_count(), "calls": engine.generation.calls,
+                      "tokens": out.tolist()}))
+"""
+
+
+def test_sampling_from_a_seed_gives_the_same_tokens_on_any_device_count():
+    """The draws depend on the seed and the token's index only, not on how the rows and the
+    weights are split (JAX's partitionable random bits): 1, 2 and 8 devices sample alike."""
+    results = [json.loads(run_python(SAMPLE_ON_DEVICES, env={"CPU_NUM_DEVICES": str(n), "PJRT_DEVICE": "CPU"})
+                          .strip().splitlines()[-1]) for n in (1, 2)]
+    engine, *_ = spmdzero.initialize(model=tiny_lm("llama"), config={"train_micro_batch_size_per_gpu": 1})
+    engine.eval()
+    ids, mask = prompts(batch=8)
+    torch.manual_seed(5)
+    out = engine.module.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=20, pad_token_id=0)
+    results.append({"devices": jax.device_count(), "calls": engine.generation.calls, "tokens": out.tolist()})
+    assert [r["devices"] for r in results] == [1, 2, 8] and all(r["calls"] == 1 for r in results)
+    assert results[0]["tokens"] == results[1]["tokens"] == results[2]["tokens"]
+    assert len({tuple(row) for row in results[0]["tokens"]}) == 8  # the rows drew apart
