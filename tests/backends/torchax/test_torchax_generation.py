@@ -339,6 +339,7 @@ SAMPLE_ON_DEVICES = """
 """
 
 
+@pytest.mark.slow  # two more processes
 def test_sampling_from_a_seed_gives_the_same_tokens_on_any_device_count():
     """The draws depend on the seed and the token's index only, not on how the rows and the
     weights are split (JAX's partitionable random bits): 1, 2 and 8 devices sample alike."""
