@@ -112,6 +112,7 @@ def test_the_16bit_save_and_checkpoints_gather_from_the_devices(pair, tmp_path):
     after = train(kept, 1, first=10)
     kept.load_checkpoint(str(tmp_path), tag="t")
     assert train(kept, 1, first=10) == after
+    assert train(whole, 1, first=10) == after  # the pair at the same step again, for the tests after
 
 
 def test_generate_on_the_devices_and_on_the_host_from_placeholders(pair):
