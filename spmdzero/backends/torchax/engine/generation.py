@@ -124,6 +124,14 @@ INACTIVE = {"repetition_penalty": (None, 1.0), "encoder_repetition_penalty": (No
             "early_stopping": (None, False), "renormalize_logits": (None, False), "guidance_scale": (None, 1.0)}
 
 
+def decoder_start(generation) -> Optional[int]:
+    """An encoder-decoder's first decoder token, as transformers takes it: the start token, else
+    BOS; None when neither is one token id."""
+    start = generation.decoder_start_token_id
+    start = generation.bos_token_id if start is None else start
+    return start if isinstance(start, int) else None
+
+
 def _unless_none(value, default):
     """transformers 5.x leaves unset generation settings None: its defaults then."""
     return default if value is None else value
@@ -172,12 +180,8 @@ class Generation:
         return bool(getattr(getattr(self._engine.host.wrapped, "config", None), "is_encoder_decoder", False))
 
     def _start_token(self) -> Optional[int]:
-        """An encoder-decoder's first decoder token (transformers': the start token, else BOS)."""
-        if not self.encoder_decoder:
-            return None
-        generation = self._engine.host.wrapped.generation_config
-        start = generation.decoder_start_token_id
-        return int(generation.bos_token_id if start is None else start)
+        """An encoder-decoder's first decoder token; None for a decoder-only LM."""
+        return decoder_start(self._engine.host.wrapped.generation_config) if self.encoder_decoder else None
 
     def generate(self, args: tuple, kwargs: dict, on_host):
         """``generate(*args, **kwargs)`` on the devices, or ``on_host()`` (the module's own
@@ -269,10 +273,7 @@ class Generation:
             return f"{name} has a generate of its own"
         if getattr(module, "main_input_name", "input_ids") != "input_ids" or not hasattr(module, "get_encoder"):
             return f"{name} is not an encoder-decoder over token ids"
-        start = module.generation_config.decoder_start_token_id
-        if start is None:
-            start = module.generation_config.bos_token_id
-        if not isinstance(start, int):
+        if decoder_start(module.generation_config) is None:
             return f"{name} has no decoder_start_token_id"
         return None
 

@@ -24,6 +24,7 @@ tensors for each forward and updated in place, each new token's attention readin
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -106,8 +107,6 @@ class Prepared(NamedTuple):
 def prepared(setup: ProgramSetup, rows: int, prompt: int, new: int, layouts, tracing, start_token) -> Prepared:
     """The feed for ``rows`` sequences, the weights' layout and the tracing context of a
     generation program (see ``build_generate``'s arguments)."""
-    import contextlib
-
     import jax
     import jax.numpy as jnp
 

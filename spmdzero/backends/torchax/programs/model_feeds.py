@@ -60,6 +60,8 @@ def causal_feed(env, module: torch.nn.Module, batch: int, prompt: int, new: int,
     config = module.config
     max_length = prompt + new
     shape = cache_shape(module, batch, max_length)
+    # what every forward reads and the first makes: arrays of the trace, closed over by the loop
+    # (carried through it, 4.x's mask code would no longer know them: it reads their values)
     invariant: dict = {}
 
     def forward(tensors, tokens, positions, start, keys, values):
